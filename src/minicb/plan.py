@@ -1,0 +1,69 @@
+"""``StepPlan``: everything one forward step must do, decided by the scheduler, executed by the engine.
+
+The plan is a plain, frozen value (no torch): the packer turns it into tensors, tensor-parallel ranks
+compare its fingerprint, the simulator costs it, the tutorials print it. Per scheduled sequence it says
+which tokens get K/V this step, where they start, which blocks hold them, and whether a token is
+sampled. Besides real sequences a plan may carry *padding rows*: the padded policies (static, dynamic)
+keep computing throw-away tokens for rows that are shorter than the batch's longest or already
+finished; they run through the model like any row but write no K/V and are never sampled.
+
+Order of effects inside one step (the engine keeps it): swap-out copies, then swap-in copies, then the
+forward pass (which writes the new K/V through ``slot_mapping``), then sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledSeq:
+    request_id: str
+    slot_id: int
+    token_ids: tuple[int, ...]      # tokens whose K/V is computed this step (a chunk, a prompt, a decode)
+    start_pos: int                  # num_computed_tokens before this step = position of token_ids[0]
+    block_table: tuple[int, ...]    # device blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool                    # True when this step reaches the sequence's last token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Keys this sequence attends over after the step: cached ones plus the new ones."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True, frozen=True)
+class StepPlan:
+    step: int
+    seqs: tuple[ScheduledSeq, ...] = ()
+    padding: tuple[int, ...] = ()                    # lengths of padding rows (padded policies only)
+    swap_out: tuple[tuple[int, int], ...] = ()       # (device block, host block) copies
+    swap_in: tuple[tuple[int, int], ...] = ()        # (host block, device block) copies
+    preempted: tuple[str, ...] = ()                  # request ids preempted while planning this step
+    block_size: int = 16
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # policy-specific notes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Real tokens computed this step (padding excluded)."""
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return sum(self.padding)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.padding and not self.swap_in and not self.swap_out
+
+    def fingerprint(self) -> tuple:
+        """A cheap, order-sensitive summary that every tensor-parallel rank must agree on."""
+        return (
+            self.step,
+            tuple((s.request_id, s.slot_id, s.start_pos, s.num_tokens, s.block_table, s.sample)
+                  for s in self.seqs),
+            self.padding, self.swap_out, self.swap_in,
+        )
