@@ -84,7 +84,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "continuous"
     preemption_mode: str = "recompute"
-    enable_prefix_caching: bool | None = None  # None: on for continuous, off for padded policies
+    scheduling_policy: str = "fcfs"            # "fcfs", or "priority" (lower Sequence.priority first)
+    enable_prefix_caching: bool = False        # prefix caching (issue 9); padded policies never use it
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
@@ -100,6 +101,9 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgument(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidArgument(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.num_blocks < self.max_num_seqs:
             raise InvalidArgument(f"num_blocks must be at least max_num_seqs (one block per slot), got "
                                   f"num_blocks={self.num_blocks} < max_num_seqs={self.max_num_seqs}")
@@ -110,6 +114,4 @@ class SchedulerConfig:
 
     @property
     def prefix_caching(self) -> bool:
-        if self.enable_prefix_caching is None:
-            return self.policy == "continuous"
         return bool(self.enable_prefix_caching) and self.policy == "continuous"
