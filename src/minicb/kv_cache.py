@@ -1,0 +1,59 @@
+"""The physical paged KV cache: the tensors that ``block_manager.py`` hands out in blocks.
+
+Layout ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` (index 0 of dim 1 is K, 1 is V).
+Viewed per layer as ``[num_blocks * block_size, kv_heads, head_dim]``, a token's K/V lives at the flat
+*slot* ``block_id * block_size + offset``. The packer computes one slot per new token
+(``slot_mapping``), the model writes through it, and attention reads older tokens back through the
+block tables: the block manager decides, this module only stores.
+
+Swap preemption copies whole blocks between this device pool and a host pool of the same layout
+(``swap_out``: device → host, ``swap_in``: host → device).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 num_host_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        host_shape = (num_layers, 2, num_host_blocks, block_size, kv_heads, head_dim)
+        self.host = torch.zeros(host_shape, dtype=dtype, device="cpu")
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as flat ``[slots, kv_heads, head_dim]`` views."""
+        kv = self.data[layer]
+        return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """Store the new tokens' K/V at their slots; tokens with slot -1 (padding) are not stored."""
+        kc, vc = self.layer(layer)
+        if valid is not None and not bool(valid.all()):
+            slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+        kc[slot_mapping] = k
+        vc[slot_mapping] = v
+
+    def swap_out(self, mapping: tuple[tuple[int, int], ...]) -> None:
+        """Copy device blocks to host blocks: ``mapping`` is ``((device, host), ...)``."""
+        if mapping:
+            dev = torch.tensor([m[0] for m in mapping], device=self.data.device)
+            host = torch.tensor([m[1] for m in mapping])
+            self.host[:, :, host] = self.data[:, :, dev].to("cpu")
+
+    def swap_in(self, mapping: tuple[tuple[int, int], ...]) -> None:
+        """Copy host blocks back to device blocks: ``mapping`` is ``((host, device), ...)``."""
+        if mapping:
+            host = torch.tensor([m[0] for m in mapping])
+            dev = torch.tensor([m[1] for m in mapping], device=self.data.device)
+            self.data[:, :, dev] = self.host[:, :, host].to(self.data.device)

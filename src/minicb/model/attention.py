@@ -1,0 +1,213 @@
+"""Attention backends: how a flat batch of queries finds its keys.
+
+The model (``llama.py``) never sees padding, block tables or masks. At every layer it hands the backend
+the new tokens' ``q``, ``k``, ``v`` as flat ``[num_tokens, heads, head_dim]`` tensors plus the batch's
+metadata, and gets back ``[num_tokens, q_heads, head_dim]``. Everything about *where the other keys are*
+lives behind this small interface, so a paged cache, a padded cache or a GPU kernel plug in without
+touching the model::
+
+    class AttentionBackend:
+        def prepare(self, meta) -> state          # once per forward: index maths shared by all layers
+        def attend(self, layer, q, k, v, state)   # per layer: write new K/V, attend, return output
+
+The metadata (``AttentionMetadata``) describes a *ragged* batch, FlashAttention-style::
+
+    tokens       | a0 a1 a2 | b0 | c0 c1 |          num_tokens = 6, 3 sequences
+    cu_seqlens_q   0          3    4       6       offsets of each sequence's new tokens
+    start_pos      0          9    4               tokens already in the KV cache (context before)
+    context_lens   3          10   6               keys each sequence attends over = start_pos + q_len
+
+Causality is *bottom-right aligned*: query ``i`` of a sequence sits at position ``start_pos + i`` and
+sees keys ``0 .. start_pos + i``. (Plain SDPA with ``is_causal=True`` is top-left aligned when there
+are fewer queries than keys, which is wrong for a prefill chunk that follows cached tokens.)
+
+``ReferenceAttention`` is the pure-PyTorch backend that runs everywhere (CPU, any dtype). It writes the
+new K/V into the paged cache through ``slot_mapping`` and reads the older keys back through
+``block_tables``. It is vectorised: one gather per layer for all decodes and one for all prompt chunks;
+no Python loop over tokens. ``StaticCacheAttention`` is the padded ``[batch, max_len]`` cache of the
+static baseline (the gpt-fast shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minicb.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The attention view of one ragged step (names follow vLLM's FlashAttention metadata)."""
+
+    cu_seqlens_q: torch.Tensor     # int32 [B + 1]
+    cu_seqlens_k: torch.Tensor     # int32 [B + 1], cumulative context_lens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    start_pos: torch.Tensor        # int64 [B]
+    context_lens: torch.Tensor     # int32 [B]
+    slot_mapping: torch.Tensor     # int64 [N]; -1 = padding token, write nothing
+    block_tables: torch.Tensor     # int32 [B, max_blocks]; unused entries are 0
+    block_size: int
+    q_lens: tuple[int, ...]        # host copies, so grouping needs no device sync
+    start_positions: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+
+class AttentionBackend:
+    """Interface (see the module docstring). ``name`` is what ``--attn-backend`` selects."""
+
+    name = "abstract"
+
+    def prepare(self, meta):
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention on padded groups without copying K/V per query head.
+
+    q ``[G, Lq, Hq, D]``, k/v ``[G, Lk, Hkv, D]``, mask ``[G, Lq, Lk]`` (True = may attend).
+    The ``Hq / Hkv`` query heads that share one KV head are folded into the query length, so SDPA
+    sees ``[G, Hkv, group * Lq, D]`` against ``[G, Hkv, Lk, D]``. Returns ``[G, Lq, Hq, D]``.
+    """
+    g, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    grp = hq // hkv
+    qh = q.view(g, lq, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(g, hkv, grp * lq, d)
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    m = mask[:, None, None].expand(g, 1, grp, lq, mask.shape[-1]).reshape(g, 1, grp * lq, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
+    return out.view(g, hkv, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(g, lq, hq, d)
+
+
+@dataclass(slots=True)
+class _Group:
+    """Precomputed gather indices for one group of rows padded to the same ``[Lq, Lk]``."""
+
+    q_index: torch.Tensor      # [G, Lq] flat token index of each (row, query) (clamped)
+    q_valid: torch.Tensor      # [G, Lq]
+    from_cache: torch.Tensor   # [G, Lk] key j of row g is an older, cached token
+    cache_slot: torch.Tensor   # [G, Lk] its flat cache slot (clamped)
+    new_index: torch.Tensor    # [G, Lk] else its flat index among this step's tokens (clamped)
+    mask: torch.Tensor         # [G, Lq, Lk]
+
+
+@dataclass(slots=True)
+class _RefState:
+    groups: list[_Group]
+    slot_mapping: torch.Tensor
+    write_mask: torch.Tensor
+    num_tokens: int
+
+
+class ReferenceAttention(AttentionBackend):
+    """Pure-PyTorch paged attention; ``kv_cache=None`` attends over the step's own tokens only."""
+
+    name = "reference"
+
+    def __init__(self, kv_cache: KVCache | None = None) -> None:
+        self.kv_cache = kv_cache
+
+    def prepare(self, meta: AttentionMetadata) -> _RefState:
+        q_lens = meta.q_lens
+        # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
+        # pad forty decodes to 500 queries each.
+        decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
+        prefill_rows = [i for i, n in enumerate(q_lens) if n > 1]
+        groups = [self._group(meta, rows) for rows in (decode_rows, prefill_rows) if rows]
+        valid = meta.slot_mapping >= 0
+        return _RefState(groups, meta.slot_mapping, valid, int(meta.slot_mapping.shape[0]))
+
+    def _group(self, meta: AttentionMetadata, rows: list[int]) -> _Group:
+        dev = meta.slot_mapping.device
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        q_len = torch.tensor([meta.q_lens[r] for r in rows], dtype=torch.long, device=dev)
+        start = meta.start_pos[idx]
+        ctx = start + q_len
+        lq, lk = int(q_len.max()), int(ctx.max())
+        q0 = meta.cu_seqlens_q[idx].long()
+        i = torch.arange(lq, device=dev)
+        j = torch.arange(lk, device=dev)
+        q_valid = i[None, :] < q_len[:, None]
+        q_index = q0[:, None] + torch.minimum(i[None, :], q_len[:, None] - 1)
+        from_cache = j[None, :] < start[:, None]
+        bs = meta.block_size
+        if meta.block_tables.numel():
+            tables = meta.block_tables[idx].long()
+            col = torch.clamp(j // bs, max=tables.shape[1] - 1)
+            cache_slot = tables.gather(1, col[None, :].expand(len(rows), lk)) * bs + j % bs
+        else:
+            cache_slot = torch.zeros(len(rows), lk, dtype=torch.long, device=dev)
+        new_index = q0[:, None] + torch.clamp(j[None, :] - start[:, None], min=0)
+        new_index = torch.minimum(new_index, q0[:, None] + q_len[:, None] - 1)
+        qpos = start[:, None] + i[None, :]                      # absolute position of each query
+        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+        return _Group(q_index, q_valid, from_cache, cache_slot, new_index, mask)
+
+    def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
+        kc = vc = None
+        if self.kv_cache is not None:
+            kc, vc = self.kv_cache.layer(layer)
+            self.kv_cache.write(layer, k, v, state.slot_mapping, state.write_mask)
+        out = torch.empty_like(q)
+        for g in state.groups:
+            qg = q[g.q_index]                                              # [G, Lq, Hq, D]
+            kg, vg = k[g.new_index], v[g.new_index]                        # [G, Lk, Hkv, D]
+            if kc is not None and bool(g.from_cache.any()):
+                sel = g.from_cache[:, :, None, None]
+                kg = torch.where(sel, kc[g.cache_slot], kg)
+                vg = torch.where(sel, vc[g.cache_slot], vg)
+            og = grouped_sdpa(qg, kg, vg, g.mask)
+            out[g.q_index[g.q_valid]] = og[g.q_valid]
+        return out
+
+
+@dataclass(slots=True)
+class StaticMeta:
+    """A padded ``[B, T]`` step of the static baseline: new tokens at cache positions ``t0 .. t0+T``."""
+
+    batch: int
+    q_len: int
+    t0: int
+    key_valid: torch.Tensor   # [B, T_max] bool: False for left padding
+
+
+class StaticCacheAttention(AttentionBackend):
+    """The padded, contiguous cache of ``baseline.py``: ``[layers, 2, B, T_max, Hkv, D]``, indexed by
+    position, exactly as simple as gpt-fast's. Rows are left-padded; padding keys are masked out."""
+
+    name = "static"
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.cache = torch.zeros(num_layers, 2, batch, max_len, kv_heads, head_dim, dtype=dtype,
+                                 device=device)
+
+    def prepare(self, meta: StaticMeta):
+        dev = self.cache.device
+        end = meta.t0 + meta.q_len
+        i = torch.arange(meta.q_len, device=dev)
+        j = torch.arange(end, device=dev)
+        causal = j[None, :] <= (meta.t0 + i)[:, None]                       # [T, end]
+        mask = causal[None] & meta.key_valid[:, None, :end]
+        # A left-padding query would see no key at all; let it see itself so SDPA yields no NaN
+        # (its output is never used).
+        mask = mask | (j[None, None, :] == (meta.t0 + i)[None, :, None])
+        return meta, mask
+
+    def attend(self, layer: int, q, k, v, state) -> torch.Tensor:
+        meta, mask = state
+        b, t, end = meta.batch, meta.q_len, meta.t0 + meta.q_len
+        self.cache[layer, 0, :, meta.t0:end] = k.view(b, t, *k.shape[1:])
+        self.cache[layer, 1, :, meta.t0:end] = v.view(b, t, *v.shape[1:])
+        out = grouped_sdpa(q.view(b, t, *q.shape[1:]), self.cache[layer, 0, :, :end],
+                           self.cache[layer, 1, :, :end], mask)
+        return out.reshape(b * t, *q.shape[1:])
