@@ -1,0 +1,116 @@
+"""``minicb``: the command line.
+
+    minicb generate "The capital of France is" --max-tokens 8
+    minicb generate --chat "Write a haiku" --temperature 0.7 --seed 1
+    minicb generate --file prompts.txt --policy static
+
+Errors a user can make (a missing model, a bad flag value, an empty prompt file) end with exit code 2
+and one line on stderr, never a traceback; Ctrl-C ends with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minicb.errors import MinicbError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):   # one line, exit 2 (argparse prints usage too; keep it short)
+        self.exit(EXIT_USAGE, f"minicb: error: {message}\n")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="*", help="prompt text (repeat for several)")
+    g.add_argument("--file", help="a file with one prompt per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_engine_args(g)
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+        except OSError as e:
+            raise MinicbError(f"cannot read --file {args.file}: {e.strerror}") from e
+        if not lines:
+            raise MinicbError(f"--file {args.file} contains no prompts")
+        prompts += lines
+    if not prompts:
+        raise MinicbError("give at least one prompt (as an argument or with --file)")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    prompts = _read_prompts(args)
+    from minicb.engine import LLM
+    from minicb.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode)
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
+    eng = llm.engine
+    ids = [eng.add_request(f"{i}", p, params) for i, p in enumerate(prompts)]
+    eng.scheduler.close_arrivals()
+    single = len(ids) == 1
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if single:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+            elif out.finished:
+                sys.stdout.write(f"[{int(out.request_id) + 1}] {out.text}\n")
+                sys.stdout.flush()
+            if out.finished and out.error:
+                sys.stderr.write(f"minicb: request {out.request_id} failed: {out.error}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except KeyboardInterrupt:
+        sys.stderr.write("minicb: interrupted\n")
+        return EXIT_INTERRUPTED
+    except (MinicbError, ValueError) as e:
+        sys.stderr.write(f"minicb: error: {e}\n")
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
