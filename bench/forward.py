@@ -1,0 +1,83 @@
+"""Benchmark one forward step of the real model (SmolLM2-135M, float32) on this machine.
+
+    python bench/forward.py
+
+Prints tokens/s of a decode step at 1, 8, 32 and 64 sequences (each with 128 cached tokens) and of a
+512-token prefill, beside the machine's measured float32 matmul ceiling and the model's FLOPs per
+token, so that achieved / ceiling can be quoted. Not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
+
+from minicb.kv_cache import KVCache  # noqa: E402
+from minicb.model.attention import ReferenceAttention  # noqa: E402
+from minicb.model.llama import LlamaForCausalLM  # noqa: E402
+from minicb.model.loader import load_model  # noqa: E402
+from minicb.packer import pack  # noqa: E402
+from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
+
+
+def decode_plan(n_seqs: int, context: int, block_size: int) -> StepPlan:
+    per = (context + block_size) // block_size + 1
+    seqs = tuple(ScheduledSeq(str(i), i, (100 + i,), context, tuple(range(i * per, (i + 1) * per)), True)
+                 for i in range(n_seqs))
+    return StepPlan(0, seqs, block_size=block_size)
+
+
+def prefill_plan(n_tokens: int, block_size: int) -> StepPlan:
+    blocks = tuple(range((n_tokens + block_size - 1) // block_size))
+    toks = tuple(range(1000, 1000 + n_tokens))
+    return StepPlan(0, (ScheduledSeq("p", 0, toks, 0, blocks, True),), block_size=block_size)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    loaded = load_model(None, dtype=torch.float32)
+    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    cfg = model.config
+    bs, ctx = 16, 128
+    kv = KVCache(cfg.num_hidden_layers, 64 * ((ctx + bs) // bs + 1), bs, cfg.num_key_value_heads,
+                 cfg.head_dim, torch.float32)
+    backend = ReferenceAttention(kv)
+    ceiling = matmul_ceiling_gflops()
+    rows = []
+    cases = [("decode", n, decode_plan(n, ctx, bs)) for n in (1, 8, 32, 64)]
+    cases.append(("prefill", 512, prefill_plan(512, bs)))
+    for kind, n, plan in cases:
+        batch = pack(plan)
+
+        def step(batch=batch):
+            model(batch.input_ids, batch.positions, backend, batch.attn, batch.logits_indices)
+
+        t = median_time(step, repeats=args.repeats)
+        ctx_avg = ctx if kind == "decode" else n / 2
+        gflops = n * cfg.flops_per_token(int(ctx_avg)) / t / 1e9
+        rows.append({"kind": kind, "tokens": n, "step_ms": t * 1e3, "tokens_per_s": n / t,
+                     "gflops": gflops, "of_ceiling": gflops / ceiling})
+    print(f"machine: {machine_description()}")
+    print(f"float32 matmul ceiling: {ceiling:.1f} GFLOP/s")
+    print(f"model: SmolLM2-135M, {cfg.num_params / 1e6:.1f} M parameters, "
+          f"{cfg.flops_per_token(0) / 1e6:.1f} MFLOP per token (+ attention)")
+    print(f"{'step':<10}{'tokens':>8}{'ms/step':>10}{'tokens/s':>11}{'GFLOP/s':>10}{'of ceiling':>12}")
+    for r in rows:
+        print(f"{r['kind']:<10}{r['tokens']:>8}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.1f}"
+              f"{r['gflops']:>10.1f}{r['of_ceiling']:>11.1%}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"ceiling_gflops": ceiling, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
