@@ -309,6 +309,36 @@ def test_recompute_preempts_the_newest_and_it_reprefills_everything():
     assert_drained(sched)
 
 
+def test_recompute_victims_go_to_the_front_of_the_waiting_queue():
+    sched = _two_growing()
+    sched.add(seq("c", 1, 1))              # waits for a slot
+    plan, _ = step(sched)
+    assert plan.preempted == ("b",)
+    plan, _ = step(sched)                  # b (front) needs 3 blocks, 1 free: c must not overtake it
+    assert [s.request_id for s in plan.seqs] == ["a"]
+    assert sched.get("c").status is SequenceStatus.WAITING
+    step(sched)                            # a finishes
+    plan, _ = step(sched)
+    assert [(s.request_id, s.slot_id) for s in plan.seqs] == [("b", 0), ("c", 1)]
+
+
+def test_several_victims_in_one_step_keep_their_age_order():
+    sched = Scheduler(cfg(max_num_seqs=3, max_num_batched_tokens=32, long_prefill_chunk=8, block_size=2,
+                          num_blocks=8))
+    sched.add(seq("a", 14, 2))             # 16 tokens: the whole pool
+    sched.add(seq("b", 2, 4))
+    sched.add(seq("c", 2, 4))
+    plan, _ = step(sched)
+    assert rows(plan) == [("a", 0, 0, 8, (0, 1, 2, 3), False), ("b", 1, 0, 2, (4,), True),
+                          ("c", 2, 0, 2, (5,), True)]
+    plan, _ = step(sched)                  # a's last chunk needs 3 more blocks: c, then b give theirs
+    assert plan.preempted == ("c", "b")
+    assert rows(plan) == [("a", 0, 8, 6, (0, 1, 2, 3, 4, 5, 6), True)]
+    step(sched)                            # a finishes
+    plan, _ = step(sched)                  # the older victim comes back first
+    assert [(s.request_id, s.slot_id, s.num_tokens) for s in plan.seqs] == [("b", 0, 3), ("c", 1, 3)]
+
+
 def test_swap_preemption_moves_blocks_to_host_and_back():
     sched = _two_growing(num_host_blocks=4, preemption_mode="swap")
     plan, _ = step(sched)
