@@ -347,11 +347,13 @@ def test_swap_preemption_moves_blocks_to_host_and_back():
     b = sched.get("b")
     assert (b.status, b.num_computed_tokens, b.slot_id) == (SequenceStatus.SWAPPED, 4, None)
     assert sched.block_manager.host_block_table("b") == [0, 1] and sched.num_swapped == 1
+    sched.add(seq("c", 1, 1))              # fits in the free block, but swapped b comes first
     assert rows(step(sched)[0]) == [("a", 0, 5, 1, (0, 1, 2), True)]       # b would need 3 blocks
+    assert sched.get("c").status is SequenceStatus.WAITING
     step(sched)                                                            # a finishes
     plan, _ = step(sched)
     assert plan.swap_in == ((0, 0), (1, 1)) and not plan.swap_out
-    assert rows(plan) == [("b", 0, 4, 1, (0, 1, 2), True)]                  # continues where it was
+    assert rows(plan) == [("b", 0, 4, 1, (0, 1, 2), True), ("c", 1, 0, 1, (3,), True)]  # b continues
     assert (sched.stats.num_swaps, sched.stats.num_swap_ins, sched.stats.num_recomputes) == (1, 1, 0)
     while sched.has_unfinished():
         step(sched)
@@ -490,6 +492,19 @@ def test_fail_step_turns_its_swapped_victims_into_recompute():
         step(sched)
     assert b.output_token_ids == [7] * 5
     assert_drained(sched)
+
+
+def test_a_plan_applied_twice_or_failed_late_changes_nothing():
+    sched = Scheduler(cfg())
+    sched.add(seq("a", 3, 4))
+    plan = sched.schedule()
+    assert sched.update(plan, {"a": 5}, 0.0) == []
+    assert sched.update(plan, {"a": 6}, 0.0) == []
+    assert sched.fail_step(plan, "late") == []
+    a = sched.get("a")
+    assert (a.num_computed_tokens, a.output_token_ids, a.status) == (3, [5], SequenceStatus.RUNNING)
+    assert sched.stats.num_batched_tokens == 3
+    sched.check_integrity()
 
 
 def test_update_rejects_missing_or_bad_tokens_without_changing_state():
