@@ -542,3 +542,14 @@ def test_real_q_and_k_are_unpermuted(smollm2, smollm2_path):
     assert np.array_equal(ours, unpermute_qk(raw, 3).astype(np.float64))
     assert not np.array_equal(ours, raw.astype(np.float64))
     assert gguf_loader.hf_name("blk.3.attn_k.weight") == "model.layers.3.self_attn.k_proj.weight"
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_hf_fixture_answers_through_our_tokenizer(smollm2, hf_smollm2):
+    """End to end: our chat template and ids, transformers' float64 model, our decode."""
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template("What is the capital of France?"))
+    with torch.no_grad():
+        out = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, len(ids):].tolist())
