@@ -400,9 +400,20 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
             w = unpermute_qk(w, config.num_attention_heads)
         elif name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config.num_key_value_heads)
-        t = torch.from_numpy(np.ascontiguousarray(w))
-        out[target] = t if dtype == torch.float32 else t.to(dtype)
+        out[target] = _to_torch(w, dtype)
     return out
+
+
+def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 array as a contiguous tensor of ``dtype`` (float32 -> float64 is exact).
+
+    numpy does the float64 cast: on a small CPU it is several times faster here than ``Tensor.to``.
+    """
+    if dtype == torch.float32:
+        return torch.from_numpy(np.ascontiguousarray(w))
+    if dtype == torch.float64:
+        return torch.from_numpy(w.astype(np.float64, order="C"))
+    return torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
