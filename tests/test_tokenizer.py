@@ -221,6 +221,16 @@ def test_chat_template_errors(tiny):
         strict.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
+def test_decode_accepts_numpy_and_torch_integers(tiny):
+    import numpy as np
+    import torch
+
+    ids = tiny.encode("the 😀")
+    assert tiny.decode(np.array(ids)) == tiny.decode(torch.tensor(ids)) == "the 😀"
+    dec = tiny.incremental_decoder()
+    assert "".join(dec.push(i) for i in torch.tensor(ids)) == "the 😀"
+
+
 def test_decode_rejects_bad_ids(tiny):
     for bad in ([-1], [tiny.vocab_size], [1.5], [True]):
         with pytest.raises(InvalidArgument, match="token ids"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import operator
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -237,11 +238,17 @@ class Tokenizer:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        ids = list(ids)
+        """``ids`` as plain ints (numpy / torch integers welcome), each checked to be in the vocabulary."""
+        out = []
         for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size:
+            try:
+                v = None if isinstance(i, bool) else operator.index(i)
+            except TypeError:
+                v = None
+            if v is None or not 0 <= v < self.vocab_size:
                 raise InvalidArgument(f"token ids must be integers in [0, {self.vocab_size - 1}], got {i!r}")
-        return ids
+            out.append(v)
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``; special tokens (``<|im_end|>``) are left out unless asked for."""
@@ -331,7 +338,7 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text."""
-        self._tok._check_ids([token_id])
+        (token_id,) = self._tok._check_ids([token_id])
         if self._skip and token_id in self._tok.all_special_ids:
             return ""
         if self._bytes is not None:
