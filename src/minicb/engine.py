@@ -267,7 +267,7 @@ class LLM:
         base = next(eng._ids)
         seqs = [eng.make_sequence(p, sp, f"gen{base}-{i}") for i, (p, sp) in enumerate(zip(plist, params))]
         for s in seqs:
-            eng.scheduler.validate(s)
+            eng.scheduler._validate(s)
         eng.scheduler.close_arrivals()
         try:
             for s in seqs:
