@@ -1,0 +1,115 @@
+"""The real model: minicb's greedy tokens equal Hugging Face transformers' (both float64 on the CPU).
+
+transformers reads the same GGUF with its own dequantization and Q/K un-permutation, so agreement here
+checks the loader, the tokenizer, the forward and the whole engine against an independent oracle.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minicb.engine import LLM
+from minicb.model.llama import LlamaForCausalLM
+from minicb.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: I like apples. ->",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "Les mathématiques sont",
+    "A haiku about autumn:\n",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "The three primary colors are",
+    "Water is made of hydrogen and",
+    "In 1969, the first humans",
+    "My favourite recipe for pancakes needs flour, eggs, milk and",
+    "Hello!",
+    "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",
+    ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+     "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves the "
+     "green pigment chlorophyll and generates oxygen as a byproduct. Summarize this in one sentence:"),
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    tok = smollm2.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS[:12]]
+    ids += [tok.encode(tok.apply_chat_template(p)) for p in PROMPTS[12:]]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_smollm2, prompt_ids):
+    """transformers' greedy continuation of every prompt, one prompt at a time (no padding at all)."""
+    out = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            gen = hf_smollm2.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
+                                      pad_token_id=2)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def model64(smollm2):
+    return LlamaForCausalLM.from_state_dict(smollm2.config, smollm2.state_dict, torch.float64)
+
+
+def _generate(model, tokenizer, prompt_ids, **config):
+    llm = LLM(model, tokenizer=tokenizer, **config)
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=NEW_TOKENS))
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    assert eng.scheduler.block_manager.num_free_blocks == eng.config.num_blocks
+    return [o.token_ids for o in outs], eng
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_greedy_equals_transformers_8_prompts(model64, smollm2, prompt_ids, hf_tokens):
+    mine, _ = _generate(model64, smollm2.tokenizer, prompt_ids[:8], max_num_seqs=8)
+    assert mine == hf_tokens[:8]
+    assert sum(len(t) for t in mine) >= 8 * 16      # the comparison covers real generations
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_continuous_chunked_preempting_equals_transformers(model64, smollm2, prompt_ids, hf_tokens, mode):
+    """16 prompts of mixed lengths, 24-token chunks, a pool too small for all: preemption must happen."""
+    need = max(len(p) + NEW_TOKENS for p in prompt_ids)
+    mine, eng = _generate(model64, smollm2.tokenizer, prompt_ids, max_num_seqs=8,
+                          max_num_batched_tokens=48, long_prefill_chunk=24, block_size=8,
+                          num_blocks=-(-need // 8) + 12, num_host_blocks=24 if mode == "swap" else 0,
+                          preemption_mode=mode)
+    assert mine == hf_tokens
+    assert eng.scheduler.stats.num_preemptions > 0
+    if mode == "swap":
+        assert eng.scheduler.stats.num_swaps > 0
+
+
+@pytest.mark.model
+def test_cli_paris():
+    r = subprocess.run([sys.executable, "-m", "minicb.cli", "generate", "The capital of France is",
+                        "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.model
+def test_seeded_sampling_alone_and_in_batch_of_8(model64, smollm2, prompt_ids):
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    llm = LLM(model64, tokenizer=smollm2.tokenizer, max_num_seqs=8)
+    alone = llm.generate([prompt_ids[0]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(7)]
+    batch = llm.generate(prompt_ids[:8], [params] + others)
+    assert batch[0].token_ids == alone
+    assert len({tuple(o.token_ids) for o in batch}) > 1
