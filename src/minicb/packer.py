@@ -72,10 +72,12 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         q_lens.append(n)
         starts.append(0)
         tables.append(())
-    return _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device)
+    return _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
+                       num_padding_rows=len(plan.padding))
 
 
-def _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device):
+def _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
+                num_padding_rows: int = 0):
     ctx = [s + q for s, q in zip(starts, q_lens)]
     width = max((len(t) for t in tables), default=0)
     bt = torch.zeros((len(tables), width), dtype=torch.int32)
@@ -94,7 +96,7 @@ def _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids
         context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_tables=bt.to(device), block_size=bs,
-        q_lens=tuple(q_lens), start_positions=tuple(starts),
+        q_lens=tuple(q_lens), start_positions=tuple(starts), num_padding_rows=num_padding_rows,
     )
     return RaggedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),

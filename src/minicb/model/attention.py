@@ -53,6 +53,7 @@ class AttentionMetadata:
     block_size: int
     q_lens: tuple[int, ...]        # host copies, so grouping needs no device sync
     start_positions: tuple[int, ...]
+    num_padding_rows: int = 0      # trailing rows that are padding: no cache, attend to themselves
 
     @property
     def num_seqs(self) -> int:
@@ -94,9 +95,8 @@ class _Group:
 
     q_index: torch.Tensor      # [G, Lq] flat token index of each (row, query) (clamped)
     q_valid: torch.Tensor      # [G, Lq]
-    from_cache: torch.Tensor   # [G, Lk] key j of row g is an older, cached token
-    cache_slot: torch.Tensor   # [G, Lk] its flat cache slot (clamped)
-    new_index: torch.Tensor    # [G, Lk] else its flat index among this step's tokens (clamped)
+    key_index: torch.Tensor    # [G, Lk] where key j of row g lives: a cache slot, or a new-token row
+    in_cache: bool             # True: key_index are cache slots; False: rows of this step's k/v
     mask: torch.Tensor         # [G, Lq, Lk]
 
 
@@ -105,11 +105,15 @@ class _RefState:
     groups: list[_Group]
     slot_mapping: torch.Tensor
     write_mask: torch.Tensor
-    num_tokens: int
 
 
 class ReferenceAttention(AttentionBackend):
-    """Pure-PyTorch paged attention; ``kv_cache=None`` attends over the step's own tokens only."""
+    """Pure-PyTorch paged attention; ``kv_cache=None`` attends over the step's own tokens only.
+
+    Per layer it first writes the new K/V into the cache, then gathers every key a row needs (older
+    ones and this step's alike) from the cache through the block table, so one gather serves both.
+    Rows that have no cache (padding rows, or no cache at all) gather from this step's own K/V.
+    """
 
     name = "reference"
 
@@ -117,16 +121,18 @@ class ReferenceAttention(AttentionBackend):
         self.kv_cache = kv_cache
 
     def prepare(self, meta: AttentionMetadata) -> _RefState:
-        q_lens = meta.q_lens
+        n_real = meta.num_seqs - meta.num_padding_rows if self.kv_cache is not None else 0
+        rows = range(meta.num_seqs)
         # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
         # pad forty decodes to 500 queries each.
-        decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
-        prefill_rows = [i for i, n in enumerate(q_lens) if n > 1]
-        groups = [self._group(meta, rows) for rows in (decode_rows, prefill_rows) if rows]
-        valid = meta.slot_mapping >= 0
-        return _RefState(groups, meta.slot_mapping, valid, int(meta.slot_mapping.shape[0]))
+        decode = [i for i in rows[:n_real] if meta.q_lens[i] == 1]
+        prefill = [i for i in rows[:n_real] if meta.q_lens[i] > 1]
+        ephemeral = list(rows[n_real:])
+        groups = [self._group(meta, r, cached) for r, cached in
+                  ((decode, True), (prefill, True), (ephemeral, False)) if r]
+        return _RefState(groups, meta.slot_mapping, meta.slot_mapping >= 0)
 
-    def _group(self, meta: AttentionMetadata, rows: list[int]) -> _Group:
+    def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
         dev = meta.slot_mapping.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
         q_len = torch.tensor([meta.q_lens[r] for r in rows], dtype=torch.long, device=dev)
@@ -138,36 +144,33 @@ class ReferenceAttention(AttentionBackend):
         j = torch.arange(lk, device=dev)
         q_valid = i[None, :] < q_len[:, None]
         q_index = q0[:, None] + torch.minimum(i[None, :], q_len[:, None] - 1)
-        from_cache = j[None, :] < start[:, None]
-        bs = meta.block_size
-        if meta.block_tables.numel():
+        if cached:
+            bs = meta.block_size
             tables = meta.block_tables[idx].long()
             col = torch.clamp(j // bs, max=tables.shape[1] - 1)
-            cache_slot = tables.gather(1, col[None, :].expand(len(rows), lk)) * bs + j % bs
-        else:
-            cache_slot = torch.zeros(len(rows), lk, dtype=torch.long, device=dev)
-        new_index = q0[:, None] + torch.clamp(j[None, :] - start[:, None], min=0)
-        new_index = torch.minimum(new_index, q0[:, None] + q_len[:, None] - 1)
+            key_index = tables.gather(1, col[None, :].expand(len(rows), lk)) * bs + j % bs
+        else:   # no cache: key j of the row is its own j-th new token
+            key_index = q0[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
         qpos = start[:, None] + i[None, :]                      # absolute position of each query
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-        return _Group(q_index, q_valid, from_cache, cache_slot, new_index, mask)
+        return _Group(q_index, q_valid, key_index, cached, mask)
 
     def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
-        kc = vc = None
         if self.kv_cache is not None:
-            kc, vc = self.kv_cache.layer(layer)
             self.kv_cache.write(layer, k, v, state.slot_mapping, state.write_mask)
+            kc, vc = self.kv_cache.layer(layer)
         out = torch.empty_like(q)
         for g in state.groups:
-            qg = q[g.q_index]                                              # [G, Lq, Hq, D]
-            kg, vg = k[g.new_index], v[g.new_index]                        # [G, Lk, Hkv, D]
-            if kc is not None and bool(g.from_cache.any()):
-                sel = g.from_cache[:, :, None, None]
-                kg = torch.where(sel, kc[g.cache_slot], kg)
-                vg = torch.where(sel, vc[g.cache_slot], vg)
-            og = grouped_sdpa(qg, kg, vg, g.mask)
+            ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
+            og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
+                              g.mask)
             out[g.q_index[g.q_valid]] = og[g.q_valid]
         return out
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a 2-D index, via ``index_select`` (5x faster than advanced indexing on CPU)."""
+    return x.index_select(0, index.flatten()).view(*index.shape, *x.shape[1:])
 
 
 @dataclass(slots=True)
