@@ -20,8 +20,13 @@ EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):   # one line, exit 2 (argparse prints usage too; keep it short)
-        self.exit(EXIT_USAGE, f"minicb: error: {message}\n")
+    def error(self, message: str):   # one line and exit 2; no usage dump (``--help`` shows it)
+        self.exit(EXIT_USAGE, f"minicb: error: {_one_line(message)}\n")
+
+
+def _one_line(message) -> str:
+    """The contract is one line on stderr: fold any newline a message carries."""
+    return " ".join(str(message).split())
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +64,10 @@ def _read_prompts(args) -> list[str]:
             with open(args.file, encoding="utf-8") as f:
                 lines = [ln.rstrip("\n") for ln in f if ln.strip()]
         except OSError as e:
-            raise MinicbError(f"cannot read --file {args.file}: {e.strerror}") from e
+            raise MinicbError(f"cannot read --file {args.file}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise MinicbError(f"cannot read --file {args.file}: it is not UTF-8 text "
+                              f"(byte {e.start})") from e
         if not lines:
             raise MinicbError(f"--file {args.file} contains no prompts")
         prompts += lines
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("minicb: interrupted\n")
         return EXIT_INTERRUPTED
     except (MinicbError, ValueError) as e:
-        sys.stderr.write(f"minicb: error: {e}\n")
+        sys.stderr.write(f"minicb: error: {_one_line(e)}\n")
         return EXIT_USAGE
 
 

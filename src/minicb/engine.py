@@ -17,12 +17,19 @@ Two ways in, both vLLM-shaped:
   that changed (new tokens, or finished).
 
 If the model raises inside a step, the requests of that step end with ``finish_reason == "error"``
-(their blocks and slots are freed by the scheduler) and the engine keeps serving the others.
+(their blocks and slots are freed by the scheduler) and the engine keeps serving the others. A
+``KeyboardInterrupt`` inside a step does the same to that step's requests (their outputs come out of
+the next ``step()``) and is then re-raised, so an interrupted engine is still consistent.
+
+The error contract (which argument, which range, which exception) is the table in ``docs/errors.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import numbers
+import operator
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
@@ -82,6 +89,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
+        if seed is not None:
+            check_int("seed", seed, lo=0, hi=2**63 - 1)
         cfg = model.config
         self.kv_cache = KVCache(cfg.num_hidden_layers, config.num_blocks, config.block_size,
                                 cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device,
@@ -95,6 +104,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_plan: StepPlan | None = None
         self.on_plan: Callable[[StepPlan], None] | None = None   # hook for traces and tensor parallelism
+        self._pending: list[RequestOutput] = []   # outputs of a step interrupted by KeyboardInterrupt
 
     # --- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -104,14 +114,11 @@ class LLMEngine:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            for t in ids:
-                check_int("prompt token id", t, lo=0, hi=vocab - 1)
+            ids = [_token_id(t, i, self.model.config.vocab_size) for i, t in enumerate(prompt)]
         else:
             raise InvalidArgument(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
-            raise InvalidArgument("prompt must not be empty (it encodes to zero tokens)")
+            raise InvalidArgument("prompt must not be empty: it needs at least 1 token (it has 0)")
         return ids
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -146,25 +153,27 @@ class LLMEngine:
         return self._output(live) if (seq is not None and live is not None) else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that got a token or finished."""
+        outs, self._pending = self._pending, []
         plan = self.scheduler.schedule(self.clock())
         self.last_plan = plan
         if self.on_plan is not None:
             self.on_plan(plan)
         if plan.is_empty:
-            return []
+            return outs
         try:
             sampled = self.execute(plan)
         except Exception as exc:   # noqa: BLE001 - a failed step must not take the engine down
-            failed = self.scheduler.fail_step(plan, f"{type(exc).__name__}: {exc}", self.clock())
-            return [self._finish(s.request_id) for s in failed if s.request_id in self._live]
+            return outs + self._fail_step(plan, exc)
+        except BaseException as exc:   # Ctrl-C: end this step's requests so the engine stays consistent
+            self._pending = outs + self._fail_step(plan, exc)
+            raise
         now = self.clock()
         finished = {s.request_id for s in self.scheduler.update(plan, sampled, now)}
-        outs = []
         for rid in sampled:
             live = self._live.get(rid)
             if live is not None:
@@ -173,6 +182,12 @@ class LLMEngine:
             if rid in self._live:
                 outs.append(self._finish(rid))
         return outs
+
+    def _fail_step(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
+        """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        failed = self.scheduler.fail_step(plan, error, self.clock())
+        return [self._finish(s.request_id) for s in failed if s.request_id in self._live]
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Swap, pack, forward, sample: the part of a step that touches tensors."""
@@ -241,6 +256,8 @@ class LLM:
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, **config) -> None:
         torch_dtype = _dtype(dtype)
+        _check_config_names(config)
+        SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
         if not isinstance(model, LlamaForCausalLM):
             from minicb.model.loader import load_model
 
@@ -257,8 +274,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Generate for every prompt; everything is validated before any work starts."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                               and _is_int(prompts[0]))
         plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
         if not plist:
             raise InvalidArgument("prompts must be a non-empty str, list of str, or list of token-id lists")
@@ -267,7 +284,7 @@ class LLM:
         base = next(eng._ids)
         seqs = [eng.make_sequence(p, sp, f"gen{base}-{i}") for i, (p, sp) in enumerate(zip(plist, params))]
         for s in seqs:
-            eng.scheduler._validate(s)
+            eng.scheduler.validate(s)
         eng.scheduler.close_arrivals()
         try:
             for s in seqs:
@@ -284,6 +301,31 @@ def _dtype(dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_id(t, i: int, vocab: int) -> int:
+    """A prompt token id as a plain int (numpy / torch integers welcome), checked against the vocabulary."""
+    try:
+        v = None if isinstance(t, bool) else operator.index(t)
+    except TypeError:
+        v = None
+    if v is None or not 0 <= v < vocab:
+        raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab - 1}] (the vocabulary), "
+                              f"got {t!r} at index {i}")
+    return v
+
+
+def _check_config_names(config: dict) -> None:
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
+                              f"dtype, device, seed, attn_backend, clock and the SchedulerConfig fields "
+                              f"{', '.join(sorted(known))}")
 
 
 def _default_config(model: LlamaForCausalLM, config: dict) -> dict:

@@ -42,10 +42,9 @@ def check_float(name: str, value, *, lo: float | None = None, hi: float | None =
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r}")
     v = float(value)
-    if v != v:
-        raise InvalidArgument(f"{name} must not be NaN")
     bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
-    if bad_lo or (hi is not None and v > hi):
+    if v != v or bad_lo or (hi is not None and v > hi):      # v != v: NaN is in no range
         left = "(" if lo_open else "["
-        raise InvalidArgument(f"{name} must be in {left}{lo}, {hi}], got {value}")
+        rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise InvalidArgument(f"{name} must be in {rng}, got {value}")
     return v

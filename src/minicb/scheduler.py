@@ -144,13 +144,15 @@ class Scheduler:
     # --- requests in -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Validate ``seq`` and queue it (WAITING). Raises before changing any state."""
-        self._validate(seq)
+        self.validate(seq)
         seq.arrival_index, self._next_arrival = self._next_arrival, self._next_arrival + 1
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.request_id] = seq
         self._waiting.append(seq)
 
-    def _validate(self, seq: Sequence) -> None:
+    def validate(self, seq: Sequence) -> None:
+        """Raise (``InvalidArgument``, or ``RequestRejected`` for a request that can never be served) if
+        ``add(seq)`` would; change nothing. ``LLM.generate`` calls it on every prompt before any work."""
         if not isinstance(seq, Sequence):
             raise InvalidArgument(f"seq must be a Sequence, got {type(seq).__name__}")
         rid = seq.request_id
