@@ -113,6 +113,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.model.config.vocab_size:
+                raise InvalidArgument(f"prompt text encodes to token id {max(ids)}, outside the model's "
+                                      f"vocabulary [0, {self.model.config.vocab_size - 1}]: the tokenizer "
+                                      "does not match the model")
         elif isinstance(prompt, (list, tuple)):
             ids = [_token_id(t, i, self.model.config.vocab_size) for i, t in enumerate(prompt)]
         else:
@@ -339,6 +343,9 @@ def _params_list(sp, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
+    if not isinstance(sp, (list, tuple)):
+        raise InvalidArgument(f"sampling_params must be SamplingParams or a list of {n} SamplingParams, "
+                              f"got {type(sp).__name__}")
     sp = list(sp)
     if len(sp) != n:
         raise InvalidArgument(f"sampling_params has {len(sp)} entries for {n} prompts; give one or {n}")
