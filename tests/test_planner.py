@@ -64,6 +64,10 @@ def test_token_budget_take_and_give_back():
     assert (b.num_batched_tokens, b.num_seqs, b.chunk(20)) == (4, 1, 6)
     with pytest.raises(AssertionError):
         b.take(7)
+    b.check_integrity()
+    b.num_batched_tokens = 11
+    with pytest.raises(AssertionError, match="overdrawn"):
+        b.check_integrity()
 
 
 @settings(max_examples=200, deadline=None)

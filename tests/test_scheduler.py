@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument, RequestRejected
 from minicb.plan import StepPlan
+from minicb.preemption import choose_victim, preempt, running_order
 from minicb.sampling_params import SamplingParams
 from minicb.scheduler import Scheduler
 from minicb.sequence import FinishReason, Sequence, SequenceStatus
@@ -387,6 +388,30 @@ def test_priority_policy_preempts_the_least_important_even_if_older():
     plan, _ = step(sched)
     assert plan.preempted == ("a",) and rows(plan) == [("b", 1, 4, 1, (2, 3, 0), True)]
     assert sched.get("a").num_preemptions == 1
+
+
+def test_victim_choice_and_running_order():
+    def mk(rid, admitted, arrival, priority):
+        s = seq(rid, 2, 2, priority=priority)
+        s.admitted_index, s.arrival_index = admitted, arrival
+        return s
+    a, b, c, d = mk("a", 0, 0, 1), mk("b", 3, 1, 0), mk("c", 1, 2, 2), mk("d", 2, 3, 0)
+    assert [s.request_id for s in running_order([a, b, c, d], "fcfs")] == ["a", "c", "d", "b"]
+    assert choose_victim([a, b, c, d], "fcfs") is b                 # the newest admission
+    assert [s.request_id for s in running_order([a, b, c, d], "priority")] == ["b", "d", "a", "c"]
+    assert choose_victim([a, b, c, d], "priority") is c             # largest priority value
+    assert choose_victim([a, b, d], "priority") is a
+    assert choose_victim([b, d], "priority") is d                   # tie: the later arrival
+    with pytest.raises(InvalidArgument, match="scheduling_policy"):
+        choose_victim([a], "lifo")
+
+
+def test_only_a_running_sequence_can_be_preempted():
+    from minicb.block_manager import BlockManager
+    from minicb.slot_table import SlotTable
+
+    with pytest.raises(InvalidArgument, match="only a running sequence.*'w' is waiting"):
+        preempt(seq("w", 2), "recompute", BlockManager(4, 4), SlotTable(2))
 
 
 # --- add: validation and rejection ---------------------------------------------------------------------

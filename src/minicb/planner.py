@@ -70,6 +70,11 @@ class TokenBudget:
         self.num_batched_tokens -= num_tokens
         self.num_seqs -= 1
 
+    def check_integrity(self) -> None:
+        assert 0 <= self.num_batched_tokens <= self.max_num_batched_tokens, "token budget overdrawn"
+        assert 0 <= self.num_seqs <= self.max_num_seqs, "sequence budget overdrawn"
+        assert self.num_seqs <= self.num_batched_tokens, "every granted sequence has at least one token"
+
 
 @dataclass(slots=True, frozen=True)
 class ChunkPlan:

@@ -246,6 +246,7 @@ class Scheduler:
             self._schedule_swapped(work, budget)
         if not work.preempted and not self._swapped:
             self._schedule_waiting(work, budget)
+        budget.check_integrity()
         return work
 
     def _schedule_running(self, work: _StepWork, budget: TokenBudget) -> None:
