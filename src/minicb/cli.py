@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(g)
+    from minicb import trace  # torch-free import; the engine is imported when the command runs
+
+    trace.add_parser(sub)
     return parser
 
 
@@ -111,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "trace":
+            from minicb.trace import cmd_trace
+
+            return cmd_trace(args)
         return {"generate": cmd_generate}[args.command](args)
     except KeyboardInterrupt:
         sys.stderr.write("minicb: interrupted\n")

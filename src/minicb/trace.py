@@ -1,0 +1,519 @@
+"""The slot timeline: who held which batch slot at every step, drawn as the seed's space-time diagram.
+
+A *trace* is a grid, one row per slot and one column per step. Each cell says what that slot computed
+in that step: a request's prompt (or a chunk of it), one decode token, padding (the throw-away tokens
+of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
+budget ran out), or nothing at all (idle)::
+
+    static: the batch runs until its longest member ends; A's row keeps computing padding
+    slot 0 |Aaa.........Cccccc|          A..D  requests (UPPER = prefill step, lower = decode)
+    slot 1 |Bbbbbbbbbbbbdddd..|          .     padding      -  held, no tokens    ' '  idle
+
+    continuous: A's slot is refilled by C at the very next step
+    slot 0 |AaaCcccccc|
+    slot 1 |BbbbbbbbbbbbDddd|
+
+How it is recorded: the engine calls ``engine.on_plan(plan)`` with every ``StepPlan`` before running
+it (``TraceRecorder.attach`` installs that hook). A ``ScheduledSeq`` carries its ``slot_id``, so the
+real work of a step is placed exactly. Padding rows (``plan.padding``) carry no slot: they belong to
+the members of the padded batch that are shorter than its longest row (a short prompt in the prefill
+step) or already finished (every decode step). The recorder attributes them the way the padded
+policies create them: a scheduled member gets ``longest - its tokens``; a finished member keeps its
+slot and gets ``longest`` per step. When the caller passes the slot table's holders (``held``; the
+engine hook does) the finished members are known exactly; otherwise the recorder remembers who held
+each slot in the batch's first step. If the numbers do not add up, the padding is kept as
+``unattributed_padding`` rather than drawn in a wrong place.
+
+Renderers: ``render_ascii`` (colour on a TTY, ``NO_COLOR`` respected) and ``render_image`` (PNG or SVG
+through matplotlib, an optional dependency: ``pip install 'minicb[plots]'``). ``run_trace`` runs a
+random workload through the real engine with a tiny random model (or a real one) and returns the
+trace: it is what ``minicb trace`` calls.
+
+The recorder and the renderers import no torch; ``run_trace`` does (it runs the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from minicb.errors import InvalidArgument, MinicbError, check_int
+
+PREFILL, DECODE, PADDING, STALL, IDLE = "prefill", "decode", "padding", "stall", "idle"
+_LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(slots=True, frozen=True)
+class Cell:
+    """What one slot did in one step."""
+
+    kind: str                      # prefill / decode / padding / stall / idle
+    request_id: str | None = None  # the holder (None when idle, or for unattributed padding)
+    num_tokens: int = 0            # real tokens computed for the holder this step
+    num_padding: int = 0           # padding tokens computed in this slot's row(s) this step
+
+    @property
+    def busy(self) -> bool:
+        """True when the slot computed real tokens this step."""
+        return self.num_tokens > 0
+
+
+IDLE_CELL = Cell(IDLE)
+
+
+@dataclass(slots=True)
+class TraceSummary:
+    """Totals over a trace; ``padding_waste`` is the seed's "padding bubble" ratio in tokens."""
+
+    num_steps: int
+    num_slots: int
+    busy_slot_steps: int           # cells that computed real tokens
+    padding_slot_steps: int        # cells that computed only padding
+    stall_slot_steps: int          # held, nothing computed
+    idle_slot_steps: int           # free
+    real_tokens: int
+    padding_tokens: int
+
+    @property
+    def slot_steps(self) -> int:
+        return self.num_steps * self.num_slots
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Busy cells / all cells: how full the batch was, step by step."""
+        return self.busy_slot_steps / max(self.slot_steps, 1)
+
+    @property
+    def padding_waste(self) -> float:
+        """Padding tokens / all tokens computed."""
+        return self.padding_tokens / max(self.real_tokens + self.padding_tokens, 1)
+
+
+@dataclass(slots=True)
+class SlotTrace:
+    """The grid: ``cells[t][slot]`` for the t-th recorded step (plan number ``steps[t]``)."""
+
+    num_slots: int
+    policy: str = ""
+    steps: list[int] = field(default_factory=list)
+    cells: list[tuple[Cell, ...]] = field(default_factory=list)
+    preempted: list[tuple[str, ...]] = field(default_factory=list)     # per recorded step
+    unattributed_padding: int = 0
+    request_ids: list[str] = field(default_factory=list)               # in order of first appearance
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.cells)
+
+    def row(self, slot_id: int) -> list[Cell]:
+        """Every step's cell of one slot."""
+        return [step[slot_id] for step in self.cells]
+
+    def label(self, request_id: str) -> str:
+        """The one-letter label of a request (A, B, ... in order of first appearance; cycles after Z)."""
+        return _LABELS[self.request_ids.index(request_id) % len(_LABELS)]
+
+    def slots_of(self, request_id: str) -> list[int]:
+        """The slots a request occupied, in order (more than one if it was preempted and came back)."""
+        out: list[int] = []
+        for step in self.cells:
+            for slot, c in enumerate(step):
+                if c.request_id == request_id and c.kind != PADDING and (not out or out[-1] != slot):
+                    out.append(slot)
+        return out
+
+    def summary(self) -> TraceSummary:
+        flat = [c for step in self.cells for c in step]
+        return TraceSummary(
+            num_steps=self.num_steps, num_slots=self.num_slots,
+            busy_slot_steps=sum(c.busy for c in flat),
+            padding_slot_steps=sum(c.kind == PADDING for c in flat),
+            stall_slot_steps=sum(c.kind == STALL for c in flat),
+            idle_slot_steps=sum(c.kind == IDLE for c in flat),
+            real_tokens=sum(c.num_tokens for c in flat),
+            padding_tokens=sum(c.num_padding for c in flat) + self.unattributed_padding,
+        )
+
+
+class TraceRecorder:
+    """Builds a ``SlotTrace`` from the plans of a run, one ``record`` call per step.
+
+    >>> rec = TraceRecorder(num_slots=4).attach(engine)    # doctest: +SKIP
+    >>> engine.run_until_done(); print(render_ascii(rec.trace))   # doctest: +SKIP
+    """
+
+    def __init__(self, num_slots: int, policy: str = "", skip_empty: bool = True) -> None:
+        check_int("num_slots", num_slots, lo=1)
+        self.trace = SlotTrace(num_slots, policy)
+        self.skip_empty = skip_empty
+        self._members: dict[int, str] = {}     # padded batch members by slot (fallback without held)
+
+    def attach(self, engine) -> TraceRecorder:
+        """Record every plan ``engine`` runs (an earlier ``on_plan`` hook keeps being called)."""
+        previous = engine.on_plan
+        table = engine.scheduler.slot_table
+        self.trace.policy = self.trace.policy or engine.scheduler.config.policy
+
+        def hook(plan) -> None:
+            self.record(plan, table.held())
+            if previous is not None:
+                previous(plan)
+
+        engine.on_plan = hook
+        return self
+
+    def record(self, plan, held: Mapping[int, str] | None = None) -> None:
+        """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made."""
+        if self.skip_empty and not plan.seqs and not plan.padding:
+            return
+        n = self.trace.num_slots
+        cells: list[Cell] = [IDLE_CELL] * n
+        real: dict[int, tuple[str, int, str]] = {}
+        for s in plan.seqs:
+            if not 0 <= s.slot_id < n:
+                raise InvalidArgument(f"plan step {plan.step}: slot_id {s.slot_id} outside [0, {n - 1}]")
+            kind = PREFILL if s.num_tokens > 1 or s.start_pos == 0 else DECODE
+            real[s.slot_id] = (s.request_id, s.num_tokens, kind)
+            self._see(s.request_id)
+        padding = self._attribute_padding(plan, real, held)
+        for slot in range(n):
+            if slot in real:
+                rid, k, kind = real[slot]
+                cells[slot] = Cell(kind, rid, k, padding.get(slot, 0))
+            elif slot in padding:
+                cells[slot] = Cell(PADDING, self._members.get(slot),
+                                   0, padding[slot])
+            elif held is not None and slot in held:
+                cells[slot] = Cell(STALL, held[slot])
+                self._see(held[slot])
+        self.trace.steps.append(plan.step)
+        self.trace.cells.append(tuple(cells))
+        self.trace.preempted.append(tuple(plan.preempted))
+
+    def _see(self, request_id: str) -> None:
+        if request_id not in self.trace.request_ids:
+            self.trace.request_ids.append(request_id)
+
+    def _attribute_padding(self, plan, real, held) -> dict[int, int]:
+        """Per slot padding tokens, or {} (and ``unattributed_padding`` grows) if they do not add up."""
+        if held is not None:
+            members = dict(held)
+        elif all(s.start_pos == 0 for s in plan.seqs):
+            # a padded batch's first step schedules every member from position 0: exactly the members
+            members = {slot: rid for slot, (rid, _, _) in real.items()}
+        else:
+            members = {**self._members, **{slot: rid for slot, (rid, _, _) in real.items()}}
+        self._members = members
+        if not plan.padding:
+            return {}
+        longest = max([k for _, k, _ in real.values()] + [0])   # the padded policies pad to this
+        out: dict[int, int] = {}
+        for slot in members:
+            k = real[slot][1] if slot in real else 0
+            if longest - k:
+                out[slot] = longest - k
+        if not longest or sorted(out.values()) != sorted(plan.padding):
+            self.trace.unattributed_padding += plan.num_padding_tokens
+            return {}
+        return out
+
+
+# --- rendering ---------------------------------------------------------------------------------------
+_GLYPH = {PADDING: ".", STALL: "-", IDLE: " "}
+_COLOURS = (33, 208, 34, 163, 39, 178, 99, 167, 36, 127, 70, 202, 27, 136, 170, 29)   # xterm-256
+_PADDING_COLOUR = 196
+
+
+def _glyph(trace: SlotTrace, c: Cell) -> str:
+    if c.busy:
+        ch = trace.label(c.request_id)
+        return ch if c.kind == PREFILL else ch.lower()
+    return _GLYPH[c.kind]
+
+
+def _use_colour(colour: bool | None, stream) -> bool:
+    if colour is not None:
+        return colour
+    if os.environ.get("NO_COLOR"):
+        return False
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _paint(text: str, trace: SlotTrace, c: Cell) -> str:
+    if c.busy:
+        code = _COLOURS[trace.request_ids.index(c.request_id) % len(_COLOURS)]
+        bold = "1;" if c.kind == PREFILL else ""
+        return f"\x1b[{bold}38;5;{code}m{text}\x1b[0m"
+    if c.kind == PADDING:
+        return f"\x1b[38;5;{_PADDING_COLOUR}m{text}\x1b[0m"
+    return text
+
+
+def render_ascii(trace: SlotTrace, width: int | None = None, colour: bool | None = None,
+                 title: str | None = None, legend: bool = True, summary: bool = True,
+                 stream=None) -> str:
+    """The space-time diagram as text: one line per slot, one character per step.
+
+    ``width`` (default: the terminal's) wraps long runs into bands of steps. ``colour``: None means
+    "on a TTY unless NO_COLOR is set" (judged on ``stream``, default stdout).
+    """
+    paint = _use_colour(colour, sys.stdout if stream is None else stream)
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    lw = max(len(f"slot {trace.num_slots - 1}"), len("preempt"))      # label column width
+    band = max(10, width - lw - 3)
+    lines = []
+    if title is not None:
+        lines.append(title)
+    elif trace.policy:
+        lines.append(f"policy {trace.policy}: {trace.num_slots} slots x {trace.num_steps} steps")
+    for start in range(0, max(trace.num_steps, 1), band):
+        stop = min(start + band, trace.num_steps)
+        ruler = "".join(str(t // 10 % 10) if t % 10 == 0 else " " for t in range(start, stop))
+        lines.append(f"{'step':<{lw}}  {ruler.rstrip()}")
+        lines.append(f"{'':<{lw}}  " + "".join(str(t % 10) for t in range(start, stop)))
+        for slot in range(trace.num_slots):
+            row = trace.cells[start:stop]
+            chars = [_glyph(trace, step[slot]) for step in row]
+            if paint:
+                chars = [_paint(ch, trace, step[slot]) for ch, step in zip(chars, row, strict=True)]
+            lines.append(f"{'slot ' + str(slot):<{lw}} |{''.join(chars)}|")
+        if any(trace.preempted[start:stop]):
+            marks = "".join("^" if p else " " for p in trace.preempted[start:stop])
+            lines.append(f"{'preempt':<{lw}}  {marks.rstrip()}")
+    if legend:
+        names = ", ".join(f"{trace.label(r)}={r}" for r in trace.request_ids[:12])
+        more = f", ... ({len(trace.request_ids)} requests)" if len(trace.request_ids) > 12 else ""
+        lines.append(f"legend: {names}{more}")
+        lines.append("        UPPER = prefill step, lower = decode, '.' = padding, "
+                     "'-' = slot held but no tokens, ' ' = idle, '^' = a preemption")
+    if summary:
+        lines.extend(summary_lines(trace.summary()))
+    return "\n".join(lines)
+
+
+def summary_lines(s: TraceSummary) -> list[str]:
+    """The trace's totals in two lines (the tutorials and ``minicb trace`` print them)."""
+    return [
+        f"slot-steps: {s.slot_steps} = {s.busy_slot_steps} busy + {s.padding_slot_steps} padding + "
+        f"{s.stall_slot_steps} stalled + {s.idle_slot_steps} idle  (slot utilisation "
+        f"{100 * s.slot_utilisation:.1f}%)",
+        f"tokens computed: {s.real_tokens} real + {s.padding_tokens} padding  (padding waste "
+        f"{100 * s.padding_waste:.1f}%)",
+    ]
+
+
+def render_image(trace: SlotTrace, path: str, title: str | None = None) -> str:
+    """Draw the trace into ``path`` (``.png`` or ``.svg``) with matplotlib; return the path.
+
+    Raises ``MinicbError`` with an install hint when matplotlib is missing.
+    """
+    ext = os.path.splitext(str(path))[1].lower()
+    if ext not in (".png", ".svg"):
+        raise InvalidArgument(f"out must end in .png or .svg, got {path!r}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise MinicbError("drawing a PNG or SVG needs matplotlib, which is not installed: "
+                          "pip install 'minicb[plots]' (or leave out --out for the ASCII diagram)") from None
+    matplotlib.rcParams["svg.hashsalt"] = "minicb"     # stable ids: the same trace gives the same SVG
+    cmap = plt.get_cmap("tab20")
+    n_steps, n_slots = max(trace.num_steps, 1), trace.num_slots
+    fig_w = min(16.0, max(7.0, 3.5 + n_steps * 0.12))
+    fig, ax = plt.subplots(figsize=(fig_w, 1.2 + 0.45 * n_slots))
+    for slot in range(n_slots):
+        for t0, t1, c in _spans(trace.row(slot)):
+            if c.busy:
+                face = cmap(trace.request_ids.index(c.request_id) % 20)
+            elif c.kind == IDLE:
+                continue
+            else:
+                face = "#f3c1c1" if c.kind == PADDING else "#dddddd"
+            hatch = {PREFILL: "//", PADDING: "xx"}.get(c.kind)
+            ax.broken_barh([(t0, t1 - t0)], (slot - 0.4, 0.8), facecolors=face, edgecolor="white",
+                           linewidth=0.6, hatch=hatch)
+        for start, rid in _runs(trace.row(slot)):
+            ax.text(start + 0.15, slot, trace.label(rid), va="center", ha="left", fontsize=8)
+    for t, victims in enumerate(trace.preempted):
+        for rid in victims:
+            slot = _last_slot(trace, rid, t)
+            if slot is not None:
+                ax.plot([t], [slot - 0.45], marker="v", color="#c00000", markersize=7)
+    s = trace.summary()
+    ax.set_ylim(n_slots - 0.5, -0.5)
+    ax.set_xlim(0, n_steps)
+    ax.set_yticks(range(n_slots), [f"slot {i}" for i in range(n_slots)])
+    ax.set_xlabel("step")
+    ax.set_title(title or f"{trace.policy or 'trace'}: slot utilisation {100 * s.slot_utilisation:.0f}%, "
+                 f"padding waste {100 * s.padding_waste:.0f}%", fontsize=10)
+    ax.legend(handles=[Patch(facecolor="#888888", hatch="//", label="prefill"),
+                       Patch(facecolor="#888888", label="decode"),
+                       Patch(facecolor="#f3c1c1", hatch="xx", label="padding"),
+                       Patch(facecolor="#dddddd", label="held, no tokens"),
+                       plt.Line2D([], [], marker="v", color="#c00000", linestyle="", label="preemption")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    metadata = {"Date": None} if ext == ".svg" else {"Software": None}
+    fig.savefig(path, metadata=metadata, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _last_slot(trace: SlotTrace, request_id: str, before: int) -> int | None:
+    """The slot ``request_id`` last computed in before step index ``before``."""
+    for t in range(before - 1, -1, -1):
+        for slot, c in enumerate(trace.cells[t]):
+            if c.request_id == request_id and c.busy:
+                return slot
+    return None
+
+
+def _spans(row: Sequence[Cell]) -> list[tuple[int, int, Cell]]:
+    """Maximal [t0, t1) stretches of one kind and holder (a prefill step is a span of its own)."""
+    out: list[tuple[int, int, Cell]] = []
+    for t, c in enumerate(row):
+        key = (c.kind, c.request_id)
+        if out and c.kind != PREFILL and (out[-1][2].kind, out[-1][2].request_id) == key \
+                and out[-1][1] == t:
+            out[-1] = (out[-1][0], t + 1, out[-1][2])
+        else:
+            out.append((t, t + 1, c))
+    return out
+
+
+def _runs(row: Sequence[Cell]) -> list[tuple[int, str]]:
+    """(first step, request) of every stretch of busy cells of one request."""
+    out, prev = [], None
+    for t, c in enumerate(row):
+        rid = c.request_id if c.busy else None
+        if rid is not None and rid != prev:
+            out.append((t, rid))
+        prev = rid
+    return out
+
+
+# --- running a workload ------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Workload:
+    """Random prompts (token ids) and output lengths; ``arrivals[i]`` is request i's arrival step."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]
+    arrivals: tuple[int, ...]
+
+
+def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tuple[int, int] = (4, 24),
+                  output_len: tuple[int, int] = (2, 24), arrival_gap: int = 0) -> Workload:
+    """A reproducible workload: lengths uniform in the given inclusive ranges (torch-free RNG)."""
+    import random
+
+    check_int("num_requests", num_requests, lo=1, hi=100_000)
+    check_int("seed", seed, lo=0)
+    check_int("arrival_gap", arrival_gap, lo=0)
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        check_int(f"{name} low", lo, lo=1)
+        check_int(f"{name} high", hi, lo=lo)
+    rng = random.Random(seed)
+    prompts = tuple(tuple(rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_len)))
+                    for _ in range(num_requests))
+    outs = tuple(rng.randint(*output_len) for _ in range(num_requests))
+    return Workload(prompts, outs, tuple(i * arrival_gap for i in range(num_requests)))
+
+
+TINY_MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                  eos_token_id=3)
+
+
+def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
+    """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
+    (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
+    from minicb.config import ModelConfig, SchedulerConfig
+    from minicb.engine import LLM, LLMEngine, _dtype
+    from minicb.model.llama import LlamaForCausalLM
+
+    if model == "tiny":
+        m = LlamaForCausalLM.random(ModelConfig(**TINY_MODEL), seed=seed, dtype=_dtype(dtype), std=0.3)
+        config.setdefault("max_model_len", 4096)
+        return LLMEngine(m, SchedulerConfig(**config), seed=seed)
+    return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine
+
+
+def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
+    """Run ``workload`` through ``engine`` (greedy, ``ignore_eos``: lengths are the workload's) and
+    return the slot trace. Arrivals are in steps; arrivals close after the last request is added."""
+    from minicb.sampling_params import SamplingParams
+
+    rec = TraceRecorder(engine.config.max_num_seqs).attach(engine)
+    order = sorted(range(len(workload.prompts)), key=lambda i: workload.arrivals[i])
+    step = k = 0
+    while k < len(order) or engine.has_unfinished_requests():
+        while k < len(order) and workload.arrivals[order[k]] <= step:
+            i = order[k]
+            engine.add_request(f"r{i}", list(workload.prompts[i]),
+                               SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
+            k += 1
+        if k == len(order):
+            engine.scheduler.close_arrivals()
+        outs = engine.step()
+        if on_step is not None:
+            on_step(outs)
+        step += 1
+    return rec.trace
+
+
+# --- the command line ------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    """Register ``minicb trace`` on the CLI's subparsers."""
+    p = sub.add_parser("trace", help="draw which request held which slot at every step (space-time diagram)",
+                       description="Run a random workload and draw the slot timeline: ASCII in the "
+                                   "terminal, or PNG/SVG with --out (needs matplotlib).")
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write a .png or .svg (matplotlib) besides the ASCII")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
+    p.add_argument("--max-num-batched-tokens", type=int, default=64)
+    p.add_argument("--long-prefill-chunk", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--num-host-blocks", type=int, default=0)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"))
+    p.add_argument("--arrival-gap", type=int, default=0, help="steps between arrivals (0: all at once)")
+    p.add_argument("--width", type=int, default=None, help="characters per line (default: terminal)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
+
+def cmd_trace(args) -> int:
+    """``minicb trace``: run, print the ASCII diagram, optionally write the image."""
+    if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
+        raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
+    if args.model == "tiny":
+        import torch
+
+        torch.set_num_threads(1)   # tiny matmuls: a second thread costs more in sync than it computes
+    wl_kwargs = dict(prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
+                     arrival_gap=args.arrival_gap)
+    engine = build_engine(args.model, seed=0, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
+                          num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
+                          preemption_mode=args.preemption_mode)
+    workload = make_workload(args.num_requests, args.seed, engine.model.config.vocab_size, **wl_kwargs)
+    trace = run_trace(engine, workload)
+    colour = {"auto": None, "always": True, "never": False}[args.color]
+    print(render_ascii(trace, width=args.width, colour=colour))
+    if args.out is not None:
+        render_image(trace, args.out)
+        print(f"wrote {args.out}")
+    return 0
