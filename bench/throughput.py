@@ -1,0 +1,165 @@
+"""Output tokens/s of minicb's policies against Hugging Face transformers, one process, one run.
+
+    python bench/throughput.py                 # W1 and W2, all four systems (about 15-25 min here)
+    python bench/throughput.py --quick         # a smaller version of both workloads
+
+Systems, all SmolLM2-135M in float32, greedy, EOS ignored, the same prompts:
+
+* ``minicb continuous``: iteration-level scheduling, chunked prefill, paged KV;
+* ``minicb static``: the padded static policy of the same engine, batches of B = 16;
+* ``hf generate_batch``: transformers' own continuous batching (the manager behind
+  ``generate_batch``, fed each request's own ``max_new_tokens``);
+* ``hf generate``: transformers' padded ``generate``, one left-padded batch at a time (batches of 32
+  for W1, of 16 for W2; a batch runs to its longest member, so only the requested tokens count).
+
+The bars the engine issue sets: on W2 minicb continuous >= 2x hf generate_batch and >= 2.5x minicb
+static; on W1 minicb continuous >= hf generate. Results go to stdout and, with ``--json``, to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import machine_description  # noqa: E402
+from workloads import Workload, w1, w2  # noqa: E402
+
+from minicb.engine import LLM  # noqa: E402
+from minicb.model.llama import LlamaForCausalLM  # noqa: E402
+from minicb.model.loader import default_model_path, load_model  # noqa: E402
+from minicb.sampling_params import SamplingParams  # noqa: E402
+
+
+def run_minicb(model, wl: Workload, **config) -> dict:
+    llm = LLM(model, **config)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == wl.num_output_tokens
+    st = llm.engine.scheduler.stats
+    return {"seconds": dt, "tokens": n, "steps": st.num_steps, "padding_tokens": st.num_padding_tokens,
+            "preemptions": st.num_preemptions}
+
+
+def load_hf():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return m.eval()
+
+
+def run_hf_generate_batch(hf, wl: Workload) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=None,
+                          pad_token_id=2)
+    t0 = time.perf_counter()
+    with hf.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as mgr:
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
+            mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        done: dict[str, int] = {}
+        while len(done) < len(wl.prompts):
+            r = mgr.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done[r.request_id] = len(r.generated_tokens)
+            elif r is None and not mgr.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": sum(done.values())}
+
+
+@torch.inference_mode()
+def run_hf_generate(hf, wl: Workload, batch: int) -> dict:
+    t0 = time.perf_counter()
+    n_tok = 0
+    for s in range(0, len(wl.prompts), batch):
+        prompts, outs = wl.prompts[s:s + batch], wl.output_lens[s:s + batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        new = max(outs)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=2)
+        n_tok += sum(outs)     # only the tokens each request asked for are useful output
+    return {"seconds": time.perf_counter() - t0, "tokens": n_tok}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 + 16 requests instead of 32 + 64")
+    ap.add_argument("--json", help="write the results here as well")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for every system (default: torch's own choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wls = [w1(num=8), w2(num=16)] if args.quick else [w1(), w2()]
+    loaded = load_model(None, dtype=torch.float32)
+    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    hf = None if args.skip_hf else load_hf()
+    results: dict[str, dict[str, dict]] = {}
+    cont = dict(policy="continuous", max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=2048)
+    for wl in wls:
+        r = results[wl.name] = {}
+        print(f"{wl.name}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
+              f"{wl.num_output_tokens} output tokens", flush=True)
+        r["minicb continuous"] = run_minicb(model, wl, **cont)
+        _report(wl.name, "minicb continuous", r["minicb continuous"])
+        r["minicb static"] = run_minicb(model, wl, policy="static", max_num_seqs=16, num_blocks=2048)
+        _report(wl.name, "minicb static", r["minicb static"])
+        if hf is not None:
+            r["hf generate_batch"] = run_hf_generate_batch(hf, wl)
+            _report(wl.name, "hf generate_batch", r["hf generate_batch"])
+            r["hf generate"] = run_hf_generate(hf, wl, batch=32 if wl.name == "W1" else 16)
+            _report(wl.name, "hf generate", r["hf generate"])
+    print()
+    print(f"machine: {machine_description()}")
+    print(f"{'workload':<9}{'system':<20}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'vs continuous':>15}")
+    for name, r in results.items():
+        base = r["minicb continuous"]["tokens"] / r["minicb continuous"]["seconds"]
+        for sys_name, x in r.items():
+            tps = x["tokens"] / x["seconds"]
+            x["tokens_per_s"] = tps
+            print(f"{name:<9}{sys_name:<20}{x['seconds']:>9.1f}{x['tokens']:>8}{tps:>10.1f}"
+                  f"{base / tps:>14.2f}x")
+    _bars(results)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def _report(wl: str, name: str, x: dict) -> None:
+    print(f"  {name:<20} {x['tokens'] / x['seconds']:8.1f} tokens/s  ({x['seconds']:.1f} s)", flush=True)
+
+
+def _bars(results: dict) -> None:
+    def tps(w, s):
+        x = results.get(w, {}).get(s)
+        return x["tokens"] / x["seconds"] if x else None
+
+    checks = [("W2", "hf generate_batch", 2.0), ("W2", "minicb static", 2.5), ("W1", "hf generate", 1.0)]
+    print()
+    for w, other, bar in checks:
+        a, b = tps(w, "minicb continuous"), tps(w, other)
+        if a and b:
+            ok = "PASS" if a / b >= bar else "FAIL"
+            print(f"bar {w}: continuous / {other} = {a / b:.2f}x (needs >= {bar}x)  {ok}")
+
+
+if __name__ == "__main__":
+    main()

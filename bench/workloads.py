@@ -1,0 +1,64 @@
+"""The benchmark workloads, built the same way by every benchmark so their numbers can be compared.
+
+* W1: 32 prompts of random token ids (seed 0, lengths uniform in 16..128), 64 new tokens each.
+* W2: 64 requests whose (prompt, output) lengths are drawn (seed 0) from the ShareGPT lengths of the
+  vLLM SOSP'23 artifact (``bench/data/sharegpt_vllm_sosp23_opt_lengths.csv``, see SOURCES.md there);
+  prompt = ``min(p, 256)`` random ids, output = ``clamp(round(o / 4), 1, 128)``.
+
+EOS is ignored everywhere (``ignore_eos``), so every system produces exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+TRACES = {
+    "sharegpt": ("sharegpt_vllm_sosp23_opt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
+    "azure-conv": ("AzureLLMInferenceTrace_conv.csv", "ContextTokens", "GeneratedTokens"),
+    "azure-code": ("AzureLLMInferenceTrace_code.csv", "ContextTokens", "GeneratedTokens"),
+}
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def trace_lengths(trace: str = "sharegpt") -> np.ndarray:
+    """``[n, 2]`` array of (prompt, output) token lengths of a trace in ``bench/data``."""
+    name, pcol, ocol = TRACES[trace]
+    with open(DATA / name, newline="") as f:
+        rows = [(int(r[pcol]), int(r[ocol])) for r in csv.DictReader(f)]
+    return np.array(rows, dtype=np.int64)
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab: int = 49152) -> list[int]:
+    # skip the first ids (special tokens of SmolLM2) so prompts are ordinary text tokens
+    return rng.integers(100, vocab, size=n).tolist()
+
+
+def w1(num: int = 32, new_tokens: int = 64, seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(16, 129, size=num)
+    return Workload("W1", [random_ids(rng, int(n)) for n in lens], [new_tokens] * num)
+
+
+def w2(num: int = 64, seed: int = 0, max_prompt: int = 256, out_div: int = 4, max_out: int = 128,
+       trace: str = "sharegpt") -> Workload:
+    rng = np.random.default_rng(seed)
+    lengths = trace_lengths(trace)
+    picks = lengths[rng.integers(0, len(lengths), size=num)]
+    prompts = [random_ids(rng, max(1, min(int(p), max_prompt))) for p, _ in picks]
+    outs = [int(min(max(round(o / out_div), 1), max_out)) for _, o in picks]
+    return Workload("W2", prompts, outs)
