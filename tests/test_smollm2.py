@@ -51,9 +51,9 @@ def hf_tokens(hf_smollm2, prompt_ids):
     out = []
     with torch.no_grad():
         for ids in prompt_ids:
-            gen = hf_smollm2.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2,
-                                      pad_token_id=2)
+            mask = torch.ones(1, len(ids), dtype=torch.long)
+            gen = hf_smollm2.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                      do_sample=False, eos_token_id=2, pad_token_id=2)
             out.append(gen[0, len(ids):].tolist())
     return out
 

@@ -31,7 +31,8 @@ import itertools
 import numbers
 import operator
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -293,7 +294,8 @@ class LLM:
         try:
             for s in seqs:
                 eng.add_request(s.request_id, s.prompt_token_ids, s.params, s.arrival_time)
-            results = {o.request_id: o for o in eng.run_until_done(_progress(len(seqs)) if progress else None)}
+            tick = _progress(len(seqs)) if progress else None
+            results = {o.request_id: o for o in eng.run_until_done(tick)}
         finally:
             eng.scheduler.open_arrivals()
         return [results[s.request_id] for s in seqs]
