@@ -2,7 +2,8 @@
 
 * W1: 32 prompts of random token ids (seed 0, lengths uniform in 16..128), 64 new tokens each.
 * W2: 64 requests whose (prompt, output) lengths are drawn (seed 0) from the ShareGPT lengths of the
-  vLLM SOSP'23 artifact (``bench/data/sharegpt_vllm_sosp23_opt_lengths.csv``, see SOURCES.md there);
+  vLLM SOSP'23 artifact (shipped in the package: ``src/minicb/data/sharegpt_vllm_sosp23_opt_lengths.csv``,
+  see SOURCES.md there; ``minicb.workloads`` reads it);
   prompt = ``min(p, 256)`` random ids, output = ``clamp(round(o / 4), 1, 128)``.
 
 EOS is ignored everywhere (``ignore_eos``), so every system produces exactly the same number of tokens.
@@ -10,18 +11,12 @@ EOS is ignored everywhere (``ignore_eos``), so every system produces exactly the
 
 from __future__ import annotations
 
-import csv
-import pathlib
 from dataclasses import dataclass
 
 import numpy as np
 
-DATA = pathlib.Path(__file__).resolve().parent / "data"
-TRACES = {
-    "sharegpt": ("sharegpt_vllm_sosp23_opt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),
-    "azure-conv": ("AzureLLMInferenceTrace_conv.csv", "ContextTokens", "GeneratedTokens"),
-    "azure-code": ("AzureLLMInferenceTrace_code.csv", "ContextTokens", "GeneratedTokens"),
-}
+from minicb import workloads as _pkg
+from minicb.workloads import TRACES  # noqa: F401  (re-exported: the traces live in the package)
 
 
 @dataclass(slots=True)
@@ -36,11 +31,8 @@ class Workload:
 
 
 def trace_lengths(trace: str = "sharegpt") -> np.ndarray:
-    """``[n, 2]`` array of (prompt, output) token lengths of a trace in ``bench/data``."""
-    name, pcol, ocol = TRACES[trace]
-    with open(DATA / name, newline="") as f:
-        rows = [(int(r[pcol]), int(r[ocol])) for r in csv.DictReader(f)]
-    return np.array(rows, dtype=np.int64)
+    """``[n, 2]`` array of (prompt, output) token lengths of a trace shipped in ``minicb/data``."""
+    return np.array(_pkg.trace_lengths(trace), dtype=np.int64)
 
 
 def random_ids(rng: np.random.Generator, n: int, vocab: int = 49152) -> list[int]:
