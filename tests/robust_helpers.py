@@ -24,6 +24,7 @@ class Drive:
     arrival_step: dict[str, int] = field(default_factory=dict)
     end_step: dict[str, int] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+    streamed: dict[str, list[int]] = field(default_factory=dict)      # new_token_ids, concatenated
     steps: int = 0
 
 
@@ -50,9 +51,11 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
             for rid in abort(d.steps, list(live)):
                 out = eng.abort_request(rid)
                 assert out is not None and out.finished and out.finish_reason == "abort", rid
+                d.streamed.setdefault(rid, []).extend(out.new_token_ids)
                 _end(d, live, out)
                 d.aborted.add(rid)
         for out in eng.step():
+            d.streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 _end(d, live, out)
         if check_every and d.steps % check_every == 0:
@@ -61,6 +64,8 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
     eng.scheduler.check_integrity()
     assert not live, f"requests never ended: {sorted(live)[:5]}"
     assert set(d.outputs) == {f"r{i}" for i in range(len(prompts))}, "a request was lost"
+    for rid, out in d.outputs.items():
+        assert d.streamed.get(rid, []) == out.token_ids, f"{rid}: streamed tokens != final tokens"
     return d
 
 
