@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minicb.errors import InvalidArgument, check_int
+from minicb.errors import InvalidArgument, check_float, check_int
 
 POLICIES = ("continuous", "dynamic", "static")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -52,8 +52,14 @@ class ModelConfig:
             if self.hidden_size % self.num_attention_heads:
                 raise InvalidArgument("hidden_size must be divisible by num_attention_heads")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        check_int("head_dim", self.head_dim, lo=2)
         if self.head_dim % 2:
             raise InvalidArgument(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_float("rope_theta", self.rope_theta, lo=0.0, lo_open=True)
+        check_float("rms_norm_eps", self.rms_norm_eps, lo=0.0)
+        for name in ("bos_token_id", "eos_token_id"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo=0)
 
     @property
     def num_params(self) -> int:

@@ -32,10 +32,16 @@ Three translations turn the file into what ``LlamaForCausalLM`` expects:
 Quantized tensors are stored in blocks of 32 values that share a scale; ``dequantize`` expands them
 to float32 with whole-array numpy operations (no Python loop over blocks). Supported types:
 ``SUPPORTED_TYPES``. Any other type raises ``ModelLoadError`` naming the tensor, before any work.
+
+A damaged file is an error, never a crash, a hang or a huge allocation: every count and length the
+header declares (strings, arrays, numbers of keys and tensors, dimensions, tensor extents) is checked
+against the bytes the file actually has *before* it is used, metadata values must have the types the
+format gives them, and anything that still goes wrong while parsing becomes ``ModelLoadError``.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pathlib
@@ -53,6 +59,8 @@ from minicb.errors import InvalidArgument, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4              # GGML_MAX_DIMS
+MAX_NESTING = 8           # arrays of arrays: real files use one level
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 # struct format and size of each scalar metadata type.
@@ -143,12 +151,25 @@ class GGUFFile:
 # --------------------------------------------------------------------------------------------------
 
 class _Cursor:
-    """Reads little-endian values from a buffer, advancing an offset."""
+    """Reads little-endian values from a buffer, advancing an offset.
+
+    Every declared length or count is checked against the bytes left before it is used, so a corrupt
+    header fails at once instead of looping over (or allocating for) billions of phantom elements.
+    """
 
     __slots__ = ("buf", "pos")
 
     def __init__(self, buf, pos: int = 0) -> None:
         self.buf, self.pos = buf, pos
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def need(self, count: int, item_size: int, what: str) -> None:
+        """Raise if ``count`` items of at least ``item_size`` bytes cannot fit in what is left."""
+        if count * item_size > self.left():
+            raise ModelLoadError(f"the header declares {count} {what} at byte {self.pos}, but only "
+                                 f"{self.left()} bytes are left (corrupt or truncated)")
 
     def scalar(self, vtype: int):
         fmt, size = _SCALARS[vtype]
@@ -164,22 +185,29 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.u64()
+        self.need(n, 1, "string bytes")
         start = self.pos
         self.pos += n
         return self.buf[start:self.pos].decode("utf-8", errors="replace")
 
-    def value(self, vtype: int):
+    def value(self, vtype: int, depth: int = 0):
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_NESTING:
+                raise ModelLoadError(f"metadata arrays nested more than {MAX_NESTING} deep (corrupt header)")
             etype, count = self.u32(), self.u64()
             if etype in _NUMPY:     # numeric array: one numpy read, then plain Python values
+                self.need(count, _SCALARS[etype][1], "array elements")
                 arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
                 self.pos += arr.nbytes
                 return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
+            if etype not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+                raise ModelLoadError(f"unknown metadata array element type {etype} (corrupt header)")
+            self.need(count, 8, "array elements")       # a string or an array is at least 8 bytes
+            return [self.value(etype, depth + 1) for _ in range(count)]
         if vtype not in _SCALARS:
-            raise ValueError(f"unknown metadata value type {vtype}")
+            raise ModelLoadError(f"unknown metadata value type {vtype} (corrupt header)")
         return self.scalar(vtype)
 
 
@@ -200,39 +228,69 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     except ModelLoadError:
         mm.close()
         raise
-    except (struct.error, ValueError, IndexError, UnicodeDecodeError) as e:
+    except (struct.error, ValueError, IndexError, OverflowError, RecursionError, MemoryError) as e:
         mm.close()
-        raise ModelLoadError(f"{path} is not a valid GGUF file (corrupt or truncated header: {e})") from e
+        raise ModelLoadError(f"{path} is not a valid GGUF file (corrupt or truncated header: "
+                             f"{type(e).__name__}: {e})") from e
 
 
 def _parse(path: pathlib.Path, mm: mmap.mmap) -> GGUFFile:
+    try:
+        return _parse_header(path, mm)
+    except ModelLoadError as e:
+        msg = str(e)
+        raise ModelLoadError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from e
+
+
+def _parse_header(path: pathlib.Path, mm: mmap.mmap) -> GGUFFile:
     cur = _Cursor(mm, 4)
     version = cur.u32()
     if version not in (2, 3):
         hint = " (a big-endian file?)" if version > 0xFFFF else ""
         raise ModelLoadError(f"{path}: GGUF version {version}{hint} is not supported; versions 2 and 3 are")
     n_tensors, n_kv = cur.u64(), cur.u64()
+    cur.need(n_kv, 8 + 4 + 1, "metadata keys")         # key length, value type, a 1-byte value at least
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
         metadata[key] = cur.value(cur.u32())
+    cur.need(n_tensors, 8 + 4 + 4 + 8, "tensors")      # name length, n_dims, type, offset at least
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
-        dims = [cur.u64() for _ in range(cur.u32())]
+        n_dims = cur.u32()
+        if n_dims > MAX_DIMS:
+            raise ModelLoadError(f"tensor {name!r} declares {n_dims} dimensions; GGUF allows at most "
+                                 f"{MAX_DIMS} (corrupt header)")
+        dims = [cur.u64() for _ in range(n_dims)]
         ggml_type, offset = cur.u32(), cur.u64()
         infos.append((name, dims, ggml_type, offset))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not _is_int(alignment) or not 1 <= alignment <= len(mm):
+        raise ModelLoadError(f"general.alignment must be a positive integer, got {alignment!r}")
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, dims, ggml_type, offset in infos:
-        n = int(np.prod(dims)) if dims else 1
-        block, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))  # unknown types: size checked later
-        nbytes = n // block * type_size
-        if data_start + offset + nbytes > len(mm):
-            raise ModelLoadError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
-        tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, data_start + offset, nbytes)
+        tensors[name] = _tensor_info(path, name, dims, ggml_type, data_start + offset, len(mm))
     return GGUFFile(path, version, metadata, tensors, mm)
+
+
+def _tensor_info(path, name: str, dims: list[int], ggml_type: int, offset: int, file_size: int):
+    """Check one tensor's declared extent against the file (exact integers: no overflow) and type."""
+    n = math.prod(dims)
+    block, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))  # unknown types: rejected at load
+    if dims and dims[0] % block:
+        raise ModelLoadError(f"{path}: tensor {name!r} has rows of {dims[0]} values, not a multiple of "
+                             f"the {block}-value blocks of its type (corrupt header)")
+    nbytes = n // block * type_size
+    if offset + nbytes > file_size:
+        raise ModelLoadError(f"{path}: tensor {name!r} declares {nbytes} bytes at offset {offset}, past the "
+                             f"end of the {file_size}-byte file (truncated or corrupt)")
+    return GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset, nbytes)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,6 +382,30 @@ def _require(md: dict[str, Any], key: str, path) -> Any:
     return md[key]
 
 
+def _int(md: dict[str, Any], key: str, path, default: Any = ...) -> Any:
+    """An integer metadata value (``default`` if absent; required if no default)."""
+    if default is not ... and key not in md:
+        return default
+    value = _require(md, key, path)
+    if not _is_int(value):
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} must be an integer, got "
+                             f"{type(value).__name__} {_short(value)}")
+    return value
+
+
+def _float(md: dict[str, Any], key: str, path, default: float) -> float:
+    value = md.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} must be a number, got "
+                             f"{type(value).__name__} {_short(value)}")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     """Build a ``ModelConfig`` from the ``llama.*`` metadata keys. Raises ``ModelLoadError``."""
     md, path = g.metadata, g.path
@@ -333,34 +415,35 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
                              "models only (general.architecture = 'llama')")
     scaling = md.get("llama.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in g.tensors:
-        raise ModelLoadError(f"{path}: RoPE scaling ({scaling}) is not supported; plain RoPE only")
-    n_head = int(_require(md, "llama.attention.head_count", path))
-    hidden = int(_require(md, "llama.embedding_length", path))
-    head_dim = md.get("llama.attention.key_length", md.get("llama.rope.dimension_count"))
-    rope_dim = md.get("llama.rope.dimension_count", head_dim)
+        raise ModelLoadError(f"{path}: RoPE scaling ({_short(scaling)}) is not supported; plain RoPE only")
+    n_head = _int(md, "llama.attention.head_count", path)
+    hidden = _int(md, "llama.embedding_length", path)
+    rope_dim = _int(md, "llama.rope.dimension_count", path, None)
+    head_dim = _int(md, "llama.attention.key_length", path, rope_dim)
+    rope_dim = head_dim if rope_dim is None else rope_dim
     if head_dim is not None and rope_dim != head_dim:
         raise ModelLoadError(f"{path}: partial rotary embeddings (rope.dimension_count={rope_dim} < "
                              f"head_dim={head_dim}) are not supported")
     if "token_embd.weight" not in g.tensors:
         raise ModelLoadError(f"{path}: no tensor 'token_embd.weight'")
-    vocab = md.get("llama.vocab_size")
+    vocab = _int(md, "llama.vocab_size", path, None)
     if vocab is None:
         vocab = g.tensors["token_embd.weight"].shape[0]
     try:
         return ModelConfig(
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(_require(md, "llama.feed_forward_length", path)),
-            num_hidden_layers=int(_require(md, "llama.block_count", path)),
+            intermediate_size=_int(md, "llama.feed_forward_length", path),
+            num_hidden_layers=_int(md, "llama.block_count", path),
             num_attention_heads=n_head,
-            num_key_value_heads=int(md.get("llama.attention.head_count_kv", n_head)),
-            head_dim=None if head_dim is None else int(head_dim),
-            rope_theta=float(md.get("llama.rope.freq_base", 10000.0)),
-            rms_norm_eps=float(md.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            num_key_value_heads=_int(md, "llama.attention.head_count_kv", path, n_head),
+            head_dim=head_dim,
+            rope_theta=_float(md, "llama.rope.freq_base", path, 10000.0),
+            rms_norm_eps=_float(md, "llama.attention.layer_norm_rms_epsilon", path, 1e-5),
             tie_word_embeddings="output.weight" not in g.tensors,
-            max_position_embeddings=int(md.get("llama.context_length", 2048)),
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+            max_position_embeddings=_int(md, "llama.context_length", path, 2048),
+            bos_token_id=_int(md, "tokenizer.ggml.bos_token_id", path, None),
+            eos_token_id=_int(md, "tokenizer.ggml.eos_token_id", path, None),
         )
     except InvalidArgument as e:
         raise ModelLoadError(f"{path}: inconsistent model shape in GGUF metadata: {e}") from e

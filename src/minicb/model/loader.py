@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import os
 import pathlib
 from dataclasses import dataclass
@@ -66,12 +67,17 @@ def default_model_path() -> pathlib.Path:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a LLaMA state dict holds for ``config``, with its shape (``[out, in]`` for linears)."""
+    return dict(_iter_expected(config))
+
+
+def _iter_expected(config: ModelConfig):
+    """``expected_shapes`` one ``(name, shape)`` at a time (a corrupt config may claim 2**40 layers)."""
     h, i, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes = {"model.embed_tokens.weight": (v, h)}
+    yield "model.embed_tokens.weight", (v, h)
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes |= {
+        yield from {
             p + "input_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
@@ -81,15 +87,24 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (i, h),
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
-        }
-    shapes["model.norm.weight"] = (h,)
+        }.items()
+    yield "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
+        yield "lm_head.weight", (v, h)
+
+
+def expected_count(config: ModelConfig) -> int:
+    """How many tensors ``expected_shapes(config)`` lists (without building it)."""
+    return 2 + 9 * config.num_hidden_layers + (0 if config.tie_word_embeddings else 1)
 
 
 def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str) -> None:
     """Raise ``ModelLoadError`` unless ``state_dict`` holds exactly the tensors ``config`` implies."""
+    if expected_count(config) > len(state_dict):
+        # Never list every expected name here: a corrupt config may claim billions of layers.
+        missing = list(itertools.islice((k for k, _ in _iter_expected(config) if k not in state_dict), 3))
+        raise ModelLoadError(f"{source}: {expected_count(config) - len(state_dict)} weight(s) missing "
+                             f"({config.num_hidden_layers} layers in the config), e.g. {missing}")
     want = expected_shapes(config)
     missing = [k for k in want if k not in state_dict]
     extra = [k for k in state_dict if k not in want]
@@ -102,6 +117,31 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], s
         if tuple(state_dict[k].shape) != shape:
             raise ModelLoadError(f"{source}: {k} has shape {tuple(state_dict[k].shape)}, "
                                  f"the config implies {shape}")
+
+
+def _check_special_ids(tokenizer: Tokenizer, source: str) -> None:
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < tokenizer.vocab_size):
+            raise ModelLoadError(f"{source}: the tokenizer's {name} must be a token id in "
+                                 f"[0, {tokenizer.vocab_size - 1}], got {value!r}")
+    if tokenizer.chat_template is not None and not isinstance(tokenizer.chat_template, str):
+        raise ModelLoadError(f"{source}: the chat template must be text, got "
+                             f"{type(tokenizer.chat_template).__name__}")
+
+
+def _build_tokenizer(build, source: str) -> Tokenizer:
+    """Build the tokenizer; whatever a damaged vocabulary makes the backend raise is a ModelLoadError."""
+    try:
+        tokenizer = build()
+    except ModelLoadError:
+        raise
+    except Exception as e:   # noqa: BLE001 - tokenizers' Rust errors are not exported; wrong types
+        raise ModelLoadError(f"{source}: cannot build the tokenizer: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}") from e
+    _check_special_ids(tokenizer, source)
+    return tokenizer
 
 
 def _find_gguf_in_dir(d: pathlib.Path) -> pathlib.Path | None:
@@ -120,6 +160,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     """
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgument(f"dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {dtype!r}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"model must be a path (str or os.PathLike), None or a LlamaForCausalLM, got "
+                              f"{type(path).__name__}")
     p = default_model_path() if path is None else pathlib.Path(path)
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist; pass a .gguf file or a Hugging Face "
@@ -134,12 +177,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         from minicb.model.hf_loader import load_hf_dir
 
         config, state_dict = load_hf_dir(p, dtype)
-        tokenizer = Tokenizer.from_hf_dir(p)
+        tokenizer = _build_tokenizer(lambda: Tokenizer.from_hf_dir(p), str(p))
     else:
         from minicb.model.gguf_loader import load_gguf
 
         config, state_dict, metadata = load_gguf(p, dtype)
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+        tokenizer = _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(metadata), str(p))
     source = str(p)
     check_state_dict(config, state_dict, source)
     if tokenizer.vocab_size > config.vocab_size:

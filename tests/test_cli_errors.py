@@ -1,0 +1,151 @@
+"""The command line's error contract (docs/errors.md): a user's mistake (an unknown flag, a bad value,
+a missing or broken model, an empty or unreadable ``--file``) exits with code 2 and exactly one line on
+stderr, ``minicb: error: ...``, never a traceback; Ctrl-C during generation exits with 130.
+
+Most rows call ``minicb.cli.main`` in-process (an uncaught exception would fail the test just as a
+traceback would); a few run ``python -m minicb.cli`` for real, and the Ctrl-C test sends SIGINT to a
+process generating from a tiny GGUF whose model never emits EOS.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minicb.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
+from tiny_files import tiny_weights, write_gguf
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("cli") / "tiny.gguf")
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:          # argparse's own error path exits
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line(err: str, *needles) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("minicb: error: "), lines[0]
+    assert "Traceback" not in err and "usage:" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "hi", "--foo"], ["unrecognized arguments: --foo"]),
+    (["generate", "hi", "--max-tokens"], ["--max-tokens", "expected one argument"]),
+    (["generate", "hi", "--max-tokens", "abc"], ["--max-tokens", "invalid int value: 'abc'"]),
+    (["generate", "hi", "--dtype", "int8"], ["--dtype", "invalid choice: 'int8'", "float32"]),
+    (["generate", "hi", "--policy", "fifo"], ["--policy", "invalid choice: 'fifo'"]),
+    (["generate", "hi", "--preemption-mode", "drop"], ["--preemption-mode", "invalid choice"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+    ([], ["the following arguments are required: command"]),
+])
+def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
+    rc, out, err = run_main(argv, capsys)
+    assert rc == EXIT_USAGE and out == ""
+    assert_one_line(err, *needles)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--max-tokens", "0"], ["max_tokens", "[1, inf]", "got 0"]),
+    (["--temperature", "-1"], ["temperature", "[0.0, inf]"]),
+    (["--top-p", "0"], ["top_p", "(0.0, 1.0]"]),
+    (["--top-k", "-2"], ["top_k", "[0, inf]"]),
+    (["--seed", "-1"], ["seed", "[0,"]),
+    (["--block-size", "0"], ["block_size", "[1, inf]"]),
+    (["--max-num-batched-tokens", "0"], ["max_num_batched_tokens", "[1, inf]"]),
+    (["--max-num-seqs", "8", "--num-blocks", "4"], ["num_blocks must be at least max_num_seqs"]),
+    (["--max-tokens", "9000"], ["max_model_len=4096"]),
+])
+def test_bad_values_are_one_line_exit_2(extra, needles, tiny_gguf, capsys):
+    rc, out, err = run_main(["generate", "hi", "--model", str(tiny_gguf), *extra], capsys)
+    assert rc == EXIT_USAGE and out == ""
+    assert_one_line(err, *needles)
+
+
+def test_model_errors_are_one_line_exit_2(tmp_path, tiny_gguf, capsys):
+    (tmp_path / "empty_dir").mkdir()
+    cases = {
+        str(tmp_path / "nonexistent"): ["does not exist"],
+        str(tmp_path / "empty_dir"): ["neither a Hugging Face model directory", "nor a directory holding"],
+    }
+    (tmp_path / "junk.gguf").write_bytes(b"not a model at all")
+    cases[str(tmp_path / "junk.gguf")] = ["not a GGUF file"]
+    data = tiny_gguf.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    cases[str(tmp_path / "cut.gguf")] = ["cut.gguf", "past the end"]
+    for model, needles in cases.items():
+        rc, out, err = run_main(["generate", "hi", "--model", model], capsys)
+        assert rc == EXIT_USAGE and out == "", model
+        assert_one_line(err, *needles)
+
+
+def test_prompt_file_errors_are_one_line_exit_2(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n\n")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    for argv, needles in [
+        (["generate", "--file", str(empty)], ["--file", "contains no prompts"]),
+        (["generate", "--file", str(tmp_path / "missing.txt")], ["cannot read --file", "No such file"]),
+        (["generate", "--file", str(tmp_path)], ["cannot read --file", "directory"]),
+        (["generate", "--file", str(binary)], ["cannot read --file", "not UTF-8"]),
+        (["generate"], ["give at least one prompt"]),
+    ]:
+        rc, out, err = run_main(argv, capsys)
+        assert rc == EXIT_USAGE and out == "", argv
+        assert_one_line(err, *needles)
+
+
+def cli(*args, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "minicb.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, **kwargs)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "hi", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+])
+def test_the_real_command_exits_2_with_one_line(args, needle):
+    p = cli(*args)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_USAGE and out == b""
+    assert_one_line(err.decode(), needle)
+
+
+def test_ctrl_c_during_generation_exits_130_without_a_traceback(tmp_path):
+    model = write_gguf(tmp_path / "never_eos.gguf", tiny_weights(never_eos=True), quantize=False)
+    p = cli("generate", "hello", "--model", str(model), "--max-tokens", "2000")
+    try:
+        ready, _, _ = select.select([p.stdout], [], [], 120)
+        assert ready, "nothing was printed within 120 s"
+        first = os.read(p.stdout.fileno(), 64)
+        assert first.strip(), first                  # generation has started and is streaming
+        time.sleep(0.2)
+        assert p.poll() is None, "generation finished before it could be interrupted"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == EXIT_INTERRUPTED, (p.returncode, err)
+    assert err.decode() == "minicb: interrupted\n"
+    assert len(first + out) < 2000, "it was interrupted, not finished"
