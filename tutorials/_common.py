@@ -82,21 +82,28 @@ def run_scheduler(config: SchedulerConfig, requests, arrivals=None, on_plan=None
     return sched, plans, finish_step
 
 
-def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=None):
+def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=None, step_cost=None):
     """Run the real engine; request i (id ``r{i}``) arrives at step ``arrivals[i]``.
 
-    The engine's clock is the step counter, so every latency it records is in steps.
-    Returns (outputs by request id, slot trace, engine).
+    The engine's clock is simulated: each step (an idle one too) lasts ``step_cost(plan)`` time units
+    (default 1, so every latency is in steps). A step starts when it is planned and its tokens exist
+    when it ends. Returns (outputs by request id, slot trace, engine).
     """
     from minicb.engine import LLMEngine
 
-    step = [0]
-    eng = LLMEngine(model, config, clock=lambda: float(step[0]))
+    now = [0.0]
+    cost = step_cost or (lambda plan: 1.0)
+    eng = LLMEngine(model, config, clock=lambda: now[0])
+
+    def tick(plan) -> None:             # called between schedule() and update(): the step runs now
+        now[0] += cost(plan)
+
+    eng.on_plan = tick
     rec = TraceRecorder(config.max_num_seqs, config.policy).attach(eng)
     arrivals = arrivals or [0] * len(prompts)
-    outs, k = {}, 0
+    outs, k, step = {}, 0, 0
     while k < len(prompts) or eng.has_unfinished_requests():
-        while k < len(prompts) and arrivals[k] <= step[0]:
+        while k < len(prompts) and arrivals[k] <= step:
             eng.add_request(f"r{k}", prompts[k], SamplingParams(max_tokens=max_tokens[k], ignore_eos=True))
             k += 1
         if k == len(prompts):
@@ -104,5 +111,5 @@ def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=Non
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
-        step[0] += 1
+        step += 1
     return outs, rec.trace, eng
