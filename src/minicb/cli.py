@@ -31,7 +31,12 @@ def _one_line(message) -> str:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--attn-backend", default="auto",
+                   choices=["auto", "reference", "flash-attn", "torch-varlen"],
+                   help="attention kernel; auto = flash-attn, else torch-varlen on CUDA in float16/bfloat16, "
+                        "else reference")
     p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -88,7 +93,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed)
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode)
+              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
+              attn_backend=args.attn_backend)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     eng = llm.engine

@@ -40,7 +40,7 @@ import torch
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument, check_int
 from minicb.kv_cache import KVCache
-from minicb.model.attention import ReferenceAttention
+from minicb.model.backends import check_device, make_backend  # attention-backend registry
 from minicb.model.llama import DTYPES, LlamaForCausalLM
 from minicb.packer import pack
 from minicb.plan import StepPlan
@@ -242,13 +242,6 @@ class LLMEngine:
         )
 
 
-def make_backend(name: str, kv_cache: KVCache, device: torch.device):
-    """``auto`` picks the reference backend on the CPU (the GPU backends register themselves later)."""
-    if name in ("auto", "reference"):
-        return ReferenceAttention(kv_cache)
-    raise InvalidArgument(f"attn_backend must be one of ('auto', 'reference'), got {name!r}")
-
-
 class LLM:
     """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
 
@@ -261,6 +254,7 @@ class LLM:
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, **config) -> None:
         torch_dtype = _dtype(dtype)
+        device = check_device(device)
         _check_config_names(config)
         SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
         if not isinstance(model, LlamaForCausalLM):
