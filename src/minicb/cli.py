@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     from minicb import trace  # torch-free import; the engine is imported when the command runs
 
     trace.add_parser(sub)
+    from minicb import bench_cli, simulate_cli  # torch-free imports, like trace
+
+    bench_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
     return parser
 
 
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             from minicb.trace import cmd_trace
 
             return cmd_trace(args)
+        if args.command in ("bench", "simulate"):
+            return args.run(args)
         return {"generate": cmd_generate}[args.command](args)
     except KeyboardInterrupt:
         sys.stderr.write("minicb: interrupted\n")

@@ -22,7 +22,7 @@ import csv
 import random
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from minicb.errors import InvalidArgument, check_int
@@ -44,7 +44,7 @@ def _check_trace(trace: str) -> None:
         raise InvalidArgument(f"trace must be one of {tuple(TRACES)}, got {trace!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rows(trace: str) -> tuple[tuple[tuple[int, int], ...], tuple[float, ...] | None]:
     name, pcol, ocol = TRACES[trace]
     with data_path(name).open(newline="") as f:

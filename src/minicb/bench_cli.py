@@ -1,0 +1,274 @@
+"""``minicb bench``: the seed's table measured on this machine, with requests arriving over wall time.
+
+    minicb bench --policy all --rate 2 --num-requests 24 --out bench/out/cpu
+    minicb bench --model tiny --num-requests 8 --rate 50 --out /tmp/b      # seconds, random tiny model
+    minicb bench --trace azure-conv --replay --time-scale 4 --policy continuous
+
+For each policy a fresh engine (same model, same limits) serves the same requests: prompts of random
+token ids with the trace's lengths, exactly the trace's output lengths (EOS ignored), both scaled as
+``bench/throughput.py`` does (``--max-prompt``, ``--output-div``, ``--max-output``). Arrivals follow
+a Poisson process (``--rate``) or the trace's own timestamps (``--replay``, Azure traces). The loop::
+
+    while requests remain:
+        add every request whose arrival time has passed (its arrival_time is the scheduled one)
+        if nothing is runnable: sleep until the next arrival
+        else: engine.step()            # one forward; a StepRecorder on engine.on_plan times it
+
+It prints the table (throughput, compute utilisation against the measured matmul ceiling, queueing
+delay, P99 inter-token latency, padding waste, TTFT and more: ``minicb.metrics``) and writes
+``bench.json`` (summaries, every request's timeline, every step) and three PNGs to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+from minicb.errors import InvalidArgument
+from minicb.metrics import RequestRecord, StepRecorder, format_table, records_to_json, summarize
+from minicb.workloads import TRACES, Request, make_requests, random_prompt
+
+POLICY_ORDER = ("static", "dynamic", "continuous")
+TINY_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                  eos_token_id=3)
+
+
+def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
+    p.add_argument("--trace", default="sharegpt", choices=list(TRACES))
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--seed", type=int, default=0, help="lengths, arrivals and prompt ids")
+    p.add_argument("--max-prompt", type=int, default=None, help="clip prompts to this many tokens")
+    p.add_argument("--output-div", type=float, default=1.0, help="divide output lengths by this")
+    p.add_argument("--max-output", type=int, default=None, help="clip output lengths to this")
+    p.add_argument("--min-len", type=int, default=1, help="drop trace rows shorter than this (raw lengths)")
+    p.add_argument("--max-total", type=int, default=None, help="drop rows with prompt + output above this")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure the seed's table (throughput, latency, padding) here",
+                       description="Serve trace-shaped requests arriving over wall time with each policy; "
+                                   "print the table, write JSON and PNG plots.")
+    add_workload_args(p, num_requests=24)
+    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"])
+    arr = p.add_mutually_exclusive_group()
+    arr.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default 1)")
+    arr.add_argument("--replay", action="store_true", help="the trace's own timestamps (azure-*)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="with --replay: speed-up factor")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M), 'tiny' (random, instant) or a GGUF file / HF directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=8, help="slots (the static batch size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--long-prefill-chunk", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a busy 2-core machine a second OpenMP "
+                        "thread costs more than it gives; 0 = torch's default)")
+    p.add_argument("--peak-gflops", type=float, default=None,
+                   help="the ceiling for compute utilisation (default: measure a float32 matmul)")
+    p.add_argument("--out", default=None, help="directory for bench.json and the PNGs")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=cmd_bench)
+
+
+# --- machine ------------------------------------------------------------------------------------------
+def matmul_ceiling_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """This machine's float32 matmul throughput (best of ``repeats`` n x n products), GFLOP/s."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def machine_description() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
+            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()}")
+
+
+# --- the run ------------------------------------------------------------------------------------------
+def build_model(name: str, dtype: str, seed: int = 0):
+    """(model, tokenizer) for ``name``: 'tiny' is a random 2-layer model (vocab 256), 'default' SmolLM2."""
+    import torch
+
+    from minicb.config import ModelConfig
+    from minicb.engine import _dtype
+    from minicb.model.llama import LlamaForCausalLM
+
+    if name == "tiny":
+        cfg = ModelConfig(**TINY_MODEL)
+        return LlamaForCausalLM.random(cfg, seed=seed, dtype=_dtype(dtype), std=0.3), None
+    from minicb.model.loader import load_model
+
+    loaded = load_model(None if name == "default" else name, dtype=_dtype(dtype))
+    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, _dtype(dtype),
+                                             torch.device("cpu"))
+    return model, loaded.tokenizer
+
+
+def make_prompts(requests: list[Request], vocab: int, seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {r.request_id: random_prompt(rng, r.prompt_len, vocab) for r in requests}
+
+
+def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, list[int]], sched_kwargs: dict,
+               progress=None, clock=time.perf_counter, sleep=time.sleep):
+    """Serve ``requests`` with a fresh engine; return (request records, step records, scheduler stats)."""
+    from minicb.config import SchedulerConfig
+    from minicb.engine import LLMEngine
+    from minicb.sampling_params import SamplingParams
+
+    cfg = SchedulerConfig(policy=policy, **sched_kwargs)
+    engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
+    rec = StepRecorder(model.config).attach(engine)
+    order = sorted(requests, key=lambda r: r.arrival)
+    done: list[RequestRecord] = []
+    k = 0
+    t0 = clock() + 0.01
+    while k < len(order) or engine.has_unfinished_requests():
+        now = clock()
+        while k < len(order) and t0 + order[k].arrival <= now:
+            r = order[k]
+            engine.add_request(r.request_id, prompts[r.request_id],
+                               SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                               arrival_time=t0 + r.arrival)
+            k += 1
+        if k == len(order):
+            engine.scheduler.close_arrivals()
+        runnable = engine.has_unfinished_requests()
+        if runnable:
+            outs = engine.step()
+            rec.end_step(clock())
+            for o in outs:
+                if o.finished:
+                    done.append(RequestRecord.from_output(o))
+            if progress is not None:
+                progress(len(done), rec.steps[-1] if rec.steps else None)
+            runnable = not engine.last_plan.is_empty
+        if not runnable and k < len(order):          # idle, or the static batch is still filling
+            sleep(max(0.0, t0 + order[k].arrival - clock()))
+    return done, rec.steps, engine.scheduler.stats
+
+
+def _progress_display(enabled: bool, total: int):
+    """A rich progress bar per policy (or a no-op)."""
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=False)
+
+
+def cmd_bench(args) -> int:
+    from minicb.errors import check_int
+
+    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
+    check_int("--threads", args.threads, lo=0)
+    if args.replay and args.trace == "sharegpt":
+        raise InvalidArgument("--replay needs timestamps: use --trace azure-conv or azure-code (or --rate)")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rate = None if args.replay else (1.0 if args.rate is None else args.rate)
+    requests = make_requests(args.trace, args.num_requests, rate=rate, replay=args.replay,
+                             time_scale=args.time_scale, seed=args.seed, max_prompt=args.max_prompt,
+                             output_div=args.output_div, max_output=args.max_output, min_len=args.min_len,
+                             max_total=args.max_total)
+    policies = list(POLICY_ORDER) if args.policy == "all" else [args.policy]
+    model, _ = build_model(args.model, args.dtype, args.seed)
+    prompts = make_prompts(requests, model.config.vocab_size, args.seed)
+    max_len = max(r.prompt_len + r.output_len for r in requests)
+    sched_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
+                        num_blocks=args.num_blocks, max_model_len=max(max_len, 16))
+    peak = args.peak_gflops * 1e9 if args.peak_gflops else matmul_ceiling_gflops() * 1e9
+    machine = machine_description()
+    print(f"machine: {machine}; float32 matmul ceiling {peak / 1e9:.1f} GFLOP/s", flush=True)
+    print(f"workload: {len(requests)} requests from {args.trace}, "
+          f"{'replay x' + str(args.time_scale) if args.replay else f'Poisson {rate} req/s'}, "
+          f"{sum(r.prompt_len for r in requests)} prompt + {sum(r.output_len for r in requests)} output "
+          "tokens, "
+          f"last arrival at {requests[-1].arrival:.1f} s", flush=True)
+    show = not args.no_progress
+    prog = _progress_display(show, len(requests))
+    results = {}
+    if prog is not None:
+        prog.start()
+    try:
+        for policy in policies:
+            tick = None
+            if prog is not None:
+                task = prog.add_task(policy, total=len(requests), info="")
+
+                def tick(n_done, step, task=task):
+                    info = "" if step is None else (f"step {step.step}: {step.num_seqs} seqs, "
+                                                    f"{step.num_tokens}+{step.num_padding_tokens}pad tok, "
+                                                    f"{1e3 * step.duration:.0f} ms")
+                    prog.update(task, completed=n_done, info=info)
+            reqs, steps, stats = run_policy(model, policy, requests, prompts, sched_kwargs, tick)
+            s = summarize(reqs, steps, label=policy, num_slots=args.max_num_seqs, num_blocks=args.num_blocks,
+                          peak_flops=peak, num_preemptions=stats.num_preemptions)
+            results[policy] = (s, reqs, steps)
+    finally:
+        if prog is not None:
+            prog.stop()
+    summaries = [results[p][0] for p in policies]
+    print()
+    print(format_table(summaries))
+    if args.out:
+        write_outputs(args, summaries, results, requests, machine, peak, sched_kwargs)
+    return 0
+
+
+def write_outputs(args, summaries, results, requests, machine, peak, sched_kwargs) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"command": " ".join(["minicb"] + sys.argv[1:]) if sys.argv[0].endswith("minicb") else None,
+            "args": {k: v for k, v in vars(args).items() if k != "run"},
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": machine, "peak_gflops": peak / 1e9, "scheduler": sched_kwargs,
+            "workload": [vars_of(r) for r in requests]}
+    blob = {"meta": meta, "table": format_table(summaries, markdown=True),
+            "runs": {label: records_to_json(s, reqs, steps) for label, (s, reqs, steps) in results.items()}}
+    path = os.path.join(args.out, "bench.json")
+    with open(path, "w") as f:
+        json.dump(blob, f, indent=1)
+    written = [path]
+    if not args.no_plots:
+        from minicb import plots
+
+        title = f"{args.trace}, {len(requests)} requests, model {args.model}"
+        written.append(plots.throughput_bars(summaries, os.path.join(args.out, "throughput.png"), title))
+        written.append(plots.latency_cdfs({k: v[1] for k, v in results.items()},
+                                          os.path.join(args.out, "latency_cdf.png"), title))
+        written.append(plots.occupancy_timeline({k: v[2] for k, v in results.items()}, args.max_num_seqs,
+                                                os.path.join(args.out, "occupancy.png"), title))
+    print("wrote " + ", ".join(written))
+
+
+def vars_of(r: Request) -> dict:
+    return {"id": r.request_id, "prompt_len": r.prompt_len, "output_len": r.output_len, "arrival": r.arrival}

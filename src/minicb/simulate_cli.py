@@ -1,0 +1,182 @@
+"""``minicb simulate``: the seed's table at any scale, from the real scheduler and a cost model.
+
+    minicb simulate                                      # llama-3-70b on 8 x A100-80GB, rates 2,4,8,12,16
+    minicb simulate --preset llama-3-8b --rates 5,10,20,40
+    minicb simulate --preset smollm2-135m --max-prompt 64 --output-div 8 --max-output 32 \\
+        --max-num-seqs 8 --rates 1,2 --num-requests 24        # this CPU (what bench/validate_sim.py checks)
+
+For every arrival rate and policy it runs ``minicb.simulate.simulate`` (the engine's ``Scheduler``
+on a simulated clock; Poisson arrivals in simulated time) and prints the table; ``--out`` gets
+``simulate.json`` and ``curve.png`` (throughput against P99 inter-token latency and P99 TTFT, one line
+per policy), plus the throughput bars, latency CDFs and slot occupancy of ``--plot-rate``.
+Torch-free: thousands of requests take seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+from minicb.bench_cli import POLICY_ORDER, add_workload_args
+from minicb.errors import InvalidArgument, check_int
+from minicb.metrics import format_table, records_to_json
+
+
+def add_parser(sub) -> None:
+    from minicb.simulate import PRESETS
+
+    p = sub.add_parser("simulate", help="simulate the seed's table at scale (cost model, same scheduler)",
+                       description="Drive minicb's Scheduler with a cost-model executor on a simulated "
+                                   "clock: the seed's table per policy and arrival rate, and a "
+                                   "throughput-latency curve.")
+    add_workload_args(p, num_requests=2000)
+    p.set_defaults(min_len=4, max_total=2048)     # the usual ShareGPT filter (SOURCES.md)
+    p.add_argument("--preset", default="llama-3-70b", choices=list(PRESETS))
+    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"])
+    p.add_argument("--rates", default="2,4,8,12,16", help="comma-separated Poisson rates, requests/s")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="slots (the static batch size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-chunk", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: what fits in the devices' memory after the weights)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--step-overhead-ms", type=float, default=None, help="override the preset's")
+    p.add_argument("--seq-overhead-us", type=float, default=None, help="override the preset's")
+    p.add_argument("--calibration", default=None, help="smollm2-135m: a bench/calibrate_cpu.py JSON")
+    p.add_argument("--plot-rate", type=float, default=None, help="rate of the bar/CDF/occupancy plots "
+                                                                 "(default: the highest)")
+    p.add_argument("--out", default=None, help="directory for simulate.json and the PNGs")
+    p.add_argument("--detail", action="store_true", help="also store every request and step of --plot-rate")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=cmd_simulate)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise InvalidArgument(f"--rates must be positive request rates, got {text!r}")
+    return rates
+
+
+def build(args):
+    """(cost model, scheduler config, rates, policies) from the parsed arguments."""
+    from minicb.config import SchedulerConfig
+    from minicb.simulate import load_calibration, preset
+
+    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
+    over = {}
+    if args.step_overhead_ms is not None:
+        over["step_overhead_s"] = args.step_overhead_ms * 1e-3
+    if args.seq_overhead_us is not None:
+        over["seq_overhead_s"] = args.seq_overhead_us * 1e-6
+    cal = load_calibration(args.calibration) if args.calibration else None
+    cost = preset(args.preset, calibration=cal, **over)
+    blocks = args.num_blocks if args.num_blocks is not None else cost.num_kv_blocks(args.block_size)
+    cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size, num_blocks=blocks,
+               max_model_len=args.max_model_len)
+    SchedulerConfig(**cfg)        # validate once, before any work
+    policies = list(POLICY_ORDER) if args.policy == "all" else [args.policy]
+    return cost, cfg, _rates(args.rates), policies
+
+
+def cmd_simulate(args) -> int:
+    from minicb.config import SchedulerConfig
+    from minicb.simulate import simulate
+    from minicb.workloads import make_requests
+
+    cost, cfg, rates, policies = build(args)
+    print(f"preset {cost.name}: {cost.description}; peak {cost.peak_flops / 1e12:,.1f} TFLOP/s; "
+          f"{cfg['num_blocks']} KV blocks of {cfg['block_size']}; {args.max_num_seqs} slots", flush=True)
+    prog = None
+    if not args.no_progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        prog = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("sim {task.fields[sim]:>8.1f} s"), transient=True)
+        prog.start()
+    results: dict[float, dict[str, object]] = {}
+    t_wall = time.perf_counter()
+    try:
+        for rate in rates:
+            reqs = make_requests(args.trace, args.num_requests, rate=rate, seed=args.seed,
+                                 max_prompt=args.max_prompt, output_div=args.output_div,
+                                 max_output=args.max_output, min_len=args.min_len, max_total=args.max_total)
+            too_long = [r for r in reqs if r.prompt_len + r.output_len > args.max_model_len]
+            if too_long:
+                raise InvalidArgument(f"{len(too_long)} requests exceed --max-model-len "
+                                      f"{args.max_model_len}; raise it or lower --max-total")
+            results[rate] = {}
+            for policy in policies:
+                tick = None
+                if prog is not None:
+                    task = prog.add_task(f"{policy} @ {rate:g} req/s", total=len(reqs), sim=0.0)
+
+                    def tick(step, n_done, task=task, total=args.num_requests):
+                        if step.step % 64 == 0 or n_done == total:
+                            prog.update(task, completed=n_done, sim=step.end)
+                res = simulate(reqs, SchedulerConfig(policy=policy, **cfg), cost,
+                               label=f"{policy} @ {rate:g}/s", on_step=tick)
+                results[rate][policy] = res
+    finally:
+        if prog is not None:
+            prog.stop()
+    wall = time.perf_counter() - t_wall
+    summaries = [results[r][p].summary for r in rates for p in policies]
+    print(format_table(summaries))
+    n_sim = len(summaries) * args.num_requests
+    print(f"simulated {n_sim:,} requests in {wall:.1f} s of wall time")
+    if args.out:
+        _write(args, cost, cfg, rates, policies, results)
+    return 0
+
+
+def _write(args, cost, cfg, rates, policies, results) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"command": " ".join(["minicb"] + sys.argv[1:]) if sys.argv[0].endswith("minicb") else None,
+            "args": {k: v for k, v in vars(args).items() if k != "run"},
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cost_model": cost.to_dict(), "scheduler": cfg}
+    runs = {}
+    for rate in rates:
+        for p in policies:
+            res = results[rate][p]
+            runs[res.label] = {"rate": rate, "policy": p, "summary": res.summary.to_dict(),
+                               "breakdown_s": res.breakdown}
+    plot_rate = args.plot_rate if args.plot_rate is not None else max(rates)
+    if plot_rate not in results:
+        raise InvalidArgument(f"--plot-rate {plot_rate} is not one of --rates {rates}")
+    blob = {"meta": meta, "table": format_table([results[r][p].summary for r in rates for p in policies],
+                                                markdown=True), "runs": runs}
+    if args.detail:     # every request's timeline and every step at --plot-rate (large)
+        blob["detail_rate"] = plot_rate
+        blob["detail"] = {p: records_to_json(results[plot_rate][p].summary, results[plot_rate][p].requests,
+                                             results[plot_rate][p].steps) for p in policies}
+    path = os.path.join(args.out, "simulate.json")
+    with open(path, "w") as f:
+        json.dump(blob, f)
+    written = [path]
+    if not args.no_plots:
+        from minicb import plots
+
+        title = f"simulated {cost.name} ({cost.description}), {args.trace}, {args.num_requests} requests"
+        curve = {p: [results[r][p].summary for r in rates] for p in policies}
+        written.append(plots.throughput_latency_curve(curve, os.path.join(args.out, "curve.png"), title))
+        at = results[plot_rate]
+        sub = f"{title}, {plot_rate:g} req/s"
+        written.append(plots.throughput_bars([at[p].summary for p in policies],
+                                             os.path.join(args.out, "throughput.png"), sub))
+        written.append(plots.latency_cdfs({p: at[p].requests for p in policies},
+                                          os.path.join(args.out, "latency_cdf.png"), sub))
+        written.append(plots.occupancy_timeline({p: at[p].steps for p in policies}, args.max_num_seqs,
+                                                os.path.join(args.out, "occupancy.png"), sub))
+    print("wrote " + ", ".join(written))
