@@ -42,8 +42,9 @@ class FaultyAttention:
     """Wraps the engine's attention backend: forward number ``fail_at`` raises at layer ``layer``,
     i.e. after the earlier layers have written this step's K/V into the paged cache."""
 
-    def __init__(self, inner, fail_at: set[int], layer: int = 1, exc=Injected("injected fault")):
-        self.inner, self.fail_at, self.layer, self.exc = inner, fail_at, layer, exc
+    def __init__(self, inner, fail_at: set[int], layer: int = 1, exc: BaseException | None = None):
+        self.inner, self.fail_at, self.layer = inner, fail_at, layer
+        self.exc = Injected("injected fault") if exc is None else exc
         self.forward = -1
 
     def prepare(self, meta):

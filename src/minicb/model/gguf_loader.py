@@ -260,7 +260,7 @@ def _parse_header(path: pathlib.Path, mm: mmap.mmap) -> GGUFFile:
         name = cur.string()
         n_dims = cur.u32()
         if n_dims > MAX_DIMS:
-            raise ModelLoadError(f"tensor {name!r} declares {n_dims} dimensions; GGUF allows at most "
+            raise ModelLoadError(f"tensor {_short(name)} declares {n_dims} dimensions; GGUF allows at most "
                                  f"{MAX_DIMS} (corrupt header)")
         dims = [cur.u64() for _ in range(n_dims)]
         ggml_type, offset = cur.u32(), cur.u64()
@@ -280,12 +280,12 @@ def _tensor_info(path, name: str, dims: list[int], ggml_type: int, offset: int, 
     n = math.prod(dims)
     block, type_size = GGML_QUANT_SIZES.get(ggml_type, (1, 0))  # unknown types: rejected at load
     if dims and dims[0] % block:
-        raise ModelLoadError(f"{path}: tensor {name!r} has rows of {dims[0]} values, not a multiple of "
+        raise ModelLoadError(f"{path}: tensor {_short(name)} has rows of {dims[0]} values, not a multiple of "
                              f"the {block}-value blocks of its type (corrupt header)")
     nbytes = n // block * type_size
     if offset + nbytes > file_size:
-        raise ModelLoadError(f"{path}: tensor {name!r} declares {nbytes} bytes at offset {offset}, past the "
-                             f"end of the {file_size}-byte file (truncated or corrupt)")
+        raise ModelLoadError(f"{path}: tensor {_short(name)} declares {nbytes} bytes at offset {offset}, "
+                             f"past the end of the {file_size}-byte file (truncated or corrupt)")
     return GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, offset, nbytes)
 
 
@@ -328,6 +328,11 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     bit-identical to it (the tests check).
     """
     t = GGMLQuantizationType(ggml_type)
+    with np.errstate(all="ignore"):      # a damaged scale is NaN / inf: a bad model, not a warning
+        return _dequantize(raw, t).reshape(shape)
+
+
+def _dequantize(raw: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
     if t == GGMLQuantizationType.F32:
         out = raw.view(np.float32).copy()
     elif t == GGMLQuantizationType.F16:
@@ -351,7 +356,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         out += _scale(b, 2)
     else:
         raise ModelLoadError(f"cannot dequantize type {t.name}; supported: {', '.join(SUPPORTED_TYPES)}")
-    return out.reshape(shape)
+    return out
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -466,13 +471,13 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
     for name, info in g.tensors.items():
         target = hf_name(name)
         if target is None:
-            raise ModelLoadError(f"{g.path}: unexpected tensor {name!r}; not part of a LLaMA model")
+            raise ModelLoadError(f"{g.path}: unexpected tensor {_short(name)}; not part of a LLaMA model")
         try:
             type_name = GGMLQuantizationType(info.ggml_type).name
         except ValueError:
             type_name = f"unknown type {info.ggml_type}"
         if type_name not in SUPPORTED_TYPES:  # fail before spending time on the others
-            raise ModelLoadError(f"{g.path}: tensor {name!r} has type {type_name}, which minicb cannot "
+            raise ModelLoadError(f"{g.path}: tensor {_short(name)} has type {type_name}, which minicb cannot "
                                  f"dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
         names[name] = target
     out: dict[str, torch.Tensor] = {}

@@ -112,7 +112,8 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], s
         raise ModelLoadError(f"{source}: {len(missing)} weight(s) missing, e.g. {missing[:3]}")
     if extra:
         raise ModelLoadError(
-            f"{source}: {len(extra)} unexpected weight(s) for a LLaMA model, e.g. {extra[:3]}")
+            f"{source}: {len(extra)} unexpected weight(s) for a LLaMA model, e.g. "
+            f"{[k if len(k) <= 80 else k[:77] + '...' for k in extra[:3]]}")
     for k, shape in want.items():
         if tuple(state_dict[k].shape) != shape:
             raise ModelLoadError(f"{source}: {k} has shape {tuple(state_dict[k].shape)}, "
