@@ -49,7 +49,9 @@ def main() -> None:
         planner puts decodes first, so B's token leads, but the offsets are the seed's.
     """)
     model = tiny_model()
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=32)
+    # prefix caching (sharing the blocks of common prompt prefixes) is off: plain, private block tables
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=32,
+                          enable_prefix_caching=False)
     eng = LLMEngine(model, cfg)
     plans = []
     eng.on_plan = plans.append

@@ -35,14 +35,16 @@ def load():
 
     torch.set_num_threads(1)   # the step is memory-bound (reading the weights), one thread is enough
     try:
-        llm = LLM(dtype="float64", max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64)
+        llm = LLM(dtype="float64", max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                  enable_prefix_caching=False)   # plain private block tables: freed blocks are free
         return llm.engine, [llm.tokenizer.encode(p) for p in PROMPTS], "SmolLM2-135M-Instruct"
     except ModelLoadError as e:
         print(f"(the real model is not available: {e}; using the tiny random model instead)")
         from minicb.config import SchedulerConfig
         from minicb.engine import LLMEngine
 
-        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64)
+        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                              enable_prefix_caching=False)
         return LLMEngine(tiny_model(), cfg), [prompt_ids(n, i) for i, n in enumerate((6, 9, 5))], "tiny"
 
 

@@ -28,7 +28,7 @@ NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 6, 4, 8
 def config(mode: str) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, block_size=BLOCK_SIZE,
                            num_blocks=NUM_BLOCKS, num_host_blocks=HOST_BLOCKS if mode == "swap" else 0,
-                           preemption_mode=mode)
+                           preemption_mode=mode, enable_prefix_caching=False)   # plain private tables
 
 
 def snapshot(sched) -> dict:

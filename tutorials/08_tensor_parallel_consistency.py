@@ -36,7 +36,7 @@ def digest(plan) -> str:
 
 def replica(num_blocks: int) -> Scheduler:
     sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, block_size=4,
-                                      num_blocks=num_blocks))
+                                      num_blocks=num_blocks, enable_prefix_caching=False))
     for i, (rid, p, o) in enumerate(REQUESTS):
         sched.add(Sequence(rid, prompt_ids(p, i), SamplingParams(max_tokens=o, ignore_eos=True)))
     sched.close_arrivals()
