@@ -63,7 +63,7 @@ class VarlenPlan:
     pad_cu_seqlens: torch.Tensor | None  # int32 [P + 1] over the trailing padding rows, or None
     pad_max_seqlen: int
     slot_mapping: torch.Tensor          # int64 [N]
-    write_mask: torch.Tensor            # bool [N], False for padding tokens
+    write_mask: torch.Tensor | None     # bool [N], False for padding tokens; None when all are written
 
     @property
     def num_seqs(self) -> int:
@@ -105,8 +105,14 @@ def build_varlen_plan(meta: AttentionMetadata, has_cache: bool, mode: str = "gat
         key_slots=gather_key_slots(meta, r) if (mode == "gather" and r) else None,
         block_table=meta.block_tables[:r].to(torch.int32).contiguous() if mode == "paged" else None,
         pad_cu_seqlens=pad_cu, pad_max_seqlen=max(pad, default=0),
-        slot_mapping=meta.slot_mapping, write_mask=meta.slot_mapping >= 0,
+        slot_mapping=meta.slot_mapping, write_mask=_write_mask(meta.slot_mapping),
     )
+
+
+def _write_mask(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """The tokens that get a cache slot; None when all do (one host sync per step, not per layer)."""
+    mask = slot_mapping >= 0
+    return None if bool(mask.all()) else mask
 
 
 class VarlenAttention(AttentionBackend):
