@@ -25,7 +25,8 @@ are fewer queries than keys, which is wrong for a prefill chunk that follows cac
 new K/V into the paged cache through ``slot_mapping`` and reads the older keys back through
 ``block_tables``. It is vectorised: one gather per layer for all decodes and one for all prompt chunks;
 no Python loop over tokens. ``StaticCacheAttention`` is the padded ``[batch, max_len]`` cache of the
-static baseline (the gpt-fast shape).
+static baseline (the gpt-fast shape). The CUDA backends (``flash-attn``, ``torch-varlen``: varlen
+kernels fed from the paged cache) and the registry that chooses among all of them live in ``backends/``.
 """
 
 from __future__ import annotations
