@@ -129,6 +129,7 @@ def test_llm_config_is_checked_before_the_model_loads(kwargs, needles, monkeypat
     (dict(max_num_seq=4), InvalidArgument, ["unknown LLM argument", "max_num_seq", "max_num_seqs"]),
     (dict(dtype="int8"), InvalidArgument, ["dtype", "'float32'", "'int8'"]),
     (dict(attn_backend="flash9"), InvalidArgument, ["attn_backend", "'reference'", "'flash9'"]),
+    (dict(device="tpu"), InvalidArgument, ["device must be 'cpu', 'cuda' or 'cuda:N'", "'tpu'"]),
     (dict(seed=1.5), InvalidArgument, ["seed", "integer"]),
     (dict(seed=-2), InvalidArgument, ["seed", "[0,"]),
 ])
