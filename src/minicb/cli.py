@@ -43,7 +43,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +99,7 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
-              attn_backend=args.attn_backend)
+              attn_backend=args.attn_backend, tensor_parallel_size=args.tp)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     eng = llm.engine
@@ -117,6 +118,7 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
             if out.finished and out.error:
                 sys.stderr.write(f"minicb: request {out.request_id} failed: {out.error}\n")
+    llm.shutdown()
     return 0
 
 

@@ -248,13 +248,19 @@ class LLM:
     ``model`` is a path (GGUF file or Hugging Face directory), ``None`` for the default SmolLM2, or an
     already built ``LlamaForCausalLM`` (tests pass tiny random ones). Other keyword arguments are
     ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...).
+
+    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``: this
+    process is rank 0, the others are started here, or it joins a ``torchrun`` job); call
+    ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop them.
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
-                 clock: Callable[[], float] = time.perf_counter, **config) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
+                 **config) -> None:
         torch_dtype = _dtype(dtype)
         device = check_device(device)
+        check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
         _check_config_names(config)
         SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
         if not isinstance(model, LlamaForCausalLM):
@@ -262,9 +268,29 @@ class LLM:
 
             loaded = load_model(model, dtype=torch_dtype)
             tokenizer = tokenizer or loaded.tokenizer
-            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, device)
+            # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
+            home = device if tensor_parallel_size == 1 else "cpu"
+            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
         sched = SchedulerConfig(**_default_config(model, config))
-        self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock, attn_backend=attn_backend)
+        if tensor_parallel_size > 1:
+            from minicb.distributed import launch
+
+            self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
+                                 clock=clock, attn_backend=attn_backend, device=device)
+        else:
+            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
+                                    attn_backend=attn_backend)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):
@@ -324,7 +350,8 @@ def _check_config_names(config: dict) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
         raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
-                              f"dtype, device, seed, attn_backend, clock and the SchedulerConfig fields "
+                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size and the "
+                              f"SchedulerConfig fields "
                               f"{', '.join(sorted(known))}")
 
 
