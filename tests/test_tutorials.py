@@ -235,6 +235,11 @@ def test_08_tensor_parallel_consistency():
     diverged = value(out, r"ranks with 9 and 8 KV blocks first disagree at step (\d+)")
     assert diverged == first_disagreement(9, 8)
     assert "DistributedError: step" in out
+    # section 3: the real minicb.distributed with 2 processes
+    steps = value(out, r"two identical ranks: (\d+) steps")
+    assert value(out, r"2 ranks: (\d+) plans sent and checked") == steps       # one plan per step
+    assert value(out, r"tensor-parallel tokens equal to a single process: (\w+)") is True
+    assert "the ranks hold different plans for plan 3" in out                 # Fault(rank=1, at=3)
 
 
 def test_09_benchmark():

@@ -9,18 +9,20 @@ rank 1 packs 8, their all-reduce tensors differ in shape and the collective hang
 garbage). ``StepPlan.fingerprint()`` is a cheap summary of a plan that ranks can compare before the
 forward pass.
 
-Note: this chapter uses two scheduler replicas in one process, driven in lockstep with a fake model;
-it needs no tensor-parallel runtime (``minicb.distributed`` is a separate piece of work). What it
-shows is exactly the condition such a runtime must check.
+Sections 1 and 2 use two scheduler replicas in one process, driven in lockstep with a fake model: the
+condition any tensor-parallel runtime must check. Section 3 runs the real one, ``minicb.distributed``
+(two CPU processes over ``torch.distributed``), where rank 0 schedules, sends each plan to the other
+rank and the ranks compare plan digests before every forward pass.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from _common import chapter, explain, prompt_ids, section
+from _common import chapter, explain, prompt_ids, section, tiny_model
 
 from minicb.config import SchedulerConfig
+from minicb.engine import LLMEngine
 from minicb.errors import DistributedError
 from minicb.sampling_params import SamplingParams
 from minicb.scheduler import Scheduler
@@ -66,6 +68,51 @@ def lockstep(ranks: list[Scheduler], verbose: bool = True) -> int:
     return step
 
 
+def generate(engine) -> dict[str, list[int]]:
+    """Run REQUESTS through a real engine (tiny model); tokens by request id."""
+    for i, (rid, p, o) in enumerate(REQUESTS):
+        engine.add_request(rid, prompt_ids(p, i), SamplingParams(max_tokens=o, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    return outs
+
+
+def real_tensor_parallelism() -> None:
+    try:
+        from minicb.distributed import Fault, launch
+    except ImportError as e:                     # torch.distributed missing from this build of torch
+        print(f"(minicb.distributed is not available here: {e})")
+        return
+    model = tiny_model()
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, block_size=4, num_blocks=32,
+                          enable_prefix_caching=False)
+    single = generate(LLMEngine(model, cfg))
+    engine = launch(model, cfg, tensor_parallel_size=2)        # spawns rank 1; this process is rank 0
+    try:
+        both = generate(engine)
+        stats = engine.comm_stats
+    finally:
+        engine.shutdown()
+    print(f"2 ranks: {stats.plans} plans sent and checked, {stats.all_reduce_calls} all-reduces")
+    print(f"tensor-parallel tokens equal to a single process: {both == single}")
+    explain("""
+        Now the failure on purpose: a test hook (Fault) makes rank 1 run an altered plan at its 4th
+        step (plan 3), as a bug in a rank's bookkeeping would. The digests differ, and every rank
+        raises DistributedError before the forward pass instead of entering mismatched all-reduces.
+    """)
+    engine = launch(model, cfg, tensor_parallel_size=2, fault=Fault(rank=1, at=3, kind="diverge"))
+    try:
+        generate(engine)
+        print("no error (unexpected)")
+    except DistributedError as e:
+        print(f"DistributedError on rank 0: {str(e).split('; rank 1:')[0]}")
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     chapter(8, "tensor-parallel consistency: the StepPlan fingerprint")
     explain("""
@@ -107,6 +154,15 @@ def main() -> None:
         instead. That is why vLLM gives all ranks the same KV capacity (the minimum over the workers)
         and why minicb's scheduler never consults anything rank-local.
     """)
+
+    section("3. the real thing: minicb.distributed, two processes on this CPU")
+    explain("""
+        minicb's tensor parallelism avoids the replica problem altogether: only rank 0 runs the
+        scheduler; it sends each plan to the other ranks, and all ranks all-gather an 8-byte digest of
+        (plan number, fingerprint) and compare before the forward pass. The tiny model's 4 query / 2 KV
+        heads are split over 2 ranks; the two all-reduces per layer sum their partial results.
+    """)
+    real_tensor_parallelism()
 
 
 if __name__ == "__main__":
