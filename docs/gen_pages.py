@@ -35,7 +35,7 @@ TRACE_ARGS = ["--num-requests", "10", "--seed", "3", "--max-num-seqs", "4", "--o
               "--prompt-len", "4", "24"]
 
 
-def tutorial_pages() -> None:
+def tutorial_pages(only: str | None = None) -> None:
     out_dir = DOCS / "tutorials"
     out_dir.mkdir(exist_ok=True)
     chapters = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
@@ -48,6 +48,10 @@ def tutorial_pages() -> None:
         doc = ast.get_docstring(ast.parse(path.read_text()))
         title, _, rest = doc.partition("\n")
         intro = rest.replace("Run: python", "Run it: `python").replace(".py\n", ".py`\n", 1)
+        summary = title.split(":", 1)[1].strip().rstrip(".")
+        index.append(f"| [{title.split(':')[0]}]({path.stem}.md) | {summary} |")
+        if only and not path.name.startswith(only):
+            continue
         print(f"running {path.name} ...", flush=True)
         proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, capture_output=True, text=True,
                               check=True, timeout=600)
@@ -61,8 +65,6 @@ def tutorial_pages() -> None:
                 proc.stdout.rstrip(),
                 "```\n"]
         (out_dir / f"{path.stem}.md").write_text("\n".join(page))
-        summary = title.split(":", 1)[1].strip().rstrip(".")
-        index.append(f"| [{title.split(':')[0]}]({path.stem}.md) | {summary} |")
     (out_dir / "index.md").write_text("\n".join(index) + "\n")
 
 
@@ -95,13 +97,14 @@ def images() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["tutorials", "api", "images"])
+    p.add_argument("--tutorial", help="with --only tutorials: rerun only the chapters starting with this")
     args = p.parse_args()
     if args.only in (None, "api"):
         api_pages()
     if args.only in (None, "images"):
         images()
     if args.only in (None, "tutorials"):
-        tutorial_pages()
+        tutorial_pages(args.tutorial)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,4 @@ def test_09_benchmark():
         duration = max(ends[s] for s in finish.values()) - starts[0]
         assert float(row.group(2)) == pytest.approx(sum(wl.max_tokens) / duration, abs=0.006)
     assert value(out, r"identical tokens: (\w+)") is True
+    assert value(out, r"P99 ITL and throughput: (\w+)") is True               # minicb.metrics agrees

@@ -6,7 +6,8 @@ The seed's table compares static batching, naive dynamic batching and continuous
 numbers: throughput, compute utilisation, mean queueing delay, P99 inter-token latency and padding
 waste. This chapter runs one workload through minicb's three policies with the real engine (a tiny
 random model, so it takes seconds on a CPU) and computes each number from what the engine records:
-the scheduler's counters and each request's timestamps.
+the scheduler's counters and each request's timestamps, then checks the numbers against
+``minicb.metrics`` (what ``minicb bench`` reports).
 
 Time: the engine's clock here is a simple cost model instead of the wall clock, so the numbers do not
 depend on this machine or its load. A step lasts ``1 + tokens / 64`` units, tokens counting padding:
@@ -20,6 +21,7 @@ import time
 
 from _common import chapter, explain, run_engine, section, tiny_model
 
+from minicb import metrics
 from minicb.config import SchedulerConfig
 from minicb.trace import make_workload, render_ascii
 
@@ -47,8 +49,14 @@ def measure(model, policy: str, workload, budget: int = 128) -> dict:
     cfg = SchedulerConfig(max_num_seqs=SLOTS, max_num_batched_tokens=budget, block_size=8, num_blocks=256,
                           policy=policy)
     prompts = [list(p) for p in workload.prompts]
+    plans = []
+
+    def cost(plan) -> float:                   # the engine's clock, keeping every plan for metrics
+        plans.append(plan)
+        return step_cost(plan)
+
     t0 = time.perf_counter()
-    outs, trace, eng = run_engine(model, cfg, prompts, workload.max_tokens, workload.arrivals, step_cost)
+    outs, trace, eng = run_engine(model, cfg, prompts, workload.max_tokens, workload.arrivals, cost)
     wall = time.perf_counter() - t0
     st = eng.scheduler.stats
     generated = sum(len(o.token_ids) for o in outs.values())
@@ -63,7 +71,21 @@ def measure(model, policy: str, workload, budget: int = 128) -> dict:
         "padding": st.num_padding_tokens, "real": st.num_batched_tokens,
         "waste": st.num_padding_tokens / (st.num_padding_tokens + st.num_batched_tokens),
         "tokens": {rid: o.token_ids for rid, o in outs.items()},
+        "summary": library_summary(plans, outs.values()),
     }
+
+
+def library_summary(plans, outputs) -> metrics.Summary:
+    """The same run through ``minicb.metrics`` (what ``minicb bench`` reports): step records from the
+    plans and the cost clock, request records from the outputs."""
+    steps, t = [], 0.0
+    for plan in plans:
+        end = t + step_cost(plan)
+        if plan.seqs or plan.padding:
+            steps.append(metrics.step_record(plan, t, end))
+        t = end
+    return metrics.summarize([metrics.RequestRecord.from_output(o) for o in outputs], steps,
+                             num_slots=SLOTS)
 
 
 def main() -> None:
@@ -95,6 +117,13 @@ def main() -> None:
     for policy, r in results.items():
         print(f"{policy}: padding waste = {r['padding']} padding / ({r['padding']} + {r['real']} real tokens)"
               f" = {100 * r['waste']:.2f}%")
+    agree = all(
+        abs(r["summary"].padding_waste - r["waste"]) < 1e-12
+        and abs(r["summary"].queueing_delay_mean - r["queue"]) < 1e-9
+        and abs(r["summary"].itl_p99 - r["p99_itl"]) < 1e-9
+        and abs(r["summary"].output_tokens_per_s - r["throughput"]) < 1e-9 for r in results.values())
+    print(f"minicb.metrics.summarize gives the same padding waste, queueing delay, P99 ITL and throughput: "
+          f"{agree}")
     same = all(r["tokens"] == results["static"]["tokens"] for r in results.values())
     print(f"all four runs produced identical tokens: {same}")
 
