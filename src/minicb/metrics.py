@@ -160,10 +160,13 @@ def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
     body = 2.0 * layer_matmul_params(cfg)
     head = 2.0 * cfg.vocab_size * cfg.hidden_size
     attn = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    total = 0.0
+    tokens = pairs = sampled = 0
     for s in plan.seqs:
-        total += body * s.num_tokens + attn * causal_pairs(s.start_pos, s.num_tokens) + head * s.sample
-    return total
+        n, start = len(s.token_ids), s.start_pos
+        tokens += n
+        pairs += n * start + n * (n + 1) // 2
+        sampled += s.sample
+    return body * tokens + attn * pairs + head * sampled
 
 
 def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | None = None,
