@@ -83,7 +83,7 @@ def test_pages_in_headless_chromium(site):
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
-    with site_check.serve(site) as base, site_check.Chromium(binary) as browser:
+    with site_check.Chromium(binary) as browser, site_check.serve(site) as base:   # fork before threads
         home = browser.open(base)
         tutorial = browser.open(base + "tutorials/01_static_batching/")
     assert home.errors == [] and tutorial.errors == [], home.errors + tutorial.errors
