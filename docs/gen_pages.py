@@ -26,7 +26,7 @@ API_MODULES = [
     ("Scheduler side (no torch)", ["sequence", "slot_table", "block_manager", "planner", "preemption",
                                    "scheduler", "plan", "config", "sampling_params", "errors"]),
     ("Model side", ["packer", "kv_cache", "model.llama", "model.attention", "model.loader",
-                    "model.tokenizer", "sampling", "engine", "baseline"]),
+                    "model.tokenizer", "sampling", "engine", "baseline", "distributed"]),
     ("Measurement and teaching", ["trace", "metrics", "simulate", "workloads"]),
 ]
 
