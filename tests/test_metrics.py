@@ -197,7 +197,8 @@ def test_engine_static_batch_padding_waste_and_records():
     model = _tiny_model()
     prompts = make_prompts(STATIC_REQS, model.config.vocab_size, seed=0)
     kw = dict(max_num_seqs=2, num_blocks=8, block_size=4, max_model_len=16)
-    reqs, steps, stats = run_policy(model, "static", STATIC_REQS, prompts, kw)
+    reqs, steps, stats, shapes = run_policy(model, "static", STATIC_REQS, prompts, kw)
+    assert shapes == [[[[0, 2, 1], [0, 4, 1]], [2]], [[[4, 1, 1]], [1]], [[[5, 1, 1]], [1]]]
     s = summarize(reqs, steps, num_slots=2, num_blocks=8, peak_flops=1e9)
     assert s.padding_waste == pytest.approx(4 / 12)
     assert [(st.num_seqs, st.num_tokens, st.num_padding_tokens) for st in steps] == [(2, 6, 2), (1, 1, 1),

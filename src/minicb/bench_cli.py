@@ -114,15 +114,16 @@ def machine_description() -> str:
 
 # --- the run ------------------------------------------------------------------------------------------
 class CpuClock:
-    """This process's CPU time plus the idle time skipped by ``sleep``: the timeline the engine would
+    """This thread's CPU time plus the idle time skipped by ``sleep``: the timeline the engine would
     have on a machine of its own. Other processes on a shared machine do not advance it (with one
-    torch thread, CPU time is the engine's work)."""
+    torch thread every op runs on the calling thread, so its CPU time is the engine's work; a progress
+    display's refresh thread is not counted)."""
 
     def __init__(self) -> None:
         self.skipped = 0.0
 
     def __call__(self) -> float:
-        return time.process_time() + self.skipped
+        return time.thread_time() + self.skipped
 
     def sleep(self, seconds: float) -> None:
         self.skipped += max(seconds, 0.0)
@@ -154,13 +155,16 @@ def make_prompts(requests: list[Request], vocab: int, seed: int) -> dict[str, li
 
 def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, list[int]], sched_kwargs: dict,
                progress=None, clock=time.perf_counter, sleep=time.sleep):
-    """Serve ``requests`` with a fresh engine; return (request records, step records, scheduler stats)."""
+    """Serve ``requests`` with a fresh engine; return (request records, step records, scheduler stats,
+    the shape of every step's plan)."""
     from minicb.config import SchedulerConfig
     from minicb.engine import LLMEngine
     from minicb.sampling_params import SamplingParams
 
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
     engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
+    shapes: list = []
+    engine.on_plan = lambda plan: shapes.append(plan_shape(plan)) if (plan.seqs or plan.padding) else None
     rec = StepRecorder(model.config).attach(engine)
     order = sorted(requests, key=lambda r: r.arrival)
     done: list[RequestRecord] = []
@@ -188,7 +192,23 @@ def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, l
             runnable = not engine.last_plan.is_empty
         if not runnable and k < len(order):          # idle, or the static batch is still filling
             sleep(max(0.0, t0 + order[k].arrival - clock()))
-    return done, rec.steps, engine.scheduler.stats
+    return done, rec.steps, engine.scheduler.stats, shapes
+
+
+def plan_shape(plan) -> list:
+    """A step's plan as JSON: ``[[start_pos, num_tokens, sample], ...], padding`` (what a cost model
+    needs to price it again: ``bench/validate_sim.py``)."""
+    return [[[s.start_pos, s.num_tokens, int(s.sample)] for s in plan.seqs], list(plan.padding)]
+
+
+def shape_plan(shape, block_size: int = 16):
+    """The inverse of ``plan_shape``: a ``StepPlan`` with dummy token ids of the same shape."""
+    from minicb.plan import ScheduledSeq, StepPlan
+
+    rows, padding = shape
+    seqs = tuple(ScheduledSeq(str(i), i, (1,) * n, start, (), bool(sample))
+                 for i, (start, n, sample) in enumerate(rows))
+    return StepPlan(0, seqs, padding=tuple(padding), block_size=block_size)
 
 
 def _progress_display(enabled: bool, total: int):
@@ -207,6 +227,8 @@ def cmd_bench(args) -> int:
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
     check_int("--threads", args.threads, lo=0)
+    if args.clock == "cpu" and args.threads != 1:
+        raise InvalidArgument("--clock cpu measures one thread's CPU time: use it with --threads 1")
     if args.replay and args.trace == "sharegpt":
         raise InvalidArgument("--replay needs timestamps: use --trace azure-conv or azure-code (or --rate)")
     import torch
@@ -225,7 +247,7 @@ def cmd_bench(args) -> int:
     sched_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
                         num_blocks=args.num_blocks, max_model_len=max(max_len, 16))
-    ceiling_clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    ceiling_clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     peak = args.peak_gflops * 1e9 if args.peak_gflops else matmul_ceiling_gflops(clock=ceiling_clock) * 1e9
     machine = machine_description()
     print(f"machine: {machine}; float32 matmul ceiling {peak / 1e9:.1f} GFLOP/s; {args.clock} clock",
@@ -253,10 +275,11 @@ def cmd_bench(args) -> int:
                     prog.update(task, completed=n_done, info=info)
             clock = CpuClock() if args.clock == "cpu" else None
             timing = dict(clock=clock, sleep=clock.sleep) if clock is not None else {}
-            reqs, steps, stats = run_policy(model, policy, requests, prompts, sched_kwargs, tick, **timing)
+            reqs, steps, stats, shapes = run_policy(model, policy, requests, prompts, sched_kwargs, tick,
+                                                    **timing)
             s = summarize(reqs, steps, label=policy, num_slots=args.max_num_seqs, num_blocks=args.num_blocks,
                           peak_flops=peak, num_preemptions=stats.num_preemptions)
-            results[policy] = (s, reqs, steps)
+            results[policy] = (s, reqs, steps, shapes)
     finally:
         if prog is not None:
             prog.stop()
@@ -276,7 +299,8 @@ def write_outputs(args, summaries, results, requests, machine, peak, sched_kwarg
             "machine": machine, "peak_gflops": peak / 1e9, "scheduler": sched_kwargs,
             "workload": [vars_of(r) for r in requests]}
     blob = {"meta": meta, "table": format_table(summaries, markdown=True),
-            "runs": {label: records_to_json(s, reqs, steps) for label, (s, reqs, steps) in results.items()}}
+            "runs": {label: records_to_json(s, reqs, steps, {"plans": shapes})
+                     for label, (s, reqs, steps, shapes) in results.items()}}
     path = os.path.join(args.out, "bench.json")
     with open(path, "w") as f:
         json.dump(blob, f, indent=1)

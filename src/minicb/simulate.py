@@ -439,7 +439,9 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
         while k < len(order) and order[k].arrival <= now:
             r = order[k]
             params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-            seq = Seq(r.request_id, [1] * r.prompt_len, params, arrival_time=r.arrival)
+            # a distinct first token: no two prompts share a prefix (the prefix cache finds nothing,
+            # as with the random prompts of minicb bench)
+            seq = Seq(r.request_id, [k + 2] + [1] * (r.prompt_len - 1), params, arrival_time=r.arrival)
             sched.add(seq)
             seqs.append(seq)
             k += 1
