@@ -10,8 +10,10 @@ What must hold at the end (DESIGN.md section 3):
 * afterwards every slot and every block, device and host, is free; the scheduler's invariants held
   after every step.
 
-Prompts are 1-40 tokens and 1-24 new tokens, so a run costs about 5,000 engine steps; the model has one
-layer of width 16 (``robust_helpers.MICRO``). It runs in CI (about 20-40 s per mode on 2 cores).
+Half the prompts start with one of eight shared prefixes and prefix caching is on, so cached blocks
+are shared, evicted, preempted and aborted along the way too. Prompts are 1-40 tokens and 1-24 new
+tokens, so a run costs about 5,000 engine steps; the model has one layer of width 16
+(``robust_helpers.MICRO``). It runs in CI (about 20-40 s per mode on 2 cores).
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ N = 2000
 
 def workload(seed: int):
     rng = random.Random(seed)
+    prefixes = [[rng.randrange(4, MICRO.vocab_size) for _ in range(rng.randint(4, 20))] for _ in range(8)]
     prompts, params, arrivals, t = [], [], [], 0.0
     for _ in range(N):
-        prompts.append([rng.randrange(4, MICRO.vocab_size) for _ in range(rng.randint(1, 40))])
+        prompt = [rng.randrange(4, MICRO.vocab_size) for _ in range(rng.randint(1, 40))]
+        if rng.random() < 0.5:
+            prompt = (rng.choice(prefixes) + prompt)[:40]
+        prompts.append(prompt)
         kind = rng.random()
         if kind < 0.6:
             sp = SamplingParams(max_tokens=rng.randint(1, 24))
@@ -57,7 +63,7 @@ def test_soak(mode):
     prompts, params, arrivals = workload(seed=2024 + (mode == "swap"))
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=96, long_prefill_chunk=32,
                              block_size=4, num_blocks=40, num_host_blocks=16 if mode == "swap" else 0,
-                             preemption_mode=mode, max_model_len=128)
+                             preemption_mode=mode, max_model_len=128, enable_prefix_caching=True)
     eng = LLMEngine(model, config)
     rng = random.Random(7)
 
