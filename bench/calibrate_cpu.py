@@ -20,7 +20,7 @@ compute and memory terms add) by non-negative least squares on relative errors::
 
     t_forward = linear FLOPs / (ceiling x compute_eff) + weight and activation bytes / (bandwidth x
                 memory_eff) + attention FLOPs / (ceiling x attn_eff) + attention K/V bytes / (bandwidth
-                x attn_memory_eff) + linear ops x op_launch
+                x attn_memory_eff) + linear ops x op_launch + attention calls x attn_group
 
 and prints every case's measured and fitted time. Not a test: numbers depend on the machine and on
 what else runs on it.
@@ -35,6 +35,7 @@ import pathlib
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -88,13 +89,27 @@ def padded_prefill_plan(lens: list[int]) -> StepPlan:
     return StepPlan(0, seqs, padding=tuple(longest - n for n in lens if longest - n), block_size=BS)
 
 
+def padded_decode_plan(n: int, n_pad: int, ctx: int) -> StepPlan:
+    """A padded batch's decode step: ``n`` decodes and ``n_pad`` one-token padding rows."""
+    return replace(decode_plan(n, ctx, BS), padding=(1,) * n_pad)
+
+
 def cases() -> list[tuple[str, StepPlan]]:
     out = [(f"decode {n} @128", decode_plan(n, 128, BS)) for n in (1, 8, 32, 64)]     # bench/forward.py
     out.append(("prefill 512", prefill_plan(512, BS)))                                # bench/forward.py
     out += [(f"decode {n} @{c}", decode_plan(n, c, BS)) for n, c in ((8, 32), (32, 32), (8, 512), (32, 512))]
+    # the small decode steps a lightly loaded server runs most of the time
+    out += [(f"decode {n} @{c}", decode_plan(n, c, BS)) for n, c in ((2, 48), (4, 32), (12, 40), (16, 64),
+                                                                     (24, 48))]
     out += [(f"prefill {n}", prefill_plan(n, BS)) for n in (32, 128, 256)]
     out += [("chunk 128 + 16 decodes @256", mixed_plan(128, 16, 256)),
             ("padded prefill 8 rows", padded_prefill_plan([12, 40, 64, 20, 8, 33, 64, 50]))]
+    # small steps of two and three attention groups (chunked-prefill steps, padded decode steps)
+    out += [("chunk 8 + 8 decodes @48", mixed_plan(8, 8, 48)),
+            ("chunk 4 + 4 decodes @32", mixed_plan(4, 4, 32)),
+            ("decode 4 + 4 padding rows @48", padded_decode_plan(4, 4, 48)),
+            ("decode 16 + 8 padding rows @48", padded_decode_plan(16, 8, 48)),
+            ("chunk 8 + 4 decodes + 2 padding", replace(mixed_plan(8, 4, 32), padding=(1, 1)))]
     return out
 
 
@@ -161,7 +176,7 @@ def fit(points, ceiling: float, bw: float) -> dict:
     for _, plan, t in points:
         f = base.features(plan)
         rows.append([f["linear_flops"] / ceiling, (f["linear_bytes"] + f["elementwise_bytes"]) / bw,
-                     f["attn_flops"] / ceiling, f["attn_bytes"] / bw, f["linear_ops"]])
+                     f["attn_flops"] / ceiling, f["attn_bytes"] / bw, f["linear_ops"], f["attn_calls"]])
         ts.append(t)
     a, t = np.array(rows), np.array(ts)
     floor = a[:, :4].sum(axis=1)              # every efficiency at 1
@@ -169,7 +184,8 @@ def fit(points, ceiling: float, bw: float) -> dict:
     u_c, u_m, u_a, u_am = (1 + float(x) for x in coef[:4])
     return {"ceiling_gflops": ceiling / 1e9, "mem_bw_gbs": bw / 1e9, "compute_eff": 1 / u_c,
             "memory_eff": 1 / u_m, "elementwise_eff": 1 / u_m, "attn_eff": 1 / u_a,
-            "attn_memory_eff": 1 / u_am, "op_launch_s": float(coef[4]), "elementwise_launch_s": 0.0}
+            "attn_memory_eff": 1 / u_am, "op_launch_s": float(coef[4]), "elementwise_launch_s": 0.0,
+            "attn_group_s": float(coef[5])}
 
 
 def measure(args) -> dict:
@@ -185,7 +201,7 @@ def measure(args) -> dict:
     cases_t = {}
     for name, plan in cases():
         cases_t[name] = time_forward(model, plan, args.repeats)
-        print(f"  {name:<30} {1e3 * cases_t[name]:9.1f} ms", flush=True)
+        print(f"  {name:<34} {1e3 * cases_t[name]:9.1f} ms", flush=True)
     over = engine_overhead()
     print("engine overhead outside the forward: " + ", ".join(f"{n} seqs {1e3 * t:.2f} ms" for n, t in over))
     return {"measured_ceiling_gflops": ceiling / 1e9, "measured_bw_gbs": bw / 1e9,
@@ -226,15 +242,16 @@ def main() -> None:
     cm = preset("smollm2-135m", calibration=cal)
     print(f"fit: compute_eff {cal['compute_eff']:.3f} of {cal['ceiling_gflops']:.1f} GFLOP/s, memory_eff "
           f"{cal['memory_eff']:.3f} of {cal['mem_bw_gbs']:.1f} GB/s, attn_eff {cal['attn_eff']:.3f}, "
-          f"attn_memory_eff {cal['attn_memory_eff']:.3f}, "
-          f"launch {1e6 * cal['op_launch_s']:.1f} us/op, step overhead {1e3 * cal['step_overhead_s']:.2f} ms "
+          f"attn_memory_eff {cal['attn_memory_eff']:.3f}, launch {1e6 * cal['op_launch_s']:.1f} us/op, "
+          f"{1e6 * cal['attn_group_s']:.0f} us per attention call, step overhead "
+          f"{1e3 * cal['step_overhead_s']:.2f} ms "
           f"+ {1e3 * cal['seq_overhead_s']:.3f} ms/seq")
-    print(f"{'case':<30}{'measured ms':>12}{'model ms':>10}{'error':>8}")
+    print(f"{'case':<34}{'measured ms':>12}{'model ms':>10}{'error':>8}")
     errs = []
     for name, plan, t in points:
         p = cm.step_time(plan) - cm.breakdown(plan)["overhead"]
         errs.append(abs(p / t - 1))
-        print(f"{name:<30}{1e3 * t:>12.1f}{1e3 * p:>10.1f}{100 * (p / t - 1):>7.1f}%")
+        print(f"{name:<34}{1e3 * t:>12.1f}{1e3 * p:>10.1f}{100 * (p / t - 1):>7.1f}%")
     cal["fit_median_abs_error"] = statistics.median(errs)
     cal["fit_max_abs_error"] = max(errs)
     print(f"median |error| {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}%")

@@ -61,8 +61,16 @@ def step_errors(cost, run: dict) -> dict:
                      "p90_abs": percentile(absolute, 90), "median_signed": statistics.median(rel),
                      "total": sum(p for _, p, _ in ps) / sum(m for _, _, m in ps) - 1,
                      "measured_ms_median": 1e3 * statistics.median(m for _, _, m in ps),
-                     "simulated_ms_median": 1e3 * statistics.median(p for _, p, _ in ps)}
+                     "simulated_ms_median": 1e3 * statistics.median(p for _, p, _ in ps),
+                     # how much the step times spread (P90 / P10): the model's spread comes from the
+                     # plans alone; what the measurement adds on top is the machine's noise
+                     "measured_spread": _spread([m for _, _, m in ps]),
+                     "simulated_spread": _spread([p for _, p, _ in ps])}
     return out
+
+
+def _spread(xs: list[float]) -> float:
+    return percentile(xs, 90) / percentile(xs, 10)
 
 
 def fmt(x, scale):
@@ -87,7 +95,8 @@ def main() -> None:
     lines += ["**Step times** (each measured step's plan priced by the cost model; error = simulated / "
               "measured - 1):", "",
               "| policy | steps | median measured ms | median simulated ms | median abs error "
-              "| P90 abs error | error of the total |", "|---|---|---:|---:|---:|---:|---:|"]
+              "| P90 abs error | error of the total | spread P90/P10 measured / simulated |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     result = {"steps": {}, "table": {}}
     sims = {}
     for policy, run in blob["runs"].items():
@@ -96,7 +105,8 @@ def main() -> None:
         for name, e in errs.items():
             lines.append(f"| {policy} | {name}: {e['steps']} | {e['measured_ms_median']:,.0f} | "
                          f"{e['simulated_ms_median']:,.0f} | {100 * e['median_abs']:.1f}% | "
-                         f"{100 * e['p90_abs']:.1f}% | {100 * e['total']:+.1f}% |")
+                         f"{100 * e['p90_abs']:.1f}% | {100 * e['total']:+.1f}% | "
+                         f"{e['measured_spread']:.2f} / {e['simulated_spread']:.2f} |")
         sims[policy] = simulate(requests, SchedulerConfig(policy=policy, **meta["scheduler"]), cost,
                                 label=policy).summary
     lines += ["", "**The table** (measured by `minicb bench` vs simulated by `minicb.simulate` on the same "

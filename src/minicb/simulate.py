@@ -19,7 +19,8 @@ The cost of one step (``CostModel.breakdown``), per device of a ``tp``-way tenso
                  (a roofline per op; on a CPU core that does not overlap the two, their sum)
     attention    prefill: 4 x heads x head_dim per causal (query, key) pair / (peak x attn_eff);
                  decode: K and V bytes of the context / (bandwidth x memory_eff);
-                 "grouped" (minicb's reference CPU backend) costs padded [rows x Lq x Lk] rectangles
+                 "grouped" (minicb's reference CPU backend) costs padded [rows x Lq x Lk] rectangles,
+                 one per group (decodes, prompt chunks, padding rows), plus a fixed cost per group
     elementwise  norms, RoPE, SiLU, residual adds: bytes / (bandwidth x elementwise_eff) + launch
     all-reduce   two per layer (after attention, after the MLP) of M x hidden x dtype bytes, from the
                  measured NCCL table for tp workers (log-log interpolation)
@@ -100,6 +101,8 @@ class CostModel:
     elementwise_eff: float = 0.64
     op_launch_s: float = 18e-6            # per linear op (launch and tail latency)
     elementwise_launch_s: float = 12e-6   # per layer, all elementwise ops together
+    attn_group_s: float = 0.0             # per layer and attention group ("grouped": a fixed cost of each
+                                          # gather + mask + SDPA call, which the CPU backend makes per group)
     step_overhead_s: float = 1e-3
     seq_overhead_s: float = 10e-6
     attention: str = "varlen"             # "varlen" (exact causal pairs) or "grouped" (minicb reference)
@@ -166,15 +169,15 @@ class CostModel:
         w = (math.log(nbytes) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
 
-    def _attention(self, plan: StepPlan) -> tuple[float, float]:
-        """(FLOPs, bytes) of attention per layer per device."""
+    def _attention(self, plan: StepPlan) -> tuple[float, float, int]:
+        """(FLOPs, bytes, attention calls) of attention per layer per device."""
         m, t = self.model, self.tp
         qh, kvh, d, b = m.num_attention_heads / t, m.num_key_value_heads / t, m.head_dim, self.dtype_bytes
         if self.attention == "varlen":
             pairs = sum(causal_pairs(s.start_pos, s.num_tokens) for s in plan.seqs)
             pairs += sum(causal_pairs(0, n) for n in plan.padding)
             keys = sum(s.context_len for s in plan.seqs) + sum(plan.padding)
-            return 4.0 * qh * d * pairs, 2.0 * kvh * d * b * keys
+            return 4.0 * qh * d * pairs, 2.0 * kvh * d * b * keys, 1
         # grouped: decodes padded to the longest context, prompt chunks to the longest chunk and context,
         # padding rows attend to themselves (their own padded group): what ReferenceAttention computes
         flops = nbytes = 0.0
@@ -190,7 +193,7 @@ class CostModel:
         for g, lq, lk in groups:
             flops += 4.0 * qh * d * g * lq * lk
             nbytes += 2.0 * kvh * d * b * g * lk + g * lq * lk     # gathered K and V, the boolean mask
-        return flops, nbytes
+        return flops, nbytes, len(groups)
 
     def features(self, plan: StepPlan) -> dict[str, float]:
         """The raw work of one step per device: FLOPs and bytes by kind, operation and row counts."""
@@ -210,11 +213,12 @@ class CostModel:
             lin_f += 2.0 * sampled * h * m.vocab_size / t
             lin_b += b * (h * m.vocab_size / t + sampled * h + sampled * m.vocab_size / t)
             n_ops += 1
-        af, ab = self._attention(plan) if tokens else (0.0, 0.0)
+        af, ab, calls = self._attention(plan) if tokens else (0.0, 0.0, 0)
         eb = b * tokens * (10 * h + 4 * (m.num_attention_heads + m.num_key_value_heads) * d / t + 3 * i / t)
         return {"tokens": tokens, "rows": len(plan.seqs) + len(plan.padding), "sampled": sampled,
                 "linear_flops": lin_f, "linear_bytes": lin_b, "linear_ops": n_ops,
-                "attn_flops": L * af, "attn_bytes": L * ab, "elementwise_bytes": L * eb,
+                "attn_flops": L * af, "attn_bytes": L * ab, "attn_calls": L * calls,
+                "elementwise_bytes": L * eb,
                 "layers": L if tokens else 0, "copies": len(plan.swap_in) + len(plan.swap_out)}
 
     def _layer_shapes(self) -> tuple[tuple[float, float], ...]:
@@ -237,10 +241,10 @@ class CostModel:
         if tokens:
             out["linear"] = L * sum(self._linear(tokens, k, n) for k, n in self._layer_shapes())
             out["lm_head"] = self._linear(sampled, h, m.vocab_size / t)
-            af, ab = self._attention(plan)
+            af, ab, calls = self._attention(plan)
             fa = af / (dv.peak_flops * self.attn_eff)
             ba = ab / (dv.mem_bw * (self.attn_memory_eff or self.memory_eff))
-            out["attention"] = L * (max(fa, ba) if dv.overlap else fa + ba)
+            out["attention"] = L * ((max(fa, ba) if dv.overlap else fa + ba) + calls * self.attn_group_s)
             eb = self.dtype_bytes * tokens * (10 * h + 4 * (m.num_attention_heads + m.num_key_value_heads)
                                               * m.head_dim / t + 3 * m.intermediate_size / t)
             out["elementwise"] = L * (eb / (dv.mem_bw * self.elementwise_eff) + self.elementwise_launch_s)
@@ -395,6 +399,7 @@ def preset(name: str, calibration: dict | None = None, **overrides) -> CostModel
                        elementwise_eff=cal.get("elementwise_eff", 1.0),
                        op_launch_s=cal.get("op_launch_s", 0.0),
                        elementwise_launch_s=cal.get("elementwise_launch_s", 0.0),
+                       attn_group_s=cal.get("attn_group_s", 0.0),
                        step_overhead_s=cal["step_overhead_s"], seq_overhead_s=cal["seq_overhead_s"],
                        attention="grouped",
                        description=f"SmolLM2-135M, float32, {cal.get('machine', 'this CPU')}")
