@@ -30,11 +30,18 @@ EOS = 0
 
 
 # --- the fake model and its paged KV cache -----------------------------------------------------------
+FNV_START = 0xCBF29CE484222325
+
+
+def fnv_step(h: int, t: int) -> int:
+    return ((h ^ t) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+
+
 def next_token(tokens) -> int:
     """A pure function of the whole prefix (FNV-1a), like a greedy model; EOS comes up now and then."""
-    h = 0xCBF29CE484222325
+    h = FNV_START
     for t in tokens:
-        h = ((h ^ t) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+        h = fnv_step(h, t)
     return (h >> 17) % VOCAB
 
 
@@ -51,7 +58,13 @@ def alone(prompt: list[int], max_tokens: int, eos: int | None = EOS) -> list[int
 
 
 class FakeModel:
-    """Token ids stored per (block, offset), device and host pools, moved only as the plan says."""
+    """A fake K/V per (block, offset), device and host pools, moved only as the plan says.
+
+    As in a transformer, a token's K/V depends on the token *and everything before it*: the value
+    stored for position p is the FNV-1a state of tokens 0..p, chained from the value the cache holds
+    for position p - 1. So a block reused from the prefix cache with the right token ids but the
+    wrong prefix (or at the wrong position) gives wrong tokens, as it would with a real model.
+    """
 
     def __init__(self, config: SchedulerConfig):
         self.bs = config.block_size
@@ -66,15 +79,18 @@ class FakeModel:
             self.device[d] = list(self.host[h])
         for s in plan.seqs:                                   # the forward writes every row's K/V ...
             assert len(s.block_table) * self.bs >= s.context_len, "block table too short"
+            h = FNV_START if s.start_pos == 0 else self._read(s.block_table, s.start_pos - 1)
+            assert h is not None, f"{s.request_id} reads a position nobody wrote"
             for i, t in enumerate(s.token_ids):
                 pos = s.start_pos + i
-                self.device[s.block_table[pos // self.bs]][pos % self.bs] = t
+                h = fnv_step(h, t)
+                self.device[s.block_table[pos // self.bs]][pos % self.bs] = h
         out = {}
         for s in plan.seqs:                                   # ... then every row reads its context
             if s.sample:
                 ctx = [self._read(s.block_table, p) for p in range(s.context_len)]
                 assert None not in ctx, f"{s.request_id} reads a position nobody wrote"
-                out[s.request_id] = next_token(ctx)
+                out[s.request_id] = (ctx[-1] >> 17) % VOCAB
         return out
 
     def _read(self, table, pos):
@@ -173,7 +189,10 @@ def assert_token_exact(run: Run, reqs: list[Req]) -> None:
 
 
 def cfg(**kw) -> SchedulerConfig:
-    base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64)
+    """The exact-plan tests below are about scheduling without prefix caching (its own exact tests
+    are in test_prefix_caching.py): their prompts share prefixes, which would change the tables."""
+    base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64,
+                enable_prefix_caching=False)
     base.update(kw)
     return SchedulerConfig(**base)
 
@@ -636,7 +655,8 @@ def configs(draw, policy: str, block_size: int, reqs: list[Req]):
         num_blocks=max(max_num_seqs, need) + draw(st.integers(0, max(2, need // 2))),
         num_host_blocks=draw(st.sampled_from([0, 1, need, 4 * need])),
         policy=policy, preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
-        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])))
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        enable_prefix_caching=draw(st.booleans()))
 
 
 def to_reqs(raw) -> list[Req]:

@@ -138,6 +138,235 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(self.bm.device.ref_counts[b] == named.count(b) == 1 for b in named)
 
 
+# --- block manager with prefix caching ------------------------------------------------------------------
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """The block manager with prefix caching against a model that knows *contents*, not hashes.
+
+    The model keeps, for every device and host position, the fake K/V written there: the tuple of all
+    tokens up to and including that position (what a real K/V depends on). It predicts, from contents
+    alone, which blocks are cached, the longest hit of every lookup, which block every allocation
+    takes (lowest clean block first, then the least recently freed cached one, which is evicted) and
+    the LRU order; it checks ref counts, free lists and that a cached or hit block holds exactly the
+    K/V of the prefix it stands for. ``STRICT = False`` runs with a monkeypatched hash that collides
+    all the time: then only safety is checked (no wrong hit, nothing lost), not what gets cached.
+    """
+
+    STRICT = True
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), host=st.integers(0, 8))
+    def setup(self, num_blocks, block_size, host):
+        self.bm = BlockManager(num_blocks, block_size, host, enable_caching=True)
+        self.bs = block_size
+        self.tables: dict[str, list[int]] = {}
+        self.host: dict[str, list[int]] = {}
+        self.toks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.offered: dict[str, int] = {}
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.hkv = [[None] * block_size for _ in range(host)]
+        self.cached: dict[int, tuple] = {}            # block -> the prefix (all tokens) it holds K/V for
+        self.lru: list[int] = []
+        self.history: list[list[int]] = []            # every request's tokens, to share prefixes with
+
+    # --- the model's own bookkeeping ---
+    def _refs(self, block):
+        return sum(t.count(block) for t in self.tables.values())
+
+    def _clean(self):
+        held = {b for t in self.tables.values() for b in t}
+        return sorted(set(range(self.bm.num_blocks)) - held - set(self.lru))
+
+    def _take(self, k):
+        """The k blocks the pool must hand out next (clean ones lowest first, then the least recently
+        freed cached ones, evicted), applied to the model."""
+        clean, out = self._clean(), []
+        for _ in range(k):
+            block = clean.pop(0) if clean else self.lru.pop(0)
+            self.cached.pop(block, None)             # evicted: it will hold other tokens
+            self.kv[block] = [None] * self.bs
+            out.append(block)
+        return out
+
+    def _drop(self, table):
+        for block in reversed(table):
+            if self._refs(block) == 0 and block in self.cached:
+                self.lru.append(block)
+
+    def _expected_hits(self, tokens):
+        hits, by_content = [], {c: b for b, c in self.cached.items()}
+        for i in range((len(tokens) - 1) // self.bs):
+            block = by_content.get(tuple(tokens[:(i + 1) * self.bs]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _check_kv(self, block, prefix):
+        """``block`` holds the K/V of the last block_size tokens of ``prefix``, with ``prefix`` before."""
+        n = len(prefix)
+        assert self.kv[block] == [prefix[:n - self.bs + j + 1] for j in range(self.bs)], \
+            f"block {block} does not hold the K/V of {prefix}"
+
+    # --- rules ---
+    @rule(rid=FEW_NAMES, data=st.data())
+    def admit(self, rid, data):
+        if rid in self.tables or rid in self.host:
+            return
+        shared = self.history and data.draw(st.sampled_from([True, True, False]))
+        base = data.draw(st.sampled_from(self.history)) if shared else []
+        cut = data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))))
+        tokens = base[:cut] + data.draw(st.lists(st.integers(1, 3), max_size=10))
+        if not tokens:
+            return
+        hits = self.bm.computed_blocks(tokens)
+        for i, block in enumerate(hits):                  # safety: a hit holds exactly our prefix
+            self._check_kv(block, tuple(tokens[:(i + 1) * self.bs]))
+        if self.STRICT:
+            assert hits == self._expected_hits(tokens)   # and it is the longest one
+        cached = len(hits) * self.bs
+        target = cached + data.draw(st.integers(1, len(tokens) - cached))
+        missing = -(-target // self.bs) - len(hits)
+        free = len(self._clean()) + len(self.lru)
+        ok = missing + sum(1 for b in hits if self._refs(b) == 0) <= free
+        assert self.bm.can_allocate(rid, target, hits) == ok
+        if not ok:
+            with pytest.raises(InvalidArgument):
+                self.bm.allocate(rid, target, hits)
+            return
+        self.tables[rid] = list(hits)
+        self.lru = [b for b in self.lru if b not in hits]
+        new = self._take(missing)
+        assert self.bm.allocate(rid, target, hits) == new
+        self.tables[rid] += new
+        self.toks[rid], self.computed[rid], self.offered[rid] = list(tokens), cached, len(hits)
+        self.history.append(self.toks[rid])
+
+    @rule(data=st.data(), n=st.integers(1, 8), extra=st.lists(st.integers(1, 3), max_size=3))
+    def compute(self, data, n, extra):
+        """The forward computes up to n more positions (the request's table grows to hold them),
+        then the step is recorded: full computed blocks are offered to the cache. ``extra`` tokens
+        were generated meanwhile."""
+        if not self.tables:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.tables)))
+        toks, table = self.toks[rid], self.tables[rid]
+        toks += extra
+        target = min(self.computed[rid] + n, len(toks))
+        missing = max(0, -(-target // self.bs) - len(table))
+        if missing > len(self._clean()) + len(self.lru):
+            assert not self.bm.can_allocate(rid, target)
+            return
+        new = self._take(missing)
+        assert self.bm.allocate(rid, target) == new
+        table += new
+        for p in range(self.computed[rid], target):
+            self.kv[table[p // self.bs]][p % self.bs] = tuple(toks[:p + 1])
+        self.computed[rid] = target
+        full = min(target // self.bs, len(table))
+        expect = 0
+        for i in range(self.offered[rid], full):
+            block, content = table[i], tuple(toks[:(i + 1) * self.bs])
+            if self.STRICT:
+                parent_ok = i == 0 or table[i - 1] in self.cached
+                if parent_ok and block not in self.cached and content not in self.cached.values():
+                    self.cached[block] = content
+                    expect += 1
+        got = self.bm.cache_full_blocks(rid, toks, target)
+        if not self.STRICT:
+            for i in range(self.offered[rid], full):
+                if self.bm.is_cached(table[i]):
+                    self.cached[table[i]] = tuple(toks[:(i + 1) * self.bs])
+                    expect += 1
+        assert got == expect
+        self.offered[rid] = max(self.offered[rid], full)
+
+    @rule(rid=FEW_NAMES)
+    def free(self, rid):
+        held = len(self.tables.get(rid, [])) + len(self.host.get(rid, []))
+        assert self.bm.free(rid) == held
+        table = self.tables.pop(rid, [])
+        self._drop(table)
+        self.host.pop(rid, None)
+        for d in (self.toks, self.computed, self.offered):
+            d.pop(rid, None)
+
+    @rule(rid=FEW_NAMES)
+    def swap_out(self, rid):
+        free_host = sorted(set(range(self.bm.num_host_blocks)) - {b for t in self.host.values() for b in t})
+        ok = rid in self.tables and len(self.tables[rid]) <= len(free_host) \
+            and all(self._refs(b) == 1 for b in self.tables[rid])
+        assert self.bm.can_swap_out(rid) == ok
+        if not ok:
+            if rid in self.tables and any(self._refs(b) > 1 for b in self.tables[rid]):
+                with pytest.raises(InvalidArgument, match="shared"):
+                    self.bm.swap_out(rid)
+            return
+        table = self.tables.pop(rid)
+        copies = list(zip(table, free_host[:len(table)], strict=True))
+        assert self.bm.swap_out(rid) == copies
+        for d, h in copies:
+            self.hkv[h] = list(self.kv[d])
+        self.host[rid] = free_host[:len(table)]
+        self._drop(table)
+
+    @rule(rid=FEW_NAMES)
+    def swap_in(self, rid):
+        ok = rid in self.host and len(self.host[rid]) <= len(self._clean()) + len(self.lru)
+        assert self.bm.can_swap_in(rid) == ok
+        if not ok:
+            return
+        table = self.host.pop(rid)
+        new = self._take(len(table))
+        assert self.bm.swap_in(rid) == list(zip(table, new, strict=True))
+        for h, d in zip(table, new):
+            self.kv[d] = list(self.hkv[h])
+        self.tables[rid], self.offered[rid] = new, 0
+
+    @invariant()
+    def agrees_with_model(self):
+        if not hasattr(self, "bm"):
+            return
+        bm = self.bm
+        bm.check_integrity()
+        assert bm.block_tables == self.tables and bm.host_tables == self.host
+        for block in range(bm.num_blocks):         # ref count == number of tables naming the block
+            assert bm.device.ref_counts[block] == self._refs(block)
+        free = set(bm.device.free_blocks())
+        assert all(bm.device.ref_counts[b] == 0 for b in free), "a held block is on a free list"
+        assert bm.device.cached_free_blocks() == self.lru, "LRU order"
+        assert sorted(free) == sorted(self._clean() + self.lru)
+        assert set(bm.cache.blocks) == set(self.cached)
+        for block, prefix in self.cached.items():   # every cached block holds the K/V it stands for
+            self._check_kv(block, prefix)
+
+
+WEAK_HASHES = {
+    "first token only": lambda parent_hash, token_ids: hash(token_ids[:1]),     # other blocks, positions
+    "no parent": lambda parent_hash, token_ids: hash(token_ids),                 # same block, other prefix
+    "constant": lambda parent_hash, token_ids: 7,
+}
+
+
+class CollidingPrefixCacheMachine(PrefixCacheMachine):
+    """Block hashes collide all the time (a monkeypatched ``hash_block``): never a wrong hit."""
+
+    STRICT = False
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), host=st.integers(0, 8),
+                weak=st.sampled_from(sorted(WEAK_HASHES)))
+    def setup(self, num_blocks, block_size, host, weak):
+        import minicb.block_manager as bm_module
+
+        self._saved_hash = bm_module.hash_block
+        bm_module.hash_block = WEAK_HASHES[weak]
+        PrefixCacheMachine.setup(self, num_blocks, block_size, host)
+
+    def teardown(self):
+        import minicb.block_manager as bm_module
+
+        bm_module.hash_block = self._saved_hash
+
+
 # --- scheduler -------------------------------------------------------------------------------------
 MAX_MODEL_LEN = 24
 
@@ -156,7 +385,8 @@ def scheduler_configs(draw, policy: str, preemption_mode: str):
         num_blocks=max(max_num_seqs, per_request + draw(st.integers(0, per_request // 2))),
         num_host_blocks=draw(st.sampled_from(hosts)), max_model_len=MAX_MODEL_LEN,
         policy=policy, preemption_mode=preemption_mode,
-        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])))
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        enable_prefix_caching=draw(st.sampled_from([True, True, False])))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -186,6 +416,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, batch):
         for prompt, max_tokens, priority, ignore_eos in batch:
             self._add_one(prompt, max_tokens, priority, ignore_eos)
+
+    @rule(data=st.data(), max_tokens=st.integers(1, 16), ignore_eos=st.sampled_from([True, True, False]))
+    def add_sharing(self, data, max_tokens, ignore_eos):
+        """A request sharing a prefix with an earlier one: the same prompt, a prefix of it, or it
+        extended by (some of) that request's generated tokens and more (a next chat turn)."""
+        if not self.seqs:
+            return
+        old = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        base = old.prompt_token_ids + old.output_token_ids
+        cut = data.draw(st.integers(0, len(base)))
+        tail = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=4))
+        self._add_one(base[:cut] + tail, max_tokens, data.draw(st.integers(0, 3)), ignore_eos)
 
     def _add_one(self, prompt, max_tokens, priority, ignore_eos):
         rid = f"r{len(self.seqs)}"
@@ -272,12 +514,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(s.num_preemptions for s in self.seqs.values()) == self.sched.stats.num_preemptions
         target(float(self.sched.stats.num_preemptions), label="preemptions")   # steer towards pressure
         target(float(self.sched.stats.num_swaps), label="swaps")
+        target(float(self.sched.stats.num_cached_prompt_tokens), label="prefix-cache hits")
 
 
 TestSlotTable = SlotTableMachine.TestCase
 TestSlotTable.settings = settings(SETTINGS, max_examples=50)
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(SETTINGS, max_examples=80)
+TestPrefixCache = PrefixCacheMachine.TestCase
+TestPrefixCache.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
+TestPrefixCacheCollisions = CollidingPrefixCacheMachine.TestCase
+TestPrefixCacheCollisions.settings = settings(SETTINGS, max_examples=50, stateful_step_count=40)
 
 
 class SwapMachine(SchedulerMachine):

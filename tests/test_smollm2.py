@@ -113,3 +113,31 @@ def test_seeded_sampling_alone_and_in_batch_of_8(model64, smollm2, prompt_ids):
     batch = llm.generate(prompt_ids[:8], [params] + others)
     assert batch[0].token_ids == alone
     assert len({tuple(o.token_ids) for o in batch}) > 1
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_prefix_caching_equals_transformers(model64, smollm2, prompt_ids, hf_tokens):
+    """Prefix caching on (block_size 8) with heavy sharing, three prompts at a time so later ones hit.
+
+    Round 1: the chat prompts 12-15 share SmolLM2's system prompt (24 tokens = 3 blocks); 13-15 are
+    admitted after 12 has cached it. Round 2, on the same engine: prompt 13 again (32 tokens: whole
+    blocks, all cached, so its last block is computed again), prompt 12 again (identical), and a next
+    turn of prompt 15 (its prompt and first 8 generated tokens, whose blocks were cached too).
+    """
+    order = [12, 0, 1, 13, 14, 15]
+    llm = LLM(model64, tokenizer=smollm2.tokenizer, max_num_seqs=3, block_size=8, max_num_batched_tokens=64)
+    assert llm.engine.config.prefix_caching
+    first = llm.generate([prompt_ids[i] for i in order], SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in first] == [hf_tokens[i] for i in order]
+    assert [o.num_cached_tokens for o in first] == [0, 0, 0, 24, 24, 24]
+    assert llm.engine.scheduler.stats.num_cached_prompt_tokens == 72
+
+    k = 8
+    assert len(prompt_ids[13]) == 32 and len(hf_tokens[15]) > k
+    params = [SamplingParams(max_tokens=NEW_TOKENS)] * 2 + [SamplingParams(max_tokens=NEW_TOKENS - k)]
+    second = llm.generate([prompt_ids[13], prompt_ids[12], prompt_ids[15] + hf_tokens[15][:k]], params)
+    assert [o.token_ids for o in second] == [hf_tokens[13], hf_tokens[12], hf_tokens[15][k:]]
+    assert [o.num_cached_tokens for o in second] == [24, 40, 80]
+    eng = llm.engine
+    assert eng.scheduler.block_manager.num_free_blocks == eng.config.num_blocks

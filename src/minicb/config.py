@@ -11,6 +11,8 @@
 * ``policy``: ``continuous`` (iteration-level), ``dynamic`` (naive dynamic batching: batch whatever
   waits, run it to completion) or ``static`` (wait for ``max_num_seqs`` requests, run to completion);
 * ``preemption_mode``: ``recompute`` or ``swap`` (which falls back to recompute when the host pool is full).
+* ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests (on by
+  default; ``continuous`` only, see ``block_manager``).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class SchedulerConfig:
     policy: str = "continuous"
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"            # "fcfs", or "priority" (lower Sequence.priority first)
-    enable_prefix_caching: bool = False        # prefix caching (issue 9); padded policies never use it
+    enable_prefix_caching: bool = True         # reuse cached prefix blocks (continuous only, as vLLM)
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
@@ -110,6 +112,9 @@ class SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgument(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidArgument(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.num_blocks < self.max_num_seqs:
             raise InvalidArgument(f"num_blocks must be at least max_num_seqs (one block per slot), got "
                                   f"num_blocks={self.num_blocks} < max_num_seqs={self.max_num_seqs}")
@@ -120,4 +125,6 @@ class SchedulerConfig:
 
     @property
     def prefix_caching(self) -> bool:
+        """Is prefix caching in effect? Only for ``continuous``: the padded policies reserve whole
+        private tables up front and stay the plain baseline."""
         return bool(self.enable_prefix_caching) and self.policy == "continuous"

@@ -19,8 +19,10 @@ How (the mode)::
                 it at the FRONT of the waiting queue. It later re-prefills prompt + generated tokens,
                 which yields exactly the next token it would have produced.
     swap      : copy its blocks to the host pool (status SWAPPED, slot released); it comes back with
-                swap_in before any new request is admitted. When the host pool cannot hold it, fall
-                back to recompute.
+                swap_in before any new request is admitted. When the host pool cannot hold it, or it
+                shares a prefix-cached block with another request (a shared block is never swapped
+                out), fall back to recompute: with prefix caching its shared prefix stays resident
+                and is found again at re-admission, so only its private tail is recomputed.
 
 Either way ``Sequence.num_preemptions`` counts it. This module imports no torch.
 """
@@ -85,6 +87,7 @@ def preempt(seq: Sequence, mode: str, blocks: BlockManager, slots: SlotTable) ->
 def _recompute(seq: Sequence, blocks: BlockManager) -> Preemption:
     blocks.free(seq.request_id)
     lost, seq.num_computed_tokens = seq.num_computed_tokens, 0
+    seq.num_cached_tokens = 0                  # set again by the next admission's prefix-cache lookup
     seq.status = SequenceStatus.WAITING
     return Preemption(seq.request_id, "recompute", num_lost_tokens=lost)
 

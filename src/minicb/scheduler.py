@@ -26,6 +26,17 @@ Three policies (``SchedulerConfig.policy``), the three columns of the seed's ben
   host block freed by a swap-in is never the target of a swap-out in the same step. Finished sequences
   release their slot and blocks in ``update``, so the next step can refill them.
 
+  Prefix caching (``SchedulerConfig.enable_prefix_caching``, on by default for this policy): at
+  admission the block manager's longest chain of cached full blocks becomes the head of the new
+  block table, and ``num_computed_tokens`` (and ``Sequence.num_cached_tokens``) start at its length,
+  so only the rest is fed to the model. ``update`` offers every block that the step filled to the
+  cache. A recompute-preempted request is looked up again when re-admitted (its own blocks, or a
+  shared prefix, are often still there); a request holding shared blocks is never swapped out
+  (recomputed instead, see ``block_manager``)::
+
+      step 0: A = [s s s s|s s a a|a]    computes 9 tokens; update caches A's 2 full blocks
+      step 1: B = [s s s s|s s b b|b]    hit: block 0 (shared, ref 2); start_pos 4, computes 5
+
 ``dynamic`` (naive dynamic batching). When no batch runs, take whatever waits (FIFO, up to
 ``max_num_seqs``, as long as blocks for prompt + max_tokens can be reserved up front), prefill all
 prompts in one step padded to the longest, then decode one token per member per step. A finished
@@ -79,6 +90,14 @@ class SchedulerStats:
     num_padding_tokens: int = 0        # padding tokens computed (padded policies)
     num_recomputed_tokens: int = 0     # computed tokens thrown away by recompute preemption
     num_finished: int = 0              # requests that ended (any reason)
+    num_prompt_tokens: int = 0         # prompt tokens of requests admitted for the first time
+    num_cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache at that admission
+    num_cached_reprefill_tokens: int = 0   # tokens a recompute-preempted request found cached again
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens (first admissions; 0.0 if none)."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
 @dataclass(slots=True)
@@ -90,6 +109,7 @@ class _StepWork:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0                                   # prefix-cache hits admitted this step
 
 
 @dataclass(slots=True)
@@ -112,7 +132,8 @@ class Scheduler:
             raise InvalidArgument(f"config must be a SchedulerConfig, got {type(self.config).__name__}")
         c = self.config
         self.slot_table = SlotTable(c.max_num_seqs)
-        self.block_manager = BlockManager(c.num_blocks, c.block_size, c.num_host_blocks)
+        self.block_manager = BlockManager(c.num_blocks, c.block_size, c.num_host_blocks,
+                                          enable_caching=c.prefix_caching)
         self.stats = SchedulerStats()
         self._seqs, self._running, self._batch = {}, {}, []
         self._waiting, self._swapped = deque(), deque()
@@ -208,6 +229,7 @@ class Scheduler:
         for s, seq in live:
             seq.num_computed_tokens += s.num_tokens
             self.stats.num_batched_tokens += s.num_tokens
+            self._cache_blocks(seq)
             if s.sample and seq.append_token(tokens[s.request_id], now):
                 self._retire(seq)
                 finished.append(seq)
@@ -303,15 +325,36 @@ class Scheduler:
             self._grant(seq, n, work, budget)
 
     def _schedule_waiting(self, work: _StepWork, budget: TokenBudget) -> None:
+        bm = self.block_manager
         while self._waiting and self.slot_table.num_free:
             seq = self._waiting[0]
-            n = budget.chunk(seq.num_uncomputed_tokens)
-            if not n or not self.block_manager.can_allocate(seq.request_id, n):
+            hits = bm.computed_blocks(seq.all_token_ids) if self.config.prefix_caching else []
+            cached = len(hits) * bm.block_size
+            n = budget.chunk(seq.num_tokens - cached)
+            if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
                 return                            # stays at the front: admission stops (no overtaking)
             self._waiting.popleft()
-            self.block_manager.allocate(seq.request_id, n)
+            bm.allocate(seq.request_id, cached + n, hits)
+            self._count_admission(seq, cached)
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            work.num_cached_tokens += cached
             self._start_running(seq)
             self._grant(seq, n, work, budget)
+
+    def _count_admission(self, seq: Sequence, num_cached: int) -> None:
+        st = self.stats
+        if seq.admitted_index < 0:                # its first admission
+            st.num_prompt_tokens += seq.num_prompt_tokens
+            st.num_cached_prompt_tokens += num_cached
+        else:                                     # back after recompute preemption
+            st.num_cached_reprefill_tokens += num_cached
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks that the recorded step filled to the prefix cache (continuous only)."""
+        bm = self.block_manager
+        if self.config.prefix_caching and \
+                seq.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(seq.request_id):
+            bm.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens)
 
     @staticmethod
     def _grant(seq: Sequence, n: int, work: _StepWork, budget: TokenBudget) -> None:
@@ -346,6 +389,7 @@ class Scheduler:
                 return                            # FIFO: the first that does not fit waits
             self._waiting.popleft()
             bm.allocate(seq.request_id, seq.max_total_tokens)     # reserved up front: no preemption
+            self._count_admission(seq, 0)
             self._start_running(seq)
             self._batch.append(seq)
 
@@ -371,6 +415,7 @@ class Scheduler:
             "num_decode_tokens": decodes,
             "num_padding_tokens": sum(work.padding),
             "num_preempted": len(work.preempted),
+            "num_cached_tokens": work.num_cached_tokens,
         }
         return StepPlan(step=step, seqs=seqs, padding=tuple(work.padding), swap_out=tuple(work.swap_out),
                         swap_in=tuple(work.swap_in), preempted=tuple(work.preempted),
@@ -463,6 +508,7 @@ class Scheduler:
         bm = self.block_manager
         assert seq.status is SequenceStatus.WAITING and seq.slot_id is None, seq.request_id
         assert seq.num_computed_tokens == 0, f"{seq.request_id} waits with computed tokens"
+        assert seq.num_cached_tokens == 0, f"{seq.request_id} waits with cached tokens"
         assert seq.request_id not in bm.block_tables and not bm.is_swapped(seq.request_id), seq.request_id
 
     def _check_swapped(self, seq: Sequence) -> None:
@@ -479,6 +525,12 @@ class Scheduler:
         assert seq.request_id in bm.block_tables, f"{seq.request_id} runs without a device table"
         assert len(bm.block_tables[seq.request_id]) * bm.block_size >= seq.num_computed_tokens
         assert 0 <= seq.num_computed_tokens < seq.num_tokens, seq.request_id
+        assert 0 <= seq.num_cached_tokens <= seq.num_computed_tokens, seq.request_id
+        for i, block in enumerate(bm.block_tables[seq.request_id]):
+            if not bm.is_cached(block):
+                break                             # cached blocks are a prefix of the table, and ...
+            assert (i + 1) * bm.block_size <= seq.num_computed_tokens, \
+                f"{seq.request_id}: cached block {block} would still be written"   # ... never written
 
     def _check_holders(self, running: list[Sequence]) -> None:
         """Slots and device tables belong to running requests (and, padded, to the batch's members)."""

@@ -62,7 +62,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache (last admission)
+    num_cached_tokens: int = 0           # tokens served from the prefix cache at the latest admission
+                                         # (0 while waiting; after recompute they may include outputs)
     # timestamps (seconds, caller's clock)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
