@@ -124,6 +124,7 @@ def drive(eng, prompts, params, arrivals=None, plans=None) -> list[list[int]]:
 
 def _tiny_workload(mode: str):
     prompts = random_prompts(10, 5, 40, TINY.vocab_size, seed=11)
+    prompts = [prompts[0][:9] + p if i % 2 else p for i, p in enumerate(prompts)]   # prefix-cache hits
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, long_prefill_chunk=8, block_size=4,
                             num_blocks=24, num_host_blocks=12 if mode == "swap" else 0,
@@ -134,7 +135,8 @@ def _tiny_workload(mode: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_heads, world, mode", [(2, 2, "recompute"), (1, 2, "swap"), (2, 3, "recompute")])
 def test_tp_tokens_equal_tp1_tiny(kv_heads, world, mode):
-    """TINY (4 q / 2 kv heads) split in 2; 1 KV head with TP 2 (KV replicated); 2 KV heads over 3 ranks."""
+    """TINY (4 q / 2 kv heads) split in 2; 1 KV head with TP 2 (KV replicated); 2 KV heads over 3 ranks.
+    Half the prompts share a prefix, so prefix caching (on by default) skips computing some blocks."""
     cfg = dataclasses.replace(TINY, num_key_value_heads=kv_heads)
     model = tiny_model(cfg)
     prompts, params, sched, arrivals = _tiny_workload(mode)
@@ -149,6 +151,7 @@ def test_tp_tokens_equal_tp1_tiny(kv_heads, world, mode):
     # continuous batching with chunked prefill and preemption really happened
     stats = eng.scheduler.stats
     assert stats.num_preemptions > 0 and (mode != "swap" or stats.num_swaps > 0)
+    assert stats.num_cached_prompt_tokens > 0
     assert any(any(s.num_tokens > 1 and not s.sample for s in p.seqs) for p in plans)          # chunks
     assert any({s.num_tokens == 1 for s in p.seqs} == {True, False} for p in plans)            # mixed
     # rank 0 holds only its KV shard; 2 all-reduces per layer per forward; every rank ended cleanly
