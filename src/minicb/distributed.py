@@ -440,8 +440,7 @@ class _Workers:
         if self.closed:
             return
         self.closed = True
-        if not abort and tp.failure is None:
-            tp.stop_workers()
+        tp.stop_workers()           # ranks waiting for a plan leave; ranks inside a collective fail
         for p in self.processes:
             p.join(timeout=3 if abort else 30)
         for p in self.processes:
