@@ -552,6 +552,9 @@ def launch(model: LlamaForCausalLM, config: SchedulerConfig, tensor_parallel_siz
             _serve_rank(rank, lambda: (LLMEngine(shard_model, config, attn_backend=attn_backend), tp))
             raise SystemExit(0)
         return TPEngine(shard_model, config, tp, _Workers(), **engine_kwargs)
+    if device.type == "cuda" and (not dist.is_nccl_available() or torch.cuda.device_count() < world):
+        raise InvalidArgument(f"tensor_parallel_size={world} on CUDA needs NCCL and {world} GPUs (rank r "
+                              f"uses cuda:r); this machine has {torch.cuda.device_count()}")
     return _launch_local(model, config, shards, device, engine_kwargs, timeout_s, startup_timeout_s, fault)
 
 
