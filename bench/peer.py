@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", help="write the summaries here")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="minicb's token budget (default: the bench run's); transformers picks its own")
+    ap.add_argument("--long-prefill-chunk", type=int, default=None, help="minicb's chunk cap (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     meta = json.loads(pathlib.Path(args.bench_json).read_text())["meta"]
@@ -86,9 +89,14 @@ def main() -> None:
     print(f"{len(requests)} requests from {args.bench_json}, wall clock, {args.threads} torch thread(s)")
     rows, blob = [], {"machine": machine_description(), "date": time.strftime("%Y-%m-%d"),
                       "source": args.bench_json, "rounds": []}
+    sc = dict(meta["scheduler"])
+    if args.max_num_batched_tokens:
+        sc["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.long_prefill_chunk is not None:
+        sc["long_prefill_chunk"] = args.long_prefill_chunk or None
+    blob["minicb_scheduler"] = sc
     for rnd in range(args.rounds):
-        reqs, steps, stats, _ = run_policy(model, "continuous", requests, prompts, meta["scheduler"])
-        sc = meta["scheduler"]
+        reqs, steps, stats, _ = run_policy(model, "continuous", requests, prompts, sc)
         ours = summarize(reqs, steps, label=f"minicb continuous (round {rnd + 1})",
                          num_slots=sc["max_num_seqs"], num_blocks=sc["num_blocks"],
                          peak_flops=meta["peak_gflops"] * 1e9, num_preemptions=stats.num_preemptions)
