@@ -48,7 +48,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
     p.add_argument("--output-div", type=float, default=1.0, help="divide output lengths by this")
     p.add_argument("--max-output", type=int, default=None, help="clip output lengths to this")
     p.add_argument("--min-len", type=int, default=1, help="drop trace rows shorter than this (raw lengths)")
-    p.add_argument("--max-total", type=int, default=None, help="drop rows with prompt + output above this")
+    p.add_argument("--max-total", type=int, default=None,
+                   help="drop rows with prompt + output above this (0: no limit)")
 
 
 def add_parser(sub) -> None:
@@ -239,7 +240,7 @@ def cmd_bench(args) -> int:
     requests = make_requests(args.trace, args.num_requests, rate=rate, replay=args.replay,
                              time_scale=args.time_scale, seed=args.seed, max_prompt=args.max_prompt,
                              output_div=args.output_div, max_output=args.max_output, min_len=args.min_len,
-                             max_total=args.max_total)
+                             max_total=args.max_total or None)
     policies = list(POLICY_ORDER) if args.policy == "all" else [args.policy]
     model, _ = build_model(args.model, args.dtype, args.seed)
     prompts = make_prompts(requests, model.config.vocab_size, args.seed)

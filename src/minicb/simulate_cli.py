@@ -3,7 +3,7 @@
     minicb simulate                                      # llama-3-70b on 8 x A100-80GB, rates 2,4,8,12,16
     minicb simulate --preset llama-3-8b --rates 5,10,20,40
     minicb simulate --preset smollm2-135m --max-prompt 32 --output-div 8 --max-output 32 --min-len 1 \\
-        --max-total 100000 --max-num-seqs 24 --max-num-batched-tokens 12 --long-prefill-chunk 8 \\
+        --max-total 0 --max-num-seqs 24 --max-num-batched-tokens 12 --long-prefill-chunk 8 \\
         --num-requests 32 --rates 0.5,1,1.5,2                 # this CPU, the measured table's settings
 
 For every arrival rate and policy it runs ``minicb.simulate.simulate`` (the engine's ``Scheduler``
@@ -112,7 +112,8 @@ def cmd_simulate(args) -> int:
         for rate in rates:
             reqs = make_requests(args.trace, args.num_requests, rate=rate, seed=args.seed,
                                  max_prompt=args.max_prompt, output_div=args.output_div,
-                                 max_output=args.max_output, min_len=args.min_len, max_total=args.max_total)
+                                 max_output=args.max_output, min_len=args.min_len,
+                                 max_total=args.max_total or None)
             too_long = [r for r in reqs if r.prompt_len + r.output_len > args.max_model_len]
             if too_long:
                 raise InvalidArgument(f"{len(too_long)} requests exceed --max-model-len "
