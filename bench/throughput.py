@@ -59,11 +59,18 @@ def load_hf():
 
 def run_hf_generate_batch(hf, wl: Workload) -> dict:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gc = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=None,
                           pad_token_id=2)
+    # Left alone, transformers sizes its KV cache from the free memory of the device (here: all of the
+    # host's RAM, which got the benchmark OOM-killed). Give it room for every request at once (its
+    # pages hold 256 tokens) and minicb's step budget.
+    pages = sum(-(-(len(p) + n) // 256) for p, n in zip(wl.prompts, wl.output_lens))
+    cbc = ContinuousBatchingConfig(num_blocks=pages + 8, max_batch_tokens=512)
     t0 = time.perf_counter()
-    with hf.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as mgr:
+    with hf.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cbc,
+                                                block=True, timeout=5) as mgr:
         for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)):
             mgr.add_request(p, request_id=f"r{i}", max_new_tokens=n)
         done: dict[str, int] = {}
