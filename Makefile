@@ -22,8 +22,10 @@ demo: setup
 	minicb generate "The capital of France is" --max-tokens 16
 	minicb generate --chat "Write one sentence about the sea." --max-tokens 40
 
+# pytest exits 5 when it collected no tests: say so and fail on purpose, never by accident.
 test: setup
-	$(PYTHON) -m pytest -q tests
+	@$(PYTHON) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests
