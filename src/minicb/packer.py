@@ -12,6 +12,11 @@ chunk ``c`` (4 cached), with block size 4::
     block_tables   [[a's blocks], [b's], [c's]]   padded with 0 to the longest table
     logits_indices the rows to sample: the last row of every sequence whose plan says ``sample``
 
+A prompt admitted with a prefix-cache hit is just a chunk that starts late: its ``start_pos`` is the
+cached length, only the rest is packed, and attention reads the shared blocks through its block table
+like any earlier chunk. ``slot_mapping`` only ever names positions ``>= start_pos``, so a shared
+(cached) block is never written.
+
 Padding rows of the padded policies are appended after the real sequences as extra "sequences" with no
 cache (start_pos 0), token id ``pad_token_id`` and slot -1: they cost compute, write nothing and are
 never sampled, which is exactly what a padded static batch wastes.
