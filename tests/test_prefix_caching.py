@@ -365,6 +365,19 @@ def sharing_requests(draw):
     return reqs
 
 
+def assert_tables_only_grow(run) -> None:
+    """A running request's block table keeps its shape from step to step: it only gains blocks at the
+    end (the cached head is fixed at admission); it is rebuilt only after a preemption."""
+    last: dict[str, tuple[int, ...]] = {}
+    for plan in run.plans:
+        for rid in plan.preempted:
+            last.pop(rid, None)
+        for s in plan.seqs:
+            prev = last.get(s.request_id, ())
+            assert s.block_table[:len(prev)] == prev, f"{s.request_id}: table {prev} became {s.block_table}"
+            last[s.request_id] = s.block_table
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), reqs=sharing_requests())
 def test_shared_prefixes_stay_token_exact_under_pressure(data, reqs):
@@ -379,8 +392,9 @@ def test_shared_prefixes_stay_token_exact_under_pressure(data, reqs):
         num_host_blocks=data.draw(st.sampled_from([0, need, 4 * need])),
         preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
         scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"])))
-    run = drive(config, reqs, max_steps=step_bound(reqs))
+    run = drive(config, reqs, max_steps=step_bound(reqs))     # check_plan: no step writes a cached block
     assert_token_exact(run, reqs)
+    assert_tables_only_grow(run)
     st_ = run.scheduler.stats
     assert st_.num_prompt_tokens == sum(len(r.prompt) for r in reqs)
     assert 0 <= st_.num_cached_prompt_tokens <= st_.num_prompt_tokens

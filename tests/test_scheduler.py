@@ -135,6 +135,11 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         assert 0 not in plan.padding
     slots = [s.slot_id for s in plan.seqs]
     assert len(set(slots)) == len(slots), "two rows share a slot"
+    bm, bs = sched.block_manager, c.block_size
+    written = [{s.block_table[p // bs] for p in range(s.start_pos, s.context_len)} for s in plan.seqs]
+    assert sum(map(len, written)) == len(set().union(*written)), "two rows write the same block"
+    assert not any(bm.is_cached(b) for w in written for b in w), \
+        "a step writes into a prefix-cached block (that another request may read)"
     for s in plan.seqs:
         seq = sched.get(s.request_id)
         assert seq is not None and seq.status is SequenceStatus.RUNNING
