@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here as well")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's own choice)")
     args = ap.parse_args()

@@ -125,12 +125,18 @@ class ReferenceAttention(AttentionBackend):
         n_real = meta.num_seqs - meta.num_padding_rows if self.kv_cache is not None else 0
         rows = range(meta.num_seqs)
         # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
-        # pad forty decodes to 500 queries each.
-        decode = [i for i in rows[:n_real] if meta.q_lens[i] == 1]
+        # pad forty decodes to 500 queries each. Decodes are further bucketed by context length
+        # (powers of two), so a 20-token sequence does not gather 400 padded keys beside a long one:
+        # decode attention is memory-bound, and the padding would be pure traffic.
+        ctx = [meta.start_positions[i] + meta.q_lens[i] for i in rows]
+        buckets: dict[int, list[int]] = {}
+        for i in rows[:n_real]:
+            if meta.q_lens[i] == 1:
+                buckets.setdefault(ctx[i].bit_length(), []).append(i)
         prefill = [i for i in rows[:n_real] if meta.q_lens[i] > 1]
         ephemeral = list(rows[n_real:])
-        groups = [self._group(meta, r, cached) for r, cached in
-                  ((decode, True), (prefill, True), (ephemeral, False)) if r]
+        parts = [(b, True) for _, b in sorted(buckets.items())] + [(prefill, True), (ephemeral, False)]
+        groups = [self._group(meta, r, cached) for r, cached in parts if r]
         return _RefState(groups, meta.slot_mapping, meta.slot_mapping >= 0)
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
