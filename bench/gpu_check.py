@@ -56,29 +56,9 @@ from minicb.model.backends.checking import (  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.packer import pack_prompts  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 
-# A copy of tests/test_smollm2.py's PROMPTS (tests/test_gpu_path.py keeps the two equal): the first 12
-# are used as they are, the last 4 through the chat template.
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5,",
-    "Translate to French: I like apples. ->",
-    "Q: What is the boiling point of water in Celsius?\nA:",
-    "Les mathématiques sont",
-    "A haiku about autumn:\n",
-    "import numpy as np\n\n# compute the mean of an array\n",
-    "The three primary colors are",
-    "Water is made of hydrogen and",
-    "In 1969, the first humans",
-    "My favourite recipe for pancakes needs flour, eggs, milk and",
-    "Hello!",
-    "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",
-    ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
-     "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves the "
-     "green pigment chlorophyll and generates oxygen as a byproduct. Summarize this in one sentence:"),
-]
+PROMPTS = SMOLLM2_PROMPTS
 NEW_TOKENS = 32
 
 # part 1: max |out - ref| / max |ref| allowed per dtype (inputs rounded to the dtype, fp32 accumulation)
@@ -201,8 +181,7 @@ def load_models(device: torch.device, dry: bool):
 
     loaded = load_model(None, dtype=torch.float64)
     tok = loaded.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS[:12]] + [tok.encode(tok.apply_chat_template(p))
-                                                       for p in PROMPTS[12:]]
+    prompts = smollm2_prompt_ids(tok)
     model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float64, device)
     return model, loaded.state_dict, prompts, "SmolLM2-135M-Instruct"
 

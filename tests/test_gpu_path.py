@@ -410,7 +410,7 @@ def test_gpu_check_prompts_are_the_smollm2_test_prompts():
     gpu_check = _import_gpu_check()
     from test_smollm2 import NEW_TOKENS, PROMPTS
 
-    assert gpu_check.PROMPTS == PROMPTS and gpu_check.NEW_TOKENS == NEW_TOKENS
+    assert tuple(gpu_check.PROMPTS) == tuple(PROMPTS) and gpu_check.NEW_TOKENS == NEW_TOKENS
 
 
 # --- the real kernels (a CUDA device is a real precondition) -------------------------------------------

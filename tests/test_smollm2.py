@@ -13,36 +13,15 @@ import torch
 from minicb.engine import LLM
 from minicb.model.llama import LlamaForCausalLM
 from minicb.sampling_params import SamplingParams
+from minicb.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "1, 2, 3, 4, 5,",
-    "Translate to French: I like apples. ->",
-    "Q: What is the boiling point of water in Celsius?\nA:",
-    "Les mathématiques sont",
-    "A haiku about autumn:\n",
-    "import numpy as np\n\n# compute the mean of an array\n",
-    "The three primary colors are",
-    "Water is made of hydrogen and",
-    "In 1969, the first humans",
-    "My favourite recipe for pancakes needs flour, eggs, milk and",
-    "Hello!",
-    "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",
-    ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
-     "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves the "
-     "green pigment chlorophyll and generates oxygen as a byproduct. Summarize this in one sentence:"),
-]
+PROMPTS = list(SMOLLM2_PROMPTS)
 NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2):
-    tok = smollm2.tokenizer
-    ids = [tok.encode(p) for p in PROMPTS[:12]]
-    ids += [tok.encode(tok.apply_chat_template(p)) for p in PROMPTS[12:]]
-    return ids
+    return smollm2_prompt_ids(smollm2.tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -147,3 +147,33 @@ def random_prompt(rng: random.Random, n: int, vocab: int, low: int = 100) -> lis
     """``n`` random token ids in ``[low, vocab)`` (SmolLM2's first ids are special tokens)."""
     low = min(low, max(vocab - 1, 0))
     return [rng.randrange(low, vocab) for _ in range(n)]
+
+
+# Sixteen varied prompts for checks on the real model (tests against transformers, the GPU check):
+# the first 12 are used as they are, the last 4 through the model's chat template.
+SMOLLM2_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: I like apples. ->",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "Les mathématiques sont",
+    "A haiku about autumn:\n",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "The three primary colors are",
+    "Water is made of hydrogen and",
+    "In 1969, the first humans",
+    "My favourite recipe for pancakes needs flour, eggs, milk and",
+    "Hello!",
+    "The quick brown fox jumps over the lazy dog. " * 6 + "Then the fox",
+    ("Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+     "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves the "
+     "green pigment chlorophyll and generates oxygen as a byproduct. Summarize this in one sentence:"),
+)
+
+
+def smollm2_prompt_ids(tokenizer) -> list[list[int]]:
+    """Token ids of ``SMOLLM2_PROMPTS``: 12 plain prompts, then 4 wrapped in the chat template."""
+    plain = [tokenizer.encode(p) for p in SMOLLM2_PROMPTS[:12]]
+    return plain + [tokenizer.encode(tokenizer.apply_chat_template(p)) for p in SMOLLM2_PROMPTS[12:]]
