@@ -23,6 +23,7 @@ from minicb.model.gguf_loader import dequantize, permute_qk, read_gguf, unpermut
 from minicb.model.loader import LoadedModel, default_model_path, expected_shapes, load_model
 from minicb.model.tokenizer import Tokenizer
 from test_tokenizer import SAMPLE, tiny_gguf_tokenizer_metadata
+from tiny_files import add_hf_tensor
 
 VOCAB = len(tiny_gguf_tokenizer_metadata()["tokenizer.ggml.tokens"])   # 266
 
@@ -108,17 +109,8 @@ def write_tiny_gguf(path, model, types=None, arch="llama", extra_kv=None, tensor
         if gguf_name(name) in drop:
             continue
         a = t.numpy().astype(np.float32)
-        if name.endswith("q_proj.weight"):
-            a = permute_qk(a, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            a = permute_qk(a, c.num_key_value_heads)
         ty = T.F32 if a.ndim == 1 or types is None else types(name)
-        if ty == T.F32:
-            w.add_tensor(gguf_name(name), a)
-        elif ty == T.F16:
-            w.add_tensor(gguf_name(name), a.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(a, ty), raw_dtype=ty)
+        add_hf_tensor(w, name, gguf_name(name), a, ty, c.num_attention_heads, c.num_key_value_heads)
     for name, (arr, raw_dtype) in (tensors or {}).items():
         w.add_tensor(name, arr, raw_dtype=raw_dtype)
     w.write_header_to_file()

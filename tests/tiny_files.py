@@ -35,6 +35,22 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{_TO_GGUF[rest]}"
 
 
+def add_hf_tensor(w: gguf.GGUFWriter, hf_name: str, name: str, a: np.ndarray, ty, heads: int,
+                  kv_heads: int) -> None:
+    """Write one Hugging Face float32 weight as llama.cpp's converter would: Q and K rows permuted
+    into its rotary layout, then stored as ``ty`` under the GGUF tensor name ``name``."""
+    if hf_name.endswith("q_proj.weight"):
+        a = permute_qk(a, heads)
+    elif hf_name.endswith("k_proj.weight"):
+        a = permute_qk(a, kv_heads)
+    if ty == T.F32:
+        w.add_tensor(name, a)
+    elif ty == T.F16:
+        w.add_tensor(name, a.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(a, ty), raw_dtype=ty)
+
+
 def tiny_weights(seed: int = 0, never_eos: bool = False) -> dict[str, np.ndarray]:
     """Hugging Face names -> float32 arrays, untied head.
 
@@ -110,17 +126,8 @@ def write_gguf(path, weights: dict[str, np.ndarray] | None = None, kv: dict[str,
         w.add_key_value(key, value, vtype, sub[0] if sub else None)
     types = [T.Q8_0, T.Q4_0, T.Q4_1, T.F16]
     for k, (name, a) in enumerate(weights.items()):
-        if name.endswith("q_proj.weight"):
-            a = permute_qk(a, SHAPE["heads"])
-        elif name.endswith("k_proj.weight"):
-            a = permute_qk(a, SHAPE["kv_heads"])
         ty = types[k % len(types)] if quantize and a.ndim == 2 else T.F32
-        if ty == T.F32:
-            w.add_tensor(gguf_name(name), a)
-        elif ty == T.F16:
-            w.add_tensor(gguf_name(name), a.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(a, ty), raw_dtype=ty)
+        add_hf_tensor(w, name, gguf_name(name), a, ty, SHAPE["heads"], SHAPE["kv_heads"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
