@@ -86,17 +86,18 @@ def gguf_fields(data: bytes) -> tuple[list[Field], int]:
                           if _SCALAR_SIZES[vtype] in (4, 8) else Field(f"{label}.vtype", p - 4, 4, "type"))
         return p + _SCALAR_SIZES[vtype]
 
+    def read_string(label: str, p: int) -> tuple[str, int]:
+        """A length-prefixed GGUF string at ``p``: record its length field, return it and the end."""
+        fields.append(Field(label, p, 8, "len"))
+        return data[p + 8:p + 8 + u64(p)].decode(), p + 8 + u64(p)
+
     for _ in range(n_kv):
-        fields.append(Field("key.len", pos, 8, "len"))
-        key = data[pos + 8:pos + 8 + u64(pos)].decode()
-        pos += 8 + u64(pos)
+        key, pos = read_string("key.len", pos)
         fields.append(Field(f"{key}.vtype", pos, 4, "type"))
         vtype = u32(pos)
         pos = skip_value(vtype, pos + 4, key, True)
     for _ in range(n_tensors):
-        fields.append(Field("tensor.name.len", pos, 8, "len"))
-        name = data[pos + 8:pos + 8 + u64(pos)].decode()
-        pos += 8 + u64(pos)
+        name, pos = read_string("tensor.name.len", pos)
         fields.append(Field(f"{name}.n_dims", pos, 4, "n_dims"))
         n_dims = u32(pos)
         pos += 4
