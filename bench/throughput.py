@@ -31,6 +31,7 @@ from common import machine_description  # noqa: E402
 from workloads import Workload, w1, w2  # noqa: E402
 
 from minicb.engine import LLM  # noqa: E402
+from minicb.metrics import layer_matmul_params  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.model.loader import default_model_path, load_model  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -45,8 +46,17 @@ def run_minicb(model, wl: Workload, **config) -> dict:
     n = sum(len(o.token_ids) for o in outs)
     assert n == wl.num_output_tokens
     st = llm.engine.scheduler.stats
+    computed = st.num_batched_tokens + st.num_padding_tokens
     return {"seconds": dt, "tokens": n, "steps": st.num_steps, "padding_tokens": st.num_padding_tokens,
-            "preemptions": st.num_preemptions}
+            "preemptions": st.num_preemptions, "computed_tokens": computed,
+            "matmul_gflop": matmul_gflop(model.config, computed, n)}
+
+
+def matmul_gflop(cfg, computed_tokens: int, sampled_rows: int) -> float:
+    """The model's matmul work in GFLOP: every computed row (real or padding) goes through the decoder
+    layers' weights, every sampled row through the LM head (padding rows are never sampled)."""
+    return (2 * layer_matmul_params(cfg) * computed_tokens
+            + 2 * cfg.vocab_size * cfg.hidden_size * sampled_rows) / 1e9
 
 
 def load_hf():
@@ -137,14 +147,21 @@ def main() -> None:
             _report(wl.name, "hf generate", r["hf generate"])
     print()
     print(f"machine: {machine_description()}")
-    print(f"{'workload':<9}{'system':<20}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'vs continuous':>15}")
+    print(f"{'workload':<9}{'system':<20}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'vs continuous':>15}"
+          f"{'rows':>8}{'GFLOP':>8}{'GFLOP/s':>9}")
     for name, r in results.items():
         base = r["minicb continuous"]["tokens"] / r["minicb continuous"]["seconds"]
         for sys_name, x in r.items():
             tps = x["tokens"] / x["seconds"]
             x["tokens_per_s"] = tps
+            work = ""
+            if "matmul_gflop" in x:
+                g = x["matmul_gflop"]
+                work = f"{x['computed_tokens']:>8}{g:>8.0f}{g / x['seconds']:>9.1f}"
             print(f"{name:<9}{sys_name:<20}{x['seconds']:>9.1f}{x['tokens']:>8}{tps:>10.1f}"
-                  f"{base / tps:>14.2f}x")
+                  f"{base / tps:>14.2f}x{work}")
+    print("(rows: token rows the minicb engine computed, padding included; GFLOP: their matmul work, "
+          "LM head included;\n GFLOP/s: that work over the wall time)")
     _bars(results)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
@@ -166,6 +183,14 @@ def _bars(results: dict) -> None:
         if a and b:
             ok = "PASS" if a / b >= bar else "FAIL"
             print(f"bar {w}: continuous / {other} = {a / b:.2f}x (needs >= {bar}x)  {ok}")
+    for w, r in results.items():
+        c, s = r.get("minicb continuous"), r.get("minicb static")
+        if c and s:
+            work = s["matmul_gflop"] / c["matmul_gflop"]
+            speed = (c["matmul_gflop"] / c["seconds"]) / (s["matmul_gflop"] / s["seconds"])
+            print(f"{w}: static computes {work:.2f}x the matmul work of continuous, and continuous gets "
+                  f"{speed:.2f}x\n    as many GFLOP/s out of the machine: {work:.2f} x {speed:.2f} = "
+                  f"{work * speed:.2f}x the throughput")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ are fewer queries than keys, which is wrong for a prefill chunk that follows cac
 
 ``ReferenceAttention`` is the pure-PyTorch backend that runs everywhere (CPU, any dtype). It writes the
 new K/V into the paged cache through ``slot_mapping`` and reads the older keys back through
-``block_tables``. It is vectorised: one gather per layer for all decodes and one for all prompt chunks;
-no Python loop over tokens. ``StaticCacheAttention`` is the padded ``[batch, max_len]`` cache of the
-static baseline (the gpt-fast shape). The CUDA backends (``flash-attn``, ``torch-varlen``: varlen
-kernels fed from the paged cache) and the registry that chooses among all of them live in ``backends/``.
+``block_tables``. It is vectorised: one gather per layer for each bucket of decodes of similar context
+length, and one per prompt chunk; no Python loop over tokens. ``StaticCacheAttention`` is the padded
+``[batch, max_len]`` cache of the static baseline (the gpt-fast shape). The CUDA backends
+(``flash-attn``, ``torch-varlen``: varlen kernels fed from the paged cache) and the registry that
+chooses among all of them live in ``backends/``.
 """
 
 from __future__ import annotations
@@ -95,10 +96,11 @@ class _Group:
     """Precomputed gather indices for one group of rows padded to the same ``[Lq, Lk]``."""
 
     q_index: torch.Tensor      # [G, Lq] flat token index of each (row, query) (clamped)
-    q_valid: torch.Tensor      # [G, Lq]
     key_index: torch.Tensor    # [G, Lk] where key j of row g lives: a cache slot, or a new-token row
     in_cache: bool             # True: key_index are cache slots; False: rows of this step's k/v
     mask: torch.Tensor         # [G, Lq, Lk]
+    out_index: torch.Tensor    # [n] flat token index of each real (unpadded) query of the group
+    valid: torch.Tensor | None  # [n] which of the G * Lq padded queries are real; None: all of them
 
 
 @dataclass(slots=True)
@@ -125,18 +127,20 @@ class ReferenceAttention(AttentionBackend):
         n_real = meta.num_seqs - meta.num_padding_rows if self.kv_cache is not None else 0
         rows = range(meta.num_seqs)
         # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
-        # pad forty decodes to 500 queries each. Decodes are further bucketed by context length
-        # (powers of two), so a 20-token sequence does not gather 400 padded keys beside a long one:
-        # decode attention is memory-bound, and the padding would be pure traffic.
+        # pad forty decodes to 500 queries each. Decodes are bucketed by context length (powers of
+        # two), so a 20-token sequence does not gather 400 padded keys beside a long one: decode
+        # attention is memory-bound, and the padding would be pure traffic. Each prompt chunk is a
+        # group of its own: padding a 5-token prompt to a 256-token one would cost 256 x 256 scores
+        # for 25 useful ones, and a step holds few chunks, so one call each is cheap.
         ctx = [meta.start_positions[i] + meta.q_lens[i] for i in rows]
         buckets: dict[int, list[int]] = {}
         for i in rows[:n_real]:
             if meta.q_lens[i] == 1:
                 buckets.setdefault(ctx[i].bit_length(), []).append(i)
-        prefill = [i for i in rows[:n_real] if meta.q_lens[i] > 1]
+        chunks = [[i] for i in rows[:n_real] if meta.q_lens[i] > 1]
         ephemeral = list(rows[n_real:])
-        parts = [(b, True) for _, b in sorted(buckets.items())] + [(prefill, True), (ephemeral, False)]
-        groups = [self._group(meta, r, cached) for r, cached in parts if r]
+        parts = [(b, True) for _, b in sorted(buckets.items())] + [(c, True) for c in chunks]
+        groups = [self._group(meta, r, cached) for r, cached in parts + [(ephemeral, False)] if r]
         return _RefState(groups, meta.slot_mapping, meta.slot_mapping >= 0)
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
@@ -160,7 +164,10 @@ class ReferenceAttention(AttentionBackend):
             key_index = q0[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
         qpos = start[:, None] + i[None, :]                      # absolute position of each query
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-        return _Group(q_index, q_valid, key_index, cached, mask)
+        valid = q_valid.flatten()
+        all_valid = sum(meta.q_lens[r] for r in rows) == valid.numel()
+        return _Group(q_index, key_index, cached, mask, q_index.flatten()[valid],
+                      None if all_valid else valid.nonzero().squeeze(1))
 
     def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
         if self.kv_cache is not None:
@@ -170,8 +177,8 @@ class ReferenceAttention(AttentionBackend):
         for g in state.groups:
             ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
             og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
-                              g.mask)
-            out[g.q_index[g.q_valid]] = og[g.q_valid]
+                              g.mask).flatten(0, 1)
+            out.index_copy_(0, g.out_index, og if g.valid is None else og.index_select(0, g.valid))
         return out
 
 
