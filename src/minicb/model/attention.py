@@ -77,18 +77,28 @@ class AttentionBackend:
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention on padded groups without copying K/V per query head.
 
-    q ``[G, Lq, Hq, D]``, k/v ``[G, Lk, Hkv, D]``, mask ``[G, Lq, Lk]`` (True = may attend).
-    The ``Hq / Hkv`` query heads that share one KV head are folded into the query length, so SDPA
-    sees ``[G, Hkv, group * Lq, D]`` against ``[G, Hkv, Lk, D]``. Returns ``[G, Lq, Hq, D]``.
+    q ``[G, Lq, Hq, D]``, k/v ``[G, Lk, Hkv, D]``, mask ``[G, Lq, Lk]`` (True = may attend), or the
+    same mask already folded by ``fold_mask``. The ``Hq / Hkv`` query heads that share one KV head are
+    folded into the query length, so SDPA sees ``[G, Hkv, group * Lq, D]`` against ``[G, Hkv, Lk, D]``.
+    Returns ``[G, Lq, Hq, D]``.
     """
     g, lq, hq, d = q.shape
     hkv = k.shape[2]
     grp = hq // hkv
     qh = q.view(g, lq, hkv, grp, d).permute(0, 2, 3, 1, 4).reshape(g, hkv, grp * lq, d)
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)
-    m = mask[:, None, None].expand(g, 1, grp, lq, mask.shape[-1]).reshape(g, 1, grp * lq, mask.shape[-1])
+    m = fold_mask(mask, grp, q.dtype) if mask.dim() == 3 else mask
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m)
     return out.view(g, hkv, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(g, lq, hq, d)
+
+
+def fold_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[G, Lq, Lk]`` boolean mask as ``grouped_sdpa`` hands it to SDPA: ``[G, 1, group * Lq, Lk]``,
+    additive (0 where allowed, -inf elsewhere). SDPA turns a boolean mask into this form on every call;
+    folding it once per step instead of once per layer saves that work thirty times over."""
+    g, lq, lk = mask.shape
+    m = mask[:, None, None].expand(g, 1, group, lq, lk).reshape(g, 1, group * lq, lk)
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
 
 
 @dataclass(slots=True)
@@ -98,7 +108,7 @@ class _Group:
     q_index: torch.Tensor      # [G, Lq] flat token index of each (row, query) (clamped)
     key_index: torch.Tensor    # [G, Lk] where key j of row g lives: a cache slot, or a new-token row
     in_cache: bool             # True: key_index are cache slots; False: rows of this step's k/v
-    mask: torch.Tensor         # [G, Lq, Lk]
+    mask: torch.Tensor         # [G, Lq, Lk]; replaced by its fold_mask form at the first layer
     out_index: torch.Tensor    # [n] flat token index of each real (unpadded) query of the group
     valid: torch.Tensor | None  # [n] which of the G * Lq padded queries are real; None: all of them
 
@@ -175,6 +185,8 @@ class ReferenceAttention(AttentionBackend):
             kc, vc = self.kv_cache.layer(layer)
         out = torch.empty_like(q)
         for g in state.groups:
+            if g.mask.dim() == 3:
+                g.mask = fold_mask(g.mask, q.shape[1] // k.shape[1], q.dtype)
             ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
             og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
                               g.mask).flatten(0, 1)
@@ -228,3 +240,4 @@ class StaticCacheAttention(AttentionBackend):
         out = grouped_sdpa(q.view(b, t, *q.shape[1:]), self.cache[layer, 0, :, :end],
                            self.cache[layer, 1, :, :end], mask)
         return out.reshape(b * t, *q.shape[1:])
+
