@@ -31,7 +31,7 @@ from common import machine_description  # noqa: E402
 from workloads import Workload, w1, w2  # noqa: E402
 
 from minicb.engine import LLM  # noqa: E402
-from minicb.metrics import layer_matmul_params  # noqa: E402
+from minicb.metrics import matmul_flops  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.model.loader import default_model_path, load_model  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -49,14 +49,9 @@ def run_minicb(model, wl: Workload, **config) -> dict:
     computed = st.num_batched_tokens + st.num_padding_tokens
     return {"seconds": dt, "tokens": n, "steps": st.num_steps, "padding_tokens": st.num_padding_tokens,
             "preemptions": st.num_preemptions, "computed_tokens": computed,
-            "matmul_gflop": matmul_gflop(model.config, computed, n)}
-
-
-def matmul_gflop(cfg, computed_tokens: int, sampled_rows: int) -> float:
-    """The model's matmul work in GFLOP: every computed row (real or padding) goes through the decoder
-    layers' weights, every sampled row through the LM head (padding rows are never sampled)."""
-    return (2 * layer_matmul_params(cfg) * computed_tokens
-            + 2 * cfg.vocab_size * cfg.hidden_size * sampled_rows) / 1e9
+            # every computed row (real or padding) goes through the layers; only sampled rows (one per
+            # output token; padding rows are never sampled) through the LM head
+            "matmul_gflop": matmul_flops(model.config, computed, n) / 1e9}
 
 
 def load_hf():

@@ -155,10 +155,14 @@ def causal_pairs(start: int, n: int) -> int:
     return n * start + n * (n + 1) // 2
 
 
+def matmul_flops(cfg: ModelConfig, tokens: int, sampled: int) -> float:
+    """FLOPs of the matmuls for ``tokens`` rows through the decoder layers, ``sampled`` of them also
+    through the LM head (``2 x`` the weights each row multiplies)."""
+    return 2.0 * layer_matmul_params(cfg) * tokens + 2.0 * cfg.vocab_size * cfg.hidden_size * sampled
+
+
 def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
     """Useful FLOPs of ``plan`` (see the module docstring): padding rows count nothing."""
-    body = 2.0 * layer_matmul_params(cfg)
-    head = 2.0 * cfg.vocab_size * cfg.hidden_size
     attn = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     tokens = pairs = sampled = 0
     for s in plan.seqs:
@@ -166,7 +170,7 @@ def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
         tokens += n
         pairs += n * start + n * (n + 1) // 2
         sampled += s.sample
-    return body * tokens + attn * pairs + head * sampled
+    return matmul_flops(cfg, tokens, sampled) + attn * pairs
 
 
 def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | None = None,
