@@ -30,16 +30,13 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w2  # noqa: E402
 
 from minicb.engine import LLM  # noqa: E402
-from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import load_model  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
-PARTS = {"linear": ("linear",), "attention": ("scaled_dot_product_attention",),
-         "gather": ("index_select",)}
+PARTS = {"linear": "linear", "attention": "scaled_dot_product_attention", "gather": "index_select"}
 
 
 def profile_run(model, wl, **config) -> dict[str, float]:
@@ -52,9 +49,10 @@ def profile_run(model, wl, **config) -> dict[str, float]:
     wall = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats      # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
     out = {part: 0.0 for part in PARTS}
+    # builtins are named like "<built-in method torch._C._nn.linear>" or "<method 'index_select' of ...>"
     for (_, _, name), (_, _, tottime, _, _) in stats.items():
-        for part, names in PARTS.items():
-            if any(f"'{n}'" in name or name.endswith(f".{n}>") for n in names):
+        for part, fn in PARTS.items():
+            if name.endswith(f".{fn}>") or f"'{fn}'" in name:
                 out[part] += tottime
     out["rest"] = wall - sum(out.values())
     out["total"] = wall
@@ -69,8 +67,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = w2(num=16) if args.quick else w2()
-    loaded = load_model(None, dtype=torch.float32)
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    model = load_smollm2()
     cont = profile_run(model, wl, policy="continuous", max_num_seqs=64, max_num_batched_tokens=1024,
                        num_blocks=2048)
     stat = profile_run(model, wl, policy="static", max_num_seqs=16, num_blocks=2048)

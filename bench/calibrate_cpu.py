@@ -42,13 +42,12 @@ import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import load_smollm2  # noqa: E402
 from forward import decode_plan, prefill_plan  # noqa: E402
 
 from minicb.bench_cli import machine_description, matmul_ceiling_gflops  # noqa: E402
 from minicb.kv_cache import KVCache  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import load_model  # noqa: E402
 from minicb.packer import pack  # noqa: E402
 from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
 from minicb.simulate import SMOLLM2_135M, CostModel, Device  # noqa: E402
@@ -191,8 +190,7 @@ def fit(points, ceiling: float, bw: float) -> dict:
 def measure(args) -> dict:
     """Run every measurement; returns the raw numbers (what --refit reads back)."""
     torch.set_num_threads(1)
-    loaded = load_model(None, dtype=torch.float32)
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    model = load_smollm2()
     ceiling = matmul_ceiling_gflops(clock=clock) * 1e9
     bw = memory_bandwidth_gbs() * 1e9
     print(f"machine: {machine_description()}")

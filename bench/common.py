@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: the machine's matmul ceiling and a small timing loop."""
+"""Helpers shared by the benchmarks: the model, the machine's matmul ceiling and a small timing loop."""
 
 from __future__ import annotations
 
@@ -8,18 +8,21 @@ import time
 
 import torch
 
+from minicb import bench_cli
+from minicb.model.llama import LlamaForCausalLM
+from minicb.model.loader import load_model
 
-def matmul_ceiling_gflops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -> float:
-    """The machine's measured float32 matmul throughput (GFLOP/s), best of ``repeats``."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+
+def matmul_ceiling_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """The machine's measured float32 matmul throughput (GFLOP/s), best of ``repeats`` n x n products
+    (``minicb bench``'s measurement, with a larger matrix)."""
+    return bench_cli.matmul_ceiling_gflops(n, repeats)
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The installed SmolLM2-135M as minicb's model, weights in ``dtype``."""
+    loaded = load_model(None, dtype=dtype)
+    return LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, dtype)
 
 
 def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:

@@ -17,12 +17,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
+from common import load_smollm2, machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
 
 from minicb.kv_cache import KVCache  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import load_model  # noqa: E402
 from minicb.packer import pack  # noqa: E402
 from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
 
@@ -62,8 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(None, dtype=torch.float32)
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    model = load_smollm2()
     cfg = model.config
     bs, ctx = 16, 128
     kv = KVCache(cfg.num_hidden_layers, 64 * ((ctx + bs) // bs + 1), bs, cfg.num_key_value_heads,

@@ -27,13 +27,12 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+from common import load_smollm2, machine_description  # noqa: E402
 from workloads import Workload, w1, w2  # noqa: E402
 
 from minicb.engine import LLM  # noqa: E402
 from minicb.metrics import matmul_flops  # noqa: E402
-from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import default_model_path, load_model  # noqa: E402
+from minicb.model.loader import default_model_path  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -121,8 +120,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     wls = [w1(num=8), w2(num=16)] if args.quick else [w1(), w2()]
-    loaded = load_model(None, dtype=torch.float32)
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float32)
+    model = load_smollm2()
     hf = None if args.skip_hf else load_hf()
     results: dict[str, dict[str, dict]] = {}
     cont = dict(policy="continuous", max_num_seqs=args.max_num_seqs,

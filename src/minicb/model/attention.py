@@ -240,4 +240,3 @@ class StaticCacheAttention(AttentionBackend):
         out = grouped_sdpa(q.view(b, t, *q.shape[1:]), self.cache[layer, 0, :, :end],
                            self.cache[layer, 1, :, :end], mask)
         return out.reshape(b * t, *q.shape[1:])
-
