@@ -1,6 +1,7 @@
 """The command line's error contract (docs/errors.md): a user's mistake (an unknown flag, a bad value,
 a missing or broken model, an empty or unreadable ``--file``) exits with code 2 and exactly one line on
-stderr, ``minicb: error: ...``, never a traceback; Ctrl-C during generation exits with 130.
+stderr, ``minicb: error: ...``, never a traceback; Ctrl-C during generation exits with 130. The last
+test checks that a flag with no error path of its own, ``--no-prefix-caching``, reaches the engine.
 
 Most rows call ``minicb.cli.main`` in-process (an uncaught exception would fail the test just as a
 traceback would); a few run ``python -m minicb.cli`` for real, and the Ctrl-C test sends SIGINT to a
@@ -149,3 +150,33 @@ def test_ctrl_c_during_generation_exits_130_without_a_traceback(tmp_path):
     assert p.returncode == EXIT_INTERRUPTED, (p.returncode, err)
     assert err.decode() == "minicb: interrupted\n"
     assert len(first + out) < 2000, "it was interrupted, not finished"
+
+
+def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gguf, capsys, monkeypatch):
+    """``--no-prefix-caching`` turns sharing off (no prompt token is served from the cache) and the
+    generated text is the same with and without it. Two prompts share a long prefix; ``--max-num-seqs 1``
+    admits them one after the other, so with caching on the second one finds the first one's blocks."""
+    import minicb.engine
+
+    built = []
+
+    class Recording(minicb.engine.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(minicb.engine, "LLM", Recording)
+    prompt = "the cat sat on the mat and looked at the dog " * 3
+    argv = ["generate", prompt + "once", prompt + "twice", "--model", str(tiny_gguf), "--max-tokens", "3",
+            "--block-size", "2", "--max-num-seqs", "1"]
+    outputs = {}
+    for flag in ([], ["--no-prefix-caching"]):
+        rc, out, err = run_main(argv + flag, capsys)
+        assert rc == 0 and err == "", err
+        outputs[bool(flag)] = out
+    with_cache, without = (llm.engine.scheduler for llm in built)
+    assert with_cache.config.prefix_caching and not without.config.prefix_caching
+    assert with_cache.stats.num_cached_prompt_tokens > 0
+    assert without.stats.num_cached_prompt_tokens == 0
+    assert without.stats.num_prompt_tokens == with_cache.stats.num_prompt_tokens
+    assert outputs[True] == outputs[False] and outputs[True].count("\n") == 2

@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share the KV blocks of common prompt prefixes (continuous policy only; "
+                        "the padded policies never share them)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
 
@@ -99,7 +102,8 @@ def cmd_generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
-              attn_backend=args.attn_backend, tensor_parallel_size=args.tp)
+              attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
+              enable_prefix_caching=args.prefix_caching)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     eng = llm.engine
