@@ -101,6 +101,12 @@ def fold_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tenso
     return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
 
 
+def write_mask(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """The tokens that get a cache slot; None when all do (one host sync per step, not per layer)."""
+    mask = slot_mapping >= 0
+    return None if bool(mask.all()) else mask
+
+
 @dataclass(slots=True)
 class _Group:
     """Precomputed gather indices for one group of rows padded to the same ``[Lq, Lk]``."""
@@ -117,7 +123,7 @@ class _Group:
 class _RefState:
     groups: list[_Group]
     slot_mapping: torch.Tensor
-    write_mask: torch.Tensor
+    write_mask: torch.Tensor | None   # None: every token is written (see write_mask)
 
 
 class ReferenceAttention(AttentionBackend):
@@ -151,7 +157,7 @@ class ReferenceAttention(AttentionBackend):
         ephemeral = list(rows[n_real:])
         parts = [(b, True) for _, b in sorted(buckets.items())] + [(c, True) for c in chunks]
         groups = [self._group(meta, r, cached) for r, cached in parts + [(ephemeral, False)] if r]
-        return _RefState(groups, meta.slot_mapping, meta.slot_mapping >= 0)
+        return _RefState(groups, meta.slot_mapping, write_mask(meta.slot_mapping))
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
         dev = meta.slot_mapping.device

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from minicb.kv_cache import KVCache
-from minicb.model.attention import AttentionBackend, AttentionMetadata
+from minicb.model.attention import AttentionBackend, AttentionMetadata, write_mask
 
 PAGED_BLOCK_MULTIPLE = 256     # flash-attn 2: "Paged KV cache block size must be divisible by 256"
 MODES = ("gather", "paged")
@@ -105,14 +105,8 @@ def build_varlen_plan(meta: AttentionMetadata, has_cache: bool, mode: str = "gat
         key_slots=gather_key_slots(meta, r) if (mode == "gather" and r) else None,
         block_table=meta.block_tables[:r].to(torch.int32).contiguous() if mode == "paged" else None,
         pad_cu_seqlens=pad_cu, pad_max_seqlen=max(pad, default=0),
-        slot_mapping=meta.slot_mapping, write_mask=_write_mask(meta.slot_mapping),
+        slot_mapping=meta.slot_mapping, write_mask=write_mask(meta.slot_mapping),
     )
-
-
-def _write_mask(slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """The tokens that get a cache slot; None when all do (one host sync per step, not per layer)."""
-    mask = slot_mapping >= 0
-    return None if bool(mask.all()) else mask
 
 
 class VarlenAttention(AttentionBackend):
