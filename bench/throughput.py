@@ -2,6 +2,7 @@
 
     python bench/throughput.py                 # W1 and W2, all four systems (about 15-25 min here)
     python bench/throughput.py --quick         # a smaller version of both workloads
+    python bench/throughput.py --repeats 3     # every system 3 times, interleaved; medians reported
 
 Systems, all SmolLM2-135M in float32, greedy, EOS ignored, the same prompts:
 
@@ -14,6 +15,12 @@ Systems, all SmolLM2-135M in float32, greedy, EOS ignored, the same prompts:
 
 The bars the engine issue sets: on W2 minicb continuous >= 2x hf generate_batch and >= 2.5x minicb
 static; on W1 minicb continuous >= hf generate. Results go to stdout and, with ``--json``, to a file.
+
+Timing noise on a shared machine is 10-20% from one run to the next, more than the margin of some
+bars. ``--repeats N`` runs every system N times, round-robin within a workload (continuous, static,
+generate_batch, generate, continuous, ...), so a slow spell of the machine hits all of them alike; the
+table gives each system's median run and the range of its tokens/s, the bars use the medians, and the
+continuous / static ratio of every round is printed too.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -116,7 +124,11 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's own choice)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every system this many times, interleaved, and report medians (default 1)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     wls = [w1(num=8), w2(num=16)] if args.quick else [w1(), w2()]
@@ -126,22 +138,26 @@ def main() -> None:
     cont = dict(policy="continuous", max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=2048)
     for wl in wls:
-        r = results[wl.name] = {}
         print(f"{wl.name}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
               f"{wl.num_output_tokens} output tokens", flush=True)
-        r["minicb continuous"] = run_minicb(model, wl, **cont)
-        _report(wl.name, "minicb continuous", r["minicb continuous"])
-        r["minicb static"] = run_minicb(model, wl, policy="static", max_num_seqs=16, num_blocks=2048)
-        _report(wl.name, "minicb static", r["minicb static"])
+        systems = {"minicb continuous": lambda wl=wl: run_minicb(model, wl, **cont),
+                   "minicb static": lambda wl=wl: run_minicb(model, wl, policy="static", max_num_seqs=16,
+                                                             num_blocks=2048)}
         if hf is not None:
-            r["hf generate_batch"] = run_hf_generate_batch(hf, wl)
-            _report(wl.name, "hf generate_batch", r["hf generate_batch"])
-            r["hf generate"] = run_hf_generate(hf, wl, batch=32 if wl.name == "W1" else 16)
-            _report(wl.name, "hf generate", r["hf generate"])
+            systems["hf generate_batch"] = lambda wl=wl: run_hf_generate_batch(hf, wl)
+            batch = 32 if wl.name == "W1" else 16
+            systems["hf generate"] = lambda wl=wl, batch=batch: run_hf_generate(hf, wl, batch=batch)
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
+        for rnd in range(args.repeats):
+            for name, run in systems.items():
+                runs[name].append(run())
+                label = name if args.repeats == 1 else f"{name} ({rnd + 1}/{args.repeats})"
+                _report(wl.name, label, runs[name][-1])
+        results[wl.name] = {name: median_run(rs) for name, rs in runs.items()}
     print()
     print(f"machine: {machine_description()}")
     print(f"{'workload':<9}{'system':<20}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'vs continuous':>15}"
-          f"{'rows':>8}{'GFLOP':>8}{'GFLOP/s':>9}")
+          f"{'rows':>8}{'GFLOP':>8}{'GFLOP/s':>9}" + (f"{'tokens/s range':>18}" if args.repeats > 1 else ""))
     for name, r in results.items():
         base = r["minicb continuous"]["tokens"] / r["minicb continuous"]["seconds"]
         for sys_name, x in r.items():
@@ -151,6 +167,9 @@ def main() -> None:
             if "matmul_gflop" in x:
                 g = x["matmul_gflop"]
                 work = f"{x['computed_tokens']:>8}{g:>8.0f}{g / x['seconds']:>9.1f}"
+            if args.repeats > 1:   # hf rows have no work columns: keep the range column aligned
+                lo, hi = min(x["runs_tokens_per_s"]), max(x["runs_tokens_per_s"])
+                work = f"{work or ' ' * 25}{lo:>11.1f} - {hi:<6.1f}"
             print(f"{name:<9}{sys_name:<20}{x['seconds']:>9.1f}{x['tokens']:>8}{tps:>10.1f}"
                   f"{base / tps:>14.2f}x{work}")
     print("(rows: token rows the minicb engine computed, padding included; GFLOP: their matmul work, "
@@ -160,8 +179,18 @@ def main() -> None:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=2))
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median time (the lower middle one for an even count), with every run's
+    seconds and tokens/s attached, so the spread is kept next to the figure that is reported."""
+    ordered = sorted(runs, key=lambda x: x["seconds"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid["runs_seconds"] = [x["seconds"] for x in runs]
+    mid["runs_tokens_per_s"] = [x["tokens"] / x["seconds"] for x in runs]
+    return mid
+
+
 def _report(wl: str, name: str, x: dict) -> None:
-    print(f"  {name:<20} {x['tokens'] / x['seconds']:8.1f} tokens/s  ({x['seconds']:.1f} s)", flush=True)
+    print(f"  {name:<26} {x['tokens'] / x['seconds']:8.1f} tokens/s  ({x['seconds']:.1f} s)", flush=True)
 
 
 def _bars(results: dict) -> None:
@@ -178,6 +207,11 @@ def _bars(results: dict) -> None:
             print(f"bar {w}: continuous / {other} = {a / b:.2f}x (needs >= {bar}x)  {ok}")
     for w, r in results.items():
         c, s = r.get("minicb continuous"), r.get("minicb static")
+        if c and s and len(c["runs_seconds"]) > 1:
+            per_round = [sc / cc for cc, sc in zip(c["runs_seconds"], s["runs_seconds"])]
+            print(f"{w}: continuous / minicb static round by round: "
+                  + ", ".join(f"{q:.2f}x" for q in per_round)
+                  + f" (median {statistics.median(per_round):.2f}x)")
         if c and s:
             work = s["matmul_gflop"] / c["matmul_gflop"]
             speed = (c["matmul_gflop"] / c["seconds"]) / (s["matmul_gflop"] / s["seconds"])
