@@ -5,6 +5,16 @@
 Prints tokens/s of a decode step at 1, 8, 32 and 64 sequences (each with 128 cached tokens) and of a
 512-token prefill, beside the machine's measured float32 matmul ceiling and the model's FLOPs per
 token, so that achieved / ceiling can be quoted. Not a test: numbers depend on the machine.
+
+A second table times only the matmuls of the 30 layers (Q, K, V, O, gate, up, down with the model's
+own weights, one after another as in a step) for 16-64 rows, and fits ``time = a + b x rows``. The
+layer weights (425 MB in float32) do not fit in any cache, so every step streams them from memory:
+``a`` is that streaming (the bandwidth it implies is printed) and ``b`` is the compute per row (the
+GFLOP/s it implies is printed). When ``a + b x rows`` fits well, the two happen one after the other,
+not overlapped: a step of few rows pays ``a`` almost in full, and the per-row cost is the same
+whatever the batch. That is the whole cost model of batching on this machine, and why the
+continuous / static ratio of ``bench/throughput.py`` sits between the ratio of their rows and the
+ratio of their steps.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import pathlib
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
@@ -50,6 +61,34 @@ def step_flops(cfg, plan: StepPlan) -> float:
         total += n * body + (2.0 * cfg.vocab_size * h if s.sample else 0.0)
         total += 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
     return total
+
+
+def layer_matmul_sweep(model, rows=(16, 32, 48, 64), repeats: int = 3) -> dict:
+    """Seconds of one step's layer matmuls per row count, and the least-squares fit ``a + b x rows``."""
+    weights = []
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        weights += [m.weight for m in (att.q_proj, att.k_proj, att.v_proj, att.o_proj,
+                                       mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    times = {}
+    for m in rows:
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights}
+
+        def step(xs=xs):
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+
+        times[m] = median_time(step, repeats=repeats)
+    n = len(rows)
+    mx, my = sum(rows) / n, sum(times.values()) / n
+    b = sum((m - mx) * (times[m] - my) for m in rows) / sum((m - mx) ** 2 for m in rows)
+    a = my - b * mx
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    flops_per_row = 2.0 * sum(w.numel() for w in weights)
+    worst = max(abs(times[m] - (a + b * m)) / times[m] for m in rows)
+    return {"rows": {str(m): t for m, t in times.items()}, "a_s": a, "b_s_per_row": b,
+            "weight_bytes": weight_bytes, "stream_gb_per_s": weight_bytes / a / 1e9 if a > 0 else None,
+            "compute_gflops": flops_per_row / b / 1e9, "fit_worst_rel_error": worst}
 
 
 def main() -> None:
@@ -90,8 +129,19 @@ def main() -> None:
     for r in rows:
         print(f"{r['kind']:<10}{r['tokens']:>8}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.1f}"
               f"{r['gflops']:>10.1f}{r['of_ceiling']:>11.1%}")
+    sweep = layer_matmul_sweep(model)
+    print()
+    print(f"layer matmuls of one step (30 layers x 7 weights, {sweep['weight_bytes'] / 1e6:.0f} MB), "
+          "by rows:")
+    print("  " + "   ".join(f"{m} rows {t * 1e3:.1f} ms" for m, t in sweep["rows"].items()))
+    stream = sweep["stream_gb_per_s"]
+    print(f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows "
+          f"(worst point off by {sweep['fit_worst_rel_error']:.1%}): weights streamed at "
+          f"{stream:.1f} GB/s, then computed at {sweep['compute_gflops']:.0f} GFLOP/s"
+          if stream else f"  fit: intercept {sweep['a_s'] * 1e3:.1f} ms, no streaming term to read")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"ceiling_gflops": ceiling, "rows": rows}, indent=2))
+        pathlib.Path(args.json).write_text(json.dumps({"ceiling_gflops": ceiling, "rows": rows,
+                                                       "layer_matmuls": sweep}, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,12 @@ like any earlier chunk. ``slot_mapping`` only ever names positions ``>= start_po
 (cached) block is never written.
 
 Padding rows of the padded policies are appended after the real sequences as extra "sequences" with no
-cache (start_pos 0), token id ``pad_token_id`` and slot -1: they cost compute, write nothing and are
-never sampled, which is exactly what a padded static batch wastes.
+cache (start_pos 0), token id ``pad_token_id`` and slot -1: they cost every layer's matmuls, write
+nothing and are never sampled. That is the bulk of what a padded static batch wastes, but not all of
+it: a ``[B, T]`` implementation (transformers' ``generate``) also runs a finished row's padding token
+through attention over the row's whole context and through the LM head. Those two costs are left out
+here (and real rows attend over their own context, not a padded one), so the padded policies compute
+a lower bound of what a naive static batch computes.
 
 Tensors are contiguous; ``cu_seqlens_*`` and ``block_tables`` are int32 as FlashAttention requires,
 ``slot_mapping`` and ``positions`` int64.
