@@ -63,8 +63,19 @@ def step_flops(cfg, plan: StepPlan) -> float:
     return total
 
 
+def fit_line(points: dict[int, float]) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x`` through ``{x: y}``; returns ``a``, ``b`` and the largest relative
+    distance of a point from the line."""
+    xs = list(points)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(points.values()) / n
+    b = sum((x - mx) * (points[x] - my) for x in xs) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return a, b, max(abs(points[x] - (a + b * x)) / points[x] for x in xs)
+
+
 def layer_matmul_sweep(model, rows=(16, 32, 48, 64), repeats: int = 3) -> dict:
-    """Seconds of one step's layer matmuls per row count, and the least-squares fit ``a + b x rows``."""
+    """Seconds of one step's layer matmuls per row count, and the line ``a + b x rows`` through them."""
     weights = []
     for layer in model.model.layers:
         att, mlp = layer.self_attn, layer.mlp
@@ -79,16 +90,15 @@ def layer_matmul_sweep(model, rows=(16, 32, 48, 64), repeats: int = 3) -> dict:
                 F.linear(xs[w.shape[1]], w)
 
         times[m] = median_time(step, repeats=repeats)
-    n = len(rows)
-    mx, my = sum(rows) / n, sum(times.values()) / n
-    b = sum((m - mx) * (times[m] - my) for m in rows) / sum((m - mx) ** 2 for m in rows)
-    a = my - b * mx
+    a, b, worst = fit_line(times)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2.0 * sum(w.numel() for w in weights)
-    worst = max(abs(times[m] - (a + b * m)) / times[m] for m in rows)
     return {"rows": {str(m): t for m, t in times.items()}, "a_s": a, "b_s_per_row": b,
-            "weight_bytes": weight_bytes, "stream_gb_per_s": weight_bytes / a / 1e9 if a > 0 else None,
-            "compute_gflops": flops_per_row / b / 1e9, "fit_worst_rel_error": worst}
+            "weight_bytes": weight_bytes, "flops_per_row": flops_per_row,
+            # a line that does not slope up (a tiny model, a noisy machine) has nothing to read off
+            "stream_gb_per_s": weight_bytes / a / 1e9 if a > 0 and b > 0 else None,
+            "compute_gflops": flops_per_row / b / 1e9 if a > 0 and b > 0 else None,
+            "fit_worst_rel_error": worst}
 
 
 def main() -> None:
@@ -138,7 +148,8 @@ def main() -> None:
     print(f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows "
           f"(worst point off by {sweep['fit_worst_rel_error']:.1%}): weights streamed at "
           f"{stream:.1f} GB/s, then computed at {sweep['compute_gflops']:.0f} GFLOP/s"
-          if stream else f"  fit: intercept {sweep['a_s'] * 1e3:.1f} ms, no streaming term to read")
+          if stream else f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows: "
+          "no positive streaming and compute terms to read off")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"ceiling_gflops": ceiling, "rows": rows,
                                                        "layer_matmuls": sweep}, indent=2))

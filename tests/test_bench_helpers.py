@@ -1,0 +1,57 @@
+"""The arithmetic of the benchmark scripts (bench/), which the figures in bench/RESULTS.md rest on."""
+
+import pathlib
+import sys
+
+import pytest
+
+from helpers import tiny_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import forward
+        import throughput
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return forward, throughput
+
+
+def test_median_run_is_the_middle_run_and_keeps_every_run(bench):
+    _, throughput = bench
+    runs = [{"seconds": 3.0, "tokens": 30}, {"seconds": 1.0, "tokens": 30}, {"seconds": 2.0, "tokens": 30}]
+    mid = throughput.median_run(runs)
+    assert mid["seconds"] == 2.0
+    assert mid["runs_seconds"] == [3.0, 1.0, 2.0]                 # in the order they ran
+    assert mid["runs_tokens_per_s"] == [10.0, 30.0, 15.0]
+    assert "runs_seconds" not in runs[2]                           # the inputs are left alone
+    even = throughput.median_run([{"seconds": s, "tokens": 1} for s in (4.0, 1.0, 3.0, 2.0)])
+    assert even["seconds"] == 2.0                                  # the lower middle of an even count
+    assert throughput.median_run([{"seconds": 5.0, "tokens": 1}])["seconds"] == 5.0
+
+
+def test_fit_line_recovers_a_line_and_measures_the_misfit(bench):
+    forward, _ = bench
+    a, b, worst = forward.fit_line({16: 0.04 + 16 * 0.002, 32: 0.04 + 32 * 0.002, 64: 0.04 + 64 * 0.002})
+    assert a == pytest.approx(0.04) and b == pytest.approx(0.002) and worst == pytest.approx(0, abs=1e-12)
+    a, b, worst = forward.fit_line({0: 1.0, 1: 3.0, 2: 3.0})     # least squares: y = 4/3 + x
+    assert a == pytest.approx(4 / 3) and b == pytest.approx(1.0)
+    assert worst == pytest.approx((4 / 3 - 1) / 1.0)              # the point at x = 0 is off by 1/3
+
+
+def test_layer_matmul_sweep_counts_every_layer_weight(bench):
+    forward, _ = bench
+    model = tiny_model()
+    sweep = forward.layer_matmul_sweep(model, rows=(2, 4, 8), repeats=1)
+    cfg = model.config
+    per_layer = sum(p.numel() for name, p in model.model.layers[0].named_parameters()
+                    if "proj" in name)
+    assert sweep["flops_per_row"] == 2.0 * per_layer * cfg.num_hidden_layers
+    assert sweep["weight_bytes"] == per_layer * cfg.num_hidden_layers * model.dtype.itemsize
+    assert set(sweep["rows"]) == {"2", "4", "8"} and all(t > 0 for t in sweep["rows"].values())
+    a, b = sweep["a_s"], sweep["b_s_per_row"]
+    assert sum(sweep["rows"].values()) == pytest.approx(sum(a + b * m for m in (2, 4, 8)))
