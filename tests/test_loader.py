@@ -8,6 +8,7 @@ and check ``load_model`` against the original weights and against transformers' 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 
@@ -22,6 +23,7 @@ from minicb.model import gguf_loader
 from minicb.model.gguf_loader import dequantize, permute_qk, read_gguf, unpermute_qk
 from minicb.model.loader import LoadedModel, default_model_path, expected_shapes, load_model
 from minicb.model.tokenizer import Tokenizer
+from preconditions import unavailable
 from test_tokenizer import SAMPLE, tiny_gguf_tokenizer_metadata
 from tiny_files import add_hf_tensor
 
@@ -177,10 +179,13 @@ def test_unpermute_inverts_llama_cpp_permutation(n_head):
 
 
 def test_unpermute_matches_transformers():
-    mod = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    try:
+        mod = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:
+        unavailable("transformers is in the dev extra: pip install -e '.[dev]'")
     proc = getattr(mod, "LlamaTensorProcessor", None)
     if proc is None or not hasattr(proc, "_reverse_permute_weights"):
-        pytest.skip("this transformers version has no LlamaTensorProcessor._reverse_permute_weights")
+        unavailable("this transformers version has no LlamaTensorProcessor._reverse_permute_weights")
     w = np.random.default_rng(0).standard_normal((3 * 16, 7)).astype(np.float32)
     assert np.array_equal(unpermute_qk(w, 3), proc(config={})._reverse_permute_weights(w, 9, 3))
 
