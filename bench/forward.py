@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
 
 from minicb.kv_cache import KVCache  # noqa: E402
+from minicb.metrics import layer_matmul_params, matmul_flops, step_flops  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
 from minicb.packer import pack  # noqa: E402
 from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
@@ -47,20 +48,6 @@ def prefill_plan(n_tokens: int, block_size: int) -> StepPlan:
     blocks = tuple(range((n_tokens + block_size - 1) // block_size))
     toks = tuple(range(1000, 1000 + n_tokens))
     return StepPlan(0, (ScheduledSeq("p", 0, toks, 0, blocks, True),), block_size=block_size)
-
-
-def step_flops(cfg, plan: StepPlan) -> float:
-    """Useful FLOPs of one step: 2 x matmul parameters per token (the vocabulary head only for the
-    rows that are sampled), plus attention's 4 x heads x head_dim per (query, key) pair."""
-    h = cfg.hidden_size
-    body = cfg.flops_per_token(0) - 2.0 * cfg.vocab_size * h          # per token, without the head
-    total = 0.0
-    for s in plan.seqs:
-        n = s.num_tokens
-        pairs = sum(s.start_pos + i + 1 for i in range(n))            # causal (query, key) pairs
-        total += n * body + (2.0 * cfg.vocab_size * h if s.sample else 0.0)
-        total += 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * pairs
-    return total
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float, float]:
@@ -91,13 +78,13 @@ def layer_matmul_sweep(model, rows=(16, 32, 48, 64), repeats: int = 3) -> dict:
 
         times[m] = median_time(step, repeats=repeats)
     a, b, worst = fit_line(times)
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    flops_per_row = 2.0 * sum(w.numel() for w in weights)
+    weight_bytes = layer_matmul_params(model.config) * weights[0].element_size()
+    flops_per_row = matmul_flops(model.config, 1, 0)
+    readable = a > 0 and b > 0    # a line that does not slope up (a tiny model, a noisy machine) says nothing
     return {"rows": {str(m): t for m, t in times.items()}, "a_s": a, "b_s_per_row": b,
             "weight_bytes": weight_bytes, "flops_per_row": flops_per_row,
-            # a line that does not slope up (a tiny model, a noisy machine) has nothing to read off
-            "stream_gb_per_s": weight_bytes / a / 1e9 if a > 0 and b > 0 else None,
-            "compute_gflops": flops_per_row / b / 1e9 if a > 0 and b > 0 else None,
+            "stream_gb_per_s": weight_bytes / a / 1e9 if readable else None,
+            "compute_gflops": flops_per_row / b / 1e9 if readable else None,
             "fit_worst_rel_error": worst}
 
 
@@ -125,7 +112,7 @@ def main() -> None:
             model(batch.input_ids, batch.positions, backend, batch.attn, batch.logits_indices)
 
         t = median_time(step, repeats=args.repeats)
-        gflops = step_flops(cfg, plan) / t / 1e9
+        gflops = step_flops(plan, cfg) / t / 1e9
         rows.append({"kind": kind, "tokens": n, "step_ms": t * 1e3, "tokens_per_s": n / t,
                      "gflops": gflops})
     ceiling = max(matmul_ceiling_gflops() for _ in range(3))   # after the runs, best of three
@@ -144,12 +131,14 @@ def main() -> None:
     print(f"layer matmuls of one step (30 layers x 7 weights, {sweep['weight_bytes'] / 1e6:.0f} MB), "
           "by rows:")
     print("  " + "   ".join(f"{m} rows {t * 1e3:.1f} ms" for m, t in sweep["rows"].items()))
-    stream = sweep["stream_gb_per_s"]
-    print(f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows "
-          f"(worst point off by {sweep['fit_worst_rel_error']:.1%}): weights streamed at "
-          f"{stream:.1f} GB/s, then computed at {sweep['compute_gflops']:.0f} GFLOP/s"
-          if stream else f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows: "
-          "no positive streaming and compute terms to read off")
+    fit = (f"  fit: {sweep['a_s'] * 1e3:.1f} ms + {sweep['b_s_per_row'] * 1e3:.2f} ms x rows "
+           f"(worst point off by {sweep['fit_worst_rel_error']:.1%}): ")
+    if sweep["stream_gb_per_s"]:
+        fit += (f"weights streamed at {sweep['stream_gb_per_s']:.1f} GB/s, then computed at "
+                f"{sweep['compute_gflops']:.0f} GFLOP/s")
+    else:
+        fit += "no positive streaming and compute terms to read off"
+    print(fit)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"ceiling_gflops": ceiling, "rows": rows,
                                                        "layer_matmuls": sweep}, indent=2))
