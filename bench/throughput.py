@@ -3,6 +3,7 @@
     python bench/throughput.py                 # W1 and W2, all four systems (about 15-25 min here)
     python bench/throughput.py --quick         # a smaller version of both workloads
     python bench/throughput.py --repeats 3     # every system 3 times, interleaved; medians reported
+    python bench/throughput.py --attn-backend cpu-paged   # minicb's decode attention by the C kernel
 
 Systems, all SmolLM2-135M in float32, greedy, EOS ignored, the same prompts:
 
@@ -40,6 +41,7 @@ from workloads import Workload, w1, w2  # noqa: E402
 
 from minicb.engine import LLM  # noqa: E402
 from minicb.metrics import matmul_flops  # noqa: E402
+from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
 from minicb.model.loader import default_model_path  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
@@ -124,6 +126,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's own choice)")
+    ap.add_argument("--attn-backend", default="auto", choices=NAMES,
+                    help="minicb's attention backend (default auto: reference on the CPU; cpu-paged adds the "
+                         "C decode kernel)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every system this many times, interleaved, and report medians (default 1)")
     args = ap.parse_args()
@@ -135,14 +140,16 @@ def main() -> None:
     model = load_smollm2()
     hf = None if args.skip_hf else load_hf()
     results: dict[str, dict[str, dict]] = {}
+    backend = resolve_backend(args.attn_backend, "cpu", torch.float32, model.config.head_dim)
+    print(f"minicb attention backend: {backend}")
     cont = dict(policy="continuous", max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=2048)
+                max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=2048, attn_backend=backend)
     for wl in wls:
         print(f"{wl.name}: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
               f"{wl.num_output_tokens} output tokens", flush=True)
         systems = {"minicb continuous": lambda wl=wl: run_minicb(model, wl, **cont),
                    "minicb static": lambda wl=wl: run_minicb(model, wl, policy="static", max_num_seqs=16,
-                                                             num_blocks=2048)}
+                                                             num_blocks=2048, attn_backend=backend)}
         if hf is not None:
             systems["hf generate_batch"] = lambda wl=wl: run_hf_generate_batch(hf, wl)
             batch = 32 if wl.name == "W1" else 16
@@ -155,7 +162,7 @@ def main() -> None:
                 _report(wl.name, label, runs[name][-1])
         results[wl.name] = {name: median_run(rs) for name, rs in runs.items()}
     print()
-    print(f"machine: {machine_description()}")
+    print(f"machine: {machine_description()}; minicb attention backend: {backend}")
     print(f"{'workload':<9}{'system':<20}{'seconds':>9}{'tokens':>8}{'tokens/s':>10}{'vs continuous':>15}"
           f"{'rows':>8}{'GFLOP':>8}{'GFLOP/s':>9}" + (f"{'tokens/s range':>18}" if args.repeats > 1 else ""))
     for name, r in results.items():

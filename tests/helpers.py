@@ -30,9 +30,10 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
     return [torch.randint(4, vocab, (m,), generator=g).tolist() for m in lens]
 
 
-def run_engine(model, config: SchedulerConfig, prompts, params, arrivals=None, check=True):
+def run_engine(model, config: SchedulerConfig, prompts, params, arrivals=None, check=True,
+               attn_backend: str = "auto"):
     """Drive an engine: request i is added at step ``arrivals[i]``. Returns outputs in input order."""
-    eng = LLMEngine(model, config)
+    eng = LLMEngine(model, config, attn_backend=attn_backend)
     arrivals = arrivals or [0] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     plist = params if isinstance(params, list) else [params] * len(prompts)

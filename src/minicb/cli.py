@@ -34,9 +34,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--attn-backend", default="auto",
-                   choices=["auto", "reference", "flash-attn", "torch-varlen"],
+                   choices=["auto", "reference", "cpu-paged", "flash-attn", "torch-varlen"],
                    help="attention kernel; auto = flash-attn, else torch-varlen on CUDA in float16/bfloat16, "
-                        "else reference")
+                        "else reference; cpu-paged = reference with a C decode kernel (CPU, compiles on "
+                        "first use)")
     p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -148,16 +148,21 @@ class ReferenceAttention(AttentionBackend):
         # attention is memory-bound, and the padding would be pure traffic. Each prompt chunk is a
         # group of its own: padding a 5-token prompt to a 256-token one would cost 256 x 256 scores
         # for 25 useful ones, and a step holds few chunks, so one call each is cheap.
-        ctx = [meta.start_positions[i] + meta.q_lens[i] for i in rows]
-        buckets: dict[int, list[int]] = {}
-        for i in rows[:n_real]:
-            if meta.q_lens[i] == 1:
-                buckets.setdefault(ctx[i].bit_length(), []).append(i)
+        decodes = [i for i in rows[:n_real] if meta.q_lens[i] == 1]
         chunks = [[i] for i in rows[:n_real] if meta.q_lens[i] > 1]
         ephemeral = list(rows[n_real:])
-        parts = [(b, True) for _, b in sorted(buckets.items())] + [(c, True) for c in chunks]
-        groups = [self._group(meta, r, cached) for r, cached in parts + [(ephemeral, False)] if r]
+        groups = self._decode_groups(meta, decodes) if decodes else []
+        groups += [self._group(meta, c, True) for c in chunks]
+        if ephemeral:
+            groups.append(self._group(meta, ephemeral, False))
         return _RefState(groups, meta.slot_mapping, write_mask(meta.slot_mapping))
+
+    def _decode_groups(self, meta: AttentionMetadata, decodes: list[int]) -> list:
+        """The groups of this step's decode rows: one per power-of-two bucket of context length."""
+        buckets: dict[int, list[int]] = {}
+        for i in decodes:
+            buckets.setdefault((meta.start_positions[i] + 1).bit_length(), []).append(i)
+        return [self._group(meta, b, True) for _, b in sorted(buckets.items())]
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
         dev = meta.slot_mapping.device
@@ -189,15 +194,21 @@ class ReferenceAttention(AttentionBackend):
         if self.kv_cache is not None:
             self.kv_cache.write(layer, k, v, state.slot_mapping, state.write_mask)
             kc, vc = self.kv_cache.layer(layer)
+        else:
+            kc = vc = None
         out = torch.empty_like(q)
         for g in state.groups:
-            if g.mask.dim() == 3:
-                g.mask = fold_mask(g.mask, q.shape[1] // k.shape[1], q.dtype)
-            ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
-            og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
-                              g.mask).flatten(0, 1)
-            out.index_copy_(0, g.out_index, og if g.valid is None else og.index_select(0, g.valid))
+            self._attend_group(g, q, k, v, kc, vc, out)
         return out
+
+    def _attend_group(self, g: _Group, q, k, v, kc, vc, out: torch.Tensor) -> None:
+        """Gather the group's queries and keys into padded tensors, run SDPA, scatter into ``out``."""
+        if g.mask.dim() == 3:
+            g.mask = fold_mask(g.mask, q.shape[1] // k.shape[1], q.dtype)
+        ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
+        og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
+                          g.mask).flatten(0, 1)
+        out.index_copy_(0, g.out_index, og if g.valid is None else og.index_select(0, g.valid))
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,14 @@
 name               kernel                                                 runs where
 =================  =====================================================  ==================================
 ``reference``      pure PyTorch (``attention.ReferenceAttention``)        anywhere, any dtype
+``cpu-paged``      reference + a C decode kernel (``cpu_paged.py``)       CPU, float32 / float64, a C compiler
 ``flash-attn``     ``flash_attn.flash_attn_varlen_func`` (``flash.py``)    CUDA, sm80+, float16 / bfloat16
 ``torch-varlen``   ``torch.nn.attention.varlen.varlen_attn``              CUDA, sm80+, float16 / bfloat16
 =================  =====================================================  ==================================
 
 ``auto`` takes the first of ``flash-attn``, ``torch-varlen`` that can run on the model's device and
-dtype, else ``reference`` (so the CPU, and float32 / float64 anywhere, get the reference backend).
+dtype, else ``reference`` (so the CPU, and float32 / float64 anywhere, get the reference backend:
+``cpu-paged`` is asked for by name, as the benchmarks do, because it compiles C on first use).
 Asking by name for a backend that cannot run raises ``InvalidArgument`` naming the backend and every
 reason (flash-attn not installed, no CUDA, model not on a CUDA device, dtype, head_dim, GPU too old,
 torch without ``varlen_attn``).
@@ -28,7 +30,7 @@ from minicb.errors import InvalidArgument
 from minicb.kv_cache import KVCache
 from minicb.model.attention import AttentionBackend, ReferenceAttention
 
-BACKENDS = ("reference", "flash-attn", "torch-varlen")
+BACKENDS = ("reference", "cpu-paged", "flash-attn", "torch-varlen")
 NAMES = ("auto", *BACKENDS)
 AUTO_ORDER = ("flash-attn", "torch-varlen")        # preference of ``auto`` on a CUDA device
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -67,6 +69,8 @@ def unavailable_reasons(name: str, device: torch.device | str, dtype: torch.dtyp
     if name == "reference":
         return []
     device = torch.device(device)
+    if name == "cpu-paged":
+        return cpu_paged_reasons(device, dtype)
     reasons = []
     if name == "flash-attn" and flash_attn_kernel() is None:
         reasons.append("the flash_attn package is not installed (pip install flash-attn, or "
@@ -87,6 +91,21 @@ def unavailable_reasons(name: str, device: torch.device | str, dtype: torch.dtyp
         reasons.append(f"the kernels take float16 or bfloat16, the model is {name_of} (use dtype='bfloat16')")
     if head_dim % 8 or head_dim > 256:
         reasons.append(f"head_dim must be a multiple of 8 up to 256, the model has {head_dim}")
+    return reasons
+
+
+def cpu_paged_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why ``cpu-paged`` cannot run here ([] if it can); builds the kernel only if all else allows."""
+    from minicb.model.backends import cpu_paged
+
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"the model is on {device.type}; cpu-paged runs on the CPU")
+    if dtype not in cpu_paged.DTYPES:
+        name_of = str(dtype).removeprefix("torch.")
+        reasons.append(f"cpu-paged takes float32 or float64, the model is {name_of}")
+    if not reasons and (why := cpu_paged.unavailable_reason()):
+        reasons.append(why)
     return reasons
 
 
@@ -131,6 +150,10 @@ def make_backend(name: str, kv_cache: KVCache, device: torch.device | str | None
     chosen = resolve_backend(name, device, kv_cache.data.dtype, int(kv_cache.data.shape[-1]))
     if chosen == "reference":
         return ReferenceAttention(kv_cache)
+    if chosen == "cpu-paged":
+        from minicb.model.backends.cpu_paged import CpuPagedAttention
+
+        return CpuPagedAttention(kv_cache)
     if chosen == "flash-attn":
         from minicb.model.backends.flash import FlashAttnBackend
 

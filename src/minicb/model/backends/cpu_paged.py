@@ -1,0 +1,205 @@
+"""``cpu-paged``: the reference backend with its decode attention done by a small C kernel.
+
+Why a kernel at all, in a pure-PyTorch project? Decode attention is the one part of a step that
+PyTorch cannot express without a copy. A decode row's keys sit in blocks scattered over the cache
+pool; PyTorch's attention wants them in one tensor, so the reference backend gathers them
+(``index_select``) into a padded ``[rows, max_len, kv_heads, head_dim]`` tensor and runs SDPA over it.
+The keys cross memory three times, every row is padded to its bucket's longest, and decode attention
+does too little arithmetic per byte for anything but those trips to matter. vLLM's answer is its
+PagedAttention kernel, which reads the keys *in place* through the block table; ``paged_decode.c``
+beside this file is that kernel for the CPU, about sixty lines of C.
+
+This module compiles it on first use with the machine's C compiler (``$CC`` or ``cc``; about a
+second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides), and
+calls it through ``ctypes``: no build step at install time, no new dependency. ``CpuPagedAttention``
+is ``ReferenceAttention`` with one change: the decode rows of a step go to the kernel in one call per
+layer, unpadded and unbucketed; prompt chunks and padding rows still go through SDPA exactly as in
+the reference backend. Where no C compiler works, asking for ``cpu-paged`` fails with the compiler's
+reason (``backends/__init__.py``), and ``reference`` runs as before.
+
+The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
+the reference backend's to rounding (``tests/test_cpu_paged.py`` checks both, and token-exactness
+against the padded baseline in float64).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minicb.model.attention import AttentionMetadata, ReferenceAttention
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
+DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC``, else the one Python was built with, else ``cc``."""
+    for cmd in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if cmd and shutil.which(shlex.split(cmd)[0]):
+            return shlex.split(cmd)
+    raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINICB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")
+    return Path(root) / "kernels"
+
+
+def _machine_key() -> str:
+    """What ``-march=native`` depends on: the architecture and the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    lines.append(line.strip())
+                if len(lines) == 2:
+                    break
+    except OSError:
+        pass
+    return "\n".join([platform.machine(), *lines])
+
+
+def build(cc: list[str] | None = None) -> Path:
+    """Compile ``paged_decode.c`` into the cache (once per source, compiler, flags and CPU)."""
+    cc = cc or compiler()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cc, *FLAGS, _machine_key()]).encode())
+    target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)    # same filesystem: atomic rename
+    os.close(fd)
+    try:
+        proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{shlex.join(cc)} failed to compile {SOURCE.name}: "
+                                    f"{proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)      # two processes building at once both end with a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The compiled kernel library (built on the first call); ``KernelUnavailable`` if it cannot be."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except OSError as e:
+        raise KernelUnavailable(f"the compiled kernel does not load: {e}") from e
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in DTYPES.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel builds and loads here, else why not (cached, like ``load``)."""
+    try:
+        load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, block_size: int, max_context: int | None = None,
+                 scale: float | None = None) -> torch.Tensor:
+    """Decode attention read in place from one layer's paged cache.
+
+    q ``[rows, q_heads, head_dim]``; k_cache / v_cache ``[slots, kv_heads, head_dim]`` (one layer, as
+    ``KVCache.layer`` returns them); block_tables int32 ``[rows, max_blocks]``; context_lens int32
+    ``[rows]``, each at least 1. Returns ``[rows, q_heads, head_dim]``, what SDPA over each row's first
+    ``context_lens`` keys returns (scale ``1 / sqrt(head_dim)`` unless given).
+    """
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"paged_decode takes float32 or float64 q / k_cache / v_cache of one dtype, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    tensors = (q, k_cache, v_cache, block_tables, context_lens)
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise ValueError("paged_decode takes contiguous CPU tensors")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens must be int32")
+    rows, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if (k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim or q_heads % kv_heads
+            or block_tables.shape[0] != rows or context_lens.shape != (rows,)):
+        raise ValueError(f"paged_decode: inconsistent shapes q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, block_tables "
+                         f"{tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
+    if max_context is None:
+        max_context = int(context_lens.max()) if rows else 0
+    if max_context > block_tables.shape[1] * block_size:
+        raise ValueError(f"a context of {max_context} keys does not fit {block_tables.shape[1]} blocks "
+                         f"of {block_size}")
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    scale = head_dim ** -0.5 if scale is None else scale
+    failed = getattr(load(), DTYPES[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), rows, q_heads, kv_heads, head_dim,
+        block_tables.shape[1], block_size, max_context, scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged_decode could not allocate its score buffer")
+    return out
+
+
+@dataclass(slots=True)
+class _DecodeRows:
+    """All of a step's decode rows, for one kernel call per layer."""
+
+    tokens: torch.Tensor         # int64 [n]: their (single) tokens' rows in the flat batch
+    block_tables: torch.Tensor   # int32 [n, max_blocks], contiguous
+    context_lens: torch.Tensor   # int32 [n]: keys each attends over, its new one included
+    max_context: int
+
+
+class CpuPagedAttention(ReferenceAttention):
+    """``ReferenceAttention`` whose decode rows are attended by ``paged_decode`` in place."""
+
+    name = "cpu-paged"
+
+    def __init__(self, kv_cache) -> None:
+        super().__init__(kv_cache)
+        load()           # build now, so that a broken compiler fails at engine start, not mid-run
+
+    def _decode_groups(self, meta: AttentionMetadata, decodes: list[int]) -> list:
+        dev = meta.slot_mapping.device
+        first_token = [0, *itertools.accumulate(meta.q_lens)]       # sequence i's tokens start here
+        seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
+        ctx = [meta.start_positions[i] + 1 for i in decodes]
+        return [_DecodeRows(torch.tensor([first_token[i] for i in decodes], dtype=torch.long, device=dev),
+                            meta.block_tables.index_select(0, seqs).to(torch.int32).contiguous(),
+                            torch.tensor(ctx, dtype=torch.int32, device=dev), max(ctx))]
+
+    def _attend_group(self, g, q, k, v, kc, vc, out: torch.Tensor) -> None:
+        if not isinstance(g, _DecodeRows):
+            return super()._attend_group(g, q, k, v, kc, vc, out)
+        od = paged_decode(q.index_select(0, g.tokens), kc, vc, g.block_tables, g.context_lens,
+                          self.kv_cache.block_size, g.max_context)
+        out.index_copy_(0, g.tokens, od)

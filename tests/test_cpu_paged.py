@@ -1,0 +1,157 @@
+"""The ``cpu-paged`` backend: the C decode kernel against an independent oracle, and the engine on it.
+
+The oracle is written here, row by row, the plain way: look each key up through the block table,
+softmax in float64, weight the values. The kernel must agree with it to rounding on any block size,
+GQA shape, context length (1 included) and thread count; the engine on ``cpu-paged`` must give the
+padded baseline's tokens for every policy, preemption mode and block size, as the reference does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TINY, baseline_tokens, greedy, random_prompts, run_engine, tiny_model
+from minicb.config import SchedulerConfig
+from minicb.errors import InvalidArgument
+from minicb.model.backends import cpu_paged, make_backend, resolve_backend
+from preconditions import unavailable
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    why = cpu_paged.unavailable_reason()
+    if why:
+        unavailable(f"the cpu-paged kernel cannot be built here: {why}")
+
+
+def oracle(q, kc, vc, tables, ctx, bs):
+    """Row by row, key by key through the table, in float64."""
+    rows, hq, d = q.shape
+    group = hq // kc.shape[1]
+    out = torch.empty(rows, hq, d, dtype=torch.float64)
+    for r in range(rows):
+        slots = [int(tables[r, t // bs]) * bs + t % bs for t in range(int(ctx[r]))]
+        k = kc[slots].double().repeat_interleave(group, dim=1)       # [L, hq, d]
+        v = vc[slots].double().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[r].double(), k) / d ** 0.5, dim=-1)
+        out[r] = torch.einsum("hl,lhd->hd", p, v)
+    return out
+
+
+def random_case(rows, hq, hkv, d, bs, max_ctx, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (rows,), generator=g)
+    ctx[0] = 1                                                      # a one-key context
+    if rows > 1:
+        ctx[1] = max_ctx - max_ctx % bs or max_ctx                   # ends on a block boundary
+    max_blocks = -(-int(ctx.max()) // bs)
+    num_blocks = rows * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=g)[:rows * max_blocks].view(rows, max_blocks)
+    kc = torch.randn(num_blocks * bs, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    vc = torch.randn(num_blocks * bs, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    q = torch.randn(rows, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, kc, vc, tables.to(torch.int32), ctx.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("shape", [(4, 2, 8), (9, 3, 64), (6, 6, 16), (8, 1, 32)])
+def test_kernel_matches_oracle(dtype, tol, bs, shape):
+    hq, hkv, d = shape
+    q, kc, vc, tables, ctx = random_case(7, hq, hkv, d, bs, 70, dtype, seed=bs * 100 + d)
+    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, bs)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), oracle(q, kc, vc, tables, ctx, bs), rtol=tol, atol=tol)
+
+
+def test_kernel_is_the_same_on_two_threads():
+    q, kc, vc, tables, ctx = random_case(33, 9, 3, 64, 16, 200, torch.float32, seed=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+        torch.set_num_threads(2)
+        two = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)       # rows are independent: threads change who computes, not what
+
+
+def test_kernel_rejects_bad_input():
+    q, kc, vc, tables, ctx = random_case(3, 4, 2, 8, 4, 20, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        cpu_paged.paged_decode(q.half(), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_paged.paged_decode(q.transpose(0, 1), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_paged.paged_decode(q, kc, vc, tables.long(), ctx, 4)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cpu_paged.paged_decode(q, kc[:, :1].contiguous(), vc[:, :1].contiguous(), tables[:2], ctx, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_paged.paged_decode(q, kc, vc, tables, ctx, 4, max_context=tables.shape[1] * 4 + 1)
+    assert cpu_paged.paged_decode(q[:0], kc, vc, tables[:0], ctx[:0], 4).shape == (0, 4, 8)
+
+
+def test_build_failure_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path))
+    with pytest.raises(cpu_paged.KernelUnavailable, match="failed to compile"):
+        cpu_paged.build(["false"])                  # a "compiler" that always fails
+    assert not list(tmp_path.rglob("*.so"))         # no half-written library is left behind
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(cpu_paged.sysconfig, "get_config_var", lambda name: None)
+    monkeypatch.setattr(cpu_paged.shutil, "which", lambda cmd: None)
+    with pytest.raises(cpu_paged.KernelUnavailable, match="no C compiler"):
+        cpu_paged.compiler()
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path))
+    first = cpu_paged.build()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_paged.build() == first and first.stat().st_mtime_ns == stamp   # not rebuilt
+
+
+def test_registry():
+    assert resolve_backend("cpu-paged", "cpu", torch.float32, 64) == "cpu-paged"
+    assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"   # opt-in: it compiles C
+    with pytest.raises(InvalidArgument, match="float32 or float64"):
+        resolve_backend("cpu-paged", "cpu", torch.bfloat16, 64)
+
+
+def test_registry_reports_a_broken_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_paged, "unavailable_reason", lambda: "no C compiler found (stand-in)")
+    with pytest.raises(InvalidArgument, match="cpu-paged.*no C compiler found"):
+        resolve_backend("cpu-paged", "cpu", torch.float32, 64)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_engine_on_cpu_paged_matches_baseline(policy, bs):
+    model = tiny_model()
+    prompts = random_prompts(24, 1, 60, TINY.vocab_size, seed=bs)
+    params = [greedy(1 + (i * 7) % 20) for i in range(len(prompts))]
+    cfg = SchedulerConfig(policy=policy, max_num_seqs=6, max_num_batched_tokens=32, block_size=bs,
+                          num_blocks=max(12, 240 // bs), num_host_blocks=max(12, 240 // bs),
+                          preemption_mode="swap" if bs == 4 else "recompute", long_prefill_chunk=16)
+    outs, eng = run_engine(model, cfg, prompts, params, attn_backend="cpu-paged")
+    assert eng.backend.name == "cpu-paged"
+    if policy == "continuous":
+        assert eng.scheduler.stats.num_preemptions > 0     # the pool is small enough to force it
+    assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, TINY.eos_token_id)
+
+
+def test_engine_backend_builds_at_start(monkeypatch):
+    """A broken kernel surfaces when the engine is made, not in the middle of a run."""
+    import minicb.model.backends.cpu_paged as mod
+
+    kv = make_backend("reference", _small_cache()).kv_cache
+    monkeypatch.setattr(mod, "load", lambda: (_ for _ in ()).throw(mod.KernelUnavailable("stand-in")))
+    with pytest.raises(mod.KernelUnavailable, match="stand-in"):
+        mod.CpuPagedAttention(kv)
+
+
+def _small_cache():
+    from minicb.kv_cache import KVCache
+
+    return KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
