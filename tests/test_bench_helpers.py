@@ -21,6 +21,17 @@ def bench():
     return forward, throughput
 
 
+@pytest.fixture(scope="module")
+def breakdown():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import breakdown
+        from workloads import Workload
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return breakdown, Workload
+
+
 def test_median_run_is_the_middle_run_and_keeps_every_run(bench):
     _, throughput = bench
     runs = [{"seconds": 3.0, "tokens": 30}, {"seconds": 1.0, "tokens": 30}, {"seconds": 2.0, "tokens": 30}]
@@ -55,3 +66,22 @@ def test_layer_matmul_sweep_counts_every_layer_weight(bench):
     assert set(sweep["rows"]) == {"2", "4", "8"} and all(t > 0 for t in sweep["rows"].values())
     a, b = sweep["a_s"], sweep["b_s_per_row"]
     assert sum(sweep["rows"].values()) == pytest.approx(sum(a + b * m for m in (2, 4, 8)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-paged"])
+def test_breakdown_attributes_decode_attention_to_the_backend_that_did_it(breakdown, backend):
+    """bench/breakdown.py's parts: the C kernel's time is found under ``kernel`` with cpu-paged, and
+    the reference backend's decode attention under ``gather`` / ``attention`` (kernel 0)."""
+    from minicb.model.backends import cpu_paged
+    from preconditions import unavailable
+
+    if backend == "cpu-paged" and cpu_paged.unavailable_reason():
+        unavailable(f"the cpu-paged kernel cannot be built here: {cpu_paged.unavailable_reason()}")
+    profile_run, Workload = breakdown[0].profile_run, breakdown[1]
+    wl = Workload("t", [[5, 6, 7, 8] * (1 + i % 3) for i in range(6)], [12] * 6)
+    parts = profile_run(tiny_model(), wl, policy="continuous", max_num_seqs=4,
+                                        max_num_batched_tokens=64, attn_backend=backend)
+    assert (parts["kernel"] > 0) == (backend == "cpu-paged")
+    assert parts["linear"] > 0 and parts["gather"] > 0 and parts["attention"] > 0   # prompts use SDPA
+    assert sum(parts[p] for p in ("linear", "attention", "gather", "kernel", "rest")) == pytest.approx(
+        parts["total"])

@@ -8,6 +8,8 @@ padded baseline's tokens for every policy, preemption mode and block size, as th
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -103,6 +105,18 @@ def test_build_failure_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_paged.shutil, "which", lambda cmd: None)
     with pytest.raises(cpu_paged.KernelUnavailable, match="no C compiler"):
         cpu_paged.compiler()
+
+
+def test_build_without_openmp_falls_back_to_one_thread(tmp_path, monkeypatch):
+    """A compiler that rejects -fopenmp still builds the kernel (its pragmas are then ignored)."""
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "cc-without-openmp"
+    real = cpu_paged.compiler()
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *-fopenmp*) echo 'no OpenMP' >&2; exit 1;; esac\n"
+                    f'exec {" ".join(real)} "$@"\n')
+    fake.chmod(0o755)
+    lib = ctypes.CDLL(str(cpu_paged.build([str(fake)])))
+    assert lib.minicb_paged_decode_f32 and lib.minicb_paged_decode_f64
 
 
 def test_build_is_cached(tmp_path, monkeypatch):

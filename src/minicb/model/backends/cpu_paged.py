@@ -7,7 +7,7 @@ pool; PyTorch's attention wants them in one tensor, so the reference backend gat
 The keys cross memory three times, every row is padded to its bucket's longest, and decode attention
 does too little arithmetic per byte for anything but those trips to matter. vLLM's answer is its
 PagedAttention kernel, which reads the keys *in place* through the block table; ``paged_decode.c``
-beside this file is that kernel for the CPU, about sixty lines of C.
+beside this file is that kernel for the CPU, about seventy lines of C.
 
 This module compiles it on first use with the machine's C compiler (``$CC`` or ``cc``; about a
 second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides), and
@@ -43,7 +43,8 @@ import torch
 from minicb.model.attention import AttentionMetadata, ReferenceAttention
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+OPENMP = "-fopenmp"     # rows split over torch's thread count; without it (no OpenMP) one thread
 DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64"}
 
 
@@ -83,7 +84,7 @@ def _machine_key() -> str:
 def build(cc: list[str] | None = None) -> Path:
     """Compile ``paged_decode.c`` into the cache (once per source, compiler, flags and CPU)."""
     cc = cc or compiler()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cc, *FLAGS, _machine_key()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cc, *FLAGS, OPENMP, _machine_key()]).encode())
     target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -91,8 +92,12 @@ def build(cc: list[str] | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)    # same filesystem: atomic rename
     os.close(fd)
     try:
-        proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
+        for flags in ((*FLAGS, OPENMP), FLAGS):       # a compiler without OpenMP still builds it
+            proc = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True)
+            if proc.returncode == 0:
+                break
+        else:
             raise KernelUnavailable(f"{shlex.join(cc)} failed to compile {SOURCE.name}: "
                                     f"{proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)      # two processes building at once both end with a complete file
