@@ -119,6 +119,14 @@ def test_build_without_openmp_falls_back_to_one_thread(tmp_path, monkeypatch):
     assert lib.minicb_paged_decode_f32 and lib.minicb_paged_decode_f64
 
 
+def test_unwritable_cache_dir_falls_back_to_a_temporary_one(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(blocked))
+    where = cpu_paged.cache_dir()
+    assert where.is_dir() and blocked not in where.parents
+
+
 def test_build_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path))
     first = cpu_paged.build()

@@ -61,9 +61,16 @@ def compiler() -> list[str]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MINICB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")
-    return Path(root) / "kernels"
+    """Where built kernels are kept: ``$MINICB_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicb`` or
+    ``~/.cache/minicb``; a temporary folder when that cannot be created (a read-only home)."""
+    root = Path(os.environ.get("MINICB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")) / "kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        root = Path(tempfile.gettempdir()) / f"minicb-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def _machine_key() -> str:
@@ -88,7 +95,6 @@ def build(cc: list[str] | None = None) -> Path:
     target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)    # same filesystem: atomic rename
     os.close(fd)
     try:
