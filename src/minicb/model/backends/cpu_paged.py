@@ -7,7 +7,9 @@ pool; PyTorch's attention wants them in one tensor, so the reference backend gat
 The keys cross memory three times, every row is padded to its bucket's longest, and decode attention
 does too little arithmetic per byte for anything but those trips to matter. vLLM's answer is its
 PagedAttention kernel, which reads the keys *in place* through the block table; ``paged_decode.c``
-beside this file is that kernel for the CPU, about seventy lines of C.
+beside this file is that kernel for the CPU, about seventy lines of C. On the W2 benchmark it does in
+5.0 s what took the reference backend about 9 s, and lifts continuous over static from 2.36x to 2.54x
+(``bench/RESULTS.md``, "Engine throughput").
 
 This module compiles it on first use with the machine's C compiler (``$CC`` or ``cc``; about a
 second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides), and
