@@ -92,6 +92,12 @@ def test_kernel_rejects_bad_input():
         cpu_paged.paged_decode(q, kc[:, :1].contiguous(), vc[:, :1].contiguous(), tables[:2], ctx, 4)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_paged.paged_decode(q, kc, vc, tables, ctx, 4, max_context=tables.shape[1] * 4 + 1)
+    with pytest.raises(ValueError, match="below the longest context"):
+        cpu_paged.paged_decode(q, kc, vc, tables, ctx, 4, max_context=int(ctx.max()) - 1)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_paged.paged_decode(q, kc, vc, tables + kc.shape[0] // 4, ctx, 4)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_paged.paged_decode(q, kc, vc, tables - 1 - tables.max(), ctx, 4)
     assert cpu_paged.paged_decode(q[:0], kc, vc, tables[:0], ctx[:0], 4).shape == (0, 4, 8)
 
 

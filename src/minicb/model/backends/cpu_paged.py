@@ -164,14 +164,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"paged_decode: inconsistent shapes q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, block_tables "
                          f"{tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
-    if max_context is None:
-        max_context = int(context_lens.max()) if rows else 0
-    if max_context > block_tables.shape[1] * block_size:
-        raise ValueError(f"a context of {max_context} keys does not fit {block_tables.shape[1]} blocks "
-                         f"of {block_size}")
     out = torch.empty_like(q)
     if rows == 0:
         return out
+    # C does no bounds checks: what it would read or write out of bounds is refused here (a few
+    # microseconds of reductions per call, against the milliseconds of the kernel).
+    longest = int(context_lens.max())
+    max_context = longest if max_context is None else max_context
+    if longest > max_context:
+        raise ValueError(f"max_context={max_context} is below the longest context ({longest})")
+    if max_context > block_tables.shape[1] * block_size:
+        raise ValueError(f"a context of {max_context} keys does not fit {block_tables.shape[1]} blocks "
+                         f"of {block_size}")
+    num_blocks = k_cache.shape[0] // block_size
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block_tables name blocks outside the cache's {num_blocks}")
     scale = head_dim ** -0.5 if scale is None else scale
     failed = getattr(load(), DTYPES[q.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
