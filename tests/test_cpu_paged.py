@@ -106,6 +106,10 @@ def test_build_failure_is_reported(tmp_path, monkeypatch):
     with pytest.raises(cpu_paged.KernelUnavailable, match="failed to compile"):
         cpu_paged.build(["false"])                  # a "compiler" that always fails
     assert not list(tmp_path.rglob("*.so"))         # no half-written library is left behind
+    not_executable = tmp_path / "cc.txt"
+    not_executable.write_text("not a program")
+    with pytest.raises(cpu_paged.KernelUnavailable, match="cannot be run"):
+        cpu_paged.build([str(not_executable)])
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(cpu_paged.sysconfig, "get_config_var", lambda name: None)
     monkeypatch.setattr(cpu_paged.shutil, "which", lambda cmd: None)

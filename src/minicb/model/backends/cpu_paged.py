@@ -101,8 +101,11 @@ def build(cc: list[str] | None = None) -> Path:
     os.close(fd)
     try:
         for flags in ((*FLAGS, OPENMP), FLAGS):       # a compiler without OpenMP still builds it
-            proc = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True)
+            try:
+                proc = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                      text=True)
+            except OSError as e:                      # not executable, vanished since `which`, ...
+                raise KernelUnavailable(f"{shlex.join(cc)} cannot be run: {e}") from e
             if proc.returncode == 0:
                 break
         else:
@@ -131,7 +134,8 @@ def load() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    """None when the kernel builds and loads here, else why not (cached, like ``load``)."""
+    """None when the kernel builds and loads here, else why not (a success is cached by ``load``; a
+    failure is tried again on the next call)."""
     try:
         load()
     except KernelUnavailable as e:
