@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import itertools
 import os
 import platform
 import shlex
@@ -214,10 +213,9 @@ class CpuPagedAttention(ReferenceAttention):
 
     def _decode_groups(self, meta: AttentionMetadata, decodes: list[int]) -> list:
         dev = meta.slot_mapping.device
-        first_token = [0, *itertools.accumulate(meta.q_lens)]       # sequence i's tokens start here
         seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
         ctx = [meta.start_positions[i] + 1 for i in decodes]
-        return [_DecodeRows(torch.tensor([first_token[i] for i in decodes], dtype=torch.long, device=dev),
+        return [_DecodeRows(meta.cu_seqlens_q.index_select(0, seqs).long(),   # a decode's one token
                             meta.block_tables.index_select(0, seqs).to(torch.int32).contiguous(),
                             torch.tensor(ctx, dtype=torch.int32, device=dev), max(ctx))]
 
