@@ -48,12 +48,8 @@
                     if (L <= 0) continue;           /* no keys: the caller never asks this */       \
                     /* pass 1: s[hq][t] = scale * q[hq] . K[t][hq / group], block by block */       \
                     for (int64_t b = 0; b < nblocks; ++b) {                                         \
-                        const T *kb = k_cache + (int64_t)table[b] * block_size * slot_len;         \
-                        if (b + 2 < nblocks) /* the next-but-one block is at a random address */    \
-                            prefetch(k_cache + (int64_t)table[b + 2] * block_size * slot_len,       \
-                                     block_bytes);                                                  \
-                        const int64_t n = L - b * block_size < block_size ? L - b * block_size      \
-                                                                          : block_size;             \
+                        const T *kb = block_at(k_cache, table, b, nblocks, block_bytes);            \
+                        const int64_t n = keys_in_block(L, b, block_size);                          \
                         for (int64_t i = 0; i < n; ++i) {                                           \
                             const T *key = kb + i * slot_len;                                       \
                             for (int64_t hq = 0; hq < q_heads; ++hq) {                              \
@@ -74,12 +70,8 @@
                     }                                                                               \
                     /* pass 2: o[hq] = sum_t s[hq][t] * V[t][hq / group] */                         \
                     for (int64_t b = 0; b < nblocks; ++b) {                                         \
-                        const T *vb = v_cache + (int64_t)table[b] * block_size * slot_len;         \
-                        if (b + 2 < nblocks)                                                        \
-                            prefetch(v_cache + (int64_t)table[b + 2] * block_size * slot_len,       \
-                                     block_bytes);                                                  \
-                        const int64_t n = L - b * block_size < block_size ? L - b * block_size      \
-                                                                          : block_size;             \
+                        const T *vb = block_at(v_cache, table, b, nblocks, block_bytes);            \
+                        const int64_t n = keys_in_block(L, b, block_size);                          \
                         for (int64_t i = 0; i < n; ++i) {                                           \
                             const T *val = vb + i * slot_len;                                       \
                             for (int64_t hq = 0; hq < q_heads; ++hq) {                              \
@@ -98,10 +90,21 @@
         return failed;                                                                              \
     }
 
-/* Ask the memory system for a whole block ahead of use: blocks sit at random places in the pool, so
- * the hardware prefetcher, which follows sequential runs, cannot guess where the next one starts. */
-static inline void prefetch(const void *p, int64_t bytes) {
-    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)p + x);
+/* Block b of a row's table, as the start of its keys (or values) in one layer's cache. On the way,
+ * ask the memory system for the next-but-one block: blocks sit at random places in the pool, so the
+ * hardware prefetcher, which follows sequential runs, cannot guess where the next one starts. */
+static inline const void *block_at(const void *cache, const int32_t *table, int64_t b, int64_t nblocks,
+                                   int64_t block_bytes) {
+    if (b + 2 < nblocks) {
+        const char *next = (const char *)cache + (int64_t)table[b + 2] * block_bytes;
+        for (int64_t x = 0; x < block_bytes; x += 64) __builtin_prefetch(next + x);
+    }
+    return (const char *)cache + (int64_t)table[b] * block_bytes;
+}
+
+/* How many of a block's slots hold keys of a context of L: all of them but in the last block. */
+static inline int64_t keys_in_block(int64_t L, int64_t b, int64_t block_size) {
+    return L - b * block_size < block_size ? L - b * block_size : block_size;
 }
 
 PAGED_DECODE(minicb_paged_decode_f32, float, expf)
