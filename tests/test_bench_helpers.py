@@ -1,5 +1,6 @@
 """The arithmetic of the benchmark scripts (bench/), which the figures in bench/RESULTS.md rest on."""
 
+import importlib
 import pathlib
 import sys
 
@@ -10,26 +11,25 @@ from helpers import tiny_model
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
+def bench_modules(*names: str) -> list:
+    """The named scripts of bench/, imported as modules (bench/ is on the path only meanwhile)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import forward
-        import throughput
+        return [importlib.import_module(n) for n in names]
     finally:
         sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    forward, throughput = bench_modules("forward", "throughput")
     return forward, throughput
 
 
 @pytest.fixture(scope="module")
 def breakdown():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import breakdown
-        from workloads import Workload
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return breakdown, Workload
+    breakdown, workloads = bench_modules("breakdown", "workloads")
+    return breakdown, workloads.Workload
 
 
 def test_median_run_is_the_middle_run_and_keeps_every_run(bench):
