@@ -216,7 +216,7 @@ class CpuPagedAttention(ReferenceAttention):
         seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
         ctx = [meta.start_positions[i] + 1 for i in decodes]
         return [_DecodeRows(meta.cu_seqlens_q.index_select(0, seqs).long(),   # a decode's one token
-                            meta.block_tables.index_select(0, seqs).to(torch.int32).contiguous(),
+                            meta.block_tables.index_select(0, seqs),           # int32, contiguous
                             torch.tensor(ctx, dtype=torch.int32, device=dev), max(ctx))]
 
     def _attend_group(self, g, q, k, v, kc, vc, out: torch.Tensor) -> None:
