@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w2  # noqa: E402
 
-from minicb.engine import LLM  # noqa: E402
+from minicb.llm import LLM  # noqa: E402
 from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 

@@ -45,12 +45,12 @@ sys.path.insert(0, str(HERE))
 from common import load_smollm2  # noqa: E402
 from forward import decode_plan, prefill_plan  # noqa: E402
 
-from minicb.bench_cli import machine_description, matmul_ceiling_gflops  # noqa: E402
 from minicb.kv_cache import KVCache  # noqa: E402
+from minicb.measure.bench_cli import machine_description, matmul_ceiling_gflops  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
 from minicb.packer import pack  # noqa: E402
 from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
-from minicb.simulate import SMOLLM2_135M, CostModel, Device  # noqa: E402
+from minicb.simulate.simulator import SMOLLM2_135M, CostModel, Device  # noqa: E402
 
 OUT = HERE.parent / "src" / "minicb" / "data" / "calibration" / "smollm2_cpu.json"
 BS = 16
@@ -140,9 +140,9 @@ def time_forward(model, plan: StepPlan, repeats: int) -> float:
 
 def engine_overhead(repeats: int = 30) -> list[tuple[int, float]]:
     """(sequences, seconds outside the forward) of decode steps of the engine with the tiny model."""
-    from minicb.bench_cli import build_model
     from minicb.config import SchedulerConfig
     from minicb.engine import LLMEngine
+    from minicb.measure.bench_cli import build_model
     from minicb.sampling_params import SamplingParams
 
     model, _ = build_model("tiny", "float32")
@@ -235,7 +235,7 @@ def main() -> None:
     cal.update({k: raw[k] for k in keep})
     wall = " --clock wall" if raw["clock"] == "wall" else ""
     cal["command"] = "python bench/calibrate_cpu.py --write" + wall
-    from minicb.simulate import preset
+    from minicb.simulate.simulator import preset
 
     cm = preset("smollm2-135m", calibration=cal)
     print(f"fit: compute_eff {cal['compute_eff']:.3f} of {cal['ceiling_gflops']:.1f} GFLOP/s, memory_eff "

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from minicb import bench_cli
+from minicb.measure import bench_cli
 from minicb.model.llama import LlamaForCausalLM
 from minicb.model.loader import load_model
 

@@ -42,21 +42,21 @@ import torch
 BENCH = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from minicb.baseline import generate_padded  # noqa: E402
-from minicb.config import ModelConfig  # noqa: E402
-from minicb.engine import LLM  # noqa: E402
-from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.model.backends import BACKENDS, KERNEL_DTYPES, make_backend, unavailable_reasons  # noqa: E402
-from minicb.model.backends.checking import (  # noqa: E402
+from backend_checking import (  # noqa: E402
     random_inputs,
     random_plan,
     relative_error,
     run_backend,
 )
+from minicb.baseline import generate_padded  # noqa: E402
+from minicb.config import ModelConfig  # noqa: E402
+from minicb.llm import LLM  # noqa: E402
+from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
+from minicb.model.attention import ReferenceAttention  # noqa: E402
+from minicb.model.backends import BACKENDS, KERNEL_DTYPES, make_backend, unavailable_reasons  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.packer import pack_prompts  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
-from minicb.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 
 PROMPTS = SMOLLM2_PROMPTS
 NEW_TOKENS = 32

@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from throughput import load_hf  # noqa: E402
 
-from minicb.bench_cli import build_model, machine_description, make_prompts, run_policy  # noqa: E402
-from minicb.metrics import RequestRecord, format_table, summarize  # noqa: E402
-from minicb.workloads import Request  # noqa: E402
+from minicb.measure.bench_cli import build_model, machine_description, make_prompts, run_policy  # noqa: E402
+from minicb.measure.metrics import RequestRecord, format_table, summarize  # noqa: E402
+from minicb.measure.workloads import Request  # noqa: E402
 
 
 def run_hf(hf, requests: list[Request], prompts: dict[str, list[int]]) -> list[RequestRecord]:

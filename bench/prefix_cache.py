@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 
-from minicb.engine import LLM  # noqa: E402
+from minicb.llm import LLM  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
 MESSAGES = [
@@ -85,7 +85,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, staggered: b
 
 
 def _stats(eng) -> dict:
-    s = eng.scheduler.stats
+    s = eng.stats
     return {k: getattr(s, k) for k in ("num_prompt_tokens", "num_cached_prompt_tokens", "num_batched_tokens",
                                        "num_preemptions")}
 

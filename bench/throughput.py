@@ -39,8 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import Workload, w1, w2  # noqa: E402
 
-from minicb.engine import LLM  # noqa: E402
-from minicb.metrics import matmul_flops  # noqa: E402
+from minicb.llm import LLM  # noqa: E402
+from minicb.measure.metrics import matmul_flops  # noqa: E402
 from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
 from minicb.model.loader import default_model_path  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -54,7 +54,7 @@ def run_minicb(model, wl: Workload, **config) -> dict:
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     assert n == wl.num_output_tokens
-    st = llm.engine.scheduler.stats
+    st = llm.engine.stats
     computed = st.num_batched_tokens + st.num_padding_tokens
     return {"seconds": dt, "tokens": n, "steps": st.num_steps, "padding_tokens": st.num_padding_tokens,
             "preemptions": st.num_preemptions, "computed_tokens": computed,

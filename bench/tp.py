@@ -11,7 +11,8 @@ spent in ``dist.all_reduce``, which includes waiting for the slower rank). Confi
 gloo loop of the same message sizes gives the bare all-reduce latency.
 
 The same share for LLaMA-3-70B on 8 x A100 comes from the cost-model simulator's ``llama-3-70b``
-preset (``minicb.simulate``: tp 8, NCCL all-reduce times from vidur's A100 DGX profile), priced on plans
+preset (``minicb.simulate.simulator``: tp 8, NCCL all-reduce times from vidur's A100 DGX profile),
+priced on plans
 of the same shapes plus a larger decode batch. Not a test: the numbers depend on the machine and on
 how busy it is (the load average is printed).
 """
@@ -66,7 +67,7 @@ def run(eng, prompts, max_tokens: int) -> list[dict]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
-    eng.scheduler.close_arrivals()
+    eng.close_arrivals()
     stats = getattr(eng, "comm_stats", None)
     steps = []
     while eng.has_unfinished_requests():
@@ -81,7 +82,7 @@ def run(eng, prompts, max_tokens: int) -> list[dict]:
         steps.append({"kind": "decode" if decode else "prefill", "tokens": plan.num_batched_tokens,
                       "s": dt, "allreduce_s": (stats.all_reduce_s - ar0) if stats else 0.0,
                       "allreduces": (stats.all_reduce_calls - n0) if stats else 0})
-    eng.scheduler.open_arrivals()
+    eng.open_arrivals()
     return steps
 
 
@@ -127,7 +128,7 @@ def gloo_latency(sizes: list[int], reps: int = 200) -> dict[int, float]:
 
 # --- the simulator's 8 x A100 preset ------------------------------------------------------------------
 def simulated_shares() -> tuple[list[dict], str]:
-    from minicb.simulate import preset
+    from minicb.simulate.simulator import preset
 
     cm = preset("llama-3-70b")
     bs = 16

@@ -24,11 +24,11 @@ import json
 import pathlib
 import statistics
 
-from minicb.bench_cli import shape_plan
 from minicb.config import SchedulerConfig
-from minicb.metrics import percentile
-from minicb.simulate import load_calibration, preset, simulate
-from minicb.workloads import Request
+from minicb.measure.bench_cli import shape_plan
+from minicb.measure.metrics import percentile
+from minicb.measure.workloads import Request
+from minicb.simulate.simulator import load_calibration, preset, simulate
 
 FIGURES = (("throughput (tok/s)", "output_tokens_per_s", 1.0),
            ("compute util (%)", "compute_utilisation", 100.0),
@@ -109,7 +109,8 @@ def main() -> None:
                          f"{e['measured_spread']:.2f} / {e['simulated_spread']:.2f} |")
         sims[policy] = simulate(requests, SchedulerConfig(policy=policy, **meta["scheduler"]), cost,
                                 label=policy).summary
-    lines += ["", "**The table** (measured by `minicb bench` vs simulated by `minicb.simulate` on the same "
+    lines += ["", "**The table** (measured by `minicb bench` vs simulated by `minicb.simulate.simulator` on the "
+              "same "
               "requests and arrivals; compute utilisation of both against the run's measured ceiling, "
               f"{meta['peak_gflops']:.1f} GFLOP/s):", ""]
     head = "| figure | " + " | ".join(f"{p} measured | {p} simulated | error" for p in blob["runs"]) + " |"

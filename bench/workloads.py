@@ -3,7 +3,7 @@
 * W1: 32 prompts of random token ids (seed 0, lengths uniform in 16..128), 64 new tokens each.
 * W2: 64 requests whose (prompt, output) lengths are drawn (seed 0) from the ShareGPT lengths of the
   vLLM SOSP'23 artifact (shipped in the package: ``src/minicb/data/sharegpt_vllm_sosp23_opt_lengths.csv``,
-  see SOURCES.md there; ``minicb.workloads`` reads it);
+  see SOURCES.md there; ``minicb.measure.workloads`` reads it);
   prompt = ``min(p, 256)`` random ids, output = ``clamp(round(o / 4), 1, 128)``.
 
 EOS is ignored everywhere (``ignore_eos``), so every system produces exactly the same number of tokens.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minicb import workloads as _pkg
-from minicb.workloads import TRACES  # noqa: F401  (re-exported: the traces live in the package)
+from minicb.measure import workloads as _pkg
+from minicb.measure.workloads import TRACES  # noqa: F401  (re-exported: the traces live in the package)
 
 
 @dataclass(slots=True)

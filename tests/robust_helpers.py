@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minicb.config import ModelConfig
-from minicb.engine import LLMEngine, RequestOutput
+from minicb.engine import LLMEngine
+from minicb.outputs import RequestOutput
 from minicb.sampling_params import SamplingParams
 
 # One layer, hidden 16: a step costs little more than the Python around it (for the soak).

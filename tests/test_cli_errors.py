@@ -156,16 +156,16 @@ def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gg
     """``--no-prefix-caching`` turns sharing off (no prompt token is served from the cache) and the
     generated text is the same with and without it. Two prompts share a long prefix; ``--max-num-seqs 1``
     admits them one after the other, so with caching on the second one finds the first one's blocks."""
-    import minicb.engine
+    import minicb.llm
 
     built = []
 
-    class Recording(minicb.engine.LLM):
+    class Recording(minicb.llm.LLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(minicb.engine, "LLM", Recording)
+    monkeypatch.setattr(minicb.llm, "LLM", Recording)
     prompt = "the cat sat on the mat and looked at the dog " * 3
     argv = ["generate", prompt + "once", prompt + "twice", "--model", str(tiny_gguf), "--max-tokens", "3",
             "--block-size", "2", "--max-num-seqs", "1"]

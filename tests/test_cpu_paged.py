@@ -167,7 +167,7 @@ def test_engine_on_cpu_paged_matches_baseline(policy, bs):
                           num_blocks=max(12, 240 // bs), num_host_blocks=max(12, 240 // bs),
                           preemption_mode="swap" if bs == 4 else "recompute", long_prefill_chunk=16)
     outs, eng = run_engine(model, cfg, prompts, params, attn_backend="cpu-paged")
-    assert eng.backend.name == "cpu-paged"
+    assert eng.runner.backend.name == "cpu-paged"
     if policy == "continuous":
         assert eng.scheduler.stats.num_preemptions > 0     # the pool is small enough to force it
     assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, TINY.eos_token_id)

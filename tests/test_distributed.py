@@ -20,8 +20,9 @@ import torch
 from helpers import TINY, random_prompts, tiny_model
 from minicb.config import ModelConfig, SchedulerConfig
 from minicb.distributed import Fault, launch, local_config, shard_layout, shard_state_dict
-from minicb.engine import LLM, LLMEngine
+from minicb.engine import LLMEngine
 from minicb.errors import DistributedError, InvalidArgument
+from minicb.llm import LLM
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM, rope_cos_sin
 from minicb.packer import pack_prompts
@@ -103,7 +104,7 @@ def drive(eng, prompts, params, arrivals=None, plans=None) -> list[list[int]]:
     """Request i arrives at step ``arrivals[i]``; returns each request's tokens in input order."""
     arrivals = arrivals or [0] * len(prompts)
     if plans is not None:
-        eng.on_plan = plans.append
+        eng.listen(on_plan=lambda ev: plans.append(ev.plan))
     outs, step, added = {}, 0, 0
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     while added < len(order) or eng.has_unfinished_requests():
@@ -155,7 +156,7 @@ def test_tp_tokens_equal_tp1_tiny(kv_heads, world, mode):
     assert any(any(s.num_tokens > 1 and not s.sample for s in p.seqs) for p in plans)          # chunks
     assert any({s.num_tokens == 1 for s in p.seqs} == {True, False} for p in plans)            # mixed
     # rank 0 holds only its KV shard; 2 all-reduces per layer per forward; every rank ended cleanly
-    assert eng.kv_cache.data.shape[-2] == len(shard_layout(cfg, world)[0].kv_heads)
+    assert eng.runner.kv_cache.data.shape[-2] == len(shard_layout(cfg, world)[0].kv_heads)
     forwards = sum(1 for p in plans if p.seqs or p.padding)
     assert eng.comm_stats.all_reduce_calls == 2 * cfg.num_hidden_layers * forwards
     assert eng.workers.reports == {r: "ok" for r in range(1, world)}

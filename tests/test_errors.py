@@ -19,8 +19,9 @@ import pytest
 
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
 from minicb.config import SchedulerConfig
-from minicb.engine import LLM, LLMEngine
+from minicb.engine import LLMEngine
 from minicb.errors import InvalidArgument, ModelLoadError, RequestRejected
+from minicb.llm import LLM
 from minicb.sampling_params import SamplingParams
 
 V = TINY.vocab_size   # 61

@@ -59,7 +59,7 @@ class FaultyAttention:
 
 def record_plans(eng: LLMEngine) -> list:
     plans: list = []
-    eng.on_plan = plans.append
+    eng.listen(on_plan=lambda ev: plans.append(ev.plan))
     return plans
 
 
@@ -83,7 +83,7 @@ def check_outcome(d, plans, failed_steps: set[int], want) -> set[str]:
 @pytest.mark.parametrize("fail_at, layer", [({0}, 0), ({5}, 1), ({9, 10, 30}, 1), ({38}, 0)])
 def test_exception_inside_the_forward_fails_only_that_steps_requests(mode, fail_at, layer):
     eng = LLMEngine(tiny_model(), config(mode))
-    eng.backend = FaultyAttention(eng.backend, fail_at, layer)
+    eng.runner.backend = FaultyAttention(eng.runner.backend, fail_at, layer)
     plans = record_plans(eng)
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS)
     # forwards are numbered over non-empty plans only
@@ -95,7 +95,7 @@ def test_exception_inside_the_forward_fails_only_that_steps_requests(mode, fail_
     assert eng.scheduler.stats.num_preemptions > 0
     assert_drained(eng)
     # the engine still serves new requests afterwards
-    eng.backend = eng.backend.inner
+    eng.runner.backend = eng.runner.backend.inner
     eng.add_request("late", PROMPTS[0], PARAMS[0])
     outs = [o for _ in range(100) for o in eng.step() if o.finished]
     assert [o.token_ids for o in outs] == [expected()[0]]
@@ -112,7 +112,7 @@ def test_the_failed_steps_slots_and_blocks_are_freed_at_once():
     sched = eng.scheduler
     held = sched.config.num_blocks - sched.block_manager.num_free_blocks
     assert held > 0 and sched.slot_table.num_free == sched.config.max_num_seqs - 3
-    eng.backend = FaultyAttention(eng.backend, {0}, layer=1)          # the next forward fails
+    eng.runner.backend = FaultyAttention(eng.runner.backend, {0}, layer=1)          # the next forward fails
     outs = eng.step()
     assert sorted(o.request_id for o in outs) == ["a0", "a1", "a2"]
     for o in outs:
@@ -127,7 +127,7 @@ def test_the_failed_steps_slots_and_blocks_are_freed_at_once():
 def test_a_fault_in_a_swap_copy_turns_the_steps_victims_into_recomputes():
     eng = LLMEngine(tiny_model(), config("swap"))
     plans = record_plans(eng)
-    real_swap_out = eng.kv_cache.swap_out
+    real_swap_out = eng.runner.kv_cache.swap_out
     failed_steps: set[int] = set()
 
     def swap_out(mapping):
@@ -137,7 +137,7 @@ def test_a_fault_in_a_swap_copy_turns_the_steps_victims_into_recomputes():
             raise Injected("injected fault")
         return real_swap_out(mapping)
 
-    eng.kv_cache.swap_out = swap_out
+    eng.runner.kv_cache.swap_out = swap_out
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS)
     assert failed_steps, "the workload never swapped"
     victims = {rid for p in plans if p.step in failed_steps for rid in p.preempted}
@@ -149,7 +149,7 @@ def test_a_fault_in_a_swap_copy_turns_the_steps_victims_into_recomputes():
 def test_a_fault_in_the_sampler_is_a_failed_step_too():
     eng = LLMEngine(tiny_model(), config("recompute"))
     plans = record_plans(eng)
-    real = eng.sampler.sample
+    real = eng.runner.sampler.sample
     calls = {"n": 0}
 
     def sample(*a, **k):
@@ -160,7 +160,7 @@ def test_a_fault_in_the_sampler_is_a_failed_step_too():
         return real(*a, **k)
 
     failed_steps: set[int] = set()
-    eng.sampler.sample = sample
+    eng.runner.sampler.sample = sample
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS)
     check_outcome(d, plans, failed_steps, expected())
     assert_drained(eng)
@@ -168,7 +168,7 @@ def test_a_fault_in_the_sampler_is_a_failed_step_too():
 
 def test_every_step_failing_ends_every_request_and_never_hangs():
     eng = LLMEngine(tiny_model(), config("swap"))
-    eng.backend = FaultyAttention(eng.backend, set(range(10_000)), layer=0)
+    eng.runner.backend = FaultyAttention(eng.runner.backend, set(range(10_000)), layer=0)
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS, max_steps=500)
     assert {o.finish_reason for o in d.outputs.values()} == {"error"}
     assert all(o.token_ids == [] for o in d.outputs.values())
@@ -185,13 +185,13 @@ def test_keyboard_interrupt_in_the_forward_leaves_the_engine_consistent(mode):
     outs = {}
     for _ in range(6):
         outs |= {o.request_id: o for o in eng.step() if o.finished}
-    eng.backend = FaultyAttention(eng.backend, {0}, layer=1, exc=KeyboardInterrupt())
+    eng.runner.backend = FaultyAttention(eng.runner.backend, {0}, layer=1, exc=KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         eng.step()
     eng.scheduler.check_integrity()
     interrupted = {s.request_id for s in plans[-1].seqs}
     assert interrupted and eng.has_unfinished_requests()
-    eng.backend = eng.backend.inner
+    eng.runner.backend = eng.runner.backend.inner
     first = eng.step()                                  # the interrupted step's outputs come first
     assert {o.request_id for o in first[:len(interrupted)]} == interrupted
     for o in first:

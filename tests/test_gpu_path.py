@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import minicb.engine
 import minicb.model.backends as registry
+import minicb.runner
+from backend_checking import random_inputs, random_plan, relative_error, run_backend
 from helpers import TINY, baseline_tokens, run_engine, tiny_model
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument
 from minicb.kv_cache import KVCache
 from minicb.model.attention import ReferenceAttention
 from minicb.model.backends import make_backend, resolve_backend, unavailable_reasons
-from minicb.model.backends.checking import random_inputs, random_plan, relative_error, run_backend
 from minicb.model.backends.flash import FlashAttnBackend
 from minicb.model.backends.torch_varlen import TorchVarlenBackend
 from minicb.model.backends.varlen import build_varlen_plan, gather_key_slots
@@ -230,7 +230,7 @@ def test_engine_with_standin_kernel_is_token_exact(monkeypatch, case):
         backends.append(FlashAttnBackend(kv_cache, FlashAttnStandIn(), case["paged"]))
         return backends[-1]
 
-    monkeypatch.setattr(minicb.engine, "make_backend", make)
+    monkeypatch.setattr(minicb.runner, "make_backend", make)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, 61, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (8,))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -341,12 +341,12 @@ def test_make_backend_builds_what_resolve_picks(fake_gpu):
 
 def test_llm_and_cli_report_unavailable_backends(capsys):
     from minicb.cli import main
-    from minicb.engine import LLM
+    from minicb.llm import LLM
 
     with pytest.raises(InvalidArgument, match="attn_backend 'flash-attn' is unavailable"):
         LLM(tiny_model(), attn_backend="flash-attn")
-    assert LLM(tiny_model(), attn_backend="reference").engine.backend.name == "reference"
-    assert LLM(tiny_model()).engine.backend.name == "reference"     # the model is on the CPU
+    assert LLM(tiny_model(), attn_backend="reference").engine.runner.backend.name == "reference"
+    assert LLM(tiny_model()).engine.runner.backend.name == "reference"     # the model is on the CPU
     if not CUDA:
         with pytest.raises(InvalidArgument, match="device 'cuda' needs CUDA"):
             LLM(tiny_model(), device="cuda")

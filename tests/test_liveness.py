@@ -117,7 +117,7 @@ def test_engine_two_requests_that_each_need_the_whole_pool_take_turns(mode):
                              num_host_blocks=8 if mode == "swap" else 0, preemption_mode=mode)
     eng = LLMEngine(tiny_model(), config)
     plans = []
-    eng.on_plan = plans.append
+    eng.listen(on_plan=lambda ev: plans.append(ev.plan))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
     params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
     d = drive(eng, prompts, params, [0, 0], max_steps=2 * 16)

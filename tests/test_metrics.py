@@ -1,6 +1,7 @@
 """Metrics on hand-built timelines with known answers, through the simulator and through the engine.
 
-Every aggregate of ``minicb.metrics`` is checked against a number worked out by hand here: percentiles,
+Every aggregate of ``minicb.measure.metrics`` is checked against a number worked out by hand here:
+percentiles,
 queueing delay, TTFT, inter-token latency, throughput, padding waste (a static batch with known
 lengths), slot occupancy, KV block utilisation, compute utilisation and useful FLOPs. The same static
 batch is then run through the real engine (tiny random model) with the ``StepRecorder`` on the
@@ -14,7 +15,7 @@ import json
 import pytest
 
 from minicb.config import ModelConfig, SchedulerConfig
-from minicb.metrics import (
+from minicb.measure.metrics import (
     RequestRecord,
     StepRecord,
     StepRecorder,
@@ -25,9 +26,9 @@ from minicb.metrics import (
     step_flops,
     summarize,
 )
+from minicb.measure.workloads import Request
 from minicb.plan import ScheduledSeq, StepPlan
-from minicb.simulate import simulate
-from minicb.workloads import Request
+from minicb.simulate.simulator import simulate
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -186,13 +187,13 @@ def test_static_waits_for_a_full_batch_and_queues():
 
 # --- through the engine ---------------------------------------------------------------------------
 def _tiny_model():
-    from minicb.bench_cli import build_model
+    from minicb.measure.bench_cli import build_model
 
     return build_model("tiny", "float32")[0]
 
 
 def test_engine_static_batch_padding_waste_and_records():
-    from minicb.bench_cli import make_prompts, run_policy
+    from minicb.measure.bench_cli import make_prompts, run_policy
 
     model = _tiny_model()
     prompts = make_prompts(STATIC_REQS, model.config.vocab_size, seed=0)
@@ -210,21 +211,21 @@ def test_engine_static_batch_padding_waste_and_records():
     assert all(st.end >= st.start for st in steps) and all(st.flops > 0 for st in steps)
 
 
-def test_step_recorder_keeps_an_earlier_hook():
+def test_step_recorder_listens_beside_other_listeners():
     from minicb.config import SchedulerConfig as SC
     from minicb.engine import LLMEngine
     from minicb.sampling_params import SamplingParams
 
     eng = LLMEngine(_tiny_model(), SC(max_num_seqs=2, num_blocks=8, block_size=4, max_model_len=16))
     seen = []
-    eng.on_plan = seen.append
+    eng.listen(on_plan=lambda ev: seen.append(ev.plan))
     rec = StepRecorder(TINY).attach(eng)
     eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-        rec.end_step(eng.clock())
     assert len(rec.steps) == 2 and len(seen) >= 2
     assert [s.num_tokens for s in rec.steps] == [3, 1]
+    assert all(s.end >= s.start for s in rec.steps) and rec.steps[0].end <= rec.steps[1].start
 
 
 def test_format_table_has_the_seed_columns():

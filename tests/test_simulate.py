@@ -9,19 +9,25 @@ import pytest
 
 from minicb import scheduler as scheduler_module
 from minicb.config import SchedulerConfig
+from minicb.measure.workloads import (
+    make_requests,
+    poisson_arrivals,
+    scale_lengths,
+    trace_lengths,
+    trace_timestamps,
+)
 from minicb.plan import ScheduledSeq, StepPlan
-from minicb.simulate import (
+from minicb.simulate.simulator import (
     LLAMA_3_8B,
     LLAMA_3_70B,
     SMOLLM2_135M,
     CostModel,
+    SimulatedEngine,
     allreduce_table,
-    make_scheduler,
     preset,
     profile_errors,
     simulate,
 )
-from minicb.workloads import make_requests, poisson_arrivals, scale_lengths, trace_lengths, trace_timestamps
 
 
 def _cfg(policy="continuous", **kw):
@@ -32,12 +38,12 @@ def _cfg(policy="continuous", **kw):
 
 # --- the same scheduler ---------------------------------------------------------------------------
 def test_the_simulator_drives_the_engines_scheduler_class():
-    from minicb.bench_cli import build_model
     from minicb.engine import LLMEngine
+    from minicb.measure.bench_cli import build_model
 
     engine = LLMEngine(build_model("tiny", "float32")[0], _cfg())
-    sim = make_scheduler(_cfg())
-    assert type(sim) is type(engine.scheduler) is scheduler_module.Scheduler
+    sim = SimulatedEngine(_cfg(), lambda plan: 1.0)
+    assert type(sim._scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
 
 
 def test_simulate_calls_scheduler_schedule_and_update(monkeypatch):
@@ -154,7 +160,7 @@ def test_presets_fit_the_vidur_profile():
 
 @pytest.mark.slow
 def test_preset_efficiencies_are_the_fit():
-    from minicb.simulate import fit_vidur_linear
+    from minicb.simulate.simulator import fit_vidur_linear
 
     fit = fit_vidur_linear()
     cm = preset("llama-3-70b")

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from minicb.engine import LLM
+from minicb.llm import LLM
+from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids
 from minicb.model.llama import LlamaForCausalLM
 from minicb.sampling_params import SamplingParams
-from minicb.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids
 
 PROMPTS = list(SMOLLM2_PROMPTS)
 NEW_TOKENS = 32

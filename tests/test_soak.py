@@ -91,4 +91,4 @@ def test_soak(mode):
             assert out.finish_reason in ("stop", "length") and out.error is None, i
             assert out.token_ids == exp, f"r{i}: {out.token_ids} != {exp}"
     assert_drained(eng)
-    assert len(eng._live) == 0 and len(eng.sampler._generators) == 0, "engine-side state leaked"
+    assert len(eng._live) == 0 and len(eng.runner.sampler._generators) == 0, "engine-side state leaked"

@@ -9,11 +9,7 @@ import pytest
 from minicb.cli import main
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument, MinicbError
-from minicb.plan import ScheduledSeq, StepPlan
-from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
-from minicb.sequence import Sequence
-from minicb.trace import (
+from minicb.measure.trace import (
     DECODE,
     IDLE,
     PADDING,
@@ -24,6 +20,10 @@ from minicb.trace import (
     render_ascii,
     render_image,
 )
+from minicb.plan import ScheduledSeq, StepPlan
+from minicb.sampling_params import SamplingParams
+from minicb.scheduler import Scheduler
+from minicb.sequence import Sequence
 
 
 def _seq(rid, slot, n, start, sample=True):

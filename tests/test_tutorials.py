@@ -244,7 +244,7 @@ def test_08_tensor_parallel_consistency():
 
 def test_09_benchmark():
     out, mod = run("09_benchmark.py"), module("09_benchmark.py")
-    from minicb.trace import make_workload
+    from minicb.measure.trace import make_workload
 
     wl = make_workload(mod.NUM_REQUESTS, mod.SEED, 64, mod.PROMPT_LEN, mod.OUTPUT_LEN, mod.ARRIVAL_GAP)
     lengths = list(zip(wl.prompts, wl.max_tokens, strict=True))
@@ -269,4 +269,4 @@ def test_09_benchmark():
         duration = max(ends[s] for s in finish.values()) - starts[0]
         assert float(row.group(2)) == pytest.approx(sum(wl.max_tokens) / duration, abs=0.006)
     assert value(out, r"identical tokens: (\w+)") is True
-    assert value(out, r"P99 ITL and throughput: (\w+)") is True               # minicb.metrics agrees
+    assert value(out, r"P99 ITL and throughput: (\w+)") is True               # minicb.measure.metrics agrees

@@ -5,7 +5,7 @@ Run: python tutorials/01_static_batching.py
 A static batch runs a fixed group of requests together until the longest one ends. Requests that end
 early keep their row and compute padding; requests that arrive meanwhile wait outside. We measure that
 waste with minicb's padded baseline (``minicb.baseline.generate_padded``), then draw the seed's
-space-time picture for static versus continuous batching with ``minicb.trace``.
+space-time picture for static versus continuous batching with ``minicb.measure.trace``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from _common import chapter, explain, prompt_ids, run_engine, section, tiny_mode
 
 from minicb.baseline import generate_padded
 from minicb.config import SchedulerConfig
+from minicb.measure.trace import render_ascii
 from minicb.sampling_params import SamplingParams
-from minicb.trace import render_ascii
 
 # Four requests: (prompt length, tokens to generate). A is short, B is long: the seed's A and B.
 REQUESTS = {"A": (5, 3), "B": (3, 14), "C": (6, 5), "D": (4, 4)}
@@ -76,7 +76,7 @@ def main() -> None:
         print(f"({legend})")
         waits = {n: int(out[f"r{i}"].first_scheduled_time) for i, n in enumerate(names)}
         print(f"{policy}: {trace.num_steps} steps; first step of each request: {waits}")
-        print(f"{policy}: scheduler counted {eng.scheduler.stats.num_padding_tokens} padding tokens\n")
+        print(f"{policy}: scheduler counted {eng.stats.num_padding_tokens} padding tokens\n")
 
     st, ct = results["static"][1].summary(), results["continuous"][1].summary()
     print(f"steps: static {results['static'][1].num_steps}, continuous {results['continuous'][1].num_steps}")

@@ -54,7 +54,7 @@ def main() -> None:
                           enable_prefix_caching=False)
     eng = LLMEngine(model, cfg)
     plans = []
-    eng.on_plan = plans.append
+    eng.listen(on_plan=lambda event: plans.append(event.plan))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     eng.add_request("B", prompt_ids(37, 1), params)
     eng.step()                                   # B's 37-token prefill; samples the token at position 37

@@ -61,16 +61,17 @@ def main() -> None:
     print("requests:", ", ".join(f"{r}(prompt {p}, output {o})" for r, p, o in requests))
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, block_size=4, num_blocks=32)
 
-    def show(plan, sched) -> None:
-        held = sched.slot_table.held()
-        row = " ".join(f"[{s}:{held.get(s, '-'):^3}]" for s in range(cfg.max_num_seqs))
+    def show(event) -> None:            # a PlanEvent: the plan and a snapshot of the scheduler's state
+        plan, state = event.plan, event.state
+        row = " ".join(f"[{s}:{r or '-':^3}]" for s, r in enumerate(state.slots))
         admitted = [s.request_id for s in plan.seqs if s.start_pos == 0]
-        print(f"step {plan.step:2d}  {row}  waiting: {sched.num_waiting}  admitted: {admitted}")
+        print(f"step {plan.step:2d}  {row}  waiting: {len(state.waiting)}  admitted: {admitted}")
 
-    sched, _, finish = run_scheduler(cfg, requests, on_plan=show)
+    engine, _, finish = run_scheduler(cfg, requests, on_plan=show)
     print(f"\nfinish step of each request: {finish}")
-    print(f"total steps: {sched.stats.num_steps}")
-    print(f"after the run: free slots {sched.slot_table.num_free} of {cfg.max_num_seqs}")
+    print(f"total steps: {engine.stats.num_steps}")
+    free = cfg.max_num_seqs - engine.snapshot().num_held_slots
+    print(f"after the run: free slots {free} of {cfg.max_num_seqs}")
     explain("""
         Admission follows the seed's loop: while a slot is free and the waiting queue is not empty, take
         the request at the front; if its KV blocks do not fit, it goes back to the front and admission

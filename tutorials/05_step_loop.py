@@ -31,7 +31,7 @@ MAX_TOKENS = [4, 7, 3]
 
 def load():
     """SmolLM2 in float64 (exact comparisons), or the tiny random model if the package is missing."""
-    from minicb.engine import LLM
+    from minicb.llm import LLM
 
     torch.set_num_threads(1)   # the step is memory-bound (reading the weights), one thread is enough
     try:
@@ -63,24 +63,24 @@ def main() -> None:
     params = [SamplingParams(max_tokens=m) for m in MAX_TOKENS]
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         eng.add_request(f"r{i}", p, sp)
-    eng.scheduler.close_arrivals()
+    eng.close_arrivals()
 
     section("the loop, one line per step")
     texts: dict[str, str] = {}
     tokens: dict[str, list[int]] = {}
     while eng.has_unfinished_requests():
         outs = eng.step()
-        plan, sched = eng.last_plan, eng.scheduler
+        plan, state = eng.last_plan, eng.snapshot()     # the state once the step is recorded
         rows = " ".join(f"{s.request_id}:{s.num_tokens}@{s.start_pos}" for s in plan.seqs)
-        held = sched.slot_table.held()
+        held = {i: r for i, r in enumerate(state.slots) if r is not None}
         print(f"step {plan.step:2d} | plan {rows:<22} | {plan.num_batched_tokens:2d} tokens | slots "
-              f"{held} | free blocks {sched.block_manager.num_free_blocks:2d} | waiting {sched.num_waiting}")
+              f"{held} | free blocks {state.num_free_blocks:2d} | waiting {len(state.waiting)}")
         for o in outs:
             texts[o.request_id] = o.text
             tokens[o.request_id] = o.token_ids
             end = f"  (finished: {o.finish_reason})" if o.finished else ""
             print(f"        {o.request_id} += {o.new_text!r}{end}")
-    print(f"steps: {eng.scheduler.stats.num_steps}")
+    print(f"steps: {eng.stats.num_steps}")
 
     section("results")
     for i, p in enumerate(PROMPTS if name != "tiny" else [str(x) for x in prompts]):
@@ -89,8 +89,9 @@ def main() -> None:
     same = all(tokens[f"r{i}"] == base.token_ids[i] for i in range(len(prompts)))
     print(f"padded baseline: {base.steps} steps, padding waste {100 * base.padding_waste:.1f}%")
     print(f"continuous engine and padded baseline agree token for token: {same}")
-    print(f"after the run: free slots {eng.scheduler.slot_table.num_free}, free blocks "
-          f"{eng.scheduler.block_manager.num_free_blocks} of {eng.config.num_blocks}")
+    state = eng.snapshot()
+    print(f"after the run: free slots {len(state.slots) - state.num_held_slots}, free blocks "
+          f"{state.num_free_blocks} of {eng.config.num_blocks}")
     explain("""
         Notice the step where r0 finished: its slot and blocks were released inside update(), so the
         very next plan admitted r2 into slot 0 (a prefill row next to r1's decode). Nothing waited for

@@ -31,13 +31,13 @@ def config(mode: str) -> SchedulerConfig:
                            preemption_mode=mode, enable_prefix_caching=False)   # plain private tables
 
 
-def snapshot(sched) -> dict:
-    bm = sched.block_manager
-    return {"device": {r: list(t) for r, t in bm.block_tables.items()},
-            "host": {r: list(t) for r, t in bm.host_tables.items()},
-            "free": bm.device.free_blocks(), "slots": sched.slot_table.held(),
-            "waiting": [s.request_id for s in sched._waiting],       # the queues themselves (read-only)
-            "swapped": [s.request_id for s in sched._swapped]}
+def tables(state) -> dict:
+    """The parts of a ``SchedulerSnapshot`` this chapter prints."""
+    return {"device": {r: list(t) for r, t in state.block_tables},
+            "host": {r: list(t) for r, t in state.host_tables},
+            "free": list(state.free_blocks),
+            "slots": {i: r for i, r in enumerate(state.slots) if r is not None},
+            "waiting": list(state.waiting), "swapped": list(state.swapped)}
 
 
 def show(title: str, snap: dict) -> None:
@@ -51,8 +51,8 @@ def trace_mode(mode: str):
     """Run the scheduler (fake model) and print the block tables around each preemption and swap-in."""
     last, victims = {}, set()
 
-    def on_plan(plan, sched) -> None:
-        now = snapshot(sched)
+    def on_plan(event) -> None:
+        plan, now = event.plan, tables(event.state)
         victims.update(plan.preempted)
         back = [s for s in plan.seqs if s.request_id in victims and s.start_pos == 0]
         for s in back:
@@ -61,15 +61,17 @@ def trace_mode(mode: str):
         if plan.preempted or plan.swap_in:
             print(f"step {plan.step}: preempted {list(plan.preempted)}, swap_out copies (device, host) "
                   f"{list(plan.swap_out)}, swap_in copies (host, device) {list(plan.swap_in)}")
-            show("before this step's plan:", last)
+            show("before this step's plan (the previous step recorded):", last)
             show("after:", now)
             rows = ", ".join(f"{s.request_id}:{s.num_tokens}@{s.start_pos}" for s in plan.seqs)
             print(f"    this step computes (request:tokens@position): {rows}\n")
-        last.clear()
-        last.update(now)
 
-    sched, plans, _ = run_scheduler(config(mode), REQUESTS, on_plan=on_plan)
-    return sched, plans
+    def on_step(event) -> None:           # the state once the step is recorded: the next "before"
+        last.clear()
+        last.update(tables(event.after))
+
+    engine, plans, _ = run_scheduler(config(mode), REQUESTS, on_plan=on_plan, on_step=on_step)
+    return engine, plans
 
 
 def main() -> None:
@@ -105,7 +107,7 @@ def main() -> None:
         out, _, eng = run_engine(model, config(mode), prompts, outs)
         got = [out[f"r{i}"].token_ids for i in range(len(prompts))]
         same &= got == base.token_ids
-        print(f"{mode}: {eng.scheduler.stats.num_preemptions} preemption(s); tokens of the victim "
+        print(f"{mode}: {eng.stats.num_preemptions} preemption(s); tokens of the victim "
               f"{got[2]}; preemptions per request {[out[f'r{i}'].num_preemptions for i in range(3)]}")
     print(f"padded baseline: {base.token_ids[2]}")
     print(f"recompute, swap and the padded baseline agree token for token: {same}")

@@ -59,7 +59,7 @@ def lockstep(ranks: list[Scheduler], verbose: bool = True) -> int:
         if verbose:
             print(f"  step {step:2d}  digests {digests}  plan of rank 0: {rows(plans[0])}")
         if len(set(digests)) > 1:
-            detail = "; ".join(f"rank {i}: {rows(p)} (free blocks {r.block_manager.num_free_blocks} of "
+            detail = "; ".join(f"rank {i}: {rows(p)} (free blocks {r.snapshot().num_free_blocks} of "
                                f"{r.config.num_blocks})" for i, (r, p) in enumerate(zip(ranks, plans)))
             raise DistributedError(f"step {step}: ranks disagree on the plan: {detail}")
         for r, p in zip(ranks, plans, strict=True):

@@ -7,7 +7,7 @@ numbers: throughput, compute utilisation, mean queueing delay, P99 inter-token l
 waste. This chapter runs one workload through minicb's three policies with the real engine (a tiny
 random model, so it takes seconds on a CPU) and computes each number from what the engine records:
 the scheduler's counters and each request's timestamps, then checks the numbers against
-``minicb.metrics`` (what ``minicb bench`` reports).
+``minicb.measure.metrics`` (what ``minicb bench`` reports).
 
 Time: the engine's clock here is a simple cost model instead of the wall clock, so the numbers do not
 depend on this machine or its load. A step lasts ``1 + tokens / 64`` units, tokens counting padding:
@@ -21,9 +21,9 @@ import time
 
 from _common import chapter, explain, run_engine, section, tiny_model
 
-from minicb import metrics
 from minicb.config import SchedulerConfig
-from minicb.trace import make_workload, render_ascii
+from minicb.measure import metrics
+from minicb.measure.trace import make_workload, render_ascii
 
 NUM_REQUESTS, SEED, SLOTS = 24, 7, 6
 PROMPT_LEN, OUTPUT_LEN, ARRIVAL_GAP = (4, 32), (2, 40), 1
@@ -58,7 +58,7 @@ def measure(model, policy: str, workload, budget: int = 128) -> dict:
     t0 = time.perf_counter()
     outs, trace, eng = run_engine(model, cfg, prompts, workload.max_tokens, workload.arrivals, cost)
     wall = time.perf_counter() - t0
-    st = eng.scheduler.stats
+    st = eng.stats
     generated = sum(len(o.token_ids) for o in outs.values())
     duration = max(o.finish_time for o in outs.values()) - min(o.arrival_time for o in outs.values())
     queue = [o.first_scheduled_time - o.arrival_time for o in outs.values()]
@@ -76,7 +76,7 @@ def measure(model, policy: str, workload, budget: int = 128) -> dict:
 
 
 def library_summary(plans, outputs) -> metrics.Summary:
-    """The same run through ``minicb.metrics`` (what ``minicb bench`` reports): step records from the
+    """The same run through ``minicb.measure.metrics`` (what ``minicb bench`` reports): step records from the
     plans and the cost clock, request records from the outputs."""
     steps, t = [], 0.0
     for plan in plans:
@@ -122,7 +122,8 @@ def main() -> None:
         and abs(r["summary"].queueing_delay_mean - r["queue"]) < 1e-9
         and abs(r["summary"].itl_p99 - r["p99_itl"]) < 1e-9
         and abs(r["summary"].output_tokens_per_s - r["throughput"]) < 1e-9 for r in results.values())
-    print(f"minicb.metrics.summarize gives the same padding waste, queueing delay, P99 ITL and throughput: "
+    print("minicb.measure.metrics.summarize gives the same padding waste, queueing delay, P99 ITL and "
+          f"throughput: "
           f"{agree}")
     same = all(r["tokens"] == results["static"]["tokens"] for r in results.values())
     print(f"all four runs produced identical tokens: {same}")

@@ -2,9 +2,12 @@
 
 Everything here calls minicb's real modules; nothing re-implements them. Two drivers:
 
-* ``run_scheduler``: the scheduler alone with a *fake model* (every sampled token is 5 and requests
-  ignore EOS, so their lengths are exactly ``max_tokens``). Scheduling decisions do not depend on token
-  values, so this shows the real schedule in milliseconds, with no torch at all.
+* ``run_scheduler``: the scheduler alone with a *fake model* (the simulator's ``SimulatedEngine``:
+  every sampled token is 5 and requests ignore EOS, so their lengths are exactly ``max_tokens``).
+  Scheduling decisions do not depend on token values, so this shows the real schedule in
+  milliseconds, with no torch at all.
+
+Both feed requests through ``minicb.arrivals.drive``, the loop every tool of minicb uses.
 * ``run_engine``: the real engine (model forward, paged KV cache, sampler) with a slot trace.
 """
 
@@ -12,16 +15,14 @@ from __future__ import annotations
 
 import textwrap
 
-from minicb.config import ModelConfig, SchedulerConfig
+from minicb.arrivals import Arrival, drive
+from minicb.config import TINY_MODEL, SchedulerConfig
+from minicb.measure.trace import TraceRecorder
 from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
-from minicb.sequence import Sequence
-from minicb.trace import TraceRecorder
+from minicb.simulate.simulator import SimulatedEngine
 
 WIDTH = 100
-TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                   max_position_embeddings=4096, eos_token_id=3)
+TINY = TINY_MODEL   # the package's one tiny random model (minicb.config)
 
 
 def chapter(number: int, title: str) -> None:
@@ -55,31 +56,29 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [4 + (seed * 7 + i * 13) % 60 for i in range(length)]
 
 
-def run_scheduler(config: SchedulerConfig, requests, arrivals=None, on_plan=None):
-    """Drive ``Scheduler(config)`` with a fake model. ``requests``: (request_id, prompt_len, max_tokens).
+def run_scheduler(config: SchedulerConfig, requests, arrivals=None, on_plan=None, on_step=None):
+    """Drive the scheduler with a fake model. ``requests``: (request_id, prompt_len, max_tokens).
 
-    ``arrivals[i]``: the step at which request i is added (default: all at step 0). ``on_plan(plan,
-    scheduler)`` is called after each ``schedule()``. Returns (scheduler, plans, finish_step).
+    ``arrivals[i]``: the step at which request i is added (default: all at step 0). ``on_plan(event)``
+    sees every step's ``PlanEvent`` (the plan and a snapshot of slots, blocks and queues), ``on_step`` its
+    ``StepEvent`` (the state after the step is recorded). The engine
+    here is the simulator's: the real ``Scheduler``, every step lasting 1 time unit, every sampled token
+    5. Returns (engine, plans, finish_step).
     """
-    sched = Scheduler(config)
+    engine = SimulatedEngine(config, lambda plan: 1.0, token=5)
+    plans, finish_step = [], {}
+    engine.listen(on_plan=lambda ev: plans.append(ev.plan))
+    engine.listen(on_plan=on_plan, on_step=on_step)
+
+    def finished(outs) -> None:
+        for o in outs:
+            finish_step[o.request_id] = engine.last_plan.step
+
     arrivals = arrivals or [0] * len(requests)
-    plans, finish_step, step, k = [], {}, 0, 0
-    while k < len(requests) or sched.has_unfinished():
-        while k < len(requests) and arrivals[k] <= step:
-            rid, plen, out = requests[k]
-            sched.add(Sequence(rid, prompt_ids(plen, k), SamplingParams(max_tokens=out, ignore_eos=True)))
-            k += 1
-        if k == len(requests):
-            sched.close_arrivals()
-        plan = sched.schedule(float(step))
-        if on_plan is not None:
-            on_plan(plan, sched)
-        plans.append(plan)
-        done = sched.update(plan, {s.request_id: 5 for s in plan.seqs if s.sample}, float(step))
-        for seq in done:
-            finish_step[seq.request_id] = step
-        step += 1
-    return sched, plans, finish_step
+    drive(engine, [Arrival(arrivals[k], rid, prompt_ids(plen, k),
+                           SamplingParams(max_tokens=out, ignore_eos=True))
+                   for k, (rid, plen, out) in enumerate(requests)], on_step=finished)
+    return engine, plans, finish_step
 
 
 def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=None, step_cost=None):
@@ -95,21 +94,13 @@ def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=Non
     cost = step_cost or (lambda plan: 1.0)
     eng = LLMEngine(model, config, clock=lambda: now[0])
 
-    def tick(plan) -> None:             # called between schedule() and update(): the step runs now
-        now[0] += cost(plan)
+    def tick(event) -> None:            # between schedule() and update(): the step runs now
+        now[0] += cost(event.plan)
 
-    eng.on_plan = tick
+    eng.listen(on_plan=tick)
     rec = TraceRecorder(config.max_num_seqs, config.policy).attach(eng)
     arrivals = arrivals or [0] * len(prompts)
-    outs, k, step = {}, 0, 0
-    while k < len(prompts) or eng.has_unfinished_requests():
-        while k < len(prompts) and arrivals[k] <= step:
-            eng.add_request(f"r{k}", prompts[k], SamplingParams(max_tokens=max_tokens[k], ignore_eos=True))
-            k += 1
-        if k == len(prompts):
-            eng.scheduler.close_arrivals()
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        step += 1
-    return outs, rec.trace, eng
+    done = drive(eng, [Arrival(arrivals[k], f"r{k}", prompts[k],
+                               SamplingParams(max_tokens=max_tokens[k], ignore_eos=True))
+                       for k in range(len(prompts))])
+    return {o.request_id: o for o in done}, rec.trace, eng

@@ -7,24 +7,46 @@ The public API mirrors vLLM's names so a reader can move on to vLLM::
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     print(outs[0].text)
 
-The scheduler side (``sequence``, ``slot_table``, ``block_manager``, ``planner``, ``preemption``,
-``scheduler``) imports no torch; the engine imports it lazily, so ``import minicb`` stays cheap.
+The modules at the top of the package are the concepts, in the order the tutorials teach them:
+
+====================  =================================================================  ======
+scheduling (no torch)  ``sequence`` (a request's states), ``slot_table`` (batch rows),     no
+                       ``block_manager`` (paged KV blocks, prefix cache), ``planner``
+                       (chunked prefill under a token budget), ``preemption``,
+                       ``plan`` (``StepPlan``), ``scheduler``
+packing and model      ``packer`` (a plan as flat tensors), ``kv_cache``, ``model/``,      torch
+                       ``sampling``
+one step               ``runner`` (the tensor half of a step), ``engine`` (the step loop),  torch
+                       ``events`` (what listeners see), ``arrivals`` (requests over time)
+faces                  ``llm`` (``LLM.generate``), ``cli``, ``distributed`` (tensor         torch
+                       parallelism), ``baseline`` (the padded static batch: the oracle)
+====================  =================================================================  ======
+
+Tooling lives in subpackages: ``measure`` (workloads, metrics, slot traces, plots, ``minicb bench``)
+and ``simulate`` (the cost-model simulator, ``minicb simulate``). Dependencies point one way: faces ->
+engine -> runner -> packer -> model, with scheduling beside them importing none of them. Heavy
+names load lazily, so ``import minicb`` stays cheap (no torch).
 """
 
+from minicb.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected
 from minicb.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "SchedulerConfig", "MinicbError",
+           "InvalidArgument", "RequestRejected", "ModelLoadError"]
 __version__ = "0.1.0"
+
+_LAZY = {"LLM": "minicb.llm", "LLMEngine": "minicb.engine", "RequestOutput": "minicb.outputs",
+         "SchedulerConfig": "minicb.config"}
 
 
 def __getattr__(name: str):
-    # Lazy: importing the engine pulls in torch, which the scheduler side must not need.
-    if name in ("LLM", "RequestOutput"):
-        from minicb import engine
+    # Lazy: the engine pulls in torch, which the scheduler side must not need.
+    if name in _LAZY:
+        import importlib
 
-        return getattr(engine, name)
-    if name == "EngineConfig":
-        from minicb.config import EngineConfig
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'minicb' has no attribute {name!r}")
 
-        return EngineConfig
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -64,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(g)
-    from minicb import trace  # torch-free import; the engine is imported when the command runs
+    from minicb.measure import trace  # torch-free import; the engine is imported when the command runs
 
     trace.add_parser(sub)
-    from minicb import bench_cli, simulate_cli  # torch-free imports, like trace
+    from minicb.measure import bench_cli
+    from minicb.simulate import cli as simulate_cli  # torch-free imports, like trace
 
     bench_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
@@ -95,7 +96,8 @@ def _read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
-    from minicb.engine import LLM
+    from minicb.arrivals import Arrival, drive
+    from minicb.llm import LLM
     from minicb.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -107,12 +109,11 @@ def cmd_generate(args) -> int:
               enable_prefix_caching=args.prefix_caching)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
-    eng = llm.engine
-    ids = [eng.add_request(f"{i}", p, params) for i, p in enumerate(prompts)]
-    eng.scheduler.close_arrivals()
-    single = len(ids) == 1
-    while eng.has_unfinished_requests():
-        for out in eng.step():
+    single = len(prompts) == 1
+    failed = []
+
+    def show(outs) -> None:
+        for out in outs:
             if single:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
@@ -122,9 +123,14 @@ def cmd_generate(args) -> int:
                 sys.stdout.write(f"[{int(out.request_id) + 1}] {out.text}\n")
                 sys.stdout.flush()
             if out.finished and out.error:
-                sys.stderr.write(f"minicb: request {out.request_id} failed: {out.error}\n")
-    llm.shutdown()
-    return 0
+                failed.append(out.request_id)
+                sys.stderr.write(f"minicb: request {int(out.request_id) + 1} failed: {out.error}\n")
+
+    try:
+        drive(llm.engine, [Arrival(0, f"{i}", p, params) for i, p in enumerate(prompts)], on_step=show)
+    finally:
+        llm.shutdown()
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "trace":
-            from minicb.trace import cmd_trace
+            from minicb.measure.trace import cmd_trace
 
             return cmd_trace(args)
         if args.command in ("bench", "simulate"):

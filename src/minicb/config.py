@@ -81,8 +81,17 @@ class ModelConfig:
         return 2.0 * matmul_params + attn
 
 
+# The one tiny random model of the CLIs and tutorials (``minicb bench/trace --model tiny``): 2 layers,
+# 4 query / 2 KV heads, vocabulary 256 (EOS = 3). Instant on a CPU; random weights, so its text is noise.
+TINY_MODEL = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=4096, eos_token_id=3)
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits and policies (module docstring); validated, frozen."""
+
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     long_prefill_chunk: int | None = None

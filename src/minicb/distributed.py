@@ -5,12 +5,12 @@ the *same* step on the *same* flat batch; two all-reduces per layer sum the rank
 the seed's last warning applies literally: all ranks must agree on every step's batch, or their
 collectives pair up wrongly and hang. minicb's answer, in one picture::
 
-    rank 0 (the driver: LLM / engine)               ranks 1 .. N-1 (workers)
+    rank 0 (the driver: LLM / engine)               ranks 1 .. N-1 (workers: a ModelRunner each)
     plan = scheduler.schedule()                     no scheduler, no sampler: they follow
     store.set("plan/k", plan) ───────────────────►  plan = store.get("plan/k")    (waits while idle)
     all_gather(digest(plan)) ◄─────────────────────► all_gather(digest(plan))     (differ: error on all)
-    forward on its shard ◄────── 2 all-reduces per layer ──────► forward on its shard
-    sample, scheduler.update(...)
+    runner.run(plan, params) ◄─ 2 all-reduces per layer ─► runner.run(plan)     (the same method)
+    scheduler.update(...)
 
 **One rank schedules.** Only rank 0 runs the scheduler and the sampler; each executed plan goes to the
 others through the key-value store that every ``torch.distributed`` job already has (a ``TCPStore``),
@@ -97,8 +97,8 @@ from minicb.config import ModelConfig, SchedulerConfig
 from minicb.engine import LLMEngine
 from minicb.errors import DistributedError, InvalidArgument, check_int
 from minicb.model.llama import LlamaForCausalLM
-from minicb.packer import pack
 from minicb.plan import StepPlan
+from minicb.runner import ModelRunner
 
 DEFAULT_TIMEOUT_S = 60.0          # deadline of every collective once the group is up
 STARTUP_TIMEOUT_S = 600.0         # ranks loading the model and joining the group
@@ -368,22 +368,12 @@ class ShardedLlama(LlamaForCausalLM):
             raise
 
 
-NO_ROWS = torch.empty(0, dtype=torch.long)
-
-
-def serve(engine: LLMEngine, tp: TPGroup) -> None:
-    """The loop of ranks 1..N-1: every plan rank 0 executes, executed here on this rank's shard.
-
-    It mirrors ``LLMEngine.execute`` step for step (swaps, pack, forward when there are tokens), so
-    every rank makes the same collectives; the LM head is skipped (no rows asked for).
-    """
+def serve(runner: ModelRunner, tp: TPGroup) -> None:
+    """The loop of ranks 1..N-1: every plan rank 0 executes, executed here on this rank's shard by the
+    same ``ModelRunner.run`` rank 0 calls (without sampling parameters: no LM head, no sampling), so
+    every rank makes the same collectives in the same order."""
     while (plan := tp.recv_plan()) is not None:
-        engine.kv_cache.swap_out(plan.swap_out)
-        engine.kv_cache.swap_in(plan.swap_in)
-        batch = pack(plan, engine.model.device, engine.pad_token_id)
-        if batch.num_tokens:
-            engine.model(batch.input_ids, batch.positions, engine.backend, batch.attn,
-                         NO_ROWS.to(engine.model.device))
+        runner.run(plan)
 
 
 # --- rank 0: the engine --------------------------------------------------------------------------------
@@ -403,6 +393,7 @@ class TPEngine(LLMEngine):
         return self.tp.stats
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Share the plan with the other ranks (and check they hold the same), then run it here."""
         plan = self.tp.send_plan(plan)
         return super().execute(plan)
 
@@ -484,6 +475,12 @@ class _RankSpec:
     fault: Fault | None
 
 
+def _worker_runner(model: ShardedLlama, config: SchedulerConfig, attn_backend: str) -> ModelRunner:
+    """A worker rank's runner: its shard, its own KV heads' cache, the same pool shape as rank 0."""
+    return ModelRunner(model, num_blocks=config.num_blocks, block_size=config.block_size,
+                       num_host_blocks=config.num_host_blocks, attn_backend=attn_backend)
+
+
 def _torchrun_env() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -549,7 +546,7 @@ def launch(model: LlamaForCausalLM, config: SchedulerConfig, tensor_parallel_siz
         tp = TPGroup(store, rank, world, dev, timeout_s, fault)
         shard_model.attach(tp)
         if rank != 0:
-            _serve_rank(rank, lambda: (LLMEngine(shard_model, config, attn_backend=attn_backend), tp))
+            _serve_rank(rank, lambda: (_worker_runner(shard_model, config, attn_backend), tp))
             raise SystemExit(0)
         return TPEngine(shard_model, config, tp, _Workers(), **engine_kwargs)
     if device.type == "cuda" and (not dist.is_nccl_available() or torch.cuda.device_count() < world):
@@ -663,7 +660,7 @@ def _spawned_rank(spec: _RankSpec, queue) -> None:
         _join(store, spec.rank, spec.world, spec.startup_timeout_s)
         tp = TPGroup(store, spec.rank, spec.world, spec.device, spec.timeout_s, spec.fault)
         model.attach(tp)
-        return LLMEngine(model, spec.config, attn_backend=spec.attn_backend), tp
+        return _worker_runner(model, spec.config, spec.attn_backend), tp
 
     _serve_rank(spec.rank, setup, queue)
 
@@ -671,8 +668,8 @@ def _spawned_rank(spec: _RankSpec, queue) -> None:
 def _serve_rank(rank: int, setup, queue=None) -> None:
     """Run a worker rank; on any error print one line, report it and exit with status 1."""
     try:
-        engine, tp = setup()
-        serve(engine, tp)
+        runner, tp = setup()
+        serve(runner, tp)
     except BaseException as exc:    # noqa: BLE001 - a worker must never outlive a broken group
         msg = f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"minicb: tensor-parallel rank {rank}: {msg}\n")

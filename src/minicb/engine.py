@@ -1,20 +1,19 @@
-"""The engine: the step loop that turns a scheduler's plans into tokens, and the public API.
+"""The engine: the step loop that turns a scheduler's plans into tokens.
 
 One step, every iteration (the heart of continuous batching)::
 
-    plan   = scheduler.schedule()        # who runs, which tokens, which blocks (no torch)
-    kv.swap_out(plan.swap_out); kv.swap_in(plan.swap_in)
-    batch  = pack(plan)                  # flat ids, positions, cu_seqlens, slot_mapping, block_tables
-    logits = model(batch)                # one forward over every scheduled token, no padding
-    tokens = sampler.sample(logits)      # one token per sequence that reached its end
-    done   = scheduler.update(plan, tokens)   # finished requests free their slot and blocks *now*
+    plan    = scheduler.schedule()         # who runs, which tokens, which blocks (no torch)
+    emit PlanEvent(plan, snapshot)         # listeners: metrics, traces, the live page, the tutorials
+    sampled = runner.run(plan, params)     # swap, pack, forward, sample: the only tensor work
+    done    = scheduler.update(plan, sampled)   # finished requests free their slot and blocks *now*
+    emit StepEvent(plan, snapshots, times, outputs)
 
-Two ways in, both vLLM-shaped:
-
-* ``LLM.generate(prompts, sampling_params)``: validates everything first, runs to completion and
-  returns ``RequestOutput``s in input order;
-* ``LLMEngine.add_request`` / ``step`` / ``abort_request``: streaming; each ``step`` returns the outputs
-  that changed (new tokens, or finished).
+The engine talks to the scheduler through those two calls only, and to everything outside it
+through its methods (``add_request``, ``abort_request``, ``step``, ``close_arrivals``) and its events
+(``listen``; ``minicb.events``): nothing outside the engine reads the scheduler, the slot table or the
+block manager. Streaming is vLLM's shape: ``add_request`` queues, each ``step`` returns the outputs
+that changed (new tokens, or finished). ``run(request_ids)`` steps until given requests finish and
+keeps the outputs of any others for the next ``step`` (``LLM.generate`` is built on it).
 
 If the model raises inside a step, the requests of that step end with ``finish_reason == "error"``
 (their blocks and slots are freed by the scheduler) and the engine keeps serving the others. A
@@ -26,100 +25,91 @@ The error contract (which argument, which range, which exception) is the table i
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import numbers
 import operator
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
-
-import torch
+from collections.abc import Callable, Iterable
 
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument, check_int
-from minicb.kv_cache import KVCache
-from minicb.model.backends import check_device, make_backend  # attention-backend registry
-from minicb.model.llama import DTYPES, LlamaForCausalLM
-from minicb.packer import pack
+from minicb.events import Listeners, PlanEvent, StepEvent
+from minicb.model.llama import LlamaForCausalLM
+from minicb.outputs import OutputTracker, RequestOutput
 from minicb.plan import StepPlan
-from minicb.sampling import Sampler
+from minicb.runner import ModelRunner
 from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
+from minicb.scheduler import Scheduler, SchedulerStats
 from minicb.sequence import Sequence
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What a request has produced so far (complete once ``finished``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    new_token_ids: list[int] = field(default_factory=list)   # tokens added by the latest step
-    new_text: str = ""
-    error: str | None = None
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Live:
-    seq: Sequence
-    decoder: object | None
-    text: str = ""
-    emitted: int = 0
+__all__ = ["LLMEngine", "RequestOutput"]
 
 
 class LLMEngine:
-    """Owns the model, the KV cache, the scheduler and the sampler; ``step()`` runs one iteration."""
+    """Owns a scheduler and a model runner; ``step()`` runs one iteration of the loop."""
 
     def __init__(self, model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None,
                  seed: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 attn_backend: str = "auto") -> None:
-        self.model = model
+                 attn_backend: str = "auto", runner: ModelRunner | None = None) -> None:
+        if seed is not None:
+            check_int("seed", seed, lo=0, hi=2**63 - 1)
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
-        if seed is not None:
-            check_int("seed", seed, lo=0, hi=2**63 - 1)
-        cfg = model.config
-        self.kv_cache = KVCache(cfg.num_hidden_layers, config.num_blocks, config.block_size,
-                                cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device,
-                                config.num_host_blocks)
-        self.backend = make_backend(attn_backend, self.kv_cache, model.device)
+        self.runner = runner or ModelRunner(model, num_blocks=config.num_blocks,
+                                            block_size=config.block_size,
+                                            num_host_blocks=config.num_host_blocks,
+                                            attn_backend=attn_backend, seed=seed)
         self.scheduler = Scheduler(config)
-        self.sampler = Sampler(seed)
+        cfg = model.config
         self.eos_token_id = cfg.eos_token_id if tokenizer is None else tokenizer.eos_token_id
-        self.pad_token_id = 0
-        self._live: dict[str, _Live] = {}
-        self._ids = itertools.count()
         self.last_plan: StepPlan | None = None
-        self.on_plan: Callable[[StepPlan], None] | None = None   # hook for traces and tensor parallelism
-        self._pending: list[RequestOutput] = []   # outputs of a step interrupted by KeyboardInterrupt
+        self._live: dict[str, OutputTracker] = {}
+        self._ids = itertools.count()
+        self._listeners = Listeners()
+        self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
+        self._in_step = False
+
+    # --- what the outside may read --------------------------------------------------------------
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.runner.model
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Running totals of the scheduler (steps, preemptions, tokens); a live object, read it."""
+        return self.scheduler.stats
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._live)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def snapshot(self):
+        """The scheduler's state now (``minicb.scheduler.SchedulerSnapshot``: immutable)."""
+        return self.scheduler.snapshot()
+
+    def listen(self, on_plan: Callable[[PlanEvent], None] | None = None,
+               on_step: Callable[[StepEvent], None] | None = None) -> Callable[[], None]:
+        """Call ``on_plan`` after every ``schedule()`` (before the tensor work) and ``on_step`` when the
+        step is recorded; listeners run in the order they were added. Returns a function that removes
+        them again. Listeners must not call back into ``step`` / ``run`` (``InvalidArgument``)."""
+        return self._listeners.add(on_plan, on_step)
 
     # --- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
         """Validate a prompt (text or token ids) and return its token ids."""
+        vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
-            if ids and max(ids) >= self.model.config.vocab_size:
+            if ids and max(ids) >= vocab:
                 raise InvalidArgument(f"prompt text encodes to token id {max(ids)}, outside the model's "
-                                      f"vocabulary [0, {self.model.config.vocab_size - 1}]: the tokenizer "
-                                      "does not match the model")
+                                      f"vocabulary [0, {vocab - 1}]: the tokenizer does not match the model")
         elif isinstance(prompt, (list, tuple)):
-            ids = [_token_id(t, i, self.model.config.vocab_size) for i, t in enumerate(prompt)]
+            ids = [_token_id(t, i, vocab) for i, t in enumerate(prompt)]
         else:
             raise InvalidArgument(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -128,209 +118,151 @@ class LLMEngine:
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       arrival_time: float | None = None, priority: int = 0) -> Sequence:
+        """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidArgument(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        rid = str(next(self._ids)) if request_id is None else request_id
+        rid = self.new_request_id() if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")
         check_int("priority", priority)
         now = self.clock() if arrival_time is None else arrival_time
-        return Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
-                        eos_token_id=self.eos_token_id)
+        seq = Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
+                       eos_token_id=self.eos_token_id)
+        self.scheduler.validate(seq)
+        return seq
+
+    def new_request_id(self, prefix: str = "") -> str:
+        """A request id that no unfinished request uses (generated ids never collide with users')."""
+        while True:
+            rid = f"{prefix}{next(self._ids)}"
+            if rid not in self._live:
+                return rid
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue one request; a bad one raises here and leaves the engine and other requests untouched."""
         seq = self.make_sequence(prompt, params, request_id, arrival_time, priority)
+        self._add(seq)
+        return seq.request_id
+
+    def _add(self, seq: Sequence) -> None:
         if seq.request_id in self._live:
             raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
         self.scheduler.add(seq)
-        self.sampler.register(seq.request_id, seq.params)
+        self.runner.sampler.register(seq.request_id, seq.params)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
-        self._live[seq.request_id] = _Live(seq, dec)
-        return seq.request_id
+        self._live[seq.request_id] = OutputTracker(seq, dec)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
+        returns its final output, or None if it is not an unfinished request of this engine."""
+        if not isinstance(request_id, str):
+            raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
         seq = self.scheduler.abort(request_id, self.clock())
-        live = self._live.pop(request_id, None)
-        self.sampler.release(request_id)
-        return self._output(live) if (seq is not None and live is not None) else None
+        if seq is None or request_id not in self._live:
+            return None
+        return self._finish(request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+    def close_arrivals(self) -> None:
+        """No more requests will come for now: the static policy may run a batch smaller than its slots."""
+        self.scheduler.close_arrivals()
+
+    def open_arrivals(self) -> None:
+        self.scheduler.open_arrivals()
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that got a token or finished."""
+        if self._in_step:
+            raise InvalidArgument("step() / run() / generate() called from inside a step (an event "
+                                  "listener): the engine runs one step at a time")
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> list[RequestOutput]:
         outs, self._pending = self._pending, []
-        plan = self.scheduler.schedule(self.clock())
+        start = self.clock()
+        plan = self.scheduler.schedule(start)
         self.last_plan = plan
-        if self.on_plan is not None:
-            self.on_plan(plan)
+        before = self._listeners.emit_plan(plan, self.scheduler, start)
         if plan.is_empty:
+            self._listeners.emit_step(plan, self.scheduler, before, start, self.clock(), outs, None)
             return outs
+        error = None
         try:
             sampled = self.execute(plan)
         except Exception as exc:   # noqa: BLE001 - a failed step must not take the engine down
-            return outs + self._fail_step(plan, exc)
+            error = _describe(exc)
+            outs += self._fail_step(plan, error)
         except BaseException as exc:   # Ctrl-C: end this step's requests so the engine stays consistent
-            self._pending = outs + self._fail_step(plan, exc)
+            self._pending = outs + self._fail_step(plan, _describe(exc))
             raise
-        now = self.clock()
-        finished = {s.request_id for s in self.scheduler.update(plan, sampled, now)}
+        else:
+            outs += self._record(plan, sampled)
+        self._listeners.emit_step(plan, self.scheduler, before, start, self.clock(), outs, error)
+        return outs
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first)."""
+        return self.runner.run(plan, {s.request_id: self._live[s.request_id].seq.params
+                                      for s in plan.seqs if s.sample})
+
+    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
+        finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
+        outs = []
         for rid in sampled:
-            live = self._live.get(rid)
-            if live is not None:
-                outs.append(self._finish(rid) if rid in finished else self._output(live))
+            if rid in self._live:
+                outs.append(self._finish(rid) if rid in finished else self._live[rid].output())
         for rid in finished - sampled.keys():
             if rid in self._live:
                 outs.append(self._finish(rid))
         return outs
 
-    def _fail_step(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
+    def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
-        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         failed = self.scheduler.fail_step(plan, error, self.clock())
         return [self._finish(s.request_id) for s in failed if s.request_id in self._live]
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Swap, pack, forward, sample: the part of a step that touches tensors."""
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        batch = pack(plan, self.model.device, self.pad_token_id)
-        if not batch.sample_request_ids and batch.num_tokens == 0:
-            return {}
-        logits = self.model(batch.input_ids, batch.positions, self.backend, batch.attn,
-                            batch.logits_indices)
-        params = [self._live[r].seq.params for r in batch.sample_request_ids]
-        tokens = self.sampler.sample(logits, batch.sample_request_ids, params)
-        return dict(zip(batch.sample_request_ids, tokens))
+    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
+        """Step until the given requests (default: all) have finished; return their final outputs in
+        the order they finished. Outputs of other requests are kept for the next ``step()``."""
+        wanted = None if request_ids is None else set(request_ids)
+        done: list[RequestOutput] = []
+        others: list[RequestOutput] = []
+        try:
+            while (self.has_unfinished_requests() if wanted is None
+                   else any(r in self._live for r in wanted) or self._pending_has(wanted)):
+                for out in self.step():
+                    if wanted is not None and out.request_id not in wanted:
+                        others.append(out)
+                    elif out.finished:
+                        done.append(out)
+                        if progress is not None:
+                            progress(out)
+        finally:
+            self._pending = others + self._pending
+        return done
+
+    def _pending_has(self, wanted: set[str]) -> bool:
+        return any(o.request_id in wanted for o in self._pending)
 
     def run_until_done(self, progress=None) -> list[RequestOutput]:
-        done = []
-        while self.scheduler.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done.append(out)
-                    if progress is not None:
-                        progress(out)
-        return done
+        """Step until every request has finished; their final outputs in the order they finished."""
+        return self.run(None, progress)
 
     # --- outputs --------------------------------------------------------------------------------
     def _finish(self, rid: str) -> RequestOutput:
-        live = self._live.pop(rid)
-        self.sampler.release(rid)
-        return self._output(live)
-
-    def _output(self, live: _Live) -> RequestOutput:
-        s = live.seq
-        new = s.output_token_ids[live.emitted:]
-        live.emitted = s.num_output_tokens
-        new_text = ""
-        if live.decoder is not None:
-            new_text = "".join(live.decoder.push(t) for t in new)
-            live.text += new_text
-        return RequestOutput(
-            request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
-            token_ids=list(s.output_token_ids), text=live.text, finished=s.is_finished,
-            finish_reason=s.finish_reason.value if s.finish_reason else None, new_token_ids=list(new),
-            new_text=new_text, error=s.error, arrival_time=s.arrival_time,
-            first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
-            token_times=list(s.token_times), finish_time=s.finish_time,
-            num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
-        )
+        tracker = self._live.pop(rid)
+        self.runner.sampler.release(rid)
+        return tracker.output()
 
 
-class LLM:
-    """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
-
-    ``model`` is a path (GGUF file or Hugging Face directory), ``None`` for the default SmolLM2, or an
-    already built ``LlamaForCausalLM`` (tests pass tiny random ones). Other keyword arguments are
-    ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...).
-
-    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``: this
-    process is rank 0, the others are started here, or it joins a ``torchrun`` job); call
-    ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop them.
-    """
-
-    def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
-                 device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
-                 clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
-                 **config) -> None:
-        torch_dtype = _dtype(dtype)
-        device = check_device(device)
-        check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
-        _check_config_names(config)
-        SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
-        if not isinstance(model, LlamaForCausalLM):
-            from minicb.model.loader import load_model
-
-            loaded = load_model(model, dtype=torch_dtype)
-            tokenizer = tokenizer or loaded.tokenizer
-            # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
-            home = device if tensor_parallel_size == 1 else "cpu"
-            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
-        sched = SchedulerConfig(**_default_config(model, config))
-        if tensor_parallel_size > 1:
-            from minicb.distributed import launch
-
-            self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
-                                 clock=clock, attn_backend=attn_backend, device=device)
-        else:
-            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
-                                    attn_backend=attn_backend)
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent)."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; everything is validated before any work starts."""
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                                               and _is_int(prompts[0]))
-        plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
-        if not plist:
-            raise InvalidArgument("prompts must be a non-empty str, list of str, or list of token-id lists")
-        params = _params_list(sampling_params, len(plist))
-        eng = self.engine
-        base = next(eng._ids)
-        seqs = [eng.make_sequence(p, sp, f"gen{base}-{i}") for i, (p, sp) in enumerate(zip(plist, params))]
-        for s in seqs:
-            eng.scheduler.validate(s)
-        eng.scheduler.close_arrivals()
-        try:
-            for s in seqs:
-                eng.add_request(s.request_id, s.prompt_token_ids, s.params, s.arrival_time)
-            tick = _progress(len(seqs)) if progress else None
-            results = {o.request_id: o for o in eng.run_until_done(tick)}
-        finally:
-            eng.scheduler.open_arrivals()
-        return [results[s.request_id] for s in seqs]
-
-
-def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _token_id(t, i: int, vocab: int) -> int:
@@ -343,51 +275,3 @@ def _token_id(t, i: int, vocab: int) -> int:
         raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab - 1}] (the vocabulary), "
                               f"got {t!r} at index {i}")
     return v
-
-
-def _check_config_names(config: dict) -> None:
-    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
-                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size and the "
-                              f"SchedulerConfig fields "
-                              f"{', '.join(sorted(known))}")
-
-
-def _default_config(model: LlamaForCausalLM, config: dict) -> dict:
-    config = dict(config)
-    config.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
-    return config
-
-
-def _params_list(sp, n: int) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams()] * n
-    if isinstance(sp, SamplingParams):
-        return [sp] * n
-    if not isinstance(sp, (list, tuple)):
-        raise InvalidArgument(f"sampling_params must be SamplingParams or a list of {n} SamplingParams, "
-                              f"got {type(sp).__name__}")
-    sp = list(sp)
-    if len(sp) != n:
-        raise InvalidArgument(f"sampling_params has {len(sp)} entries for {n} prompts; give one or {n}")
-    for p in sp:
-        if not isinstance(p, SamplingParams):
-            raise InvalidArgument(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
-    return sp
-
-
-def _progress(total: int):
-    from rich.progress import Progress
-
-    prog = Progress(transient=True)
-    task = prog.add_task("generating", total=total)
-    prog.start()
-
-    def tick(_out) -> None:
-        prog.advance(task)
-        if prog.tasks[0].completed >= total:
-            prog.stop()
-
-    return tick

@@ -100,6 +100,34 @@ class SchedulerStats:
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
+@dataclass(slots=True, frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's state at one moment as plain, immutable values: what step listeners see."""
+
+    step: int                                              # steps planned so far
+    slots: tuple[str | None, ...]                          # slot i -> the request holding it, or None
+    block_tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request, device blocks) of slot holders
+    host_tables: tuple[tuple[str, tuple[int, ...]], ...]   # (request, host blocks) of swapped requests
+    free_blocks: tuple[int, ...]                           # free device blocks (cached or not), lowest first
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int                                 # free blocks that still hold a cached prefix
+    num_host_blocks: int
+    num_free_host_blocks: int
+    waiting: tuple[str, ...]                               # queue order: the front first
+    running: tuple[str, ...]
+    swapped: tuple[str, ...]
+    arrivals_open: bool
+
+    @property
+    def num_held_slots(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+
 @dataclass(slots=True)
 class _StepWork:
     """What one schedule() call decided, before it becomes a frozen StepPlan."""
@@ -114,6 +142,8 @@ class _StepWork:
 
 @dataclass(slots=True)
 class Scheduler:
+    """Plans every step (``schedule``) and records its results (``update``); see the module docstring."""
+
     config: SchedulerConfig
     slot_table: SlotTable = field(init=False)
     block_manager: BlockManager = field(init=False)
@@ -161,6 +191,24 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished request ``request_id``, or None."""
         return self._seqs.get(request_id)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """The state right now, copied into immutable values (listeners may keep it)."""
+        bm, table = self.block_manager, self.slot_table
+        held = table.held()
+        return SchedulerSnapshot(
+            step=self.stats.num_steps,
+            slots=tuple(held.get(i) for i in range(self.config.max_num_seqs)),
+            block_tables=tuple((rid, tuple(bm.block_tables[rid])) for rid in held.values()
+                               if rid in bm.block_tables),
+            host_tables=tuple((rid, tuple(t)) for rid, t in bm.host_tables.items()),
+            free_blocks=tuple(bm.device.free_blocks()),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks, num_host_blocks=self.config.num_host_blocks,
+            num_free_host_blocks=bm.num_free_host_blocks,
+            waiting=tuple(s.request_id for s in self._waiting),
+            running=tuple(self._running), swapped=tuple(s.request_id for s in self._swapped),
+            arrivals_open=self._arrivals_open)
 
     # --- requests in -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -50,14 +50,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 
+from minicb.arrivals import Arrival, NoProgress, drive
 from minicb.config import ModelConfig, SchedulerConfig
 from minicb.errors import InvalidArgument
-from minicb.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
+from minicb.events import Listeners
+from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
+from minicb.measure.workloads import Request, data_path
 from minicb.plan import StepPlan
 from minicb.sampling_params import SamplingParams
 from minicb.scheduler import Scheduler
 from minicb.sequence import Sequence as Seq
-from minicb.workloads import Request, data_path
 
 # --- models -------------------------------------------------------------------------------------------
 LLAMA_3_70B = ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -321,7 +323,7 @@ def _vidur_linear_shapes(tp: int) -> dict[str, tuple[float, float]]:
 def profile_errors(cost: CostModel) -> dict[str, float]:
     """Relative error of ``cost``'s linear-op and elementwise times against the vidur profile:
     median and 90th percentile of |predicted / measured - 1| over every (tp, tokens, op)."""
-    from minicb.metrics import percentile
+    from minicb.measure.metrics import percentile
 
     lin, elem = [], []
     for row in vidur_layer_timings():
@@ -419,60 +421,118 @@ class SimResult:
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per cost component, summed
 
 
-def make_scheduler(config: SchedulerConfig) -> Scheduler:
-    """The engine's own scheduler class (``minicb.scheduler.Scheduler``), nothing simulated about it."""
-    return Scheduler(config)
+@dataclass(slots=True, frozen=True)
+class SimOutput:
+    """What ``SimulatedEngine.step`` returns for a request that finished (``drive`` reads ``finished``)."""
+
+    request_id: str
+    sequence: Seq
+    finished: bool = True
+
+
+class SimulatedEngine:
+    """The engine's loop with a clock instead of a model: the engine's own ``Scheduler`` plans every
+    step, ``step_time(plan)`` says how long it takes, the clock jumps by that much, and every sampled
+    row gets the dummy token ``token``. It has the engine's request API and step events (``listen``),
+    so ``minicb.arrivals.drive`` serves it like an ``LLMEngine``; no torch anywhere."""
+
+    def __init__(self, config: SchedulerConfig, step_time: Callable[[StepPlan], float], *,
+                 token: int = 1, start: float = 0.0) -> None:
+        self.config = config
+        self.now = start
+        self.last_plan: StepPlan | None = None
+        self.sequences: list[Seq] = []                 # every request added, in order
+        self._step_time = step_time
+        self._token = token
+        self._scheduler = Scheduler(config)
+        self._listeners = Listeners()
+
+    @property
+    def stats(self):
+        return self._scheduler.stats
+
+    def listen(self, on_plan=None, on_step=None):
+        """As ``LLMEngine.listen``: ``PlanEvent`` / ``StepEvent`` listeners (``minicb.events``)."""
+        return self._listeners.add(on_plan, on_step)
+
+    def snapshot(self):
+        return self._scheduler.snapshot()
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams,
+                    arrival_time: float | None = None) -> str:
+        seq = Seq(request_id, list(prompt), params, arrival_time=self.now if arrival_time is None
+                  else arrival_time)
+        self._scheduler.add(seq)
+        self.sequences.append(seq)
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self._scheduler.has_unfinished()
+
+    def close_arrivals(self) -> None:
+        self._scheduler.close_arrivals()
+
+    def advance_to(self, t: float) -> None:
+        """Idle until ``t`` (the simulated clock jumps)."""
+        self.now = max(self.now, t)
+
+    def step(self) -> list[SimOutput]:
+        sched, start = self._scheduler, self.now
+        plan = sched.schedule(start)
+        self.last_plan = plan
+        state = self._listeners.emit_plan(plan, sched, start)
+        finished = []
+        if not plan.is_empty:
+            self.now = start + self._step_time(plan)
+            sampled = {s.request_id: self._token for s in plan.seqs if s.sample}
+            finished = sched.update(plan, sampled, self.now)
+        outs = [SimOutput(seq.request_id, seq) for seq in finished]
+        self._listeners.emit_step(plan, sched, state, start, self.now, outs, None)
+        return outs
 
 
 def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostModel, *, label: str = "",
              on_step: Callable[[StepRecord, int], None] | None = None,
              max_steps: int = 50_000_000) -> SimResult:
-    """Run ``requests`` through a ``Scheduler(config)`` on the simulated clock of ``cost``.
+    """Run ``requests`` through a ``SimulatedEngine`` (the engine's ``Scheduler``) on the clock of ``cost``.
 
     Every request produces exactly ``output_len`` tokens (EOS ignored), as in ``minicb bench``.
     ``on_step(record, num_finished)`` is called after every step (progress displays).
     """
-    sched = make_scheduler(config)
-    rec = StepRecorder(cost.model)
-    order = sorted(requests, key=lambda r: r.arrival)
-    seqs: list[Seq] = []
     totals = dict.fromkeys(("linear", "lm_head", "attention", "elementwise", "allreduce", "swap", "overhead"),
                            0.0)
-    bm, slots = sched.block_manager, sched.slot_table
-    k, now, n_done = 0, 0.0, 0
-    while k < len(order) or sched.has_unfinished():
-        while k < len(order) and order[k].arrival <= now:
-            r = order[k]
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-            # a distinct first token: no two prompts share a prefix (the prefix cache finds nothing,
-            # as with the random prompts of minicb bench)
-            seq = Seq(r.request_id, [k + 2] + [1] * (r.prompt_len - 1), params, arrival_time=r.arrival)
-            sched.add(seq)
-            seqs.append(seq)
-            k += 1
-        if k == len(order):
-            sched.close_arrivals()
-        plan = sched.schedule(now)
-        if plan.is_empty:
-            if k < len(order):
-                now = max(now, order[k].arrival)     # idle: jump to the next arrival
-                continue
-            raise RuntimeError(f"{label or config.policy}: the scheduler made no progress with "
-                               f"{sched.num_waiting} waiting and no arrivals left")
-        if sched.stats.num_steps > max_steps:
-            raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
+
+    def step_time(plan: StepPlan) -> float:
         parts = cost.breakdown(plan)
         for key, v in parts.items():
             totals[key] += v
-        end = now + sum(parts.values())
-        held, used = slots.num_held, bm.num_blocks - bm.num_free_blocks
-        n_done += len(sched.update(plan, {s.request_id: 1 for s in plan.seqs if s.sample}, end))
-        step = rec.record(plan, now, end, held, used)
-        if on_step is not None:
-            on_step(step, n_done)
-        now = end
+        return sum(parts.values())
+
+    engine = SimulatedEngine(config, step_time)
+    rec = StepRecorder(cost.model).attach(engine)
+    n_done = 0
+
+    def after_step(outs) -> None:
+        nonlocal n_done
+        n_done += len(outs)
+        if engine.stats.num_steps > max_steps:
+            raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
+        if on_step is not None and not engine.last_plan.is_empty:
+            on_step(rec.steps[-1], n_done)
+
+    # a distinct first token per request: no two prompts share a prefix (the prefix cache finds
+    # nothing, as with the random prompts of minicb bench)
+    order = sorted(requests, key=lambda r: r.arrival)
+    arrivals = [Arrival(r.arrival, r.request_id, [k + 2] + [1] * (r.prompt_len - 1),
+                        SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+                for k, r in enumerate(order)]
+    try:
+        drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to, on_step=after_step)
+    except NoProgress as exc:
+        raise RuntimeError(f"{label or config.policy}: {exc}") from None
+    seqs = engine.sequences
     records = [RequestRecord.from_sequence(s) for s in seqs]
     summary = summarize(records, rec.steps, label=label or config.policy, num_slots=config.max_num_seqs,
                         num_blocks=config.num_blocks, peak_flops=cost.peak_flops,
-                        num_preemptions=sched.stats.num_preemptions)
+                        num_preemptions=engine.stats.num_preemptions)
     return SimResult(label or config.policy, config, records, rec.steps, summary, totals)

@@ -22,13 +22,13 @@ import os
 import sys
 import time
 
-from minicb.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.errors import InvalidArgument, check_int
-from minicb.metrics import format_table, records_to_json
+from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
+from minicb.measure.metrics import format_table, records_to_json
 
 
 def add_parser(sub) -> None:
-    from minicb.simulate import PRESETS
+    from minicb.simulate.simulator import PRESETS
 
     p = sub.add_parser("simulate", help="simulate the seed's table at scale (cost model, same scheduler)",
                        description="Drive minicb's Scheduler with a cost-model executor on a simulated "
@@ -71,7 +71,7 @@ def _rates(text: str) -> list[float]:
 def build(args):
     """(cost model, scheduler config, rates, policies) from the parsed arguments."""
     from minicb.config import SchedulerConfig
-    from minicb.simulate import load_calibration, preset
+    from minicb.simulate.simulator import load_calibration, preset
 
     for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
@@ -93,8 +93,8 @@ def build(args):
 
 def cmd_simulate(args) -> int:
     from minicb.config import SchedulerConfig
-    from minicb.simulate import simulate
-    from minicb.workloads import make_requests
+    from minicb.measure.workloads import make_requests
+    from minicb.simulate.simulator import simulate
 
     cost, cfg, rates, policies = build(args)
     print(f"preset {cost.name}: {cost.description}; peak {cost.peak_flops / 1e12:,.1f} TFLOP/s; "
@@ -169,7 +169,7 @@ def _write(args, cost, cfg, rates, policies, results) -> None:
         json.dump(blob, f)
     written = [path]
     if not args.no_plots:
-        from minicb import plots
+        from minicb.measure import plots
 
         title = f"simulated {cost.name} ({cost.description}), {args.trace}, {args.num_requests} requests"
         curve = {p: [results[r][p].summary for r in rates] for p in policies}

@@ -13,14 +13,15 @@ budget ran out), or nothing at all (idle)::
     slot 0 |AaaCcccccc|
     slot 1 |BbbbbbbbbbbbDddd|
 
-How it is recorded: the engine calls ``engine.on_plan(plan)`` with every ``StepPlan`` before running
-it (``TraceRecorder.attach`` installs that hook). A ``ScheduledSeq`` carries its ``slot_id``, so the
+How it is recorded: the engine publishes a ``PlanEvent`` (the ``StepPlan`` and a snapshot of who
+holds which slot) before running each step; ``TraceRecorder.attach`` listens to them. A
+``ScheduledSeq`` carries its ``slot_id``, so the
 real work of a step is placed exactly. Padding rows (``plan.padding``) carry no slot: they belong to
 the members of the padded batch that are shorter than its longest row (a short prompt in the prefill
 step) or already finished (every decode step). The recorder attributes them the way the padded
 policies create them: a scheduled member gets ``longest - its tokens``; a finished member keeps its
-slot and gets ``longest`` per step. When the caller passes the slot table's holders (``held``; the
-engine hook does) the finished members are known exactly; otherwise the recorder remembers who held
+slot and gets ``longest`` per step. When the caller passes the slot holders (``held``; the
+plan event does) the finished members are known exactly; otherwise the recorder remembers who held
 each slot in the batch's first step. If the numbers do not add up, the padding is kept as
 ``unattributed_padding`` rather than drawn in a wrong place.
 
@@ -152,18 +153,14 @@ class TraceRecorder:
         self._members: dict[int, str] = {}     # padded batch members by slot (fallback without held)
 
     def attach(self, engine) -> TraceRecorder:
-        """Record every plan ``engine`` runs (an earlier ``on_plan`` hook keeps being called)."""
-        previous = engine.on_plan
-        table = engine.scheduler.slot_table
-        self.trace.policy = self.trace.policy or engine.scheduler.config.policy
-
-        def hook(plan) -> None:
-            self.record(plan, table.held())
-            if previous is not None:
-                previous(plan)
-
-        engine.on_plan = hook
+        """Record every plan ``engine`` runs, from its plan events (``engine.listen``)."""
+        self.trace.policy = self.trace.policy or engine.config.policy
+        engine.listen(on_plan=self.on_plan)
         return self
+
+    def on_plan(self, event) -> None:
+        """A ``PlanEvent`` listener: the step's column, with the slots held when it was planned."""
+        self.record(event.plan, {i: r for i, r in enumerate(event.state.slots) if r is not None})
 
     def record(self, plan, held: Mapping[int, str] | None = None) -> None:
         """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made."""
@@ -426,20 +423,16 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
     return Workload(prompts, outs, tuple(i * arrival_gap for i in range(num_requests)))
 
 
-TINY_MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-                  eos_token_id=3)
-
-
 def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
-    from minicb.config import ModelConfig, SchedulerConfig
-    from minicb.engine import LLM, LLMEngine, _dtype
+    from minicb.config import TINY_MODEL, SchedulerConfig
+    from minicb.engine import LLMEngine
+    from minicb.llm import LLM, _dtype
     from minicb.model.llama import LlamaForCausalLM
 
     if model == "tiny":
-        m = LlamaForCausalLM.random(ModelConfig(**TINY_MODEL), seed=seed, dtype=_dtype(dtype), std=0.3)
+        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3)
         config.setdefault("max_model_len", 4096)
         return LLMEngine(m, SchedulerConfig(**config), seed=seed)
     return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine
@@ -447,24 +440,15 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
 
 def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
     """Run ``workload`` through ``engine`` (greedy, ``ignore_eos``: lengths are the workload's) and
-    return the slot trace. Arrivals are in steps; arrivals close after the last request is added."""
+    return the slot trace. Arrivals are in steps (``minicb.arrivals.drive``); arrivals close after the
+    last request is added."""
+    from minicb.arrivals import Arrival, drive
     from minicb.sampling_params import SamplingParams
 
     rec = TraceRecorder(engine.config.max_num_seqs).attach(engine)
-    order = sorted(range(len(workload.prompts)), key=lambda i: workload.arrivals[i])
-    step = k = 0
-    while k < len(order) or engine.has_unfinished_requests():
-        while k < len(order) and workload.arrivals[order[k]] <= step:
-            i = order[k]
-            engine.add_request(f"r{i}", list(workload.prompts[i]),
-                               SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
-            k += 1
-        if k == len(order):
-            engine.scheduler.close_arrivals()
-        outs = engine.step()
-        if on_step is not None:
-            on_step(outs)
-        step += 1
+    drive(engine, [Arrival(workload.arrivals[i], f"r{i}", list(workload.prompts[i]),
+                           SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
+                   for i in range(len(workload.prompts))], on_step=on_step)
     return rec.trace
 
 

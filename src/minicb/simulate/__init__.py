@@ -1,0 +1,1 @@
+"""The cost-model simulator (``simulator``) and its command line, ``minicb simulate`` (``cli``)."""
