@@ -109,9 +109,9 @@ def main() -> None:
                          f"{e['measured_spread']:.2f} / {e['simulated_spread']:.2f} |")
         sims[policy] = simulate(requests, SchedulerConfig(policy=policy, **meta["scheduler"]), cost,
                                 label=policy).summary
-    lines += ["", "**The table** (measured by `minicb bench` vs simulated by `minicb.simulate.simulator` on the "
-              "same "
-              "requests and arrivals; compute utilisation of both against the run's measured ceiling, "
+    lines += ["", "**The table** (measured by `minicb bench` vs simulated by "
+              "`minicb.simulate.simulator` on the same requests and arrivals; compute utilisation of "
+              "both against the run's measured ceiling, "
               f"{meta['peak_gflops']:.1f} GFLOP/s):", ""]
     head = "| figure | " + " | ".join(f"{p} measured | {p} simulated | error" for p in blob["runs"]) + " |"
     lines += [head, "|---|" + "---:|" * (3 * len(blob["runs"]))]
