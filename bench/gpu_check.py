@@ -41,6 +41,7 @@ import torch
 
 BENCH = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "tests"))     # the backend-checking harness lives with the tests
 
 from backend_checking import (  # noqa: E402
     random_inputs,

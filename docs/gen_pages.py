@@ -26,8 +26,11 @@ API_MODULES = [
     ("Scheduler side (no torch)", ["sequence", "slot_table", "block_manager", "planner", "preemption",
                                    "scheduler", "plan", "config", "sampling_params", "errors"]),
     ("Model side", ["packer", "kv_cache", "model.llama", "model.attention", "model.backends.cpu_paged",
-                    "model.loader", "model.tokenizer", "sampling", "engine", "baseline", "distributed"]),
-    ("Measurement and teaching", ["trace", "metrics", "simulate", "workloads"]),
+                    "model.loader", "model.tokenizer", "sampling"]),
+    ("One step and the faces", ["runner", "engine", "events", "outputs", "arrivals", "llm", "baseline",
+                                "distributed"]),
+    ("Measurement and teaching", ["measure.trace", "measure.metrics", "measure.workloads",
+                                  "simulate.simulator"]),
 ]
 
 # The trace images: one workload, three policies (``minicb trace`` with these flags draws them).

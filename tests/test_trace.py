@@ -22,6 +22,7 @@ from minicb.measure.trace import (
 )
 from minicb.plan import ScheduledSeq, StepPlan
 from minicb.sampling_params import SamplingParams
+from minicb.config import TINY_MODEL
 from minicb.scheduler import Scheduler
 from minicb.sequence import Sequence
 
@@ -183,7 +184,7 @@ def test_cli_trace_ascii_and_svg(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("policy static: 2 slots x ")
     assert "padding waste" in text and f"wrote {out}" in text and out.read_bytes().startswith(b"<?xml")
-    wl = make_workload(5, 2, 64)
+    wl = make_workload(5, 2, TINY_MODEL.vocab_size)       # the workload minicb trace --model tiny makes
     assert sum(len(p) for p in wl.prompts) + sum(wl.max_tokens) - 5 == \
         int(re.search(r"tokens computed: (\d+) real", text).group(1))
 

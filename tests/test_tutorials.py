@@ -244,9 +244,10 @@ def test_08_tensor_parallel_consistency():
 
 def test_09_benchmark():
     out, mod = run("09_benchmark.py"), module("09_benchmark.py")
+    from minicb.config import TINY_MODEL
     from minicb.measure.trace import make_workload
 
-    wl = make_workload(mod.NUM_REQUESTS, mod.SEED, 64, mod.PROMPT_LEN, mod.OUTPUT_LEN, mod.ARRIVAL_GAP)
+    wl = make_workload(mod.NUM_REQUESTS, mod.SEED, TINY_MODEL.vocab_size, mod.PROMPT_LEN, mod.OUTPUT_LEN, mod.ARRIVAL_GAP)
     lengths = list(zip(wl.prompts, wl.max_tokens, strict=True))
     runs = (("static", "static", 128), ("dynamic", "dynamic", 128), ("continuous", "continuous", 128),
             ("chunked", "continuous", mod.CHUNKED_BUDGET))

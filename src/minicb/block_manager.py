@@ -139,6 +139,15 @@ class PrefixCache:
             self.num_children[parent] += 1
         return True
 
+    def checkpoint(self) -> tuple:
+        return dict(self.by_hash), dict(self.blocks), Counter(self.num_children)
+
+    def restore(self, cp: tuple) -> None:
+        # in place, not new objects: the device pool holds a reference to this cache
+        for mine, saved in zip((self.by_hash, self.blocks, self.num_children), cp):
+            mine.clear()
+            mine.update(saved)
+
     def evict(self, block: int) -> None:
         """Forget ``block``'s hash (it is about to be reused for other tokens)."""
         assert not self.num_children[block], f"block {block} is evicted before its cached children"
@@ -214,6 +223,13 @@ class BlockPool:
             self.drop(block)
         return len(table)
 
+    def checkpoint(self) -> tuple:
+        return list(self.ref_counts), list(self._free), OrderedDict(self._lru)
+
+    def restore(self, cp: tuple) -> None:
+        refs, free, lru = cp
+        self.ref_counts, self._free, self._lru = list(refs), list(free), OrderedDict(lru)
+
     def check_integrity(self, tables: dict[str, list[int]], name: str) -> None:
         free = set(self._free) | set(self._lru)
         named = Counter(b for table in tables.values() for b in table)
@@ -238,6 +254,9 @@ class BlockPool:
 
 @dataclass(slots=True)
 class BlockManager:
+    """The paged-KV bookkeeping: per request a block table (logical block i -> physical block), the
+    device and host pools, and the prefix cache; it never touches tensors."""
+
     num_blocks: int
     block_size: int
     num_host_blocks: int = 0
@@ -442,6 +461,24 @@ class BlockManager:
         src.drop_table(table)
         dst_tables[request_id] = [d for _, d in copies]
         return copies
+
+    def checkpoint(self) -> tuple:
+        """Copies of everything that changes (pools, cache, tables); ``restore`` puts them back. Tables
+        are copied list by list, since allocations append to them."""
+        return (self.device.checkpoint(), self.host.checkpoint(),
+                self.cache.checkpoint() if self.cache is not None else None,
+                {r: list(t) for r, t in self.block_tables.items()},
+                {r: list(t) for r, t in self.host_tables.items()}, dict(self._num_hashed))
+
+    def restore(self, cp: tuple) -> None:
+        device, host, cache, tables, host_tables, hashed = cp
+        self.device.restore(device)
+        self.host.restore(host)
+        if self.cache is not None:
+            self.cache.restore(cache)
+        self.block_tables = {r: list(t) for r, t in tables.items()}
+        self.host_tables = {r: list(t) for r, t in host_tables.items()}
+        self._num_hashed = dict(hashed)
 
     def check_integrity(self) -> None:
         both = set(self.block_tables) & set(self.host_tables)

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from minicb.config import SchedulerConfig
@@ -42,6 +44,8 @@ from minicb.scheduler import Scheduler, SchedulerStats
 from minicb.sequence import Sequence
 
 __all__ = ["LLMEngine", "RequestOutput"]
+
+_GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
 
 
 class LLMEngine:
@@ -67,7 +71,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._listeners = Listeners()
         self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
-        self._in_step = False
+        self._lock = threading.Lock()             # one step (or request change) at a time
+        self._step_thread: int | None = None      # the thread running a step now
+        self._deferred_aborts: deque[str] = deque()
+        self._needs_reconcile = False
 
     # --- what the outside may read --------------------------------------------------------------
     @property
@@ -84,7 +91,7 @@ class LLMEngine:
         return len(self._live)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._needs_reconcile
 
     def snapshot(self):
         """The scheduler's state now (``minicb.scheduler.SchedulerSnapshot``: immutable)."""
@@ -147,8 +154,13 @@ class LLMEngine:
         return seq.request_id
 
     def _add(self, seq: Sequence) -> None:
+        self._not_inside_a_step("add_request()")
         if seq.request_id in self._live:
             raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
+        with self._lock:
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.runner.sampler.register(seq.request_id, seq.params)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
@@ -156,13 +168,27 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
-        returns its final output, or None if it is not an unfinished request of this engine."""
+        returns its final output, or None if it is not an unfinished request of this engine.
+
+        Called from a step listener (in the middle of a step) the abort is applied when the step ends
+        and its final output comes out of the next ``step()``; from another thread it waits for the
+        running step to end."""
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+        if self._step_thread == threading.get_ident():
+            self._deferred_aborts.append(request_id)
+            return None
+        with self._lock:
+            return self._abort(request_id, deliver=False)
+
+    def _abort(self, request_id: str, deliver: bool) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id, self.clock())
         if seq is None or request_id not in self._live:
             return None
-        return self._finish(request_id)
+        out = self._finish(request_id)
+        if deliver:
+            self._pending.append(out)
+        return out
 
     def close_arrivals(self) -> None:
         """No more requests will come for now: the static policy may run a batch smaller than its slots."""
@@ -174,53 +200,99 @@ class LLMEngine:
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of the requests that got a token or finished."""
-        if self._in_step:
-            raise InvalidArgument("step() / run() / generate() called from inside a step (an event "
-                                  "listener): the engine runs one step at a time")
-        self._in_step = True
-        try:
-            return self._step()
-        finally:
-            self._in_step = False
+        self._not_inside_a_step("step() / run() / generate()")
+        with self._lock:
+            self._step_thread = threading.get_ident()
+            try:
+                if self._needs_reconcile:
+                    self._reconcile()
+                return self._step()
+            except BaseException:
+                self._needs_reconcile = True       # an output may be half made: check at the next step
+                raise
+            finally:
+                self._step_thread = None
+                while self._deferred_aborts:       # aborts asked for by a listener of this step
+                    self._abort(self._deferred_aborts.popleft(), deliver=True)
+
+    def _not_inside_a_step(self, what: str) -> None:
+        if self._step_thread == threading.get_ident():
+            raise InvalidArgument(f"{what} called from inside a step (an event listener): the engine "
+                                  "runs one step at a time; call it after step() returns")
+
+    def _reconcile(self) -> None:
+        """After an interrupted step: hand out the final output of any request that finished but whose
+        output was not made yet (the scheduler had recorded it when the interrupt landed)."""
+        for rid, tracker in list(self._live.items()):
+            if tracker.seq.is_finished:
+                self._pending.append(self._finish(rid))
+        self._needs_reconcile = False
 
     def _step(self) -> list[RequestOutput]:
-        outs, self._pending = self._pending, []
+        """One step as a transaction (DESIGN.md 2b): plan, compute, record, each phase all or nothing.
+
+        * plan (``schedule`` and the PlanEvent listeners): nothing has touched a tensor yet, so an
+          exception or Ctrl-C here restores the scheduler's checkpoint: the step never happened.
+        * compute (``runner.run``: swaps, forward, sampling): KV blocks may be half written, so the
+          step's requests end with ``finish_reason == "error"`` and the reason; everybody else is
+          untouched (a victim swapped out by this plan falls back to recompute).
+        * record (``update``): restored to the checkpoint and then failed the same way if it raises.
+        Outputs go to ``_pending`` as they are made, so an interrupt never loses one: the next
+        ``step()`` hands it out. A KeyboardInterrupt is re-raised after the engine is consistent.
+        """
+        sched = self.scheduler
         start = self.clock()
-        plan = self.scheduler.schedule(start)
-        self.last_plan = plan
-        before = self._listeners.emit_plan(plan, self.scheduler, start)
-        if plan.is_empty:
-            self._listeners.emit_step(plan, self.scheduler, before, start, self.clock(), outs, None)
-            return outs
-        error = None
+        cp = sched.checkpoint()
         try:
-            sampled = self.execute(plan)
-        except Exception as exc:   # noqa: BLE001 - a failed step must not take the engine down
-            error = _describe(exc)
-            outs += self._fail_step(plan, error)
-        except BaseException as exc:   # Ctrl-C: end this step's requests so the engine stays consistent
-            self._pending = outs + self._fail_step(plan, _describe(exc))
+            plan = sched.schedule(start)
+            before = self._listeners.emit_plan(plan, sched, start)
+        except BaseException:
+            sched.restore(cp)                      # the step never happened
             raise
-        else:
-            outs += self._record(plan, sampled)
-        self._listeners.emit_step(plan, self.scheduler, before, start, self.clock(), outs, error)
+        self.last_plan = plan
+        error = None
+        if not plan.is_empty:
+            try:
+                sampled = self.execute(plan)
+            except BaseException as exc:           # Ctrl-C included: fail the step, stay consistent
+                error = _describe(exc)
+                self._pending += self._fail_step(plan, error)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                error = self._record(plan, sampled)
+        outs = list(self._pending)                 # stay pending until every step listener has seen them
+        self._listeners.emit_step(plan, sched, before, start, self.clock(), outs, error)
+        self._pending = []
         return outs
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first)."""
-        return self.runner.run(plan, {s.request_id: self._live[s.request_id].seq.params
-                                      for s in plan.seqs if s.sample})
+        """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first).
+        A row whose request was aborted since planning is computed but samples with default params."""
+        params = {}
+        for s in plan.seqs:
+            if s.sample:
+                tracker = self._live.get(s.request_id)
+                params[s.request_id] = tracker.seq.params if tracker is not None else _GREEDY
+        return self.runner.run(plan, params)
 
-    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
-        finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
-        outs = []
-        for rid in sampled:
-            if rid in self._live:
-                outs.append(self._finish(rid) if rid in finished else self._live[rid].output())
-        for rid in finished - sampled.keys():
-            if rid in self._live:
-                outs.append(self._finish(rid))
-        return outs
+    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> str | None:
+        """Record the step in the scheduler (all or nothing) and queue the outputs; returns an error."""
+        cp = self.scheduler.checkpoint()
+        try:
+            finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
+        except BaseException as exc:
+            self.scheduler.restore(cp)
+            error = _describe(exc)
+            self._pending += self._fail_step(plan, error)
+            if not isinstance(exc, Exception):
+                raise
+            return error
+        for rid in list(sampled) + sorted(finished - sampled.keys()):
+            tracker = self._live.get(rid)
+            if tracker is not None:
+                self._pending.append(self._finish(rid) if rid in finished else tracker.output())
+        return None
 
     def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
@@ -256,9 +328,10 @@ class LLMEngine:
 
     # --- outputs --------------------------------------------------------------------------------
     def _finish(self, rid: str) -> RequestOutput:
-        tracker = self._live.pop(rid)
+        out = self._live[rid].output()              # made before it is forgotten: never lost
+        del self._live[rid]
         self.runner.sampler.release(rid)
-        return tracker.output()
+        return out
 
 
 def _describe(exc: BaseException) -> str:

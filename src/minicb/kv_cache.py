@@ -16,6 +16,13 @@ import torch
 
 
 class KVCache:
+    """The physical K/V tensors of every layer, cut into blocks; written through ``slot_mapping``.
+
+    Note the two meanings of "slot" in minicb: a *batch slot* (``slot_table``, ``ScheduledSeq.slot_id``)
+    is a row of the running batch; a *KV slot* (``slot_mapping``) is one token position in this cache,
+    ``block * block_size + offset``.
+    """
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  num_host_blocks: int = 0) -> None:

@@ -41,6 +41,8 @@ from minicb.plan import StepPlan
 
 @dataclass(slots=True)
 class RaggedBatch:
+    """One step as flat tensors: every scheduled token end to end, no padding between requests."""
+
     input_ids: torch.Tensor        # int64 [N]
     positions: torch.Tensor        # int64 [N]
     attn: AttentionMetadata

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True, frozen=True)
 class ScheduledSeq:
+    """One request's row of a step: which of its tokens get K/V now, from where, in which blocks."""
+
     request_id: str
     slot_id: int
     token_ids: tuple[int, ...]      # tokens whose K/V is computed this step (a chunk, a prompt, a decode)
@@ -37,6 +39,8 @@ class ScheduledSeq:
 
 @dataclass(slots=True, frozen=True)
 class StepPlan:
+    """Everything one forward step must do (no torch): the rows, padding rows, swap copies, preemptions."""
+
     step: int
     seqs: tuple[ScheduledSeq, ...] = ()
     padding: tuple[int, ...] = ()                    # lengths of padding rows (padded policies only)

@@ -46,6 +46,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
+    """One request through its life: prompt and output tokens, status, progress, timestamps."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -121,6 +123,23 @@ class Sequence:
         elif self.num_output_tokens >= p.max_tokens:
             self.finish(FinishReason.LENGTH, now)
         return self.is_finished
+
+    # fields a step may change; token lists only grow, so their lengths are enough to undo a step
+    _STATE = ("status", "num_computed_tokens", "slot_id", "admitted_index", "arrival_index", "finish_reason",
+              "error", "num_preemptions", "num_cached_tokens", "first_scheduled_time", "first_token_time",
+              "finish_time")
+
+    def checkpoint(self) -> tuple:
+        """This sequence's changeable state; ``restore`` undoes everything a step did to it."""
+        return (tuple(getattr(self, f) for f in self._STATE), len(self.output_token_ids),
+                len(self.token_times))
+
+    def restore(self, cp: tuple) -> None:
+        fields, n_out, n_times = cp
+        for f, v in zip(self._STATE, fields):
+            setattr(self, f, v)
+        del self.output_token_ids[n_out:]
+        del self.token_times[n_times:]
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

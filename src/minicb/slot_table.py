@@ -27,6 +27,8 @@ from minicb.errors import InvalidArgument, check_int
 
 @dataclass(slots=True)
 class SlotTable:
+    """The fixed rows of the running batch (batch slots): which request holds which, lowest free first."""
+
     num_slots: int
     _owners: list[str | None] = field(init=False, repr=False)
     _slot_of: dict[str, int] = field(init=False, repr=False)
@@ -81,6 +83,15 @@ class SlotTable:
         del self._slot_of[request_id]
         heapq.heappush(self._free, slot_id)
         return request_id
+
+    # --- transactions (the engine rolls back a step that did not happen) -------------------------
+    def checkpoint(self) -> tuple:
+        """The table's state as copies; ``restore`` puts it back (see ``Scheduler.checkpoint``)."""
+        return list(self._owners), dict(self._slot_of), list(self._free)
+
+    def restore(self, cp: tuple) -> None:
+        owners, slot_of, free = cp
+        self._owners, self._slot_of, self._free = list(owners), dict(slot_of), list(free)
 
     # --- checks ----------------------------------------------------------------------------
     def _check_slot(self, slot_id: int) -> int:
