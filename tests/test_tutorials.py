@@ -247,7 +247,8 @@ def test_09_benchmark():
     from minicb.config import TINY_MODEL
     from minicb.measure.trace import make_workload
 
-    wl = make_workload(mod.NUM_REQUESTS, mod.SEED, TINY_MODEL.vocab_size, mod.PROMPT_LEN, mod.OUTPUT_LEN, mod.ARRIVAL_GAP)
+    wl = make_workload(mod.NUM_REQUESTS, mod.SEED, TINY_MODEL.vocab_size, mod.PROMPT_LEN, mod.OUTPUT_LEN,
+                       mod.ARRIVAL_GAP)
     lengths = list(zip(wl.prompts, wl.max_tokens, strict=True))
     runs = (("static", "static", 128), ("dynamic", "dynamic", 128), ("continuous", "continuous", 128),
             ("chunked", "continuous", mod.CHUNKED_BUDGET))
