@@ -404,13 +404,16 @@ def test_a_sequence_that_is_the_newest_preempts_itself():
 
 
 def test_priority_policy_preempts_the_least_important_even_if_older():
+    """b arrived second but is more important: it is admitted first (slot 0, blocks 0-1), and when the
+    pool runs out the older, less important a is the victim; b's table grows into a's freed block."""
     sched = Scheduler(cfg(max_num_seqs=2, block_size=2, num_blocks=4, scheduling_policy="priority"))
     sched.add(seq("a", 3, 5, priority=2))
     sched.add(seq("b", 3, 5, priority=0))
-    step(sched)
+    plan, _ = step(sched)
+    assert [(s.request_id, s.slot_id) for s in plan.seqs] == [("b", 0), ("a", 1)]
     step(sched)
     plan, _ = step(sched)
-    assert plan.preempted == ("a",) and rows(plan) == [("b", 1, 4, 1, (2, 3, 0), True)]
+    assert plan.preempted == ("a",) and rows(plan) == [("b", 0, 4, 1, (0, 1, 2), True)]
     assert sched.get("a").num_preemptions == 1
 
 

@@ -13,6 +13,12 @@
 * ``preemption_mode``: ``recompute`` or ``swap`` (which falls back to recompute when the host pool is full).
 * ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests (on by
   default; ``continuous`` only, see ``block_manager``).
+* ``scheduling_policy``: ``fcfs`` (arrival order; ``priority`` is ignored) or ``priority``: as in
+  vLLM, a *lower* ``priority`` value is more important; it picks the next waiting request to admit,
+  the running order and the preemption victim (the least important). ``priority_aging``: a request
+  gains one level for every that many requests that arrive after it, so a steady stream of important
+  requests cannot starve a less important one (0: strict priority). ``continuous`` only; the padded
+  baselines stay FIFO.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class SchedulerConfig:
     policy: str = "continuous"
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"            # "fcfs", or "priority" (lower Sequence.priority first)
+    priority_aging: int = 32                   # priority: +1 level per this many later arrivals (0: strict)
     enable_prefix_caching: bool = True         # reuse cached prefix blocks (continuous only, as vLLM)
 
     def __post_init__(self) -> None:
@@ -111,6 +118,7 @@ class SchedulerConfig:
         check_int("num_blocks", self.num_blocks, lo=1)
         check_int("num_host_blocks", self.num_host_blocks, lo=0)
         check_int("max_model_len", self.max_model_len, lo=1)
+        check_int("priority_aging", self.priority_aging, lo=0)
         if self.long_prefill_chunk is not None:
             check_int("long_prefill_chunk", self.long_prefill_chunk, lo=1, hi=self.max_num_batched_tokens)
         if self.policy not in POLICIES:

@@ -387,6 +387,7 @@ class TPEngine(LLMEngine):
         self.tp = tp
         self.workers = workers
         self._finalizer = weakref.finalize(self, workers.close, tp, False)
+        self._shut_down = False
 
     @property
     def comm_stats(self) -> CommStats:
@@ -397,11 +398,24 @@ class TPEngine(LLMEngine):
         plan = self.tp.send_plan(plan)
         return super().execute(plan)
 
+    def add_request(self, *args, **kwargs) -> str:
+        self._check_open()
+        return super().add_request(*args, **kwargs)
+
     def step(self):
+        if self._shut_down and self._pending:      # the final outputs of requests ended by shutdown()
+            outs, self._pending = self._pending, []
+            return outs
+        self._check_open()
         self._raise_if_failed()
         outs = super().step()       # a failure inside execute ended the step's requests with an error
         self._raise_if_failed()
         return outs
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise InvalidArgument("this tensor-parallel engine was shut down (its other ranks are gone): "
+                                  "create a new LLM(..., tensor_parallel_size=N) to serve more requests")
 
     def _raise_if_failed(self) -> None:
         failure = self.tp.failure
@@ -414,7 +428,15 @@ class TPEngine(LLMEngine):
         raise DistributedError(msg + (f"; {reports}" if reports else "")) from failure
 
     def shutdown(self) -> None:
-        """Stop the other ranks and release the group (idempotent; also runs when the engine is freed)."""
+        """Stop the other ranks and release the group (idempotent; also runs when the engine is freed).
+        Unfinished requests end with ``finish_reason == "abort"``; ``step()`` hands out their outputs,
+        then every further ``step()`` / ``add_request()`` raises ``InvalidArgument``."""
+        if not self._shut_down:
+            self._shut_down = True
+            for rid in list(self._live):
+                out = self.abort_request(rid)
+                if out is not None:
+                    self._pending.append(out)
         self._finalizer()
 
 

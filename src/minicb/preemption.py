@@ -38,23 +38,31 @@ from minicb.sequence import Sequence, SequenceStatus
 from minicb.slot_table import SlotTable
 
 
-def importance_key(seq: Sequence, scheduling_policy: str) -> tuple[int, ...]:
-    """Sort key: smaller = more important = scheduled earlier and preempted last."""
+def importance_key(seq: Sequence, scheduling_policy: str, num_arrivals: int = 0,
+                   aging: int = 0) -> tuple[int, ...]:
+    """Sort key: smaller = more important = scheduled earlier and preempted last.
+
+    ``priority`` with ``aging > 0``: a request gains one level for every ``aging`` requests that
+    arrived after it (``num_arrivals`` is how many have arrived so far), so a stream of important
+    requests cannot starve it forever; ``aging == 0`` is strict priority."""
     if scheduling_policy == "fcfs":
         return (seq.admitted_index, seq.arrival_index)
     if scheduling_policy == "priority":
-        return (seq.priority, seq.arrival_index)
+        bonus = (num_arrivals - 1 - seq.arrival_index) // aging if aging else 0
+        return (seq.priority - bonus, seq.arrival_index)
     raise InvalidArgument(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
 
 
-def running_order(seqs: Iterable[Sequence], scheduling_policy: str) -> list[Sequence]:
+def running_order(seqs: Iterable[Sequence], scheduling_policy: str, num_arrivals: int = 0,
+                  aging: int = 0) -> list[Sequence]:
     """Running sequences, most important first: the order in which they get the step's budget."""
-    return sorted(seqs, key=lambda s: importance_key(s, scheduling_policy))
+    return sorted(seqs, key=lambda s: importance_key(s, scheduling_policy, num_arrivals, aging))
 
 
-def choose_victim(candidates: Iterable[Sequence], scheduling_policy: str) -> Sequence:
+def choose_victim(candidates: Iterable[Sequence], scheduling_policy: str, num_arrivals: int = 0,
+                  aging: int = 0) -> Sequence:
     """The least important candidate: the newest admission (fcfs) or largest priority value."""
-    return max(candidates, key=lambda s: importance_key(s, scheduling_policy))
+    return max(candidates, key=lambda s: importance_key(s, scheduling_policy, num_arrivals, aging))
 
 
 @dataclass(slots=True, frozen=True)

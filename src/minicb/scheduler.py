@@ -73,7 +73,14 @@ from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument, RequestRejected
 from minicb.plan import ScheduledSeq, StepPlan
 from minicb.planner import TokenBudget
-from minicb.preemption import Preemption, choose_victim, drop_swapped, preempt, running_order
+from minicb.preemption import (
+    Preemption,
+    choose_victim,
+    drop_swapped,
+    importance_key,
+    preempt,
+    running_order,
+)
 from minicb.sequence import FinishReason, Sequence, SequenceStatus
 from minicb.slot_table import SlotTable
 
@@ -346,7 +353,7 @@ class Scheduler:
         return work
 
     def _schedule_running(self, work: _StepWork, budget: TokenBudget) -> None:
-        order = running_order(self._running.values(), self.config.scheduling_policy)
+        order = running_order(self._running.values(), *self._ranking)
         for seq in [s for s in order if not s.in_prefill] + [s for s in order if s.in_prefill]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                 # preempted earlier in this step
@@ -358,7 +365,7 @@ class Scheduler:
         """Allocate blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""
         target = seq.num_computed_tokens + n
         while not self.block_manager.can_allocate(seq.request_id, target):
-            victim = choose_victim(self._running.values(), self.config.scheduling_policy)
+            victim = choose_victim(self._running.values(), *self._ranking)
             self._preempt(victim, work, budget)
             if victim is seq:
                 return False
@@ -398,16 +405,28 @@ class Scheduler:
             self._start_running(seq)
             self._grant(seq, n, work, budget)
 
+    @property
+    def _ranking(self) -> tuple:
+        """The arguments of ``preemption.importance_key`` after the sequence: policy, arrivals, aging."""
+        return self.config.scheduling_policy, self._next_arrival, self.config.priority_aging
+
+    def _next_waiting(self) -> Sequence:
+        """The request admission looks at: the front of the queue (fcfs), or the most important
+        waiting one (priority; ties by arrival)."""
+        if self.config.scheduling_policy == "fcfs":
+            return self._waiting[0]
+        return min(self._waiting, key=lambda s: importance_key(s, *self._ranking))
+
     def _schedule_waiting(self, work: _StepWork, budget: TokenBudget) -> None:
         bm = self.block_manager
         while self._waiting and self.slot_table.num_free:
-            seq = self._waiting[0]
+            seq = self._next_waiting()
             hits = bm.computed_blocks(seq.all_token_ids) if self.config.prefix_caching else []
             cached = len(hits) * bm.block_size
             n = budget.chunk(seq.num_tokens - cached)
             if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
                 return                            # stays at the front: admission stops (no overtaking)
-            self._waiting.popleft()
+            self._waiting.remove(seq)             # the front (fcfs): O(1)
             bm.allocate(seq.request_id, cached + n, hits)
             self._count_admission(seq, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
