@@ -323,8 +323,9 @@ class Scheduler:
         a transaction). Costs O(blocks + requests) list copies, no token lists."""
         seqs = {s.request_id: s for s in self._batch} | self._seqs
         return (dataclasses.replace(self.stats), self.slot_table.checkpoint(),
-                self.block_manager.checkpoint(), dict(self._seqs), list(self._waiting), dict(self._running), list(self._swapped),
-                list(self._batch), self._arrivals_open, self._next_arrival, self._next_admission,
+                self.block_manager.checkpoint(), dict(self._seqs), list(self._waiting),
+                dict(self._running), list(self._swapped), list(self._batch), self._arrivals_open,
+                self._next_arrival, self._next_admission,
                 [(seq, seq.checkpoint()) for seq in seqs.values()])
 
     def restore(self, cp: tuple) -> None:
