@@ -7,7 +7,7 @@ import re
 import pytest
 
 from minicb.cli import main
-from minicb.config import SchedulerConfig
+from minicb.config import TINY_MODEL, SchedulerConfig
 from minicb.errors import InvalidArgument, MinicbError
 from minicb.measure.trace import (
     DECODE,
@@ -22,7 +22,6 @@ from minicb.measure.trace import (
 )
 from minicb.plan import ScheduledSeq, StepPlan
 from minicb.sampling_params import SamplingParams
-from minicb.config import TINY_MODEL
 from minicb.scheduler import Scheduler
 from minicb.sequence import Sequence
 
@@ -195,3 +194,45 @@ def test_cli_trace_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["trace", "--policy", "nope"])
     assert e.value.code == 2
+
+
+def _lab(hex_colour: str) -> tuple[float, float, float]:
+    """sRGB hex -> CIE L*a*b* (D65), to measure how different two colours look (CIE76 distance)."""
+    rgb = [int(hex_colour.lstrip("#")[i:i + 2], 16) / 255 for i in (0, 2, 4)]
+    r, g, b = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)
+    fx, fy, fz = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz]
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def _delta_e(a: str, b: str) -> float:
+    return sum((p - q) ** 2 for p, q in zip(_lab(a), _lab(b))) ** 0.5
+
+
+def test_request_colours_never_look_like_padding_or_a_held_slot():
+    from minicb.measure.trace import HELD_FACE, PADDING_FACE, REQUEST_COLOURS
+
+    for c in REQUEST_COLOURS:          # 30 is far beyond "just noticeable" (about 2.3)
+        assert _delta_e(c, PADDING_FACE) > 30 and _delta_e(c, HELD_FACE) > 30, c
+    pairs = [(a, b) for i, a in enumerate(REQUEST_COLOURS) for b in REQUEST_COLOURS[i + 1:]]
+    assert min(_delta_e(a, b) for a, b in pairs) > 20
+    assert _delta_e("#ff9896", PADDING_FACE) < 30      # the check bites: tab20's light red was too close
+
+
+def test_arrivals_are_recorded_from_events_and_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    from minicb.measure.trace import build_engine, run_trace
+
+    engine = build_engine("tiny", policy="static", max_num_seqs=2, block_size=4, num_blocks=64)
+    wl = make_workload(3, 1, engine.model.config.vocab_size, prompt_len=(2, 4), output_len=(2, 3),
+                       arrival_gap=4)
+    trace = run_trace(engine, wl)
+    assert trace.arrivals == {"r0": 0, "r1": 4, "r2": 8}      # drive(): request i joins before step 4i
+    assert trace.row(0)[0].kind == IDLE        # static waits for a second request; idle steps stay
+    first_busy = min(t for t, step in enumerate(trace.cells) if any(c.busy for c in step))
+    assert first_busy == 4
+    out = tmp_path / "t.svg"
+    render_image(trace, str(out))
+    svg = out.read_text()
+    assert "A = r0" in svg and "C = r2" in svg and "arrival" in svg and "arrives" in svg

@@ -25,8 +25,15 @@ plan event does) the finished members are known exactly; otherwise the recorder 
 each slot in the batch's first step. If the numbers do not add up, the padding is kept as
 ``unattributed_padding`` rather than drawn in a wrong place.
 
+The recorder also notes when each request *arrived*: the first recorded step whose snapshot names it
+(waiting, running or swapped), kept in ``SlotTrace.arrivals`` and drawn as ticks under the slots, so a
+picture shows how long a request waited before it got a slot.
+
 Renderers: ``render_ascii`` (colour on a TTY, ``NO_COLOR`` respected) and ``render_image`` (PNG or SVG
-through matplotlib, an optional dependency: ``pip install 'minicb[plots]'``). ``run_trace`` runs a
+through matplotlib, an optional dependency: ``pip install 'minicb[plots]'``). ``draw_trace`` draws one
+trace on a matplotlib ``Axes`` (``render_image`` and the docs' stacked pictures both use it). Request
+colours (``REQUEST_COLOURS``) hold no red, pink or grey: padding is pink-red and "held, no tokens" is
+grey, so a request's bar never reads as waste. ``run_trace`` runs a
 random workload through the real engine with a tiny random model (or a real one) and returns the
 trace: it is what ``minicb trace`` calls.
 
@@ -104,6 +111,7 @@ class SlotTrace:
     preempted: list[tuple[str, ...]] = field(default_factory=list)     # per recorded step
     unattributed_padding: int = 0
     request_ids: list[str] = field(default_factory=list)               # in order of first appearance
+    arrivals: dict[str, int] = field(default_factory=dict)             # request -> column it arrived at
 
     @property
     def num_steps(self) -> int:
@@ -159,8 +167,13 @@ class TraceRecorder:
         return self
 
     def on_plan(self, event) -> None:
-        """A ``PlanEvent`` listener: the step's column, with the slots held when it was planned."""
-        self.record(event.plan, {i: r for i, r in enumerate(event.state.slots) if r is not None})
+        """A ``PlanEvent`` listener: the step's column, with the slots held when it was planned; a request
+        seen for the first time (in any queue or slot) arrived at this column."""
+        st = event.state
+        column = len(self.trace.cells)
+        for rid in (*st.waiting, *st.running, *st.swapped, *(r for r in st.slots if r is not None)):
+            self.trace.arrivals.setdefault(rid, column)
+        self.record(event.plan, {i: r for i, r in enumerate(st.slots) if r is not None})
 
     def record(self, plan, held: Mapping[int, str] | None = None) -> None:
         """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made."""
@@ -302,64 +315,124 @@ def summary_lines(s: TraceSummary) -> list[str]:
     ]
 
 
-def render_image(trace: SlotTrace, path: str, title: str | None = None) -> str:
-    """Draw the trace into ``path`` (``.png`` or ``.svg``) with matplotlib; return the path.
+# Image colours. A request's colour must never be mistaken for padding (pink-red) or for a held slot
+# that computes nothing (grey): no reds, pinks or greys among them (tests/test_trace.py measures it).
+REQUEST_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#17becf", "#bcbd22", "#8c564b",
+                   "#393b79", "#637939", "#e7ba52", "#6baed6", "#005f73")
+PADDING_FACE = "#f3c1c1"
+HELD_FACE = "#dddddd"
+PREEMPT_COLOUR = "#c00000"
 
-    Raises ``MinicbError`` with an install hint when matplotlib is missing.
-    """
-    ext = os.path.splitext(str(path))[1].lower()
-    if ext not in (".png", ".svg"):
-        raise InvalidArgument(f"out must end in .png or .svg, got {path!r}")
+
+def request_colour(index: int) -> str:
+    """The image colour of the ``index``-th request (cycles after ``len(REQUEST_COLOURS)``)."""
+    return REQUEST_COLOURS[index % len(REQUEST_COLOURS)]
+
+
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError:
         raise MinicbError("drawing a PNG or SVG needs matplotlib, which is not installed: "
                           "pip install 'minicb[plots]' (or leave out --out for the ASCII diagram)") from None
     matplotlib.rcParams["svg.hashsalt"] = "minicb"     # stable ids: the same trace gives the same SVG
-    cmap = plt.get_cmap("tab20")
-    n_steps, n_slots = max(trace.num_steps, 1), trace.num_slots
-    fig_w = min(16.0, max(7.0, 3.5 + n_steps * 0.12))
-    fig, ax = plt.subplots(figsize=(fig_w, 1.2 + 0.45 * n_slots))
+    return plt
+
+
+def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = None,
+               label_of: Callable[[str], str] | None = None, num_steps: int | None = None) -> None:
+    """Draw ``trace`` on the matplotlib ``ax``: one row per slot, one column per step, and under the
+    slots a row of arrival ticks (``trace.arrivals``). ``colour_of`` / ``label_of`` map a request id to
+    its colour / letter (default: order of first appearance, ``REQUEST_COLOURS`` and ``trace.label``);
+    pass them to keep several traces of one workload in the same colours. ``num_steps`` sets the x
+    range (default: this trace's steps), so stacked traces can share one time axis."""
+    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
+    colour_of = colour_of or (lambda rid: request_colour(order.index(rid)))
+    label_of = label_of or (lambda rid: _LABELS[order.index(rid) % len(_LABELS)])
+    n_steps, n_slots = max(num_steps or trace.num_steps, 1), trace.num_slots
     for slot in range(n_slots):
         for t0, t1, c in _spans(trace.row(slot)):
             if c.busy:
-                face = cmap(trace.request_ids.index(c.request_id) % 20)
+                face = colour_of(c.request_id)
             elif c.kind == IDLE:
                 continue
             else:
-                face = "#f3c1c1" if c.kind == PADDING else "#dddddd"
+                face = PADDING_FACE if c.kind == PADDING else HELD_FACE
             hatch = {PREFILL: "//", PADDING: "xx"}.get(c.kind)
             ax.broken_barh([(t0, t1 - t0)], (slot - 0.4, 0.8), facecolors=face, edgecolor="white",
                            linewidth=0.6, hatch=hatch)
         for start, rid in _runs(trace.row(slot)):
-            ax.text(start + 0.15, slot, trace.label(rid), va="center", ha="left", fontsize=8)
+            ax.text(start + 0.15, slot, label_of(rid), va="center", ha="left", fontsize=8,
+                    color="white", fontweight="bold")
     for t, victims in enumerate(trace.preempted):
         for rid in victims:
             slot = _last_slot(trace, rid, t)
             if slot is not None:
-                ax.plot([t], [slot - 0.45], marker="v", color="#c00000", markersize=7)
-    s = trace.summary()
-    ax.set_ylim(n_slots - 0.5, -0.5)
+                ax.plot([t], [slot - 0.45], marker="v", color=PREEMPT_COLOUR, markersize=7)
+    by_step: dict[int, list[str]] = {}
+    for rid, t in trace.arrivals.items():
+        by_step.setdefault(t, []).append(rid)
+    for t, rids in sorted(by_step.items()):
+        for k, rid in enumerate(rids):        # several arrivals at one step: stacked downwards
+            y = n_slots - 0.1 + 0.3 * k
+            ax.plot([t + 0.5], [y], marker="^", color=colour_of(rid), markersize=6, clip_on=False)
+            ax.text(t + 0.9, y, label_of(rid), va="center", ha="left", fontsize=7, clip_on=False)
+    extra = 0.3 * (max((len(r) for r in by_step.values()), default=1) - 1)
+    ax.set_ylim(n_slots + 0.2 + extra, -0.5)
     ax.set_xlim(0, n_steps)
-    ax.set_yticks(range(n_slots), [f"slot {i}" for i in range(n_slots)])
+    ax.set_yticks([*range(n_slots), n_slots - 0.1], [*(f"slot {i}" for i in range(n_slots)), "arrives"])
+    ax.tick_params(axis="y", length=0)
+
+
+def render_image(trace: SlotTrace, path: str, title: str | None = None) -> str:
+    """Draw the trace into ``path`` (``.png`` or ``.svg``) with matplotlib; return the path.
+
+    Slots are rows, steps columns; under them a tick marks each request's arrival; the legend names
+    the kinds of cell and the requests (letter = request id). Raises ``MinicbError`` with an install
+    hint when matplotlib is missing.
+    """
+    ext = os.path.splitext(str(path))[1].lower()
+    if ext not in (".png", ".svg"):
+        raise InvalidArgument(f"out must end in .png or .svg, got {path!r}")
+    plt = _pyplot()
+    n_steps, n_slots = max(trace.num_steps, 1), trace.num_slots
+    fig_w = min(16.0, max(7.0, 3.5 + n_steps * 0.12))
+    fig, ax = plt.subplots(figsize=(fig_w, 1.6 + 0.45 * n_slots))
+    draw_trace(ax, trace)
+    s = trace.summary()
     ax.set_xlabel("step")
     ax.set_title(title or f"{trace.policy or 'trace'}: slot utilisation {100 * s.slot_utilisation:.0f}%, "
                  f"padding waste {100 * s.padding_waste:.0f}%", fontsize=10)
-    ax.legend(handles=[Patch(facecolor="#888888", hatch="//", label="prefill"),
-                       Patch(facecolor="#888888", label="decode"),
-                       Patch(facecolor="#f3c1c1", hatch="xx", label="padding"),
-                       Patch(facecolor="#dddddd", label="held, no tokens"),
-                       plt.Line2D([], [], marker="v", color="#c00000", linestyle="", label="preemption")],
+    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
+    ax.legend(handles=legend_handles(plt, [(_LABELS[i % len(_LABELS)], rid, request_colour(i))
+                                           for i, rid in enumerate(order)]),
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     metadata = {"Date": None} if ext == ".svg" else {"Software": None}
     fig.savefig(path, metadata=metadata, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def legend_handles(plt, requests: Sequence[tuple[str, str, str]], max_requests: int = 12) -> list:
+    """Legend entries: the kinds of cell, then ``(letter, request id, colour)`` per request (the first
+    ``max_requests``; the rest summed up in one line)."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor="#888888", hatch="//", label="prefill (chunk)"),
+               Patch(facecolor="#888888", label="decode"),
+               Patch(facecolor=PADDING_FACE, hatch="xx", label="padding"),
+               Patch(facecolor=HELD_FACE, label="held, no tokens"),
+               plt.Line2D([], [], marker="v", color=PREEMPT_COLOUR, linestyle="", label="preemption"),
+               plt.Line2D([], [], marker="^", color="#444444", linestyle="", label="arrival")]
+    handles += [Patch(facecolor=colour, label=f"{letter} = {rid}")
+                for letter, rid, colour in requests[:max_requests]]
+    if len(requests) > max_requests:
+        handles.append(Patch(facecolor="white", label=f"... {len(requests) - max_requests} more"))
+    return handles
 
 
 def _last_slot(trace: SlotTrace, request_id: str, before: int) -> int | None:
@@ -441,11 +514,12 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
 def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
     """Run ``workload`` through ``engine`` (greedy, ``ignore_eos``: lengths are the workload's) and
     return the slot trace. Arrivals are in steps (``minicb.arrivals.drive``); arrivals close after the
-    last request is added."""
+    last request is added. Steps that compute nothing (waiting for arrivals) stay in the trace."""
     from minicb.arrivals import Arrival, drive
     from minicb.sampling_params import SamplingParams
 
-    rec = TraceRecorder(engine.config.max_num_seqs).attach(engine)
+    # Idle steps are kept: with arrivals over time they are real time in which the slots stood empty.
+    rec = TraceRecorder(engine.config.max_num_seqs, skip_empty=False).attach(engine)
     drive(engine, [Arrival(workload.arrivals[i], f"r{i}", list(workload.prompts[i]),
                            SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
                    for i in range(len(workload.prompts))], on_step=on_step)
