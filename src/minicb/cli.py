@@ -72,7 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
+    from minicb.serve import cli as serve_cli  # argparse only; FastAPI and torch load when it runs
+
+    serve_cli.add_parser(sub, _add_engine_args)
+    x = sub.add_parser("export-hf", help="write the model as a Hugging Face directory (transformers, vLLM)")
+    x.add_argument("out", help="directory to create (must be absent or empty, unless --force)")
+    x.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--force", action="store_true", help="write into a non-empty directory")
     return parser
+
+
+def cmd_export_hf(args) -> int:
+    from minicb.model.export import export_hf
+
+    out = export_hf(args.out, args.model, args.dtype, overwrite=args.force)
+    print(f"wrote {out}")
+    return 0
 
 
 def _read_prompts(args) -> list[str]:
@@ -141,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             from minicb.measure.trace import cmd_trace
 
             return cmd_trace(args)
-        if args.command in ("bench", "simulate"):
+        if args.command in ("bench", "simulate", "serve"):
             return args.run(args)
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
     except KeyboardInterrupt:
         sys.stderr.write("minicb: interrupted\n")
         return EXIT_INTERRUPTED
