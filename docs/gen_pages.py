@@ -4,7 +4,9 @@
   (included at build time with the snippets extension, so it is never stale) and the output of a run
   (captured here and committed: a docs build must not take minutes of tutorials);
 * ``docs/api/*.md``: one mkdocstrings page per module;
-* ``docs/images/trace-*.svg``: the slot timelines of the three policies, drawn by ``minicb trace``.
+* ``docs/images/trace-*.svg``: the slot timelines of the three policies, drawn by ``minicb trace``;
+* ``docs/images/{ragged-mask,block-tables,prefix-tree,policies}.{json,svg}`` (``minicb.measure.pictures``)
+  and ``docs/assets/replay/data.js``, the recorded run the replay page plays (``minicb.measure.replay``).
 
 ``--only tutorials|api|images`` regenerates one kind. The site is built by ``make docs``.
 """
@@ -29,8 +31,9 @@ API_MODULES = [
                     "model.loader", "model.tokenizer", "sampling"]),
     ("One step and the faces", ["runner", "engine", "events", "outputs", "arrivals", "llm", "baseline",
                                 "distributed"]),
-    ("Measurement and teaching", ["measure.trace", "measure.metrics", "measure.workloads",
-                                  "simulate.simulator"]),
+    ("Measurement and teaching", ["measure.trace", "measure.metrics", "measure.workloads", "measure.plots",
+                                  "measure.bench_cli", "measure.pictures", "measure.replay",
+                                  "simulate.simulator", "simulate.cli"]),
 ]
 
 # The trace images: one workload, three policies (``minicb trace`` with these flags draws them).
@@ -95,6 +98,10 @@ def images() -> None:
                "--out", str(out), "--color", "never", "--width", "120"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         (out_dir / f"trace-{policy}.txt").write_text(proc.stdout.replace(f"wrote {out}\n", ""))
+    # pictures drawn from the code (mask, block tables, prefix tree, policies) and the replay's run
+    subprocess.run([sys.executable, "-m", "minicb.measure.pictures", str(out_dir)], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "minicb.measure.replay", str(DOCS / "assets/replay/data.js")],
+                   cwd=ROOT, check=True)
 
 
 def main() -> None:

@@ -241,6 +241,27 @@ class Chromium:
         self.call("Target.closeTarget", {"targetId": target})
         return report
 
+    @contextlib.contextmanager
+    def tab(self, url: str, width: int = 1280, height: int = 900, settle: float = 1.0):
+        """``url`` loaded in a fresh tab of the given viewport, for scripted checks: yields a ``Tab``
+        (``evaluate``, ``screenshot``, ``errors``); the tab is closed on leaving."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        try:
+            for domain in ("Runtime", "Log", "Page"):
+                self.call(f"{domain}.enable", session=session)
+            self.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                             "deviceScaleFactor": 1, "mobile": False},
+                      session=session)
+            self.events = [e for e in self.events if e.get("sessionId") != session]
+            self.call("Page.navigate", {"url": url}, session=session)
+            if not self.wait_event("Page.loadEventFired", session, self.timeout):
+                raise TimeoutError(f"{url} did not finish loading within {self.timeout} s")
+            self.drain(settle)
+            yield Tab(self, session)
+        finally:
+            self.call("Target.closeTarget", {"targetId": target})
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._send("Browser.close")
@@ -259,3 +280,53 @@ class Chromium:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Tab:
+    """One loaded page of a ``Chromium`` (``Chromium.tab``)."""
+
+    def __init__(self, browser: Chromium, session: str) -> None:
+        self.browser, self.session = browser, session
+
+    def evaluate(self, expression: str):
+        """The value of a JavaScript expression in the page (JSON-able values come back as Python)."""
+        reply = self.browser.call("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                       "awaitPromise": True}, session=self.session)
+        if "exceptionDetails" in reply:
+            d = reply["exceptionDetails"]
+            raise RuntimeError(d.get("exception", {}).get("description") or d.get("text"))
+        return reply["result"].get("value")
+
+    def wait(self, seconds: float) -> None:
+        self.browser.drain(seconds)
+
+    def screenshot(self, path: str | os.PathLike, full_page: bool = False) -> None:
+        """Save a PNG of the viewport (or of the whole page)."""
+        import base64
+
+        params: dict = {"format": "png"}
+        if full_page:
+            params["captureBeyondViewport"] = True
+            size = self.evaluate("[document.documentElement.scrollWidth, "
+                                 "document.documentElement.scrollHeight]")
+            params["clip"] = {"x": 0, "y": 0, "width": size[0], "height": size[1], "scale": 1}
+        data = self.browser.call("Page.captureScreenshot", params, session=self.session)["data"]
+        pathlib.Path(path).write_bytes(base64.b64decode(data))
+
+    def errors(self) -> list[str]:
+        """Console errors, uncaught exceptions and failed loads of this tab so far."""
+        out = []
+        for e in self.browser.events:
+            if e.get("sessionId") != self.session:
+                continue
+            p = e.get("params", {})
+            if e.get("method") == "Runtime.exceptionThrown":
+                d = p["exceptionDetails"]
+                out.append(f"exception: {d.get('exception', {}).get('description') or d.get('text')}")
+            elif e.get("method") == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+                out.append(f"console.{p['type']}: " + " ".join(str(a.get("value", a.get("description", "")))
+                                                              for a in p.get("args", [])))
+            elif e.get("method") == "Log.entryAdded" and p["entry"].get("level") == "error":
+                entry = p["entry"]
+                out.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}")
+        return out
