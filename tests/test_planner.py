@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chunk_rule import ChunkPlan, plan_chunks
 from minicb.errors import InvalidArgument
-from minicb.planner import ChunkPlan, TokenBudget, plan_chunks
+from minicb.planner import TokenBudget
 
 
 def test_decodes_first_then_a_chunk_of_the_new_prompt():
@@ -93,3 +94,44 @@ def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget,
         if g < min(w, limit):   # short-changed: only because the step ran out of tokens or rows
             assert p.total == budget or sum(1 for x in got if x) == max_num_seqs
             assert not any(got[i + 1:])
+
+
+@settings(max_examples=60, deadline=None)
+@given(decodes=st.integers(0, 4), prefills=st.lists(st.integers(2, 30), max_size=3),
+       new=st.lists(st.integers(1, 30), max_size=4), budget=st.integers(1, 40),
+       cap=st.one_of(st.none(), st.integers(1, 40)))
+def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new, budget, cap):
+    """Build a scheduler state with ``decodes`` decoding sequences and ``prefills`` half-fed prompts,
+    queue ``new`` prompts, and compare one ``schedule()`` with ``plan_chunks`` (slots and blocks
+    plentiful, so neither admission limits nor preemption interfere)."""
+    import dataclasses
+
+    from minicb.config import SchedulerConfig
+    from minicb.sampling_params import SamplingParams
+    from minicb.scheduler import Scheduler
+    from minicb.sequence import Sequence
+
+    cap = None if cap is None else min(cap, budget)
+    slots = decodes + len(prefills) + len(new)
+    base = SchedulerConfig(max_num_seqs=max(slots, 1), max_num_batched_tokens=10_000, block_size=4,
+                           num_blocks=512, max_model_len=512, enable_prefix_caching=False)
+    sched = Scheduler(base)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    for i in range(decodes):                           # 3-token prompts: decoding after step 0
+        sched.add(Sequence(f"d{i}", [5, 6, 7], params))
+    for i, left in enumerate(prefills):                # step 0 feeds 1 token: `left` remain
+        sched.add(Sequence(f"p{i}", [9] * (left + 1), params))
+    plan = sched.schedule(0.0)
+    rows = tuple(s if s.request_id.startswith("d") else
+                 dataclasses.replace(s, token_ids=s.token_ids[:1], sample=False) for s in plan.seqs)
+    sched.update(dataclasses.replace(plan, seqs=rows), {f"d{i}": 5 for i in range(decodes)}, 0.0)
+    for i, n in enumerate(new):
+        sched.add(Sequence(f"n{i}", [11] * n, params))
+    sched.config = dataclasses.replace(base, max_num_batched_tokens=budget, long_prefill_chunk=cap)
+    got = {s.request_id: s.num_tokens for s in sched.schedule(1.0).seqs}
+    rule = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget,
+                       max_num_seqs=base.max_num_seqs, chunk_cap=cap)
+    want = ({f"d{i}": g for i, g in enumerate(rule.decodes)}
+            | {f"p{i}": g for i, g in enumerate(rule.prefills)}
+            | {f"n{i}": g for i, g in enumerate(rule.new)})
+    assert got == {r: g for r, g in want.items() if g}

@@ -248,7 +248,7 @@ def test_a_later_request_starts_at_its_cached_length():
     plan, _ = step(sched)
     assert rows(plan) == [("a", 0, 10, 1, (0, 1, 2), True), ("b", 1, 8, 1, (0, 1, 3), True)]
     assert plan.seqs[1].token_ids == (sched.get("b").prompt_token_ids[8],)
-    assert plan.extra["num_cached_tokens"] == 8
+    assert plan.seqs[1].start_pos == 8                     # 8 tokens came from the cache, not computed
     b = sched.get("b")
     assert (b.num_cached_tokens, b.num_computed_tokens) == (8, 9)
     assert sched.block_manager.device.ref_counts[:4] == [2, 2, 1, 1]

@@ -265,7 +265,7 @@ def test_decodes_first_then_a_chunk_of_the_new_prompt():
     plan, _ = step(sched)
     assert rows(plan) == [("d1", 0, 2, 1, (0,), True), ("d2", 1, 2, 1, (1,), True),
                           ("d3", 2, 2, 1, (2,), True), ("p", 3, 0, 5, (3, 4), False)]
-    assert plan.extra["num_decode_tokens"] == 3 and plan.extra["num_prefill_tokens"] == 5
+    assert [s.num_tokens for s in plan.seqs] == [1, 1, 1, 5] and plan.num_batched_tokens == 8
     plan, _ = step(sched)
     assert rows(plan) == [("d1", 0, 3, 1, (0,), True), ("d2", 1, 3, 1, (1,), True),
                           ("d3", 2, 3, 1, (2,), True), ("p", 3, 5, 5, (3, 4, 5), False)]
@@ -584,7 +584,7 @@ def test_dynamic_pads_the_prefill_and_keeps_finished_rows_until_the_batch_ends()
     plan, done = step(sched)
     assert rows(plan) == [("a", 0, 0, 5, (0, 1), True), ("b", 1, 0, 2, (2,), True),
                           ("c", 2, 0, 3, (3, 4), True)]
-    assert plan.padding == (3, 2) and plan.extra["num_padding_tokens"] == 5
+    assert plan.padding == (3, 2) and plan.num_padding_tokens == 5
     assert [s.request_id for s in done] == ["b"]
     assert sched.slot_table.held() == {0: "a", 1: "b", 2: "c"}            # b keeps its row
     plan, done = step(sched)

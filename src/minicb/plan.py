@@ -13,7 +13,7 @@ forward pass (which writes the new K/V through ``slot_mapping``), then sampling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,7 +48,6 @@ class StepPlan:
     swap_in: tuple[tuple[int, int], ...] = ()        # (host block, device block) copies
     preempted: tuple[str, ...] = ()                  # request ids preempted while planning this step
     block_size: int = 16
-    extra: dict = field(default_factory=dict, compare=False, hash=False)  # policy-specific notes
 
     @property
     def num_batched_tokens(self) -> int:

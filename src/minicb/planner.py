@@ -17,8 +17,8 @@ A *chunk* is ``min(uncomputed tokens, long_prefill_chunk, budget left)``: ``long
 reaches a sequence's last token samples.
 
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
-allocation and preemption); ``plan_chunks`` is the same arithmetic as one pure function of plain
-numbers, so the rule can be tested with exact expected outputs.
+allocation and preemption). The tests state the same rule as one pure function of plain numbers
+(``tests/chunk_rule.py``) and check the scheduler's grants against it.
 
 Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
 ``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``.
@@ -27,7 +27,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minicb.errors import check_int
@@ -74,38 +73,3 @@ class TokenBudget:
         assert 0 <= self.num_batched_tokens <= self.max_num_batched_tokens, "token budget overdrawn"
         assert 0 <= self.num_seqs <= self.max_num_seqs, "sequence budget overdrawn"
         assert self.num_seqs <= self.num_batched_tokens, "every granted sequence has at least one token"
-
-
-@dataclass(slots=True, frozen=True)
-class ChunkPlan:
-    """Tokens granted per input sequence, in input order (0 = not scheduled this step)."""
-
-    decodes: tuple[int, ...]
-    prefills: tuple[int, ...]
-    new: tuple[int, ...]
-
-    @property
-    def total(self) -> int:
-        return sum(self.decodes) + sum(self.prefills) + sum(self.new)
-
-
-def plan_chunks(decodes: int, prefills: Sequence[int], new: Sequence[int], *,
-                max_num_batched_tokens: int, max_num_seqs: int, chunk_cap: int | None = None) -> ChunkPlan:
-    """Split one step's budget: ``decodes`` sequences of one token, then ongoing ``prefills`` and
-    ``new`` prompts given as their uncomputed token counts. New prompts are taken in queue order and
-    stop at the first one that gets nothing (no overtaking)."""
-    check_int("decodes", decodes, lo=0)
-    budget = TokenBudget(max_num_batched_tokens, max_num_seqs, chunk_cap or max_num_batched_tokens)
-    got_decodes = tuple(_grant(budget, 1) for _ in range(decodes))
-    got_prefills = tuple(_grant(budget, check_int("prefills[i]", n, lo=2)) for n in prefills)
-    got_new: list[int] = []
-    for n in new:
-        got_new.append(_grant(budget, check_int("new[i]", n, lo=1)) if not got_new or got_new[-1] else 0)
-    return ChunkPlan(got_decodes, got_prefills, tuple(got_new))
-
-
-def _grant(budget: TokenBudget, num_uncomputed: int) -> int:
-    n = budget.chunk(num_uncomputed)
-    if n:
-        budget.take(n)
-    return n

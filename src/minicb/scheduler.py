@@ -145,7 +145,6 @@ class _StepWork:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    num_cached_tokens: int = 0                                   # prefix-cache hits admitted this step
 
 
 @dataclass(slots=True)
@@ -431,7 +430,6 @@ class Scheduler:
             bm.allocate(seq.request_id, cached + n, hits)
             self._count_admission(seq, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
-            work.num_cached_tokens += cached
             self._start_running(seq)
             self._grant(seq, n, work, budget)
 
@@ -502,18 +500,9 @@ class Scheduler:
 
     def _make_plan(self, step: int, work: _StepWork, now: float) -> StepPlan:
         seqs = tuple(self._scheduled_seq(self._seqs[rid], n, now) for rid, n in work.scheduled.items())
-        decodes = sum(1 for rid in work.scheduled if self._seqs[rid].num_uncomputed_tokens == 1)
-        extra = {
-            "policy": self.config.policy,
-            "num_prefill_tokens": sum(work.scheduled.values()) - decodes,
-            "num_decode_tokens": decodes,
-            "num_padding_tokens": sum(work.padding),
-            "num_preempted": len(work.preempted),
-            "num_cached_tokens": work.num_cached_tokens,
-        }
         return StepPlan(step=step, seqs=seqs, padding=tuple(work.padding), swap_out=tuple(work.swap_out),
                         swap_in=tuple(work.swap_in), preempted=tuple(work.preempted),
-                        block_size=self.config.block_size, extra=extra)
+                        block_size=self.config.block_size)
 
     def _scheduled_seq(self, seq: Sequence, n: int, now: float) -> ScheduledSeq:
         if seq.first_scheduled_time is None:
