@@ -26,14 +26,13 @@ The error contract (which argument, which range, which exception) is the table i
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from minicb.config import SchedulerConfig
-from minicb.errors import InvalidArgument, check_int
+from minicb.errors import InvalidArgument, as_int, check_float, check_int, describe
 from minicb.events import Listeners, PlanEvent, StepEvent
 from minicb.model.llama import LlamaForCausalLM
 from minicb.outputs import OutputTracker, RequestOutput
@@ -133,7 +132,7 @@ class LLMEngine:
         if not isinstance(rid, str) or not rid:
             raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")
         check_int("priority", priority)
-        now = self.clock() if arrival_time is None else arrival_time
+        now = self.clock() if arrival_time is None else check_float("arrival_time", arrival_time, finite=True)
         seq = Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
                        eos_token_id=self.eos_token_id)
         self.scheduler.validate(seq)
@@ -340,11 +339,8 @@ def _describe(exc: BaseException) -> str:
 
 def _token_id(t, i: int, vocab: int) -> int:
     """A prompt token id as a plain int (numpy / torch integers welcome), checked against the vocabulary."""
-    try:
-        v = None if isinstance(t, bool) else operator.index(t)
-    except TypeError:
-        v = None
+    v = as_int(t)                 # bools and boolean tensors are not token ids
     if v is None or not 0 <= v < vocab:
         raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab - 1}] (the vocabulary), "
-                              f"got {t!r} at index {i}")
+                              f"got {describe(t)} at index {i}")
     return v

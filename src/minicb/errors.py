@@ -5,6 +5,10 @@ subclasses below, which *are* ``ValueError``s) with a message that names the arg
 range. One bad request never takes the engine or the other requests down.
 """
 
+import math
+import numbers
+import operator
+
 
 class MinicbError(Exception):
     """Base class of every error minicb raises deliberately."""
@@ -26,25 +30,81 @@ class DistributedError(MinicbError, RuntimeError):
     """Tensor-parallel ranks disagree, or a rank died: raised on every rank instead of hanging."""
 
 
+def describe(value) -> str:
+    """A short, always printable rendering of ``value`` for an error message.
+
+    ``repr`` is not enough: a 10**400 has 401 digits (and Python refuses to print an int of more than
+    4,300), and a prompt may be megabytes long. Anything longer than 60 characters is cut.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_bool(value) -> bool:
+    """``True``, ``numpy.True_`` and a boolean tensor are flags, never counts or token ids."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def as_int(value) -> int | None:
+    """``value`` as a plain ``int`` if it is one integer: an ``int``, a numpy integer, a 0-d integer
+    array or tensor (anything with ``__index__``); ``None`` otherwise (bools included, and arrays or
+    tensors with a shape: a list of one token is not a token)."""
+    if _is_bool(value) or getattr(value, "ndim", 0) != 0:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_real(value) -> float | None:
+    """``value`` as a plain ``float`` if it is one real number: ``int``, ``float``, a numpy scalar
+    (``float32`` as much as ``float64``), a 0-d float or integer array or tensor; ``None`` otherwise
+    (bools, strings, complex numbers). An integer too large for a float becomes +-inf, so a range
+    check reports it instead of an ``OverflowError``."""
+    if _is_bool(value):
+        return None
+    if not isinstance(value, numbers.Real):
+        kind = str(getattr(value, "dtype", ""))
+        if getattr(value, "ndim", None) != 0 or not ("float" in kind or "int" in kind):
+            return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError):
+        return None
+
+
 def check_int(name: str, value, *, lo: int | None = None, hi: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) in ``[lo, hi]``, else raise ``InvalidArgument``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    """Return ``value`` as a plain int if it is an integer (``as_int``: numpy and torch integers
+    welcome, bools not) in ``[lo, hi]``, else raise ``InvalidArgument``."""
+    v = as_int(value)
+    if v is None:
+        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__} {describe(value)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise InvalidArgument(f"{name} must be in {rng}, got {value}")
-    return value
+        raise InvalidArgument(f"{name} must be in {rng}, got {describe(v)}")
+    return v
 
 
 def check_float(name: str, value, *, lo: float | None = None, hi: float | None = None,
-                lo_open: bool = False) -> float:
-    """Return ``float(value)`` if it is a real number in the range, else raise ``InvalidArgument``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
+                lo_open: bool = False, finite: bool = False) -> float:
+    """Return ``float(value)`` if it is a real number (``as_real``) in the range, else raise
+    ``InvalidArgument``. NaN is in no range; ``finite`` also refuses +-inf."""
+    v = as_real(value)
+    if v is None:
+        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {describe(value)}")
     bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
-    if v != v or bad_lo or (hi is not None and v > hi):      # v != v: NaN is in no range
+    if v != v or bad_lo or (hi is not None and v > hi) or (finite and math.isinf(v)):
         left = "(" if lo_open else "["
         rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise InvalidArgument(f"{name} must be in {rng}, got {value}")
+        what = "a finite number in " if finite else ""
+        shown = value if isinstance(value, int) else v      # 10**400 by its digits, np.float32 as a float
+        raise InvalidArgument(f"{name} must be {what or 'in '}{rng}, got {describe(shown)}")
     return v

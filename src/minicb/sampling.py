@@ -8,6 +8,21 @@ preemptions (the generator lives in the engine, not in the preempted state).
 
 The filters are applied in vLLM's order: temperature, then top-k, then top-p (nucleus), then a draw
 from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
+
+**One row never fails another.** Every row is sampled on its own, and the distribution a row draws
+from is valid by construction, whatever its logits hold:
+
+* the logits are shifted so their maximum is 0 *before* dividing by the temperature, so even the
+  smallest temperature ``SamplingParams`` accepts cannot overflow to ``inf - inf = nan``;
+* a NaN logit is a token the model could not score: it is never drawn (it counts as ``-inf``);
+* ``+inf`` logits share all the probability between them (the limit of very large logits);
+* a row with no usable logit at all (every one NaN or ``-inf``: a broken forward) draws uniformly.
+
+Greedy rows are a plain ``argmax``, which never raises either (it treats NaN as the largest value,
+as the padded baseline does).
+
+So ``torch.multinomial`` never sees a bad distribution, and nothing one request asks for (or one
+row's numbers) can raise in the middle of a batch and take the other requests of the step with it.
 """
 
 from __future__ import annotations
@@ -17,9 +32,28 @@ import torch
 from minicb.sampling_params import SamplingParams
 
 
+def usable_scores(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` (``[V]``) as float64 scores whose maximum is exactly 0 and that hold no NaN.
+
+    NaN becomes ``-inf`` (never drawn); if any logit is ``+inf``, those tokens get 0 and every other
+    ``-inf`` (they share the mass); if nothing finite is left, every token gets 0 (uniform).
+    """
+    x = logits.to(torch.float64)
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    top = torch.isposinf(x)
+    if bool(top.any()):
+        return torch.full_like(x, float("-inf")).masked_fill(top, 0.0)
+    m = x.max()
+    if not bool(torch.isfinite(m)):
+        return torch.zeros_like(x)
+    return x - m
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Scale by temperature and mask (to -inf) what top-k and top-p exclude. ``logits``: ``[V]``."""
-    x = logits.to(torch.float64) / params.temperature
+    """Scale by temperature and mask (to -inf) what top-k and top-p exclude. ``logits``: ``[V]``.
+
+    The result's maximum is 0 (``usable_scores``), so ``softmax`` of it is always a distribution."""
+    x = usable_scores(logits) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -22,24 +22,34 @@ regex: the same pair as SmolLM's own ``tokenizer.json`` (``Digits(individual_dig
 text, dropped by ``decode(skip_special_tokens=True)``.
 
 **Chat templates** are Jinja2 programs stored with the model (``tokenizer.chat_template`` in a GGUF,
-``chat_template`` in ``tokenizer_config.json``). They are rendered in a sandbox with the same
-settings as ``transformers`` (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``), so
-the prompt text is the one the model was fine-tuned on.
+``chat_template`` in ``tokenizer_config.json``). They are rendered with the same settings as
+``transformers`` (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``), so the prompt
+text is the one the model was fine-tuned on, and, being untrusted code from a file, in a sandbox
+bounded in time, size and memory (``minicb.model.chat_template``).
+
+**Text is bounded before it is encoded.** The ``tokenizers`` library needs about 150 bytes of memory
+per character of input and aborts the whole interpreter when an allocation fails, so ``encode``
+refuses text longer than ``MAX_TEXT_CHARS`` and, given ``max_tokens``, text that cannot possibly fit
+(more characters than ``max_tokens`` times the longest token): the caller gets ``InvalidArgument``
+before the library sees the string. Text that is not valid Unicode (a lone surrogate, which is how
+Python carries undecodable bytes of a command line) is refused the same way.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import operator
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from minicb.errors import InvalidArgument, ModelLoadError
+from minicb.errors import InvalidArgument, ModelLoadError, as_int, describe
+from minicb.model.chat_template import render as render_chat_template
+
+# The longest text ``encode`` accepts: ~2 s and ~450 MB inside ``tokenizers``; longer than any context.
+MAX_TEXT_CHARS = 2**21
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
@@ -117,6 +127,7 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._token_bytes: list[bytes] | None = None   # built on first incremental_decoder()
+        self._max_token_chars: int | None = None        # built on first encode(max_tokens=...)
 
     # ------------------------------------------------------------------ construction
 
@@ -229,24 +240,50 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are matched
         whole. ``add_special_tokens`` adds what the model's files ask for (often nothing: SmolLM2
-        adds no BOS; its chat template writes the markers itself)."""
+        adds no BOS; its chat template writes the markers itself).
+
+        Refused before encoding (``InvalidArgument``): text that is not valid Unicode, text longer
+        than ``MAX_TEXT_CHARS``, and with ``max_tokens`` text so long that it must encode to more than
+        ``max_tokens`` tokens (each token covers at most ``max_token_chars`` characters)."""
         if not isinstance(text, str):
             raise InvalidArgument(f"text must be a str, got {type(text).__name__}")
+        n = len(text)
+        if n > MAX_TEXT_CHARS:
+            raise InvalidArgument(f"text has {n:,} characters; minicb encodes at most {MAX_TEXT_CHARS:,}")
+        if max_tokens is not None and n > max_tokens * self.max_token_chars:
+            raise InvalidArgument(f"text has {n:,} characters, so at least {-(-n // self.max_token_chars):,} "
+                                  f"tokens (the longest token is {self.max_token_chars} characters): more "
+                                  f"than the {max_tokens:,} allowed")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(f"text is not valid Unicode: {describe(text[e.start])} at index {e.start} "
+                                  "(a lone surrogate; bytes that were not UTF-8?)") from None
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (at least 1): the longest token's
+        spelling or bytes, whichever is longer (a character is at least one byte)."""
+        if self._max_token_chars is None:
+            table = self._byte_table()
+            longest = max((len(b) for b in table), default=1) if table is not None else 1
+            for i in range(self.vocab_size):
+                longest = max(longest, len(self._tk.id_to_token(i) or ""))
+            self._max_token_chars = max(longest, 1)
+        return self._max_token_chars
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         """``ids`` as plain ints (numpy / torch integers welcome), each checked to be in the vocabulary."""
         out = []
         for i in ids:
-            try:
-                v = None if isinstance(i, bool) else operator.index(i)
-            except TypeError:
-                v = None
+            v = as_int(i)              # bools and boolean tensors are not token ids
             if v is None or not 0 <= v < self.vocab_size:
-                raise InvalidArgument(f"token ids must be integers in [0, {self.vocab_size - 1}], got {i!r}")
+                raise InvalidArgument(f"token ids must be integers in [0, {self.vocab_size - 1}], "
+                                      f"got {describe(i)}")
             out.append(v)
         return out
 
@@ -277,13 +314,17 @@ class Tokenizer:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not isinstance(messages, list) or not all(
-                isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
-            raise InvalidArgument("messages must be a str or a list of {'role': ..., 'content': ...} dicts")
+                isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise InvalidArgument("messages must be a str or a list of {'role': str, 'content': str} dicts")
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidArgument(f"add_generation_prompt must be a bool, got "
+                                  f"{describe(add_generation_prompt)}")
         special = {name: None if tid is None else self._tk.id_to_token(tid)
                    for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id),
                                      ("pad_token", self.pad_token_id))}
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return render_chat_template(self.chat_template, messages=messages,
+                                    add_generation_prompt=add_generation_prompt, **special)
 
     # ------------------------------------------------------------------ streaming
 
@@ -368,27 +409,3 @@ class IncrementalDecoder:
             self._prefix = self._read = len(self._ids)
         self.text += out
         return out
-
-
-@lru_cache(maxsize=8)
-def _compile_template(source: str):
-    """Compile a chat template the way ``transformers`` does (sandboxed, trim/lstrip blocks)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ModelLoadError(f"the model's chat_template is not valid Jinja2: {e}") from e
