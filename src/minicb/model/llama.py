@@ -66,10 +66,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_heads: int | None = None, num_kv_heads: int | None = None):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = num_heads or cfg.num_attention_heads
-        self.num_kv_heads = num_kv_heads or cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
@@ -87,9 +87,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        i = intermediate_size or cfg.intermediate_size
+        i = cfg.intermediate_size
         self.gate_proj = nn.Linear(cfg.hidden_size, i, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, i, bias=False)
         self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
