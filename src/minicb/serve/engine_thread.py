@@ -142,6 +142,12 @@ class EngineThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def num_pending(self) -> int:
+        """Messages posted and not yet taken by the engine thread."""
+        with self._cond:
+            return len(self._inbox)
+
     def _post(self, msg: tuple) -> None:
         with self._cond:
             self._inbox.append(msg)

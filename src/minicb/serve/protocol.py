@@ -137,7 +137,7 @@ def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None) -> Par
         if not isinstance(opts, dict):
             raise bad_request("stream_options must be an object", "stream_options")
         if not stream:
-            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+            raise bad_request("stream_options is allowed only with stream: true", "stream_options")
         include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
     max_tokens = body.get("max_tokens")
     from_room = max_tokens is None and default_max_tokens is None

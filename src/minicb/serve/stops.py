@@ -11,11 +11,12 @@ text back: the tail of what it has that could still turn into a stop string is n
     chunk "N"               "EN"                     ""        "EN"
     chunk "D!"              "END!"                   stop: "END!" and everything after is dropped
 
-Invariant (what ``tests/test_serve_stops.py`` checks for arbitrary chunkings): the concatenation of
-everything ``push`` returns, plus ``flush()`` when no stop matched, is ``full[:i]`` where ``i`` is the
-first position at which any stop string occurs in the full text (the whole text when none does).
-A stop string can never straddle sent and held text, because any suffix that is a prefix of a stop
-string is held.
+Invariant (what ``tests/test_serve_stops.py`` checks for arbitrary chunkings): take the text after
+each chunk; the first of these that contains a stop string, cut before the earliest occurrence in
+it, is everything ``push`` returns (plus ``flush()``: the whole text when no stop ever appears).
+"The first stop to appear" is what streaming can know: ``["bcd", "c"]`` on ``"abc" + "d"`` stops at
+``"c"``, before ``"bcd"`` exists. A stop string never straddles sent and held text, because any
+suffix that is a prefix of a stop string is held.
 """
 
 from __future__ import annotations
