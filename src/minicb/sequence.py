@@ -25,6 +25,7 @@ always computed in the step that feeds it). This module imports no torch.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 
 from minicb.sampling_params import SamplingParams
@@ -131,8 +132,7 @@ class Sequence:
 
     def checkpoint(self) -> tuple:
         """This sequence's changeable state; ``restore`` undoes everything a step did to it."""
-        return (tuple(getattr(self, f) for f in self._STATE), len(self.output_token_ids),
-                len(self.token_times))
+        return _get_state(self), len(self.output_token_ids), len(self.token_times)
 
     def restore(self, cp: tuple) -> None:
         fields, n_out, n_times = cp
@@ -147,3 +147,6 @@ class Sequence:
         self.finish_time = now
         self.error = error
         self.slot_id = None
+
+
+_get_state = operator.attrgetter(*Sequence._STATE)     # one C call for the fields of a checkpoint
