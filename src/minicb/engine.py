@@ -110,7 +110,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, max_tokens=self.config.max_model_len)   # bounded first
             if ids and max(ids) >= vocab:
                 raise InvalidArgument(f"prompt text encodes to token id {max(ids)}, outside the model's "
                                       f"vocabulary [0, {vocab - 1}]: the tokenizer does not match the model")

@@ -48,6 +48,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
 
@@ -184,7 +185,7 @@ def _limited_sandbox():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja2's own signature
             _check_int_args(args, kwargs, "a call")
-            _check_method(__obj, args, kwargs)
+            args = _check_method(__obj, args, kwargs)
             return _sized(super().call(__context, __obj, *args, **kwargs), "a call's result")
 
         def getattr(self, obj, attribute):
@@ -226,18 +227,25 @@ def _check_estimate(size: int, what: str) -> None:
                               f"(at most {MAX_RENDER_CHARS:,})")
 
 
-def _check_method(obj, args, kwargs) -> None:
+def _check_method(obj, args: tuple, kwargs) -> tuple:
     """A ``str`` method from ``_METHOD_SIZES`` (``'x'.center(n)``, ``sep.join(items)``, ...):
     its worst-case result size, before it runs. The sandbox hands ``str.format`` over wrapped;
-    ``__wrapped__`` is the original bound method."""
+    ``__wrapped__`` is the original bound method. Returns the arguments to call it with (an iterator
+    argument is read into a list once, so that the estimate does not use it up)."""
     target = getattr(obj, "__wrapped__", obj)
     subject, name = getattr(target, "__self__", None), getattr(target, "__name__", "")
     if isinstance(subject, str) and name in _METHOD_SIZES:
+        args = _materialised(args)
         try:
             size = _METHOD_SIZES[name](subject, *args, **kwargs)
         except TypeError:                 # wrong arguments: let the call itself say so
-            return
+            return args
         _check_estimate(size, f"'.{name}()'")
+    return args
+
+
+def _materialised(args) -> tuple:
+    return tuple(list(a) if isinstance(a, Iterator) else a for a in args)
 
 
 # --- worst-case result sizes of the operations that multiply ----------------------------------------
@@ -319,6 +327,7 @@ def _guard_filter(name: str, f):
     def guarded(*args, **kwargs):
         _check_int_args(args, kwargs, f"the filter '{name}'")
         if estimate is not None:
+            args = _materialised(args)       # join(map(...)): read the generator once, for both
             plain = [a for a in args if not _is_jinja_context(a)]     # Jinja2 passes its context first
             try:
                 size = estimate(*plain, **kwargs)
