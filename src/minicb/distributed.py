@@ -2,8 +2,9 @@
 
 With tensor parallelism (Megatron-LM's scheme) every rank holds a slice of every weight matrix and runs
 the *same* step on the *same* flat batch; two all-reduces per layer sum the ranks' partial results. So
-the seed's last warning applies literally: all ranks must agree on every step's batch, or their
-collectives pair up wrongly and hang. minicb's answer, in one picture::
+the seed's last warning applies literally: all ranks must agree on every step's batch. If they do
+not, their collectives pair up wrongly: a rank may hang, fail with an error far from the cause, or
+(when the shapes happen to agree) silently sum unrelated numbers. minicb's answer, in one picture::
 
     rank 0 (the driver: LLM / engine)               ranks 1 .. N-1 (workers: a ModelRunner each)
     plan = scheduler.schedule()                     no scheduler, no sampler: they follow
