@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minicb.errors import InvalidArgument, check_float, check_int
+from minicb.errors import InvalidArgument, check_float, check_int, describe
 
 # Below this a temperature has no sampling meaning left (vLLM's _SAMPLING_EPS): use 0 for greedy.
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1          # torch.Generator.manual_seed takes a signed 64-bit integer
+MAX_INT = 2**63 - 1           # counts and ids beyond int64 mean nothing (no tensor can index them)
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,19 +39,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
-        set_(self, "max_tokens", check_int("max_tokens", self.max_tokens, lo=1))
+        set_(self, "max_tokens", _int64("max_tokens", self.max_tokens, lo=1))
         t = check_float("temperature", self.temperature, lo=0.0, finite=True)
         if 0.0 < t < MIN_TEMPERATURE:
             raise InvalidArgument(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} "
                                   f"(smaller values overflow the logits), got {t!r}")
         set_(self, "temperature", t)
-        set_(self, "top_k", check_int("top_k", self.top_k, lo=0))
+        set_(self, "top_k", _int64("top_k", self.top_k, lo=0))
         set_(self, "top_p", check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True))
         if self.seed is not None:
             set_(self, "seed", check_int("seed", self.seed, lo=0, hi=MAX_SEED))
         if not isinstance(self.stop_token_ids, (tuple, list)):
             raise InvalidArgument("stop_token_ids must be a tuple of token ids")
-        set_(self, "stop_token_ids", tuple(check_int("stop_token_ids[i]", t, lo=0)
+        set_(self, "stop_token_ids", tuple(_int64("stop_token_ids[i]", t, lo=0)
                                            for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -58,3 +59,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _int64(name: str, value, lo: int) -> int:
+    """``check_int(name, value, lo=lo)`` (message ``[lo, inf]``), and at most ``MAX_INT``: beyond a
+    64-bit integer a count or a token id means nothing, and could not even be printed in a message."""
+    v = check_int(name, value, lo=lo)
+    if v > MAX_INT:
+        raise InvalidArgument(f"{name} must be at most 2**63 - 1 (a 64-bit integer), got {describe(v)}")
+    return v
