@@ -1,0 +1,286 @@
+"""``minicb serve`` under load: W2 arriving as a Poisson process through streaming HTTP clients.
+
+    python bench/serve.py --rates 0.25,0.5,1 --out bench/out/serve.json          # starts minicb serve
+    python bench/serve.py --url http://127.0.0.1:8001 --model smollm2 --rates ...  # any OpenAI server
+    python bench/serve.py --watch-overhead --repeats 3                             # the live page's cost
+
+Every request of W2 (``bench/workloads.py``: 64 requests, ShareGPT lengths, random-id prompts of at
+most 256 tokens, 1-128 output tokens, EOS ignored) is sent at its arrival time, drawn from a Poisson
+process of the given rate (seeded), as a streaming ``/v1/completions`` call with its token ids, through
+the official ``openai`` client (asyncio, one connection per request in flight). Measured on the client
+side, as the seed's table does on the server side:
+
+* throughput: output tokens (``usage``) / (last token received - first request sent);
+* TTFT: request sent -> first chunk with text; ITL: gaps between consecutive text chunks of a request
+  (a chunk is one token, except where text is held back: an incomplete UTF-8 character);
+* queueing: the one figure a client cannot see, read from the server's own
+  ``vllm:request_queue_time_seconds`` histogram (mean over the run; vLLM exposes the same metric).
+
+Each rate's run changes the first token of every prompt, so no run finds the previous run's prompts
+in the prefix cache. ``--watch-overhead`` measures what the live page costs: the whole W2 at once
+(closed loop), alternately with and without a client reading ``/live/events`` as the page does, and
+the engine thread's time inside the feed's listener (``/health``: ``live_listener_s`` vs
+``engine_busy_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from workloads import w2  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MINICB_ARGS = ("--threads 1 --max-num-seqs 64 --max-num-batched-tokens 1024 --attn-backend cpu-paged "
+               "--max-waiting 1024")
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as its client saw it."""
+
+    arrival: float                    # scheduled send time, from the run's start
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n)).tolist() if rate > 0 else [0.0] * n
+
+
+async def _one(c, model: str, prompt: list[int], max_tokens: int, rec: Record, t0: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + rec.arrival - time.perf_counter()))
+    rec.sent = time.perf_counter()
+    try:
+        stream = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                rec.chunk_times.append(now)
+            if chunk.usage is not None:
+                rec.tokens = chunk.usage.completion_tokens
+    except Exception as e:   # noqa: BLE001 - a failed request is counted and reported, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+def run_load(url: str, model: str, prompts, outputs, arrivals) -> list[Record]:
+    import openai
+
+    async def main() -> list[Record]:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        recs = [Record(a) for a in arrivals]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_one(c, model, p, o, r, t0) for p, o, r in zip(prompts, outputs, recs)))
+        await c.close()
+        return recs
+
+    return asyncio.run(main())
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def summarize(recs: list[Record]) -> dict:
+    ok = [r for r in recs if r.error is None and r.chunk_times]
+    ttft = [r.chunk_times[0] - r.sent for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    e2e = [r.chunk_times[-1] - r.sent for r in ok]
+    span = max(r.chunk_times[-1] for r in ok) - min(r.sent for r in ok) if ok else float("nan")
+    tokens = sum(r.tokens for r in ok)
+    return {"requests": len(recs), "failed": len(recs) - len(ok), "tokens": tokens, "seconds": span,
+            "throughput": tokens / span if ok else 0.0,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "e2e_p50_s": pct(e2e, 50), "errors": sorted({r.error for r in recs if r.error})[:3]}
+
+
+def queue_time(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's vllm:request_queue_time_seconds histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "vllm:request_queue_time_seconds_sum":
+                total += s.value
+            elif s.name == "vllm:request_queue_time_seconds_count":
+                count += s.value
+    return total, count
+
+
+def w2_for_run(k: int, num: int):
+    """W2's prompts with the first token made run-specific (no prefix-cache hits across runs)."""
+    wl = w2(num)
+    return [[100 + k] + p[1:] for p in wl.prompts], wl.output_lens
+
+
+# --- the server ----------------------------------------------------------------------------------------
+class MinicbServer:
+    """``minicb serve`` as a subprocess on a free port."""
+
+    def __init__(self, args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [sys.executable, "-m", "minicb.cli", "serve", "--port", "0", "--served-model-name", "smollm2",
+               *args.split()]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if " on http" not in line:
+            raise SystemExit(f"minicb serve did not start: {line!r}")
+        self.url, self.model = line.split(" on ", 1)[1].split()[0], "smollm2"
+        self.command = "minicb serve " + args
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def health(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/health", timeout=60).read())
+
+
+def warm_up(url: str, model: str) -> None:
+    run_load(url, model, [[5, 6, 7, 8]], [4], [0.0])
+
+
+def bench_rates(url: str, model: str, rates: list[float], num: int, seed: int) -> list[dict]:
+    rows = []
+    for k, rate in enumerate(rates):
+        prompts, outputs = w2_for_run(k, num)
+        arrivals = poisson_arrivals(len(prompts), rate, seed)
+        q0 = queue_time(url)
+        wall0 = time.strftime("%H:%M:%S")
+        recs = run_load(url, model, prompts, outputs, arrivals)
+        q1 = queue_time(url)
+        row = {"rate": rate, **summarize(recs), "started": wall0, "load_avg": os.getloadavg()[0]}
+        dq = q1[1] - q0[1]
+        row["queue_mean_ms"] = 1e3 * (q1[0] - q0[0]) / dq if dq else float("nan")
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+HEADER = (f"{'rate/s':>6} {'reqs':>4} {'fail':>4} {'tokens':>6} {'secs':>6} {'tok/s':>6} {'queue ms':>8} "
+          f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>7} {'ITL p99':>7} {'e2e p50 s':>9} {'load':>5}")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['rate']:>6g} {r['requests']:>4} {r['failed']:>4} {r['tokens']:>6} {r['seconds']:>6.1f} "
+            f"{r['throughput']:>6.1f} {r['queue_mean_ms']:>8.0f} {r['ttft_p50_ms']:>8.0f} "
+            f"{r['ttft_p99_ms']:>8.0f} {r['itl_p50_ms']:>7.0f} {r['itl_p99_ms']:>7.0f} "
+            f"{r['e2e_p50_s']:>9.1f} {r['load_avg']:>5.1f}")
+
+
+# --- the live page's cost --------------------------------------------------------------------------------
+class Watcher:
+    """Reads /live/events as the page does, until closed; counts frames and bytes."""
+
+    def __init__(self, url: str) -> None:
+        self.frames = self.bytes = 0
+        self._resp = urllib.request.urlopen(url + "/live/events", timeout=3600)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self._resp:
+                self.bytes += len(line)
+                self.frames += line.startswith(b"data: ")
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+def watch_overhead(url: str, model: str, num: int, repeats: int) -> dict:
+    runs = []
+    for k in range(2 * repeats):
+        watched = k % 2 == 1
+        prompts, outputs = w2_for_run(k, num)
+        h0 = health(url)
+        watcher = Watcher(url) if watched else None
+        recs = run_load(url, model, prompts, outputs, [0.0] * len(prompts))
+        if watcher is not None:
+            watcher.close()
+        h1 = health(url)
+        s = summarize(recs)
+        run = {"watched": watched, "throughput": s["throughput"], "seconds": s["seconds"],
+               "failed": s["failed"], "engine_busy_s": h1["engine_busy_s"] - h0["engine_busy_s"],
+               "listener_s": h1["live_listener_s"] - h0["live_listener_s"],
+               "frame_s": h1["live_frame_s"] - h0["live_frame_s"],
+               "frames": watcher.frames if watcher else 0, "load_avg": os.getloadavg()[0]}
+        runs.append(run)
+        print(f"{'watched' if watched else 'alone  '}  {run['throughput']:6.1f} tok/s  "
+              f"{run['seconds']:6.1f} s  engine busy {run['engine_busy_s']:6.1f} s  "
+              f"listener {1e3 * run['listener_s']:7.1f} ms  frames {run['frames']:4d} "
+              f"({1e3 * run['frame_s']:.0f} ms to build)  load {run['load_avg']:.1f}", flush=True)
+    alone = statistics.median(r["throughput"] for r in runs if not r["watched"])
+    watched = statistics.median(r["throughput"] for r in runs if r["watched"])
+    busy = sum(r["engine_busy_s"] for r in runs)
+    listener = sum(r["listener_s"] for r in runs)
+    frames = [r for r in runs if r["watched"]]
+    out = {"runs": runs, "median_alone": alone, "median_watched": watched, "ratio": watched / alone,
+           "listener_share": listener / busy,
+           "frame_share": sum(r["frame_s"] for r in frames) / sum(r["engine_busy_s"] for r in frames)}
+    print(f"median tokens/s alone {alone:.1f}, watched {watched:.1f}: watched/alone = {out['ratio']:.3f}; "
+          f"engine thread in the live listener: {100 * out['listener_share']:.3f}% of its busy time; "
+          f"event loop building frames: {100 * out['frame_share']:.3f}% of the engine's busy time",
+          flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--url", help="an already running OpenAI-compatible server (default: start minicb serve)")
+    p.add_argument("--model", default="smollm2", help="model name to send with --url")
+    p.add_argument("--minicb-args", default=MINICB_ARGS,
+                   help=f"flags of minicb serve (default: {MINICB_ARGS})")
+    p.add_argument("--rates", default="0.25,0.5,1", help="Poisson arrival rates, requests/s, comma-separated")
+    p.add_argument("--num-requests", type=int, default=64, help="W2 requests per rate (default: all 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--watch-overhead", action="store_true", help="measure the live page's cost instead")
+    p.add_argument("--repeats", type=int, default=3, help="with --watch-overhead: runs of each kind")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    server = None if args.url else MinicbServer(args.minicb_args)
+    url, model = (args.url, args.model) if args.url else (server.url, server.model)
+    try:
+        warm_up(url, model)
+        result = {"server": args.url or server.command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+                  "cores": os.cpu_count()}
+        if args.watch_overhead:
+            result["watch_overhead"] = watch_overhead(url, model, args.num_requests, args.repeats)
+        else:
+            print(HEADER, flush=True)
+            result["rows"] = bench_rates(url, model, [float(r) for r in args.rates.split(",")],
+                                         args.num_requests, args.seed)
+    finally:
+        if server is not None:
+            server.close()
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1, default=lambda o: asdict(o)))
+
+
+if __name__ == "__main__":
+    main()
