@@ -6,7 +6,10 @@
 * ``serve(site)``: the site over HTTP on 127.0.0.1 (a free port), in a thread.
 * ``Chromium``: headless Chromium driven through the DevTools protocol on a pipe
   (``--remote-debugging-pipe``: no port, no websocket library). ``open(url)`` loads a page and returns
-  its headings, its images' load state and every console error, uncaught exception and failed load.
+  its headings, its images' load state and every console error, uncaught exception and failed load;
+  ``tab(url)`` keeps a loaded page open for scripted checks (``evaluate``, ``screenshot``).
+* ``python tests/site_check.py screenshots SITE OUT_DIR``: PNG screenshots of the home page, a chapter
+  and the replay (what ``docs/images/screenshot-*.png`` are).
 """
 
 from __future__ import annotations
@@ -330,3 +333,40 @@ class Tab:
                 entry = p["entry"]
                 out.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}")
         return out
+
+
+# --- screenshots ------------------------------------------------------------------------------------
+SCREENSHOTS = {"screenshot-home.png": "", "screenshot-chapter.png": "tutorials/01_static_batching/",
+               "screenshot-replay.png": "replay/#step=6"}
+
+
+def screenshots(site: pathlib.Path, out_dir: pathlib.Path, width: int = 1280, height: int = 1000) -> list:
+    """Screenshots of the built ``site``'s pages in ``SCREENSHOTS`` into ``out_dir``; returns the paths.
+    The replay is scrolled to its widget. Raises if a page logs an error."""
+    binary = find_chromium()
+    if binary is None:
+        raise RuntimeError("chromium is not installed")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    with Chromium(binary) as browser, serve(site) as base:
+        for name, page in SCREENSHOTS.items():
+            with browser.tab(base + page, width=width, height=height) as tab:
+                if "replay" in page:            # scroll down to the widget (never up: no "back to top")
+                    tab.evaluate("window.scrollTo(0, document.querySelector('[data-minicb-replay]')"
+                                 ".getBoundingClientRect().top + window.scrollY - 70)")
+                    tab.wait(0.5)
+                errors = tab.errors()
+                if errors:
+                    raise RuntimeError(f"{page}: {errors}")
+                tab.screenshot(out_dir / name)
+                paths.append(out_dir / name)
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "screenshots":
+        sys.exit("usage: python tests/site_check.py screenshots SITE_DIR OUT_DIR")
+    for path in screenshots(pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])):
+        print(f"wrote {path}")
