@@ -81,6 +81,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minicb.errors import InvalidArgument, check_int
+from minicb.memory import available_cpu_bytes, check_fits
 
 ROOT_HASH = 0x6D696E6963620000     # the "parent hash" of a request's first block
 
@@ -174,6 +175,9 @@ class BlockPool:
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, lo=0)
+        # two Python lists of num_blocks entries: refuse a size the machine cannot hold (minicb.memory)
+        check_fits(f"the block tables of num_blocks={self.num_blocks:,}", 64 * self.num_blocks,
+                   available_cpu_bytes(), "in host memory", "lower num_blocks")
         self.ref_counts = [0] * self.num_blocks
         self._free = list(range(self.num_blocks))
         self._lru = OrderedDict()

@@ -8,11 +8,17 @@ block tables: the block manager decides, this module only stores.
 
 Swap preemption copies whole blocks between this device pool and a host pool of the same layout
 (``swap_out``: device → host, ``swap_in``: host → device).
+
+The pools are sized by the user, so their bytes are compared with the memory the device (and the
+host) can still give *before* they are allocated (``minicb.memory``): ``num_blocks=10**10`` is an
+``InvalidArgument`` naming the sizes, not an allocator traceback or the OOM killer.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minicb.memory import available_cpu_bytes, check_fits
 
 
 class KVCache:
@@ -26,6 +32,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  num_host_blocks: int = 0) -> None:
+        check_pool_memory(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device,
+                          num_host_blocks)
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
@@ -64,3 +72,22 @@ class KVCache:
             host = torch.tensor([m[0] for m in mapping])
             dev = torch.tensor([m[1] for m in mapping], device=self.data.device)
             self.data[:, :, dev] = self.host[:, :, host].to(self.data.device)
+
+
+def check_pool_memory(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device, num_host_blocks: int = 0) -> None:
+    """Raise ``InvalidArgument`` if the device pool, or the host pool, needs more memory than is free."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = num_layers * 2 * block_size * kv_heads * head_dim * elem      # K and V, every layer
+    shape = (f"{num_layers} layers x 2 (K, V) x {block_size:,} tokens x {kv_heads} KV heads x {head_dim} "
+             f"x {elem} bytes per block")
+    hint = "lower num_blocks or block_size" + (" or num_host_blocks" if num_host_blocks else "")
+    dev = torch.device(device)
+    device_bytes, host_bytes = per_block * num_blocks, per_block * num_host_blocks
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0] if torch.cuda.is_available() else None
+        check_fits(f"the KV cache ({num_blocks:,} blocks; {shape})", device_bytes, free, f"on {dev}", hint)
+    else:
+        host_bytes += device_bytes
+    check_fits(f"the KV cache ({num_blocks:,} device + {num_host_blocks:,} host blocks; {shape})", host_bytes,
+               available_cpu_bytes(), "in host memory", hint)
