@@ -185,6 +185,7 @@ def test_a_client_that_disconnects_mid_stream_gives_back_every_block(url):
     after = metrics(url)
     key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0.0) == 1
+    assert after[("vllm:num_requests_running", ())] == after[("vllm:kv_cache_usage_perc", ())] == 0
     generated = after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
     assert 3 <= generated < 180                     # it stopped early: the abort reached the engine
 

@@ -162,6 +162,8 @@ class EngineThread:
             msgs = self._wait(stalled)
             for msg in msgs:
                 self._handle(msg)
+            if self.metrics is not None and any(m[0] in ("add", "abort") for m in msgs):
+                self.metrics.observe_state(self.engine.snapshot())   # the gauges, between steps too
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._abort_all("the server is shutting down")
                 self._deadline = None
