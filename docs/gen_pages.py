@@ -95,7 +95,7 @@ def images() -> None:
     for policy in ("static", "dynamic", "continuous"):
         out = out_dir / f"trace-{policy}.svg"
         cmd = [sys.executable, "-m", "minicb.cli", "trace", "--policy", policy, *TRACE_ARGS,
-               "--out", str(out), "--color", "never", "--width", "120"]
+               "--out", str(out), "--color", "never", "--width", "80"]   # the docs' code column
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         (out_dir / f"trace-{policy}.txt").write_text(proc.stdout.replace(f"wrote {out}\n", ""))
     # pictures drawn from the code (mask, block tables, prefix tree, policies) and the replay's run

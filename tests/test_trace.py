@@ -116,9 +116,22 @@ def test_render_ascii_exact():
         "slot 0  |Aa.|",
         "slot 1  |Bbb|",
     ]
-    full = render_ascii(rec.trace, width=40, colour=False)
+    full = render_ascii(rec.trace, width=80, colour=False)
     assert "legend: A=a, B=b" in full
     assert "tokens computed: 8 real + 2 padding  (padding waste 20.0%)" in full
+
+
+def test_render_ascii_keeps_every_line_within_the_width():
+    """Legend and totals wrap (an item is never split), so a page column of 80 characters holds it."""
+    trace, _ = drive(SchedulerConfig(max_num_seqs=3, num_blocks=64, block_size=4),
+                     [(3 + i % 5, 2 + i % 7) for i in range(14)])
+    for width in (50, 80):
+        text = render_ascii(trace, width=width, colour=False)
+        assert max(len(line) for line in text.splitlines()) <= width, width
+        assert "... (14 requests)" in text and "'^' = a preemption" in text
+        assert "(slot utilisation" in text and "(padding waste" in text
+    wide = render_ascii(trace, width=300, colour=False).splitlines()
+    assert any(ln.startswith("slot-steps:") and "(slot utilisation" in ln for ln in wide)   # one line
 
 
 def test_render_ascii_wraps_and_colours():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -294,14 +295,33 @@ def render_ascii(trace: SlotTrace, width: int | None = None, colour: bool | None
             marks = "".join("^" if p else " " for p in trace.preempted[start:stop])
             lines.append(f"{'preempt':<{lw}}  {marks.rstrip()}")
     if legend:
-        names = ", ".join(f"{trace.label(r)}={r}" for r in trace.request_ids[:12])
-        more = f", ... ({len(trace.request_ids)} requests)" if len(trace.request_ids) > 12 else ""
-        lines.append(f"legend: {names}{more}")
-        lines.append("        UPPER = prefill step, lower = decode, '.' = padding, "
-                     "'-' = slot held but no tokens, ' ' = idle, '^' = a preemption")
+        names = [f"{trace.label(r)}={r}" for r in trace.request_ids[:12]]
+        if len(trace.request_ids) > 12:
+            names.append(f"... ({len(trace.request_ids)} requests)")
+        lines += _pack("legend: ", names, width)
+        lines += _pack(" " * 8, ["UPPER = prefill step", "lower = decode", "'.' = padding",
+                                 "'-' = slot held but no tokens", "' ' = idle", "'^' = a preemption"], width)
     if summary:
-        lines.extend(summary_lines(trace.summary()))
+        for line in summary_lines(trace.summary()):
+            head, sep, tail = line.partition("  (")     # too wide: the ratio goes on a line of its own
+            if len(line) <= width or not sep:
+                lines.append(line)
+            else:
+                lines += textwrap.wrap(head, width, subsequent_indent="  ") + ["  (" + tail]
     return "\n".join(lines)
+
+
+def _pack(prefix: str, items: list[str], width: int) -> list[str]:
+    """``items`` joined by ", " after ``prefix``, in lines of at most ``width`` (an item never splits)."""
+    out, line = [], prefix
+    for k, item in enumerate(items):
+        piece = item + ("," if k < len(items) - 1 else "")
+        if line.strip() and len(line) + 1 + len(piece) > width:
+            out.append(line.rstrip())
+            line = " " * len(prefix)
+        line += ("" if line.endswith(" ") or not line.strip() else " ") + piece
+    out.append(line.rstrip())
+    return out
 
 
 def summary_lines(s: TraceSummary) -> list[str]:
