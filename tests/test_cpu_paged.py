@@ -56,7 +56,9 @@ def random_case(rows, hq, hkv, d, bs, max_ctx, dtype, seed):
     return q, kc, vc, tables.to(torch.int32), ctx.to(torch.int32)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+# bfloat16: inputs and output are stored in 8 significant bits, the arithmetic is float32; the output's
+# own rounding (half a unit in the last place, 2**-9 relative) dominates the error.
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("shape", [(4, 2, 8), (9, 3, 64), (6, 6, 16), (8, 1, 32)])
 def test_kernel_matches_oracle(dtype, tol, bs, shape):
@@ -82,8 +84,10 @@ def test_kernel_is_the_same_on_two_threads():
 
 def test_kernel_rejects_bad_input():
     q, kc, vc, tables, ctx = random_case(3, 4, 2, 8, 4, 20, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="float32 or float64"):
+    with pytest.raises(ValueError, match="float32, float64 or bfloat16"):
         cpu_paged.paged_decode(q.half(), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="of one dtype"):
+        cpu_paged.paged_decode(q.bfloat16(), kc, vc, tables, ctx, 4)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_paged.paged_decode(q.transpose(0, 1), kc, vc, tables, ctx, 4)
     with pytest.raises(ValueError, match="int32"):
@@ -144,17 +148,36 @@ def test_build_is_cached(tmp_path, monkeypatch):
     assert cpu_paged.build() == first and first.stat().st_mtime_ns == stamp   # not rebuilt
 
 
-def test_registry():
-    assert resolve_backend("cpu-paged", "cpu", torch.float32, 64) == "cpu-paged"
-    assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"   # opt-in: it compiles C
-    with pytest.raises(InvalidArgument, match="float32 or float64"):
-        resolve_backend("cpu-paged", "cpu", torch.bfloat16, 64)
+def test_registry(caplog, monkeypatch):
+    import minicb.model.backends as backends
+
+    monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())     # another test may have logged it
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert resolve_backend("cpu-paged", "cpu", dtype, 64) == "cpu-paged"
+        assert resolve_backend("auto", "cpu", dtype, 64) == "cpu-paged"     # the fastest that runs here
+    assert not caplog.records
+    with pytest.raises(InvalidArgument, match="float32, float64 or bfloat16"):
+        resolve_backend("cpu-paged", "cpu", torch.float16, 64)
+    # auto falls back to the reference backend where cpu-paged cannot run, and says why in one line
+    with caplog.at_level("WARNING", logger="minicb"):
+        assert resolve_backend("auto", "cpu", torch.float16, 64) == "reference"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "using reference, not cpu-paged: cpu-paged takes float32, float64 or bfloat16" in line
+    assert "\n" not in line
 
 
-def test_registry_reports_a_broken_compiler(monkeypatch):
+def test_registry_reports_a_broken_compiler(monkeypatch, caplog):
+    import minicb.model.backends as backends
+
+    monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())
     monkeypatch.setattr(cpu_paged, "unavailable_reason", lambda: "no C compiler found (stand-in)")
     with pytest.raises(InvalidArgument, match="cpu-paged.*no C compiler found"):
         resolve_backend("cpu-paged", "cpu", torch.float32, 64)
+    with caplog.at_level("WARNING", logger="minicb"):
+        assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"
+        assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"
+    assert [r.getMessage() for r in caplog.records] == [    # said once, not once per engine
+        "minicb: attn_backend auto: using reference, not cpu-paged: no C compiler found (stand-in)"]
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
@@ -187,3 +210,15 @@ def _small_cache():
     from minicb.kv_cache import KVCache
 
     return KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 8)])
+def test_bfloat16_kernel_is_the_float32_kernel_rounded(shape):
+    """The bfloat16 kernel widens to float32, computes as the float32 kernel does and rounds once at the
+    end: its output is the float32 kernel's on the widened inputs, rounded by torch (nearest-even)."""
+    hq, hkv, d = shape
+    q, kc, vc, tables, ctx = random_case(11, hq, hkv, d, 16, 90, torch.bfloat16, seed=d)
+    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+    want = cpu_paged.paged_decode(q.float(), kc.float(), vc.float(), tables, ctx, 16).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

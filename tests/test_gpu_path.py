@@ -26,7 +26,7 @@ from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument
 from minicb.kv_cache import KVCache
 from minicb.model.attention import ReferenceAttention
-from minicb.model.backends import make_backend, resolve_backend, unavailable_reasons
+from minicb.model.backends import cpu_paged, make_backend, resolve_backend, unavailable_reasons
 from minicb.model.backends.flash import FlashAttnBackend
 from minicb.model.backends.torch_varlen import TorchVarlenBackend
 from minicb.model.backends.varlen import build_varlen_plan, gather_key_slots
@@ -266,6 +266,8 @@ def no_flash_attn(monkeypatch):
 
 
 CUDA_DEV = torch.device("cuda")
+# what ``auto`` picks on the CPU: the C decode kernel where the machine's compiler builds it
+CPU_AUTO = "cpu-paged" if cpu_paged.unavailable_reason() is None else "reference"
 
 
 def test_auto_prefers_flash_attn_then_torch_varlen_then_reference(fake_gpu):
@@ -281,7 +283,7 @@ def test_auto_prefers_flash_attn_then_torch_varlen_then_reference(fake_gpu):
 def test_auto_takes_reference_where_the_kernels_cannot_run(fake_gpu):
     assert resolve_backend("auto", CUDA_DEV, torch.float32, 64) == "reference"     # dtype
     assert resolve_backend("auto", CUDA_DEV, torch.float64, 64) == "reference"
-    assert resolve_backend("auto", "cpu", torch.bfloat16, 64) == "reference"       # device
+    assert resolve_backend("auto", "cpu", torch.bfloat16, 64) == CPU_AUTO            # device
     assert resolve_backend("auto", CUDA_DEV, torch.bfloat16, 512) == "reference"   # head_dim
     fake_gpu.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert resolve_backend("auto", CUDA_DEV, torch.bfloat16, 64) == "reference"    # Turing
@@ -289,7 +291,7 @@ def test_auto_takes_reference_where_the_kernels_cannot_run(fake_gpu):
 
 def test_unavailable_backend_is_a_clear_error_here():
     """On this machine as it is (the CPU wheel of torch; flash-attn absent unless installed)."""
-    assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"
+    assert resolve_backend("auto", "cpu", torch.float32, 64) == CPU_AUTO
     assert resolve_backend("reference", "cpu", torch.float64, 64) == "reference"
     for name in ("flash-attn", "torch-varlen"):
         with pytest.raises(InvalidArgument) as e:
@@ -346,7 +348,7 @@ def test_llm_and_cli_report_unavailable_backends(capsys):
     with pytest.raises(InvalidArgument, match="attn_backend 'flash-attn' is unavailable"):
         LLM(tiny_model(), attn_backend="flash-attn")
     assert LLM(tiny_model(), attn_backend="reference").engine.runner.backend.name == "reference"
-    assert LLM(tiny_model()).engine.runner.backend.name == "reference"     # the model is on the CPU
+    assert LLM(tiny_model()).engine.runner.backend.name == CPU_AUTO     # the model is on the CPU
     if not CUDA:
         with pytest.raises(InvalidArgument, match="device 'cuda' needs CUDA"):
             LLM(tiny_model(), device="cuda")
@@ -378,7 +380,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert flash["status"] == "SKIP" and ("no CUDA" in flash["detail"] or CUDA)
     assert by["2", "float64 reference block 16"]["detail"].startswith("4/4 identical")
     for policy in ("continuous", "dynamic", "static"):
-        assert "tokens/s" in by["3", f"minicb {policy} (reference)"]["detail"]
+        assert "tokens/s" in by["3", f"minicb {policy} ({CPU_AUTO})"]["detail"]
     assert by["3", "hf generate_batch"]["status"] == "SKIP"
 
 

@@ -4,14 +4,18 @@
 name               kernel                                                 runs where
 =================  =====================================================  ==================================
 ``reference``      pure PyTorch (``attention.ReferenceAttention``)        anywhere, any dtype
-``cpu-paged``      reference + a C decode kernel (``cpu_paged.py``)       CPU, float32 / float64, a C compiler
+``cpu-paged``      reference + a C decode kernel (``cpu_paged.py``)       CPU, float32 / float64 / bfloat16,
+                                                                          a C compiler
 ``flash-attn``     ``flash_attn.flash_attn_varlen_func`` (``flash.py``)    CUDA, sm80+, float16 / bfloat16
 ``torch-varlen``   ``torch.nn.attention.varlen.varlen_attn``              CUDA, sm80+, float16 / bfloat16
 =================  =====================================================  ==================================
 
-``auto`` takes the first of ``flash-attn``, ``torch-varlen`` that can run on the model's device and
-dtype, else ``reference`` (so the CPU, and float32 / float64 anywhere, get the reference backend:
-``cpu-paged`` is asked for by name, as the benchmarks do, because it compiles C on first use).
+``auto`` picks the fastest backend that can run here. On the CPU that is ``cpu-paged`` (it compiles its
+kernel with the machine's C compiler on first use, about a second, cached afterwards); where it cannot
+run (no working compiler, float16) ``auto`` falls back to ``reference`` and logs one line saying why.
+On a CUDA device it is the first of ``flash-attn``, ``torch-varlen`` that can run for the model's dtype,
+else ``reference``. The reference backend stays the one the tutorials read; ``reference`` by name
+always gets it.
 Asking by name for a backend that cannot run raises ``InvalidArgument`` naming the backend and every
 reason (flash-attn not installed, no CUDA, model not on a CUDA device, dtype, head_dim, GPU too old,
 torch without ``varlen_attn``).
@@ -23,6 +27,7 @@ Nothing here touches a GPU to decide: the probes are small functions (``cuda_ava
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -34,6 +39,7 @@ BACKENDS = ("reference", "cpu-paged", "flash-attn", "torch-varlen")
 NAMES = ("auto", *BACKENDS)
 AUTO_ORDER = ("flash-attn", "torch-varlen")        # preference of ``auto`` on a CUDA device
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_log = logging.getLogger("minicb")
 
 
 def cuda_available() -> bool:
@@ -103,7 +109,7 @@ def cpu_paged_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
         reasons.append(f"the model is on {device.type}; cpu-paged runs on the CPU")
     if dtype not in cpu_paged.DTYPES:
         name_of = str(dtype).removeprefix("torch.")
-        reasons.append(f"cpu-paged takes float32 or float64, the model is {name_of}")
+        reasons.append(f"cpu-paged takes float32, float64 or bfloat16, the model is {name_of}")
     if not reasons and (why := cpu_paged.unavailable_reason()):
         reasons.append(why)
     return reasons
@@ -128,6 +134,8 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if name not in NAMES:
         raise InvalidArgument(f"attn_backend must be one of {NAMES}, got {name!r}")
     if name == "auto":
+        if torch.device(device).type == "cpu":
+            return _auto_cpu(dtype)
         if dtype not in KERNEL_DTYPES or torch.device(device).type != "cuda" or not cuda_available():
             return "reference"    # decided without importing the kernels (torch's varlen takes ~1 s)
         return next((b for b in AUTO_ORDER if not unavailable_reasons(b, device, dtype, head_dim)),
@@ -136,6 +144,21 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if reasons:
         raise InvalidArgument(f"attn_backend {name!r} is unavailable here: {'; '.join(reasons)}")
     return name
+
+
+def _auto_cpu(dtype: torch.dtype) -> str:
+    """``auto`` on the CPU: ``cpu-paged``, else ``reference`` with one logged line saying why."""
+    reasons = cpu_paged_reasons(torch.device("cpu"), dtype)
+    if not reasons:
+        return "cpu-paged"
+    why = "; ".join(reasons)
+    if why not in _FALLBACKS_LOGGED:      # once per reason, not once per engine
+        _FALLBACKS_LOGGED.add(why)
+        _log.warning("minicb: attn_backend auto: using reference, not cpu-paged: %s", why)
+    return "reference"
+
+
+_FALLBACKS_LOGGED: set[str] = set()
 
 
 def backend_table(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> dict[str, str]:

@@ -46,7 +46,8 @@ from minicb.model.attention import AttentionMetadata, ReferenceAttention
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 OPENMP = "-fopenmp"     # rows split over torch's thread count; without it (no OpenMP) one thread
-DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64"}
+DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64",
+          torch.bfloat16: "minicb_paged_decode_bf16"}     # bfloat16: stored so, computed in float32
 
 
 class KernelUnavailable(RuntimeError):
@@ -153,8 +154,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``context_lens`` keys returns (scale ``1 / sqrt(head_dim)`` unless given).
     """
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_decode takes float32 or float64 q / k_cache / v_cache of one dtype, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError("paged_decode takes float32, float64 or bfloat16 q / k_cache / v_cache of one dtype,"
+                         f" got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     tensors = (q, k_cache, v_cache, block_tables, context_lens)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("paged_decode takes contiguous CPU tensors")

@@ -1,0 +1,72 @@
+"""How close float32 and bfloat16 runs come to float64: measured on the real model, never asserted.
+
+    python bench/agreement.py                      # float32 + bfloat16, reference + cpu-paged (~3 min)
+    python bench/agreement.py --dtypes bfloat16 --backends cpu-paged --new-tokens 64
+
+The 16 SmolLM2 check prompts (``minicb.measure.workloads.SMOLLM2_PROMPTS``, chat template applied) are
+generated greedily, 32 new tokens each, by the engine with its defaults (continuous batching, chunked
+prefill, paged KV) in each dtype and attention backend, and compared with the same engine in float64
+on the reference backend, the one the test suite holds exact. For every output that differs the
+script prints where it first diverges and the float64 logit margin there: the gap between the two
+candidate tokens' float64 logits after the common prefix. A small margin means a near-tie that any
+rounding may flip (bfloat16 keeps 8 significant bits, so its logits move by ~0.1-1 on this model); a
+large one would point at a bug. Low precision changes only which of two near-equal tokens wins at the
+first divergence; after it, the two continuations are different texts and are not compared further.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpu_check import first_divergence_margin  # noqa: E402
+
+from minicb.llm import LLM  # noqa: E402
+from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
+from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
+from minicb.model.loader import load_model  # noqa: E402
+from minicb.sampling_params import SamplingParams  # noqa: E402
+
+
+def generate(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int,
+             backend: str) -> list[list[int]]:
+    llm = LLM(model, attn_backend=backend)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new_tokens))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--backends", default="reference,cpu-paged")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None, dtype=torch.float64)
+    prompts = smollm2_prompt_ids(loaded.tokenizer)
+    assert len(prompts) == len(SMOLLM2_PROMPTS)
+    model64 = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.float64)
+    t0 = time.perf_counter()
+    ref = generate(model64, prompts, args.new_tokens, "reference")
+    print(f"float64 reference: {sum(map(len, ref))} tokens in {time.perf_counter() - t0:.0f} s "
+          f"({len(prompts)} prompts, {args.new_tokens} new tokens each, greedy, EOS honoured)")
+    print(f"{'dtype':<10}{'backend':<11}{'identical':>10}   first divergences (token index, float64 margin)")
+    for dname in args.dtypes.split(","):
+        model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
+        for backend in args.backends.split(","):
+            got = generate(model, prompts, args.new_tokens, backend)
+            same = sum(a == b for a, b in zip(got, ref))
+            margins = [m for p, a, b in zip(prompts, ref, got)
+                       if (m := first_divergence_margin(model64, p, a, b)) is not None]
+            where = ", ".join(f"({i}, {gap:.2f})" for i, gap in sorted(margins, key=lambda m: m[1])) or "-"
+            print(f"{dname:<10}{backend:<11}{same:>6}/{len(prompts):<3}   {where}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
