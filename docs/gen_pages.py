@@ -1,8 +1,11 @@
 """Write the generated pages of the site (run from the repository root: ``python docs/gen_pages.py``).
 
-* ``docs/tutorials/NN_name.md``: one page per tutorial: its docstring as the introduction, its code
-  (included at build time with the snippets extension, so it is never stale) and the output of a run
-  (captured here and committed: a docs build must not take minutes of tutorials);
+* ``docs/tutorials/NN_name.md``: one literate page per chapter: its docstring as the introduction,
+  then its cells in order (``tutorials/_cells.py`` describes the format): prose, a code cell, that
+  cell's own output; then its exercises, each answered by running the script with the exercise's
+  flags. The outputs are captured here and committed (a docs build must not take minutes of
+  tutorials); tests/test_chapters.py checks that the pages' code is the scripts' code;
+* ``docs/tutorials/index.md``: the chapters with prerequisites and minutes, and a reading path;
 * ``docs/api/*.md``: one mkdocstrings page per module;
 * ``docs/images/trace-*.svg``: the slot timelines of the three policies, drawn by ``minicb trace``;
 * ``docs/images/{ragged-mask,block-tables,prefix-tree,policies}.{json,svg}`` (``minicb.measure.pictures``)
@@ -15,7 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
+import math
 import pathlib
+import re
+import shlex
 import subprocess
 import sys
 
@@ -37,41 +44,178 @@ API_MODULES = [
 ]
 
 # The trace images: one workload, three policies (``minicb trace`` with these flags draws them).
+# Requests arrive two steps apart: a padded policy that starts at once (dynamic) forms different batches
+# from one that waits for a full batch (static); with every request there at step 0 the two are the same.
 TRACE_ARGS = ["--num-requests", "10", "--seed", "3", "--max-num-seqs", "4", "--output-len", "2", "20",
-              "--prompt-len", "4", "24"]
+              "--prompt-len", "4", "24", "--arrival-gap", "2"]
+
+
+# --- the chapters: literate pages ------------------------------------------------------------------
+READING_PATH = """\
+## A reading path
+
+1. **The problem and the layout** (01, 02): why static batches waste work, and the flat batch
+   with `cu_seqlens` that makes mixing requests possible.
+2. **The bookkeeping** (03, 04): the slot table and the paged block pool, each driven by hand.
+3. **The loop** (05): both together in the engine's step loop, on a real model.
+4. **Refinements of the loop**, in any order once 05 is read: chunked prefill (06), preemption
+   (07), prefix caching (10; it builds on 04's block tables and 07's recompute).
+5. **Scaling out and measuring**: tensor-parallel consistency (08), then the benchmark (09), which
+   uses everything before it.
+"""
+SERVING = "6. **Serving** (11): the engine behind an HTTP server, requests arriving while it runs.\n"
+GLOSSARY = ("New words (slot, block table, chunk, preemption, ...) are defined in the "
+            "[glossary](../glossary.md).\n")
+
+# reading speed for the index's minutes: words of prose a minute, and a code line counted as words
+WORDS_PER_MINUTE, WORDS_PER_CODE_LINE = 200, 4
+
+
+def _tutorials():
+    sys.path.insert(0, str(ROOT / "tutorials"))
+    try:
+        import _cells
+
+        return _cells
+    finally:
+        sys.path.remove(str(ROOT / "tutorials"))
+
+
+def chapter_header(doc: str) -> dict:
+    """Title, run line, prerequisites and introduction of a chapter's docstring: the title line, a
+    blank line, a paragraph of ``Run: ...`` and ``Prerequisites: ...`` (which may wrap), then the
+    introduction."""
+    title, _, rest = doc.partition("\n")
+    head, _, intro = rest.strip().partition("\n\n")
+    fields, key = {}, None
+    for line in head.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name in ("Run", "Prerequisites"):
+            key, fields[name] = name, value.strip()
+        elif key is not None:
+            fields[key] += " " + line.strip()
+    if set(fields) != {"Run", "Prerequisites"}:
+        raise ValueError(f"{title}: the docstring's second paragraph needs 'Run: ...' and "
+                         "'Prerequisites: ...'")
+    return {"title": title.rstrip("."), "run": fields["Run"], "prerequisites": fields["Prerequisites"],
+            "intro": intro.strip()}
+
+
+def chapter_flags(source: str) -> list[tuple[str, str]]:
+    """(--flag, help) of the chapter's ``flags(__doc__, name=(default, help), ...)`` call."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "flags":
+            for kw in node.keywords:
+                default, help_ = ast.literal_eval(kw.value)
+                out.append(("--" + kw.arg.replace("_", "-"), f"{help_} (default {default})"))
+    return out
+
+
+def answer_lines(stdout: str, pattern: str) -> list[str]:
+    """The lines of a run's output that state an exercise's answer."""
+    return [line for line in stdout.splitlines() if re.search(pattern, line)]
+
+
+def _fence(lang: str, text: str, indent: str = "") -> list[str]:
+    return [indent + line if line else "" for line in [f"```{lang}", *text.rstrip("\n").split("\n"), "```"]]
+
+
+def chapter_page(path: pathlib.Path, run, exercise_runs: list) -> tuple[str, dict]:
+    """The page of one chapter and its metadata: prose, code, that code's output, in order."""
+    cells_mod = _tutorials()
+    source = path.read_text()
+    head = chapter_header(cells_mod.docstring(source))
+    cells = cells_mod.split(source)
+    words = len(head["intro"].split())
+    body, outputs = [], iter(run.outputs)
+    exercises = run.constants.get("EXERCISES", [])
+    for cell in cells:
+        if cell.kind == "markdown":
+            body += [cell.text, ""]
+            words += len(cell.text.split())
+            continue
+        output = next(outputs)
+        if cell.is_exercises:
+            continue
+        words += WORDS_PER_CODE_LINE * len(cell.text.splitlines())
+        if cell.title:
+            body += [f'??? example "{cell.title}"', "", *_fence("python", cell.text, "    "), ""]
+        else:
+            body += [*_fence("python", cell.text), ""]
+        if output.strip():
+            body += [*_fence("text", output), ""]
+            words += len(output.split()) // 2
+    if exercises:
+        body += ["## Try it", ""]
+        for k, (ex, ex_run) in enumerate(zip(exercises, exercise_runs, strict=True), 1):
+            lines = answer_lines(ex_run.stdout, ex["answer"])
+            if not lines:
+                raise ValueError(f"{path.name} {ex['flags']}: no output line matches {ex['answer']!r}")
+            body += [f"**{k}.** Run `python tutorials/{path.name} {ex['flags']}`. {ex['question']}", "",
+                     '??? success "Answer (what the run prints)"', "",
+                     *_fence("text", "\n".join(lines), "    "), ""]
+            if ex.get("why"):
+                body += ["    " + ex["why"], ""]
+    meta = {"read_min": max(1, math.ceil(words / WORDS_PER_MINUTE)), "run_s": round(run.seconds, 1)}
+    flag_list = ", ".join(f"`{f}`" for f, _ in chapter_flags(source))
+    flags_note = f"; flags {flag_list}, see `--help`" if flag_list else ""
+    top = [f"# {head['title']}\n", HEADER, f"<!-- chapter: {json.dumps(meta)} -->\n",
+           f"**Run it:** `{head['run']}` (about {math.ceil(meta['run_s'])} s{flags_note}).",
+           f"**Prerequisites:** {head['prerequisites']}\n",
+           head["intro"] + "\n"]
+    return "\n".join(top + body).rstrip() + "\n", meta
+
+
+def chapter_meta(page: pathlib.Path) -> dict:
+    m = re.search(r"<!-- chapter: (\{.*\}) -->", page.read_text())
+    if not m:
+        raise ValueError(f"{page}: no chapter metadata; regenerate it: "
+                         "python docs/gen_pages.py --only tutorials")
+    return json.loads(m.group(1))
 
 
 def tutorial_pages(only: str | None = None) -> None:
+    """Run each chapter (cell by cell, and once per exercise), write its page and the index."""
+    cells_mod = _tutorials()
     out_dir = DOCS / "tutorials"
     out_dir.mkdir(exist_ok=True)
     chapters = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
+    for path in chapters:
+        if only and not path.name.startswith(only) and (out_dir / f"{path.stem}.md").exists():
+            continue                # (a chapter without a page yet is always run: the index needs it)
+        print(f"running {path.name} ...", flush=True)
+        run = cells_mod.run(path)
+        if run.seconds > 60:
+            print(f"warning: {path.name} took {run.seconds:.0f} s; a chapter should run in under 60 s",
+                  file=sys.stderr)
+        ex_runs = []
+        for ex in run.constants.get("EXERCISES", []):
+            print(f"running {path.name} {ex['flags']} ...", flush=True)
+            ex_runs.append(cells_mod.run(path, tuple(shlex.split(ex["flags"]))))
+        page, _ = chapter_page(path, run, ex_runs)
+        (out_dir / f"{path.stem}.md").write_text(page)
     index = ["# Tutorials\n", HEADER,
              "Numbered, runnable scripts, one concept each, built on minicb's real modules (no toy copies).",
-             "Run one from the repository root, e.g. `python tutorials/01_static_batching.py`; each finishes",
-             "in seconds on a laptop CPU. Each page shows the script and the output of one run.\n",
-             "| chapter | what it shows |", "|---|---|"]
+             "Run one from the repository root, e.g. `python tutorials/01_static_batching.py`: each runs",
+             "in seconds on a laptop CPU. A chapter's page is the script itself, cell by cell: prose, a",
+             "short piece of code, and what that code printed. Each chapter ends with a few changes to",
+             "try (a flag of the script) and a question the run answers.\n",
+             "| chapter | what it shows | prerequisites | reading | run |", "|---|---|---|---|---|"]
     for path in chapters:
-        doc = ast.get_docstring(ast.parse(path.read_text()))
-        title, _, rest = doc.partition("\n")
-        intro = rest.replace("Run: python", "Run it: `python").replace(".py\n", ".py`\n", 1)
-        summary = title.split(":", 1)[1].strip().rstrip(".")
-        index.append(f"| [{title.split(':')[0]}]({path.stem}.md) | {summary} |")
-        if only and not path.name.startswith(only):
-            continue
-        print(f"running {path.name} ...", flush=True)
-        proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=600)
-        page = [f"# {title.rstrip('.')}\n", HEADER, intro.strip() + "\n",
-                "## The script\n",
-                f'```python title="tutorials/{path.name}"',
-                f'--8<-- "tutorials/{path.name}"',
-                "```\n",
-                "## Its output\n",
-                "```text",
-                proc.stdout.rstrip(),
-                "```\n"]
-        (out_dir / f"{path.stem}.md").write_text("\n".join(page))
-    (out_dir / "index.md").write_text("\n".join(index) + "\n")
+        head = chapter_header(cells_mod.docstring(path.read_text()))
+        meta = chapter_meta(out_dir / f"{path.stem}.md")
+        number, _, summary = head["title"].partition(":")
+        index.append(f"| [{number}]({path.stem}.md) | {summary.strip()} | {head['prerequisites']} | "
+                     f"{meta['read_min']} min | {math.ceil(meta['run_s'])} s |")
+    index += ["",
+              f"Reading: at about {WORDS_PER_MINUTE} words a minute, a line of code counted as "
+              f"{WORDS_PER_CODE_LINE} words. Run: one run of the script (cell by cell, as the page shows it) "
+              "on the CPU that generated these pages.\n", READING_PATH]
+    if any(p.name.startswith("11_") for p in chapters):
+        index.append(SERVING)
+    index.append(GLOSSARY)
+    (out_dir / "index.md").write_text("\n".join(index))
 
 
 def api_pages() -> None:

@@ -1,96 +1,141 @@
 """Chapter 01: static batching and its padding bubbles.
 
 Run: python tutorials/01_static_batching.py
+Prerequisites: none (the home page's "What continuous batching is, and why" is
+the setting).
 
-A static batch runs a fixed group of requests together until the longest one ends. Requests that end
-early keep their row and compute padding; requests that arrive meanwhile wait outside. We measure that
-waste with minicb's padded baseline (``minicb.baseline.generate_padded``), then draw the seed's
-space-time picture for static versus continuous batching with ``minicb.measure.trace``.
+A static batch runs a fixed group of requests together until the longest one
+ends. Requests that end early keep their row and compute padding; requests that
+arrive meanwhile wait outside. We measure that waste with minicb's padded
+baseline (``minicb.baseline.generate_padded``), then draw the seed's space-time
+picture for static versus continuous batching with ``minicb.measure.trace``.
 """
 
-from __future__ import annotations
+# %% [markdown]
+# Classic inference servers batch requests the way CNN or BERT servers do: take
+# a fixed group, pack it into one `[batch, max_len]` tensor, run until every
+# member is done. LLM decoding makes that wasteful, because output lengths
+# differ wildly: a request that ends after 3 tokens keeps its row and computes
+# padding until the longest member ends.
+#
+# Four requests, each a (prompt length, tokens to generate) pair. A is short and
+# B is long: the seed's A and B. The model is a 2-layer random LLaMA in float64,
+# so everything runs in seconds and tokens can be compared exactly.
 
-from _common import chapter, explain, prompt_ids, run_engine, section, tiny_model
+# %%
+from _common import WIDTH, Exercise, flags, prompt_ids, run_engine, tiny_model
 
 from minicb.baseline import generate_padded
 from minicb.config import SchedulerConfig
 from minicb.measure.trace import render_ascii
 from minicb.sampling_params import SamplingParams
 
-# Four requests: (prompt length, tokens to generate). A is short, B is long: the seed's A and B.
+args = flags(__doc__, slots=(2, "batch slots (max_num_seqs) in section 2"))
 REQUESTS = {"A": (5, 3), "B": (3, 14), "C": (6, 5), "D": (4, 4)}
-SLOTS = 2
+SLOTS = args.slots
 
+model = tiny_model()
+names = list(REQUESTS)
+prompts = [prompt_ids(p, i) for i, (p, _) in enumerate(REQUESTS.values())]
+outs = [o for _, o in REQUESTS.values()]
+params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outs]
 
-def padded_batch_picture(prompt_lens, out_lens) -> list[str]:
-    """Rows of the padded batch: '.' left padding, P prompt, t generated, x computed for nothing."""
+# %% helper: draw the padded batch row by row
+def padded_rows(prompt_lens, out_lens) -> list[str]:
+    """'.' left padding, P prompt, t generated, x computed for nothing."""
     width_p, steps = max(prompt_lens), max(out_lens)
     rows = []
-    for name, p, o in zip(REQUESTS, prompt_lens, out_lens, strict=True):
-        rows.append(f"  row {name}  " + "." * (width_p - p) + "P" * p + " | " + "t" * o + "x" * (steps - o))
+    for name, p, o in zip(names, prompt_lens, out_lens, strict=True):
+        prompt = "." * (width_p - p) + "P" * p
+        rows.append(f"  row {name}  {prompt} | " + "t" * o + "x" * (steps - o))
     return rows
 
 
-def main() -> None:
-    chapter(1, "static batching and padding bubbles")
-    explain("""
-        Classic inference servers batch requests the way CNN or BERT servers do: take a fixed group,
-        pack it into one [batch, max_len] tensor, run until every member is done. LLM decoding makes
-        that wasteful, because output lengths differ wildly: a request that ends after 3 tokens keeps
-        its row and computes padding until the longest member ends.
-    """)
-    model = tiny_model()
-    names = list(REQUESTS)
-    prompts = [prompt_ids(p, i) for i, (p, _) in enumerate(REQUESTS.values())]
-    outs = [o for _, o in REQUESTS.values()]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outs]
+# %% [markdown]
+# ## 1. One padded static batch of all four requests
+#
+# `generate_padded` is minicb's oracle: the plain, padded way to generate. Every
+# prompt is left-padded to the longest one, and the batch decodes until its
+# longest member has all its tokens.
 
-    section("1. one padded static batch of all four requests (minicb.baseline.generate_padded)")
-    result = generate_padded(model, prompts, params, eos_token_id=None)
-    for line in padded_batch_picture([len(p) for p in prompts], outs):
-        print(line)
-    print("         prompt   generated tokens ->  ('.' left padding, 'x' a finished row's wasted step)")
-    print(f"\nforward steps: {result.steps}")
-    print(f"token slots computed: {result.total_token_slots}, of which padding: {result.padded_token_slots}")
-    print(f"padding waste of the static batch: {100 * result.padding_waste:.2f}%")
-    explain("""
-        The seed quotes 68.5% padding waste for static batching on ShareGPT, where lengths range from
-        100 to 2000 tokens; four tiny requests already waste a large share.
-    """)
+# %%
+result = generate_padded(model, prompts, params, eos_token_id=None)
+print("\n".join(padded_rows([len(p) for p in prompts], outs)))
+print("         prompt   generated -> ('.' padding, 'x' a finished row's step)")
+print(f"\nforward steps: {result.steps}")
+print(f"token slots computed: {result.total_token_slots}, "
+      f"of which padding: {result.padded_token_slots}")
+print(f"padding waste of the static batch: {100 * result.padding_waste:.2f}%")
 
-    section(f"2. the seed's space-time picture: {SLOTS} slots, four requests, static vs continuous")
-    explain(f"""
-        Now the same four requests compete for {SLOTS} slots (max_num_seqs={SLOTS}). Each character is
-        one slot in one step: a letter is real work (UPPER = the prefill step, lower = a decode), '.'
-        is padding, a blank is an idle slot. The static policy runs A and B as one batch until B is
-        done, then C and D. The continuous policy refills A's slot with C at the very next step.
-    """)
-    results = {}
-    for policy in ("static", "continuous"):
-        cfg = SchedulerConfig(max_num_seqs=SLOTS, max_num_batched_tokens=64, block_size=4, num_blocks=64,
-                              policy=policy)
-        out, trace, eng = run_engine(model, cfg, prompts, outs)
-        results[policy] = (out, trace, eng)
-        print(render_ascii(trace, width=100, colour=False, legend=False))
-        legend = ", ".join(f"{trace.label(f'r{i}')}=request {n}" for i, n in enumerate(names))
-        print(f"({legend})")
-        waits = {n: int(out[f"r{i}"].first_scheduled_time) for i, n in enumerate(names)}
-        print(f"{policy}: {trace.num_steps} steps; first step of each request: {waits}")
-        print(f"{policy}: scheduler counted {eng.stats.num_padding_tokens} padding tokens\n")
+# %% [markdown]
+# The seed quotes 68.5% padding waste for static batching on ShareGPT, where
+# lengths range from 100 to 2,000 tokens; four tiny requests already waste a
+# large share.
+#
+# ## 2. The seed's space-time picture: static versus continuous
+#
+# Now the same four requests compete for a few slots (`max_num_seqs`, 2 by
+# default). Each character is one slot in one step: a letter is real work (UPPER
+# = the prefill step, lower = a decode), `.` is padding, a blank is an idle
+# slot. The static policy runs A and B as one batch until B is done, then C and
+# D. The continuous policy refills A's slot with C at the very next step.
 
-    st, ct = results["static"][1].summary(), results["continuous"][1].summary()
-    print(f"steps: static {results['static'][1].num_steps}, continuous {results['continuous'][1].num_steps}")
-    print(f"slot utilisation: static {100 * st.slot_utilisation:.1f}%, "
-          f"continuous {100 * ct.slot_utilisation:.1f}%")
-    same = all(results["static"][0][f"r{i}"].token_ids == results["continuous"][0][f"r{i}"].token_ids
-               == result.token_ids[i] for i in range(len(names)))
-    print(f"every request got the same tokens under static, continuous and the padded baseline: {same}")
-    explain("""
-        Continuous batching changes *when* each request runs, never *what* it computes: the tokens are
-        identical (minicb's tests assert this for every policy, chunk size and preemption mode).
-        Next chapter: how a batch with no padding at all is laid out (ragged packing).
-    """)
+# %%
+results = {}
+for policy in ("static", "continuous"):
+    cfg = SchedulerConfig(max_num_seqs=SLOTS, max_num_batched_tokens=64,
+                          block_size=4, num_blocks=64, policy=policy)
+    out, trace, eng = run_engine(model, cfg, prompts, outs)
+    results[policy] = (out, trace, eng)
+    print(render_ascii(trace, width=WIDTH, colour=False, legend=False,
+                       summary=False))
+    print("(" + ", ".join(f"{trace.label(f'r{i}')}=request {n}"
+                          for i, n in enumerate(names)) + ")")
+    first = {n: int(out[f"r{i}"].first_scheduled_time)
+             for i, n in enumerate(names)}
+    print(f"{policy}: {trace.num_steps} steps; first step of each request:")
+    print(f"  {first}")
+    print(f"{policy}: scheduler counted {eng.stats.num_padding_tokens} "
+          "padding tokens\n")
 
+# %% [markdown]
+# Count the steps and the share of (slot, step) cells that did real work:
 
-if __name__ == "__main__":
-    main()
+# %%
+static, cont = results["static"][1], results["continuous"][1]
+print(f"steps: static {static.num_steps}, continuous {cont.num_steps}")
+util = {name: 100 * t.summary().slot_utilisation
+        for name, t in (("static", static), ("continuous", cont))}
+print(f"slot utilisation: static {util['static']:.1f}%, "
+      f"continuous {util['continuous']:.1f}%")
+same = all(results["static"][0][f"r{i}"].token_ids
+           == results["continuous"][0][f"r{i}"].token_ids
+           == result.token_ids[i] for i in range(len(names)))
+print("every request got the same tokens under static, continuous and the")
+print(f"padded baseline: {same}")
+
+# %% [markdown]
+# Continuous batching changes *when* each request runs, never *what* it
+# computes: the tokens are identical (minicb's tests assert this for every
+# policy, chunk size and preemption mode). Next chapter: how a batch with no
+# padding at all is laid out (ragged packing).
+
+# %%
+EXERCISES = [
+    Exercise(
+        "--slots 4",
+        "With four slots all four requests fit in one batch. How many steps do "
+        "static and continuous take now?",
+        r"^steps: static",
+        "The same number: nobody waits for a slot, so continuous batching has "
+        "nothing to refill. Static still computes its padding rows; continuous "
+        "leaves those slots idle instead. Its gain comes from handing a freed "
+        "slot to a waiting request, and here none waits."),
+    Exercise(
+        "--slots 1",
+        "With a single slot, is there any padding left under static batching?",
+        r"^static: scheduler counted",
+        "None: a batch of one has no shorter member to pad and no finished "
+        "member to carry. One slot serves the requests one after another under "
+        "both policies."),
+]

@@ -1,17 +1,29 @@
 """Chapter 02: ragged packing and cu_seqlens.
 
 Run: python tutorials/02_ragged_packing.py
+Prerequisites: chapter 01.
 
-Continuous batching mixes, in one forward step, a decode token of one request, a whole prompt of
-another and a prompt chunk of a third. Instead of a padded [batch, max_len] tensor, minicb (like vLLM
-and SGLang) lays every scheduled token end to end in one flat tensor and records where each request's
-tokens start: ``cu_seqlens``. ``minicb.packer.pack`` turns a ``StepPlan`` into these tensors.
+Continuous batching mixes, in one forward step, a decode token of one request, a
+whole prompt of another and a prompt chunk of a third. Instead of a padded
+[batch, max_len] tensor, minicb (like vLLM and SGLang) lays every scheduled
+token end to end in one flat tensor and records where each request's tokens
+start: ``cu_seqlens``. ``minicb.packer.pack`` turns a ``StepPlan`` into these
+tensors.
 """
 
-from __future__ import annotations
+# %% [markdown]
+# The seed's example: the flat sequence `[TokenA_0, TokenB_37, TokenC_0,
+# TokenC_1, TokenC_2]` with `cu_seqlens` = `[0, 1, 2, 5]`. We make it happen
+# with the real engine: request B has a 37-token prompt and is decoding position
+# 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's planner
+# puts decodes first, so B's token leads, but the offsets are the seed's.
+#
+# Prefix caching (chapter 10) is off here: every request gets plain, private
+# block tables.
 
+# %%
 import torch
-from _common import chapter, explain, prompt_ids, section, tiny_model
+from _common import Exercise, flags, prompt_ids, tiny_model
 
 from minicb.config import SchedulerConfig
 from minicb.engine import LLMEngine
@@ -19,90 +31,155 @@ from minicb.model.attention import ReferenceAttention
 from minicb.packer import pack, pack_prompts
 from minicb.sampling_params import SamplingParams
 
+args = flags(__doc__, b_prompt=(37, "B's prompt length"),
+             block_size=(4, "token positions per KV block"))
+B_PROMPT, BLOCK_SIZE = args.b_prompt, args.block_size
 
+model = tiny_model()
+cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128,
+                      block_size=BLOCK_SIZE, num_blocks=64,
+                      enable_prefix_caching=False)
+eng = LLMEngine(model, cfg)
+plans = []
+eng.listen(on_plan=lambda event: plans.append(event.plan))
+params = SamplingParams(max_tokens=4, ignore_eos=True)
+eng.add_request("B", prompt_ids(B_PROMPT, 1), params)
+eng.step()          # B's prefill; it samples the token at position B_PROMPT
+eng.add_request("A", prompt_ids(1, 0), params)
+eng.add_request("C", prompt_ids(3, 2), params)
+eng.step()          # B decodes that position; A and C prefill
+plan = plans[-1]
+
+# %% [markdown]
+# ## 1. The StepPlan the scheduler made
+#
+# Plain Python, no tensors: for every request, its slot, the positions it
+# computes this step, its block table and whether a token is sampled from it.
+
+# %%
+for s in plan.seqs:
+    kind = "decode" if s.num_tokens == 1 and s.start_pos > 0 else "prompt"
+    last = s.start_pos + s.num_tokens - 1
+    print(f"{s.request_id}: slot {s.slot_id}, {kind}, positions "
+          f"{s.start_pos}..{last}, sample={s.sample}")
+    print(f"   block_table {list(s.block_table)}")
+
+# %% [markdown]
+# ## 2. `pack(plan)`: one flat tensor, no padding
+
+# %% helper: print the flat batch with one label per token
 def show_flat(plan, batch) -> None:
-    """The flat token tensor with one label per token, then the offsets under it."""
-    labels = []
-    for s in plan.seqs:
-        labels += [f"{s.request_id}_{s.start_pos + j}" for j in range(s.num_tokens)]
-    print("flat tokens   : [ " + ", ".join(f"{lab:>4}" for lab in labels) + " ]")
-    print("input_ids     : [ " + ", ".join(f"{t:>4}" for t in batch.input_ids.tolist()) + " ]")
-    print("positions     : [ " + ", ".join(f"{t:>4}" for t in batch.positions.tolist()) + " ]")
-    cu = batch.attn.cu_seqlens_q.tolist()
+    labels = [f"{s.request_id}_{s.start_pos + j}"
+              for s in plan.seqs for j in range(s.num_tokens)]
+
+    def row(name, values):
+        print(f"{name:<12}: [ " + ", ".join(f"{v:>4}" for v in values) + " ]")
+
+    row("flat tokens", labels)
+    row("input_ids", batch.input_ids.tolist())
+    row("positions", batch.positions.tolist())
     marks = [" "] * (len(labels) * 6 + 1)
-    for c in cu:
+    for c in batch.attn.cu_seqlens_q.tolist():
         marks[c * 6] = "^"
-    print("boundaries    :  " + "".join(marks))
-    print(f"cu_seqlens_q = {cu}")
-    print(f"cu_seqlens_k = {batch.attn.cu_seqlens_k.tolist()}   (keys: cached tokens + new ones)")
-    print(f"context_lens = {batch.attn.context_lens.tolist()}")
-    print(f"slot_mapping = {batch.attn.slot_mapping.tolist()}   (block_table[pos // 4] * 4 + pos % 4)")
-    print(f"block_tables = {batch.attn.block_tables.tolist()}   (one row per sequence, 0-padded)")
+    print(f"{'boundaries':<12}:  " + "".join(marks))
 
 
-def main() -> None:
-    chapter(2, "ragged packing and cu_seqlens")
-    explain("""
-        The seed's example: the flat sequence [TokenA_0, TokenB_37, TokenC_0, TokenC_1, TokenC_2] with
-        cu_seqlens [0, 1, 2, 5]. We make it happen with the real engine: request B has a 37-token prompt
-        and is decoding position 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's
-        planner puts decodes first, so B's token leads, but the offsets are the seed's.
-    """)
-    model = tiny_model()
-    # prefix caching (sharing the blocks of common prompt prefixes) is off: plain, private block tables
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=32,
-                          enable_prefix_caching=False)
-    eng = LLMEngine(model, cfg)
-    plans = []
-    eng.listen(on_plan=lambda event: plans.append(event.plan))
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    eng.add_request("B", prompt_ids(37, 1), params)
-    eng.step()                                   # B's 37-token prefill; samples the token at position 37
-    eng.add_request("A", prompt_ids(1, 0), params)
-    eng.add_request("C", prompt_ids(3, 2), params)
-    eng.step()                                   # B decodes position 37; A and C prefill
-    plan = plans[-1]
+# %%
+batch = pack(plan)
+show_flat(plan, batch)
+meta = batch.attn
+print(f"cu_seqlens_q = {meta.cu_seqlens_q.tolist()}")
+print(f"cu_seqlens_k = {meta.cu_seqlens_k.tolist()}   (cached keys + new ones)")
+print(f"context_lens = {meta.context_lens.tolist()}")
+print(f"slot_mapping = {meta.slot_mapping.tolist()}")
+bs = BLOCK_SIZE
+print(f"   (block_table[pos // {bs}] * {bs} + pos % {bs})")
+print("block_tables = (one row per sequence, 0-padded)")
+for s, table in zip(plan.seqs, meta.block_tables.tolist(), strict=True):
+    print(f"   {s.request_id}: {table}")
+n_seqs = len(plan.seqs)
+longest = max(s.num_tokens for s in plan.seqs)
+print(f"\nflat tokens computed: {batch.num_tokens}")
+print(f"a padded [batch={n_seqs}, max_len={longest}] tensor would compute "
+      f"{n_seqs * longest} token rows,")
+print(f"{n_seqs * longest - batch.num_tokens} of them padding")
 
-    section("1. the StepPlan the scheduler made (plain Python, no tensors)")
-    for s in plan.seqs:
-        kind = "decode" if s.num_tokens == 1 and s.start_pos > 0 else "prompt"
-        print(f"  {s.request_id}: slot {s.slot_id}, {kind}, tokens at positions "
-              f"{s.start_pos}..{s.start_pos + s.num_tokens - 1}, block_table {list(s.block_table)}, "
-              f"sample={s.sample}")
+# %% [markdown]
+# Every layer except attention works token by token, so it does not care which
+# request a row belongs to. Attention uses `cu_seqlens` to keep requests apart:
+# the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` attend only to request i's
+# own keys (its cached blocks, found through its block table, plus its new
+# tokens). FlashAttention's varlen kernel takes exactly these arrays; minicb's
+# reference backend does the same in plain PyTorch.
+#
+# ## 3. The attention mask those offsets describe
+#
+# One row per flat query token, one column per key of the step, the keys of each
+# request side by side (`cu_seqlens_k` cuts them). `#`: the query attends to
+# that key; `.`: a key of its own request in its future; blank: another
+# request's key, never looked at. No row ever reaches into another request's
+# columns, and a query at position p sees keys 0..p of its own request.
 
-    section("2. pack(plan): one flat tensor, no padding")
-    batch = pack(plan)
-    show_flat(plan, batch)
-    n_seqs = len(plan.seqs)
-    longest = max(s.num_tokens for s in plan.seqs)
-    print(f"\nflat tokens computed: {batch.num_tokens}")
-    print(f"a padded [batch={n_seqs}, max_len={longest}] tensor would compute {n_seqs * longest} "
-          f"token rows, {n_seqs * longest - batch.num_tokens} of them padding")
-    explain("""
-        Every layer except attention works token by token, so it does not care which request a row
-        belongs to. Attention uses cu_seqlens to keep requests apart: the query rows
-        cu_seqlens_q[i]:cu_seqlens_q[i+1] attend only to request i's own keys (its cached blocks, found
-        through its block table, plus its new tokens). FlashAttention's varlen kernel takes exactly
-        these arrays; minicb's reference backend does the same in plain PyTorch.
-    """)
+# %%
+q_cu, k_cu = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
+positions = batch.positions.tolist()
+print(("keys: " + "|".join(s.request_id.ljust(k_cu[i + 1] - k_cu[i])
+                           for i, s in enumerate(plan.seqs))).rstrip())
+for i, s in enumerate(plan.seqs):
+    for row in range(q_cu[i], q_cu[i + 1]):
+        cells = []
+        for j in range(n_seqs):
+            n_keys = k_cu[j + 1] - k_cu[j]
+            cells.append("".join("#" if k <= positions[row] else "."
+                                 for k in range(n_keys)) if j == i
+                         else " " * n_keys)
+        label = f"{s.request_id}_{positions[row]}"
+        print((f"{label:<6}" + "|".join(cells)).rstrip())
 
-    section("3. proof that packing keeps requests apart")
-    prompts = [prompt_ids(1, 0), prompt_ids(37, 1), prompt_ids(3, 2)]
-    packed = pack_prompts(prompts)
-    backend = ReferenceAttention(None)
-    together = model(packed.input_ids, packed.positions, backend, packed.attn, packed.logits_indices)
-    diffs = []
-    for i, p in enumerate(prompts):
-        alone = pack_prompts([p])
-        logits = model(alone.input_ids, alone.positions, backend, alone.attn, alone.logits_indices)
-        lo, hi = packed.attn.cu_seqlens_q[i].item(), packed.attn.cu_seqlens_q[i + 1].item()
-        diffs.append((together[lo:hi] - logits).abs().max().item())
-    print(f"three whole prompts packed: cu_seqlens_q = {packed.attn.cu_seqlens_q.tolist()}")
-    print(f"max |logits packed - logits alone| per request: {diffs}")
-    print(f"largest difference: {max(diffs):.3e} (float64)")
-    print(f"same logits as running each request alone (up to float64 rounding): {max(diffs) < 1e-12}")
-    assert torch.isfinite(together).all()
+# %% [markdown]
+# ## 4. Proof that packing keeps requests apart
+#
+# Three whole prompts packed into one forward pass give the same logits as three
+# separate forward passes, up to float64 rounding.
 
+# %%
+prompts = [prompt_ids(1, 0), prompt_ids(B_PROMPT, 1), prompt_ids(3, 2)]
+packed = pack_prompts(prompts)
+backend = ReferenceAttention(None)
+together = model(packed.input_ids, packed.positions, backend, packed.attn,
+                 packed.logits_indices)
+diffs = []
+for i, p in enumerate(prompts):
+    alone = pack_prompts([p])
+    logits = model(alone.input_ids, alone.positions, backend, alone.attn,
+                   alone.logits_indices)
+    lo = packed.attn.cu_seqlens_q[i].item()
+    hi = packed.attn.cu_seqlens_q[i + 1].item()
+    diffs.append((together[lo:hi] - logits).abs().max().item())
+assert torch.isfinite(together).all()
+print(f"three whole prompts packed: cu_seqlens_q = "
+      f"{packed.attn.cu_seqlens_q.tolist()}")
+print("max |logits packed - logits alone| per request: "
+      + ", ".join(f"{d:.1e}" for d in diffs))
+print("same logits as running each request alone (up to float64 rounding): "
+      f"{max(diffs) < 1e-12}")
 
-if __name__ == "__main__":
-    main()
+# %%
+EXERCISES = [
+    Exercise(
+        "--b-prompt 40",
+        "B's prompt is now 40 tokens long. What are cu_seqlens_q and "
+        "cu_seqlens_k?",
+        r"^cu_seqlens_[qk] =",
+        "The query offsets do not change: B still computes one token, A one "
+        "and C three. The key offsets grow with B's context: its cached "
+        "prompt plus the token it decodes."),
+    Exercise(
+        "--block-size 8",
+        "With blocks of 8 positions, which KV slots do A's and C's tokens get "
+        "(slot_mapping)?",
+        r"^slot_mapping =",
+        "B's 38 positions fill blocks 0..4 (the last one partly), so A's token "
+        "goes to the start of block 5 and C's three tokens to the start of "
+        "block 6: block * 8 + offset."),
+]

@@ -1,86 +1,195 @@
-"""Chapter 06: chunked prefill.
+"""Chapter 06: chunked prefill, and bottom-right causal attention.
 
 Run: python tutorials/06_chunked_prefill.py
+Prerequisites: chapters 02 (the attention mask) and 05.
 
-A step's time grows with the tokens it computes. When a long prompt joins a batch of decodes, the step
-that computes the whole prompt is long, and every running request's next token waits for it (the
-seed: "decode starvation"). Chunked prefill caps each step at ``max_num_batched_tokens`` tokens: decodes
-are scheduled first, then the prompt gets what is left of the budget, chunk after chunk
-(``minicb.planner``).
+A step's time grows with the tokens it computes. When a long prompt joins a
+batch of decodes, the step that computes the whole prompt is long, and every
+running request's next token waits for it (the seed: "decode starvation").
+Chunked prefill caps each step at ``max_num_batched_tokens`` tokens: decodes are
+scheduled first, then the prompt gets what is left of the budget, chunk after
+chunk (``minicb.planner``). A chunk after the first one attends to keys it did
+not bring itself (the chunks before it, in the KV cache), which is why its
+causal mask must be *bottom-right* aligned.
 """
 
-from __future__ import annotations
+# %% [markdown]
+# Two requests a and b are decoding when C arrives at step 3 with a 20-token
+# prompt. With a budget of `max_num_batched_tokens` = 8 (`--budget` changes it),
+# each step first gives a and b their one decode token, and C gets the rest: its
+# prompt is fed in chunks over several steps, side by side with the decodes.
 
-from _common import chapter, explain, prompt_ids, run_engine, run_scheduler, section, tiny_model
+# %%
+import torch
+import torch.nn.functional as F
+from _common import (
+    Exercise,
+    flags,
+    prompt_ids,
+    run_engine,
+    run_scheduler,
+    tiny_model,
+)
+from torch.nn.attention.bias import causal_lower_right
 
 from minicb.config import SchedulerConfig
 
-# (request, prompt length, tokens to generate); C arrives at step 3 while a and b decode.
+args = flags(__doc__, budget=(8, "tokens per step (max_num_batched_tokens)"))
+BUDGET = args.budget
+# (request, prompt length, tokens to generate); C arrives at step 3
 REQUESTS = [("a", 3, 12), ("b", 2, 12), ("C", 20, 3)]
 ARRIVALS = [0, 0, 3]
-BUDGET = 8
+C_PROMPT = REQUESTS[2][1]
 
 
-def picture(plans) -> list[str]:
-    """One line per step: every token computed, grouped by request (lower = decode, UPPER = prompt)."""
-    lines = []
-    for plan in plans:
-        groups = []
-        for s in plan.seqs:
-            decode = s.num_tokens == 1 and s.start_pos > 0
-            groups.append(s.request_id.lower() if decode else s.request_id.upper() * s.num_tokens)
-        row = " | ".join(groups)
-        lines.append(f"  step {plan.step:2d} | {row:<30} | {plan.num_batched_tokens:2d} tokens")
-    return lines
+PROMPT_LEN = {r: p for r, p, _ in REQUESTS}
 
 
-def main() -> None:
-    chapter(6, "chunked prefill")
-    explain(f"""
-        Two requests a and b are decoding when C arrives with a 20-token prompt. With a budget of
-        max_num_batched_tokens={BUDGET}, each step first gives a and b their one decode token, and C
-        gets the rest: its prompt is fed in chunks over several steps, side by side with the decodes.
-    """)
-    results = {}
-    for name, budget in (("chunked", BUDGET), ("unchunked", 64)):
-        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, block_size=4, num_blocks=64)
-        sched, plans, _ = run_scheduler(cfg, REQUESTS, ARRIVALS)
-        results[name] = plans
-        section(f"{name}: max_num_batched_tokens={budget}")
-        print("\n".join(picture(plans[:9])))
-        if len(plans) > 9:
-            print(f"  ... {len(plans) - 9} more decode steps")
-
-    section("what changed")
-    chunk_plans, full_plans = results["chunked"], results["unchunked"]
-    c_chunks = [(p.step, s.start_pos, s.num_tokens) for p in chunk_plans for s in p.seqs
-                if s.request_id == "C" and s.start_pos < 20]
-    print(f"C's prompt chunks (step, first position, tokens): {c_chunks}")
-    print(f"max tokens in one step: chunked {max(p.num_batched_tokens for p in chunk_plans)}, "
-          f"unchunked {max(p.num_batched_tokens for p in full_plans)}")
-    decoding = [p for p in chunk_plans if any(s.request_id == "C" and s.start_pos < 20 for s in p.seqs)]
-    every = all({"a", "b"} <= {s.request_id for s in p.seqs} for p in decoding)
-    print(f"a and b got a decode token in every step of C's prefill: {every}")
-    print(f"C's first token came at step: chunked {c_chunks[-1][0]}, unchunked "
-          f"{next(p.step for p in full_plans for s in p.seqs if s.request_id == 'C')}")
-    explain("""
-        The trade: C's first token comes a few steps later, but no step is ever longer than the budget,
-        so a and b keep a steady inter-token latency (the seed's P99 inter-token latency column).
-        long_prefill_chunk additionally caps one prompt's share, so two new prompts can share a step.
-    """)
-
-    section("chunking never changes the tokens (real engine, tiny random model)")
-    model = tiny_model()
-    prompts = [prompt_ids(p, i) for i, (_, p, _) in enumerate(REQUESTS)]
-    outs = [o for _, _, o in REQUESTS]
-    tokens = {}
-    for name, budget in (("chunked", BUDGET), ("unchunked", 64)):
-        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, block_size=4, num_blocks=64)
-        out, trace, _ = run_engine(model, cfg, prompts, outs, ARRIVALS)
-        tokens[name] = [out[f"r{i}"].token_ids for i in range(len(prompts))]
-        print(f"{name}: {trace.num_steps} steps, C's tokens {tokens[name][2]}")
-    print(f"chunked and unchunked runs give identical tokens: {tokens['chunked'] == tokens['unchunked']}")
+def picture(plans, steps: int = 9) -> None:
+    """One line per step: lower = a decode token, UPPER = prompt tokens."""
+    for plan in plans[:steps]:
+        groups = [s.request_id.lower()
+                  if s.start_pos >= PROMPT_LEN[s.request_id]
+                  else s.request_id.upper() * s.num_tokens for s in plan.seqs]
+        print(f"  step {plan.step:2d} | {' | '.join(groups):<30} | "
+              f"{plan.num_batched_tokens:2d} tokens")
+    if len(plans) > steps:
+        print(f"  ... {len(plans) - steps} more steps")
 
 
-if __name__ == "__main__":
-    main()
+# %% [markdown]
+# ## 1. The schedule with and without a budget
+#
+# The scheduler driven with a fake model (chapter 03): first with the budget,
+# then with a budget of 64, large enough for C's whole prompt in one step.
+
+# %%
+results, running = {}, {}
+for name, budget in (("chunked", BUDGET), ("unchunked", 64)):
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                          block_size=4, num_blocks=64)
+    states = []        # each step's PlanEvent snapshot: who was running
+    keep = states.append
+    _, plans, _ = run_scheduler(cfg, REQUESTS, ARRIVALS,
+                                on_plan=lambda ev, keep=keep: keep(ev.state))
+    results[name] = plans
+    running[name] = [set(st.running) for st in states]
+    print(f"{name}: max_num_batched_tokens={budget}")
+    picture(plans)
+
+# %%
+chunked, full = results["chunked"], results["unchunked"]
+c_chunks = [(p.step, s.start_pos, s.num_tokens) for p in chunked for s in p.seqs
+            if s.request_id == "C" and s.start_pos < C_PROMPT]
+print(f"C's prompt went in {len(c_chunks)} chunks "
+      "(step, first position, tokens):")
+for i in range(0, len(c_chunks), 5):
+    print("  " + ", ".join(map(str, c_chunks[i:i + 5])))
+print(f"max tokens in one step: chunked "
+      f"{max(p.num_batched_tokens for p in chunked)}, unchunked "
+      f"{max(p.num_batched_tokens for p in full)}")
+every = all(running["chunked"][p.step] - {"C"} <= {s.request_id for s in p.seqs}
+            for p in chunked for s in p.seqs
+            if s.request_id == "C" and s.start_pos < C_PROMPT)
+print("every running request got its token in every step of C's prefill: "
+      f"{every}")
+first_full = next(p.step for p in full for s in p.seqs if s.request_id == "C")
+print(f"C's first token came at step: chunked {c_chunks[-1][0]}, "
+      f"unchunked {first_full}")
+
+# %% [markdown]
+# The trade: C's first token comes a few steps later, but no step is ever longer
+# than the budget, so a and b keep a steady inter-token latency (the seed's P99
+# inter-token latency column). `long_prefill_chunk` additionally caps one
+# prompt's share, so two new prompts can share a step.
+#
+# ## 2. Which keys may a chunk see? Bottom-right causal alignment
+#
+# Take one of C's later chunks: its queries sit at positions `start .. start + n
+# - 1`, and the keys are every position up to the chunk's end (the earlier
+# chunks come from the KV cache). Query `i` of the chunk is token `start + i` of
+# the prompt, so causality lets it see keys `0 .. start + i`: the diagonal of
+# the mask ends in the *bottom-right* corner of the `[n, start + n]` rectangle.
+#
+# PyTorch's `scaled_dot_product_attention(..., is_causal=True)` builds its mask
+# as `tril(ones(L_q, L_k))`: the diagonal starts in the *top-left* corner. That
+# is right when queries and keys are the same tokens (a whole prompt, L_q =
+# L_k), and wrong for a chunk: its first query would see only key 0.
+# FlashAttention (since version 2.1) aligns bottom-right, and torch offers
+# `torch.nn.attention.bias.causal_lower_right` for SDPA.
+
+# %%
+start, n = next((s, k) for _, s, k in c_chunks if s > 0) if len(c_chunks) > 1 \
+    else (0, c_chunks[0][2])
+keys = start + n
+print(f"C's chunk at positions {start}..{start + n - 1}: {n} queries, "
+      f"{keys} keys")
+top_left = torch.ones(n, keys, dtype=torch.bool).tril()
+bottom_right = torch.ones(n, keys, dtype=torch.bool).tril(diagonal=keys - n)
+print(f"\n{'SDPA is_causal=True (top-left)':<{keys + 10}}  what a chunk needs")
+for i in range(n):
+    tl = "".join("#" if m else "." for m in top_left[i].tolist())
+    br = "".join("#" if m else "." for m in bottom_right[i].tolist())
+    print(f"  q{start + i:<3}  {tl:<{keys + 4}}  {br}")
+
+# %% [markdown]
+# The same query, key and value tensors through SDPA three ways: with an
+# explicit bottom-right mask (the reference), with `is_causal=True`, and with
+# torch's `causal_lower_right` bias.
+
+# %%
+gen = torch.Generator().manual_seed(0)
+q = torch.randn(1, 1, n, 8, generator=gen, dtype=torch.float64)
+k = torch.randn(1, 1, keys, 8, generator=gen, dtype=torch.float64)
+v = torch.randn(1, 1, keys, 8, generator=gen, dtype=torch.float64)
+want = F.scaled_dot_product_attention(q, k, v, attn_mask=bottom_right)
+wrong = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+right = F.scaled_dot_product_attention(q, k, v,
+                                       attn_mask=causal_lower_right(n, keys))
+print("max |is_causal=True - reference|:     "
+      f"{(wrong - want).abs().max():.3f}")
+print("max |causal_lower_right - reference|: "
+      f"{(right - want).abs().max():.1e}")
+
+# %% [markdown]
+# minicb's attention backends take each sequence's `start_pos` from the packed
+# metadata and mask bottom-right (`minicb.model.attention`); the proof is that
+# chunking never changes a token:
+#
+# ## 3. Chunking never changes the tokens
+#
+# The real engine with the tiny random model, chunked and unchunked.
+
+# %%
+model = tiny_model()
+prompts = [prompt_ids(p, i) for i, (_, p, _) in enumerate(REQUESTS)]
+outs = [o for _, _, o in REQUESTS]
+tokens = {}
+for name, budget in (("chunked", BUDGET), ("unchunked", 64)):
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                          block_size=4, num_blocks=64)
+    out, trace, _ = run_engine(model, cfg, prompts, outs, ARRIVALS)
+    tokens[name] = [out[f"r{i}"].token_ids for i in range(len(prompts))]
+    print(f"{name}: {trace.num_steps} steps, C's tokens {tokens[name][2]}")
+print("chunked and unchunked runs give identical tokens: "
+      f"{tokens['chunked'] == tokens['unchunked']}")
+
+# %%
+EXERCISES = [
+    Exercise(
+        "--budget 4",
+        "With a budget of 4 tokens, in how many chunks does C's prompt go, and "
+        "when does its first token come?",
+        r"^(C's prompt went in|C's first token)",
+        "a and b take 2 of the 4 tokens every step, so C gets 2 a step: ten "
+        "chunks. The smaller the budget, the shorter every step, and the later "
+        "a new request's first token."),
+    Exercise(
+        "--budget 16",
+        "With a budget of 16, how many chunks, and how far is C's first token "
+        "from the unchunked run's?",
+        r"^(C's prompt went in|C's first token)",
+        "14 tokens a step for C: two chunks. A budget is a dial between the "
+        "latency of new requests (first token) and of running ones (the next "
+        "token)."),
+]

@@ -1,19 +1,26 @@
-"""Helpers shared by the tutorials: printing, the tiny random model and two small drivers.
+"""Helpers shared by the chapters: flags, the tiny random model, two drivers.
 
-Everything here calls minicb's real modules; nothing re-implements them. Two drivers:
+Everything here calls minicb's real modules; nothing re-implements them. Two
+drivers, both feeding requests through ``minicb.arrivals.drive``, the loop every
+tool of minicb uses:
 
-* ``run_scheduler``: the scheduler alone with a *fake model* (the simulator's ``SimulatedEngine``:
-  every sampled token is 5 and requests ignore EOS, so their lengths are exactly ``max_tokens``).
-  Scheduling decisions do not depend on token values, so this shows the real schedule in
-  milliseconds, with no torch at all.
+* ``run_scheduler``: the scheduler alone with a *fake model* (the simulator's
+  ``SimulatedEngine``: every sampled token is 5 and requests ignore EOS, so
+  their lengths are exactly ``max_tokens``). Scheduling decisions do not depend
+  on token values, so this shows the real schedule in milliseconds, no torch.
+* ``run_engine``: the real engine (model forward, paged KV cache, sampler) with
+  a slot trace.
 
-Both feed requests through ``minicb.arrivals.drive``, the loop every tool of minicb uses.
-* ``run_engine``: the real engine (model forward, paged KV cache, sampler) with a slot trace.
+Width: a chapter's page shows its code and output in the documentation's
+content column, which holds ``WIDTH`` = 80 monospace characters
+(tests/test_chapters.py says how that was measured). Chapters print within it,
+and their source lines stay within it too (``tutorials/ruff.toml``).
 """
 
-from __future__ import annotations
-
-import textwrap
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
 
 from minicb.arrivals import Arrival, drive
 from minicb.config import TINY_MODEL, SchedulerConfig
@@ -21,49 +28,72 @@ from minicb.measure.trace import TraceRecorder
 from minicb.sampling_params import SamplingParams
 from minicb.simulate.simulator import SimulatedEngine
 
-WIDTH = 100
+WIDTH = 80
 TINY = TINY_MODEL   # the package's one tiny random model (minicb.config)
 
 
-def chapter(number: int, title: str) -> None:
-    line = "=" * WIDTH
-    print(f"{line}\nChapter {number:02d}: {title}\n{line}")
+@dataclass(slots=True, frozen=True)
+class Exercise:
+    """A "try it" change at the end of a chapter: run the script with
+    ``flags`` and answer ``question``.
+
+    ``answer`` is a regular expression: the lines of the run's output it
+    matches are the answer the page shows (the generator runs the flags to get
+    them; tests/test_tutorials.py checks them against an independent
+    computation). ``why`` explains the answer without quoting its numbers.
+    """
+
+    flags: str
+    question: str
+    answer: str
+    why: str = ""
 
 
-def section(title: str) -> None:
-    print(f"\n--- {title} " + "-" * max(0, WIDTH - len(title) - 5))
-
-
-def explain(text: str) -> None:
-    """Print a paragraph of explanation (dedented, wrapped to the tutorial width)."""
-    for para in textwrap.dedent(text).strip().split("\n\n"):
-        print(textwrap.fill(" ".join(para.split()), WIDTH))
-        print()
+def flags(doc: str, **options) -> argparse.Namespace:
+    """The chapter's command-line flags: ``flags(__doc__, budget=(8, "tokens
+    per step"))`` accepts ``--budget N``; a flag's type is its default's. Under
+    Jupyter no flag is read."""
+    p = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
+    for name, (default, help_) in options.items():
+        opt = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            p.add_argument(opt, action="store_true", help=help_)
+        else:
+            p.add_argument(opt, type=type(default), default=default,
+                           metavar="N" if isinstance(default, int) else "X",
+                           help=f"{help_} (default {default})")
+    return p.parse_args([] if "ipykernel" in sys.modules else sys.argv[1:])
 
 
 def tiny_model(seed: int = 0):
-    """A 2-layer random LLaMA in float64: instant on a CPU, and exact enough to compare tokens."""
+    """A 2-layer random LLaMA in float64: instant on a CPU, and exact enough
+    to compare tokens."""
     import torch
 
     from minicb.model.llama import LlamaForCausalLM
 
-    torch.set_num_threads(1)   # tiny matmuls: a second thread costs more in synchronisation than it adds
-    return LlamaForCausalLM.random(TINY, seed=seed, dtype=torch.float64, std=0.3)
+    torch.set_num_threads(1)   # tiny matmuls: a 2nd thread costs, not helps
+    return LlamaForCausalLM.random(TINY, seed=seed, dtype=torch.float64,
+                                   std=0.3)
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
-    """``length`` reproducible token ids of the tiny vocabulary (4..63; 3 is EOS)."""
+    """``length`` reproducible token ids of the tiny vocabulary (4..63)."""
     return [4 + (seed * 7 + i * 13) % 60 for i in range(length)]
 
 
-def run_scheduler(config: SchedulerConfig, requests, arrivals=None, on_plan=None, on_step=None):
-    """Drive the scheduler with a fake model. ``requests``: (request_id, prompt_len, max_tokens).
+def run_scheduler(config: SchedulerConfig, requests, arrivals=None,
+                  on_plan=None, on_step=None, prompts=None):
+    """Drive the scheduler with a fake model. ``requests``: (request_id,
+    prompt_len, max_tokens) triples.
 
-    ``arrivals[i]``: the step at which request i is added (default: all at step 0). ``on_plan(event)``
-    sees every step's ``PlanEvent`` (the plan and a snapshot of slots, blocks and queues), ``on_step`` its
-    ``StepEvent`` (the state after the step is recorded). The engine
-    here is the simulator's: the real ``Scheduler``, every step lasting 1 time unit, every sampled token
-    5. Returns (engine, plans, finish_step).
+    ``arrivals[i]``: the step at which request i is added (default: all at
+    step 0). ``prompts[i]``: request i's token ids (default ``prompt_ids(
+    prompt_len, i)``). ``on_plan(event)`` sees every step's ``PlanEvent`` (the
+    plan and a snapshot of slots, blocks and queues), ``on_step`` its
+    ``StepEvent`` (``after``: the state once the step is recorded). Every step
+    lasts 1 time unit and every sampled token is 5. Returns (engine, plans,
+    finish step by request id).
     """
     engine = SimulatedEngine(config, lambda plan: 1.0, token=5)
     plans, finish_step = [], {}
@@ -75,18 +105,23 @@ def run_scheduler(config: SchedulerConfig, requests, arrivals=None, on_plan=None
             finish_step[o.request_id] = engine.last_plan.step
 
     arrivals = arrivals or [0] * len(requests)
-    drive(engine, [Arrival(arrivals[k], rid, prompt_ids(plen, k),
+    drive(engine, [Arrival(arrivals[k], rid,
+                           prompts[k] if prompts else prompt_ids(plen, k),
                            SamplingParams(max_tokens=out, ignore_eos=True))
-                   for k, (rid, plen, out) in enumerate(requests)], on_step=finished)
+                   for k, (rid, plen, out) in enumerate(requests)],
+          on_step=finished)
     return engine, plans, finish_step
 
 
-def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=None, step_cost=None):
-    """Run the real engine; request i (id ``r{i}``) arrives at step ``arrivals[i]``.
+def run_engine(model, config: SchedulerConfig, prompts, max_tokens,
+               arrivals=None, step_cost=None):
+    """Run the real engine; request i (id ``r{i}``) arrives at step
+    ``arrivals[i]``.
 
-    The engine's clock is simulated: each step (an idle one too) lasts ``step_cost(plan)`` time units
-    (default 1, so every latency is in steps). A step starts when it is planned and its tokens exist
-    when it ends. Returns (outputs by request id, slot trace, engine).
+    The engine's clock is simulated: each step (an idle one too) lasts
+    ``step_cost(plan)`` time units (default 1, so every latency is in steps).
+    The slot trace keeps idle steps: one column per engine step. Returns
+    (outputs by request id, slot trace, engine).
     """
     from minicb.engine import LLMEngine
 
@@ -94,13 +129,36 @@ def run_engine(model, config: SchedulerConfig, prompts, max_tokens, arrivals=Non
     cost = step_cost or (lambda plan: 1.0)
     eng = LLMEngine(model, config, clock=lambda: now[0])
 
-    def tick(event) -> None:            # between schedule() and update(): the step runs now
+    def tick(event) -> None:   # between schedule() and update(): the step runs
         now[0] += cost(event.plan)
 
     eng.listen(on_plan=tick)
-    rec = TraceRecorder(config.max_num_seqs, config.policy).attach(eng)
+    rec = TraceRecorder(config.max_num_seqs, config.policy, skip_empty=False)
+    rec.attach(eng)
     arrivals = arrivals or [0] * len(prompts)
-    done = drive(eng, [Arrival(arrivals[k], f"r{k}", prompts[k],
-                               SamplingParams(max_tokens=max_tokens[k], ignore_eos=True))
-                       for k in range(len(prompts))])
+    done = drive(eng, [
+        Arrival(arrivals[k], f"r{k}", prompts[k],
+                SamplingParams(max_tokens=max_tokens[k], ignore_eos=True))
+        for k in range(len(prompts))])
     return {o.request_id: o for o in done}, rec.trace, eng
+
+
+@contextlib.contextmanager
+def ranks_skip_this_script():
+    """Use while tensor-parallel ranks start. A process started by
+    ``multiprocessing`` (spawn or forkserver) first imports the parent's main
+    script, to find the functions it may need; a chapter runs top to bottom
+    with no ``main()`` guard, so each rank would run the whole chapter again.
+    Hiding the script's path for that moment makes the ranks skip it."""
+    main = sys.modules["__main__"]
+    path = main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        if path is not None:
+            main.__file__ = path
+
+
+def rule(title: str) -> str:
+    """A section line of the output, ``WIDTH`` wide: ``--- title -----``."""
+    return f"--- {title} " + "-" * max(0, WIDTH - len(title) - 5)
