@@ -395,13 +395,14 @@ def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = No
     by_step: dict[int, list[str]] = {}
     for rid, t in trace.arrivals.items():
         by_step.setdefault(t, []).append(rid)
-    for t, rids in sorted(by_step.items()):
-        for k, rid in enumerate(rids):        # several arrivals at one step: stacked downwards
-            y = n_slots - 0.1 + 0.3 * k
-            ax.plot([t + 0.5], [y], marker="^", color=colour_of(rid), markersize=6, clip_on=False)
-            ax.text(t + 0.9, y, label_of(rid), va="center", ha="left", fontsize=7, clip_on=False)
-    extra = 0.3 * (max((len(r) for r in by_step.values()), default=1) - 1)
-    ax.set_ylim(n_slots + 0.2 + extra, -0.5)
+    y = n_slots - 0.1
+    for t, rids in sorted(by_step.items()):   # several arrivals at one step share a grey tick
+        letters = sorted(label_of(r) for r in rids)
+        text = "".join(letters) if len(rids) <= 3 else f"{letters[0]}..{letters[-1]} ({len(rids)})"
+        colour = colour_of(rids[0]) if len(rids) == 1 else "#444444"
+        ax.plot([t + 0.5], [y], marker="^", color=colour, markersize=6, clip_on=False)
+        ax.text(t + 0.9, y, text, va="center", ha="left", fontsize=7, clip_on=False)
+    ax.set_ylim(n_slots + 0.2, -0.5)
     ax.set_xlim(0, n_steps)
     ax.set_yticks([*range(n_slots), n_slots - 0.1], [*(f"slot {i}" for i in range(n_slots)), "arrives"])
     ax.tick_params(axis="y", length=0)
