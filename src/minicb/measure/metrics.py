@@ -10,8 +10,8 @@ Two kinds of record, both plain values (no torch), filled the same way by the re
 
 * ``StepRecord``: one forward step: when it ran, how many real and padding tokens it computed, how
   many slots computed real tokens, how many KV blocks were in use, its useful FLOPs.
-  ``StepRecorder`` builds them from the engine's ``on_plan`` hook (an earlier hook, e.g. a
-  ``minicb trace`` recorder, keeps being called) or from explicit ``record`` calls.
+  ``StepRecorder`` builds them from the engine's step events (``engine.listen(on_step=...)``; any
+  other listener, e.g. a ``minicb trace`` recorder, is called too) or from explicit ``record`` calls.
 
 ``summarize(requests, steps, ...)`` turns them into a ``Summary``. Definitions (``duration`` runs
 from the first arrival to the last finish, idle gaps included, so a lightly loaded server shows low
