@@ -180,3 +180,172 @@ def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gg
     assert without.stats.num_cached_prompt_tokens == 0
     assert without.stats.num_prompt_tokens == with_cache.stats.num_prompt_tokens
     assert outputs[True] == outputs[False] and outputs[True].count("\n") == 2
+
+
+# --- issue 17: the contract everywhere ------------------------------------------------------------------
+def test_a_prompt_file_is_read_up_to_a_limit(tmp_path, capsys, monkeypatch):
+    """``--file /dev/zero`` used to read without end; now at most ``MAX_PROMPT_FILE_BYTES`` are read."""
+    import minicb.cli
+
+    monkeypatch.setattr(minicb.cli, "MAX_PROMPT_FILE_BYTES", 1000)
+    big = tmp_path / "big.txt"
+    big.write_text("a prompt\n" * 200)                        # 1,800 bytes
+    for path in (str(big), "/dev/zero"):
+        rc, out, err = run_main(["generate", "--file", path], capsys)
+        assert rc == EXIT_USAGE and out == ""
+        assert_one_line(err, f"--file {path} is larger than", "MiB")
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n\r\n")  # still one prompt per line
+    assert minicb.cli._read_prompt_file(str(tmp_path / "crlf.txt")) == ["one", "two"]
+
+
+def test_dev_zero_as_the_prompt_file_of_the_real_command():
+    p = cli("generate", "--file", "/dev/zero")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_USAGE and out == b""
+    assert_one_line(err.decode(), "--file /dev/zero is larger than 64 MiB")
+
+
+@pytest.mark.parametrize("arg, byte", [(b"caf\xe9", "0xe9"), (b"\xff\xfe", "0xff"), (b"ok \xc3", "0xc3")])
+def test_argument_bytes_that_are_not_utf8_are_one_line_exit_2(arg, byte, tiny_gguf):
+    """``minicb generate $'caf\\xe9'`` used to end in a TypeError traceback inside the tokenizer."""
+    p = subprocess.Popen([sys.executable.encode(), b"-m", b"minicb.cli", b"generate", arg, b"--model",
+                          bytes(tiny_gguf)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=SRC))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_USAGE and out == b""
+    assert_one_line(err.decode(), "prompt 1 is not valid UTF-8 text", f"byte {byte}")
+
+
+def test_a_lone_surrogate_in_argv_is_one_line_exit_2(tiny_gguf, capsys):
+    rc, out, err = run_main(["generate", "caf\udce9", "--model", str(tiny_gguf)], capsys)
+    assert rc == EXIT_USAGE and out == ""
+    assert_one_line(err, "prompt 1 is not valid UTF-8 text: byte 0xe9 at character 3")
+
+
+def test_a_failed_request_makes_the_command_exit_1(tiny_gguf, capsys, monkeypatch):
+    """Every request of a step fails when the forward raises; the command prints each failure on one
+    line and exits 1 (it used to exit 0)."""
+    from minicb.runner import ModelRunner
+
+    def broken(self, plan, params=None):
+        raise RuntimeError("the device fell over\nsecond line")
+
+    monkeypatch.setattr(ModelRunner, "run", broken)
+    argv = ["generate", "one", "two", "--model", str(tiny_gguf), "--max-tokens", "3"]
+    rc, out, err = run_main(argv, capsys)
+    assert rc == 1
+    lines = err.splitlines()
+    assert sorted(lines) == [f"minicb: request {i} failed: RuntimeError: the device fell over second line"
+                             for i in (1, 2)]
+    assert "Traceback" not in err
+
+
+class _Failing:
+    """A stdout whose writes fail as a closed pipe or a full disk makes them fail."""
+
+    def __init__(self, error: OSError, after: int = 0) -> None:
+        self.error, self.left = error, after
+
+    def write(self, text: str) -> int:
+        self.left -= len(text)
+        if self.left < 0:
+            raise self.error
+        return len(text)
+
+    def flush(self) -> None:
+        if self.left < 0:
+            raise self.error
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("error, line", [(BrokenPipeError(32, "Broken pipe"), None),
+                                         (OSError(28, "No space left on device"), "No space left on device")])
+def test_a_broken_stdout_ends_quietly_with_141(error, line, tiny_gguf, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _Failing(error, after=3))
+    try:
+        rc = main(["generate", "hello", "--model", str(tiny_gguf), "--max-tokens", "40"])
+    finally:
+        monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert rc == 141
+    if line is None:
+        assert err == ""                 # the reader left on purpose (head): nothing to say
+    else:
+        assert_one_line(err, "cannot write to stdout", line)
+
+
+def test_an_other_os_error_is_not_mistaken_for_a_broken_stdout(tiny_gguf, capsys, monkeypatch):
+    """Only stdout's own failures mean 141: a BrokenPipeError from elsewhere (a rank's pipe) is no
+    quiet exit."""
+    from minicb.runner import ModelRunner
+
+    def broken(self, plan, params=None):
+        raise BrokenPipeError(32, "Broken pipe (a worker)")
+
+    monkeypatch.setattr(ModelRunner, "run", broken)
+    rc, out, err = run_main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"], capsys)
+    assert rc == 1 and "request 1 failed: BrokenPipeError" in err
+
+
+def test_the_real_command_under_head_and_a_closed_or_full_stdout(tiny_gguf):
+    model = write_gguf(tiny_gguf.parent / "never_eos_pipe.gguf", tiny_weights(never_eos=True), quantize=False)
+    args = [sys.executable, "-m", "minicb.cli", "generate", "hello", "--model", str(model), "--max-tokens",
+            "400"]
+    env = dict(os.environ, PYTHONPATH=SRC)
+    # | head -c 10: the reader leaves after 10 bytes
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert len(first) == 10 and p.returncode == 141 and err == b"", (p.returncode, err)
+    # >&- : no stdout at all: the command runs, quietly
+    p = subprocess.run(args[:-1] + ["5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                       timeout=120, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 0 and p.stderr == b"", p.stderr
+    # > /dev/full: every write fails with ENOSPC
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, env=env, timeout=120)
+        assert p.returncode == 141
+        assert_one_line(p.stderr.decode(), "cannot write to stdout", "No space left on device")
+
+
+# Each child is the real program: it sends itself a real SIGINT at one moment of its life.
+_INTERRUPT_AT_IMPORT = """
+import builtins, os, signal, sys
+sys.argv = ["minicb"] + sys.argv[1:]
+real = builtins.__import__
+def hooked(name, *a, **k):
+    if name == {module!r}:
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(name, *a, **k)
+builtins.__import__ = hooked
+import minicb.cli
+sys.exit(minicb.cli.main())
+"""
+
+_INTERRUPT_AT_TEARDOWN = """
+import os, signal, sys, time
+sys.argv = ["minicb"] + sys.argv[1:]
+import minicb.cli
+rc = minicb.cli.main()
+os.kill(os.getpid(), signal.SIGINT)      # after the work: the interpreter is winding down
+time.sleep(5)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("moment", ["argparse", "minicb.measure", "torch", "minicb.llm", "teardown"])
+def test_ctrl_c_at_any_moment_exits_130_with_one_line(moment, tiny_gguf):
+    """A Ctrl-C during the command line's own imports, the parser's, the engine's (torch), or after the
+    work is done used to print a KeyboardInterrupt traceback or kill the process by the signal (-2)."""
+    code = _INTERRUPT_AT_TEARDOWN if moment == "teardown" else _INTERRUPT_AT_IMPORT.format(module=moment)
+    argv = ["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"]
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                       env=dict(os.environ, PYTHONPATH=SRC), timeout=120)
+    assert p.returncode == EXIT_INTERRUPTED, (p.returncode, p.stderr.decode()[-500:])
+    assert p.stderr.decode() == "minicb: interrupted\n"

@@ -4,19 +4,55 @@
     minicb generate --chat "Write a haiku" --temperature 0.7 --seed 1
     minicb generate --file prompts.txt --policy static
 
-Errors a user can make (a missing model, a bad flag value, an empty prompt file) end with exit code 2
-and one line on stderr, never a traceback; Ctrl-C ends with 130.
+The contract of the command (``docs/errors.md``), whatever the user types and wherever output goes:
+
+====  =========================================================================================
+0     every request finished
+1     a request failed (its error is on stderr); the others were printed
+2     a user error: a bad flag or value, a missing or broken model, an unreadable ``--file``,
+      argument bytes that are not UTF-8 text; one line on stderr, never a traceback
+130   Ctrl-C, at any moment: during the imports, the run, and (run as the program) the teardown
+141   stdout stopped taking output (``| head -c 10``, a full disk): as ``head`` expects of a writer
+      whose reader left (128 + SIGPIPE); quiet for a closed pipe, one line for other write errors
+====  =========================================================================================
+
+A closed stdout (``>&-``) is not an error: output goes nowhere and the command runs as usual.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import signal
 import sys
 
-from minicb.errors import MinicbError
 
+def _exit_interrupted(signum, frame) -> None:
+    """The SIGINT handler outside the run (imports, teardown): say so and leave now, with 130."""
+    try:
+        os.write(2, b"minicb: interrupted\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
+# Run as the program (``python -m minicb.cli``, the ``minicb`` script) a Ctrl-C during the imports
+# below must already mean 130, so the handler goes in before them (``main`` puts Python's own
+# KeyboardInterrupt back for the run). Imported as a module (tests, other programs) nothing changes,
+# and a parent's "ignore Ctrl-C" (``cmd &`` in a script) is respected.
+if (__name__ == "__main__" or os.path.basename(sys.argv[0]) == "minicb") \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_interrupted)
+
+import argparse  # noqa: E402 - after the handler, on purpose
+import errno  # noqa: E402
+
+from minicb.errors import InvalidArgument, MinicbError  # noqa: E402
+
+EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141                 # 128 + SIGPIPE
+MAX_PROMPT_FILE_BYTES = 64 * 2**20     # --file: far more prompts than one run serves; /dev/zero stops here
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,21 +129,45 @@ def cmd_export_hf(args) -> int:
 
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
+    for i, p in enumerate(prompts):
+        _check_text(p, f"prompt {i + 1}")
     if args.file:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                lines = [ln.rstrip("\n") for ln in f if ln.strip()]
-        except OSError as e:
-            raise MinicbError(f"cannot read --file {args.file}: {e.strerror or e}") from e
-        except UnicodeDecodeError as e:
-            raise MinicbError(f"cannot read --file {args.file}: it is not UTF-8 text "
-                              f"(byte {e.start})") from e
-        if not lines:
-            raise MinicbError(f"--file {args.file} contains no prompts")
-        prompts += lines
+        prompts += _read_prompt_file(args.file)
     if not prompts:
         raise MinicbError("give at least one prompt (as an argument or with --file)")
     return prompts
+
+
+def _check_text(text: str, what: str) -> None:
+    """Command-line arguments that are not UTF-8 reach Python as lone surrogates (``surrogateescape``:
+    byte 0xE9 becomes U+DCE9); a prompt must be text, so name the byte instead of failing later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise InvalidArgument(f"{what} is not valid UTF-8 text: {byte} at character {e.start}") from None
+
+
+def _read_prompt_file(path: str) -> list[str]:
+    """One prompt per non-blank line of ``path``: at most ``MAX_PROMPT_FILE_BYTES`` are read (a device
+    like ``/dev/zero`` or a huge file is refused, not read without end), then decoded as UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+    except OSError as e:
+        raise MinicbError(f"cannot read --file {path}: {e.strerror or e}") from e
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise MinicbError(f"--file {path} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB, the most "
+                          "minicb reads as prompts")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MinicbError(f"cannot read --file {path}: it is not UTF-8 text (byte {e.start})") from e
+    lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n") if ln.strip()]
+    if not lines:
+        raise MinicbError(f"--file {path} contains no prompts")
+    return lines
 
 
 def cmd_generate(args) -> int:
@@ -140,32 +200,121 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
             if out.finished and out.error:
                 failed.append(out.request_id)
-                sys.stderr.write(f"minicb: request {int(out.request_id) + 1} failed: {out.error}\n")
+                _say(f"minicb: request {int(out.request_id) + 1} failed: {_one_line(out.error)}")
 
     try:
         drive(llm.engine, [Arrival(0, f"{i}", p, params) for i, p in enumerate(prompts)], on_step=show)
     finally:
         llm.shutdown()
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "trace":
-            from minicb.measure.trace import cmd_trace
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code.
 
-            return cmd_trace(args)
-        if args.command in ("bench", "simulate", "serve"):
-            return args.run(args)
-        return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
+    ``argv=None`` means this *is* the program (the ``minicb`` script, ``python -m minicb.cli``): then a
+    Ctrl-C after the work is done (in the interpreter's teardown) also exits 130 at once. Called with
+    a list (tests, other programs) nothing outlives the call."""
+    # As the program, and unless our parent told us to ignore Ctrl-C (``cmd &`` in a script does), the
+    # teardown gets the hard-exit handler below; during the run Ctrl-C is Python's KeyboardInterrupt.
+    program = argv is None and signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
+                                                                   _exit_interrupted)
+    if program:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_stdout = sys.stdout
+    sink = open(os.devnull, "w") if real_stdout is None else None     # stdout closed: output goes nowhere
+    sys.stdout = _GuardedStdout(real_stdout if sink is None else sink)
+    try:
+        rc = _run(argv)
+        sys.stdout.flush()               # a late write error (a full disk) is reported here, not at exit
     except KeyboardInterrupt:
-        sys.stderr.write("minicb: interrupted\n")
-        return EXIT_INTERRUPTED
+        rc = _interrupted(program)
+    except _StdoutFailed as e:
+        rc = _stdout_failed(e.error, program)
     except (MinicbError, ValueError) as e:
-        sys.stderr.write(f"minicb: error: {_one_line(e)}\n")
-        return EXIT_USAGE
+        _say(f"minicb: error: {_one_line(e)}")
+        rc = EXIT_USAGE
+    finally:
+        sys.stdout = real_stdout
+        if sink is not None:
+            sink.close()
+    if program:                          # teardown (atexit, threads, finalisers): Ctrl-C still means 130
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    return rc
+
+
+def _run(argv: list[str] | None) -> int:
+    parser = build_parser()              # inside the guard: a Ctrl-C during these imports is still 130
+    args = parser.parse_args(argv)
+    if args.command == "trace":
+        from minicb.measure.trace import cmd_trace
+
+        return cmd_trace(args)
+    if args.command in ("bench", "simulate", "serve"):
+        return args.run(args)
+    return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to (``2>&-`` closes it)."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _interrupted(program: bool) -> int:
+    if program:                          # a second Ctrl-C while we wind down must not print a traceback
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    _say("minicb: interrupted")
+    return EXIT_INTERRUPTED
+
+
+class _StdoutFailed(Exception):
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """``sys.stdout`` during a command: a failed write or flush raises ``_StdoutFailed``, so that
+    ``main`` can tell "the reader of our output left" from any other ``OSError`` (a model file, the
+    pipe to a tensor-parallel rank) and end quietly. Everything else is the real stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_failed(error: OSError, program: bool) -> int:
+    """Nobody reads our output any more: stop quietly with 141 (one line unless the pipe was just
+    closed, which is how ``head`` says it has enough). As the program, point fd 1 at /dev/null, so the
+    interpreter's own final flush of what is still buffered does not fail again at exit."""
+    if error.errno != errno.EPIPE:
+        _say(f"minicb: error: cannot write to stdout: {error.strerror or error}")
+    if program:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.__stdout__.fileno())
+        except (OSError, AttributeError, ValueError):
+            pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
