@@ -336,23 +336,27 @@ class Tab:
 
 
 # --- screenshots ------------------------------------------------------------------------------------
-SCREENSHOTS = {"screenshot-home.png": "", "screenshot-chapter.png": "tutorials/01_static_batching/",
-               "screenshot-replay.png": "replay/#step=6"}
+SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
+    "screenshot-home.png": ("", None),
+    "screenshot-home-table.png": ("", "article table"),        # the seed's table and its caveats
+    "screenshot-chapter.png": ("tutorials/01_static_batching/", None),
+    "screenshot-replay.png": ("replay/#step=6", "[data-minicb-replay]"),
+}
 
 
 def screenshots(site: pathlib.Path, out_dir: pathlib.Path, width: int = 1280, height: int = 1000) -> list:
     """Screenshots of the built ``site``'s pages in ``SCREENSHOTS`` into ``out_dir``; returns the paths.
-    The replay is scrolled to its widget. Raises if a page logs an error."""
+    Raises if a page logs an error."""
     binary = find_chromium()
     if binary is None:
         raise RuntimeError("chromium is not installed")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     with Chromium(binary) as browser, serve(site) as base:
-        for name, page in SCREENSHOTS.items():
+        for name, (page, target) in SCREENSHOTS.items():
             with browser.tab(base + page, width=width, height=height) as tab:
-                if "replay" in page:            # scroll down to the widget (never up: no "back to top")
-                    tab.evaluate("window.scrollTo(0, document.querySelector('[data-minicb-replay]')"
+                if target:                      # scroll down to it (never up: no "back to top" button)
+                    tab.evaluate(f"window.scrollTo(0, document.querySelector({target!r})"
                                  ".getBoundingClientRect().top + window.scrollY - 70)")
                     tab.wait(0.5)
                 errors = tab.errors()
