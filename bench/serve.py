@@ -2,6 +2,7 @@
 
     python bench/serve.py --rates 0.25,0.5,1 --out bench/out/serve.json          # starts minicb serve
     python bench/serve.py --url http://127.0.0.1:8001 --model smollm2 --rates ...  # any OpenAI server
+    python bench/serve.py --peer http://127.0.0.1:8011 --rates ...   # minicb and a peer, alternating
     python bench/serve.py --watch-overhead --repeats 3                             # the live page's cost
 
 Every request of W2 (``bench/workloads.py``: 64 requests, ShareGPT lengths, random-id prompts of at
@@ -17,7 +18,9 @@ side, as the seed's table does on the server side:
   ``vllm:request_queue_time_seconds`` histogram (mean over the run; vLLM exposes the same metric).
 
 Each rate's run changes the first token of every prompt, so no run finds the previous run's prompts
-in the prefix cache. ``--watch-overhead`` measures what the live page costs: the whole W2 at once
+in the prefix cache. With ``--peer URL`` (e.g. vLLM's OpenAI server on the same model) the same
+requests go to minicb and then to the peer at each rate, alternately, so a slow spell of a shared
+machine hits both alike. ``--watch-overhead`` measures what the live page costs: the whole W2 at once
 (closed loop), alternately with and without a client reading ``/live/events`` as the page does, and
 the engine thread's time inside the feed's listener (``/health``: ``live_listener_s`` vs
 ``engine_busy_s``).
@@ -162,32 +165,36 @@ def warm_up(url: str, model: str) -> None:
     run_load(url, model, [[5, 6, 7, 8]], [4], [0.0])
 
 
-def bench_rates(url: str, model: str, rates: list[float], num: int, seed: int) -> list[dict]:
+def bench_rates(targets: list[tuple[str, str, str]], rates: list[float], num: int, seed: int) -> list[dict]:
+    """``targets``: (system, url, model); at each rate every target gets the same requests in turn."""
     rows = []
     for k, rate in enumerate(rates):
         prompts, outputs = w2_for_run(k, num)
         arrivals = poisson_arrivals(len(prompts), rate, seed)
-        q0 = queue_time(url)
-        wall0 = time.strftime("%H:%M:%S")
-        recs = run_load(url, model, prompts, outputs, arrivals)
-        q1 = queue_time(url)
-        row = {"rate": rate, **summarize(recs), "started": wall0, "load_avg": os.getloadavg()[0]}
-        dq = q1[1] - q0[1]
-        row["queue_mean_ms"] = 1e3 * (q1[0] - q0[0]) / dq if dq else float("nan")
-        rows.append(row)
-        print(format_row(row), flush=True)
+        for system, url, model in targets:
+            q0 = queue_time(url)
+            wall0 = time.strftime("%H:%M:%S")
+            recs = run_load(url, model, prompts, outputs, arrivals)
+            q1 = queue_time(url)
+            row = {"system": system, "rate": rate, **summarize(recs), "started": wall0,
+                   "load_avg": os.getloadavg()[0]}
+            dq = q1[1] - q0[1]
+            row["queue_mean_ms"] = 1e3 * (q1[0] - q0[0]) / dq if dq else float("nan")
+            rows.append(row)
+            print(format_row(row), flush=True)
     return rows
 
 
-HEADER = (f"{'rate/s':>6} {'reqs':>4} {'fail':>4} {'tokens':>6} {'secs':>6} {'tok/s':>6} {'queue ms':>8} "
-          f"{'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>7} {'ITL p99':>7} {'e2e p50 s':>9} {'load':>5}")
+HEADER = (f"{'system':<8} {'rate/s':>6} {'reqs':>4} {'fail':>4} {'tokens':>6} {'secs':>6} {'tok/s':>6} "
+          f"{'queue ms':>8} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>7} {'ITL p99':>7} {'e2e p50 s':>9} "
+          f"{'load':>5}")
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['rate']:>6g} {r['requests']:>4} {r['failed']:>4} {r['tokens']:>6} {r['seconds']:>6.1f} "
-            f"{r['throughput']:>6.1f} {r['queue_mean_ms']:>8.0f} {r['ttft_p50_ms']:>8.0f} "
-            f"{r['ttft_p99_ms']:>8.0f} {r['itl_p50_ms']:>7.0f} {r['itl_p99_ms']:>7.0f} "
-            f"{r['e2e_p50_s']:>9.1f} {r['load_avg']:>5.1f}")
+    return (f"{r['system']:<8} {r['rate']:>6g} {r['requests']:>4} {r['failed']:>4} {r['tokens']:>6} "
+            f"{r['seconds']:>6.1f} {r['throughput']:>6.1f} {r['queue_mean_ms']:>8.0f} "
+            f"{r['ttft_p50_ms']:>8.0f} {r['ttft_p99_ms']:>8.0f} {r['itl_p50_ms']:>7.0f} "
+            f"{r['itl_p99_ms']:>7.0f} {r['e2e_p50_s']:>9.1f} {r['load_avg']:>5.1f}")
 
 
 # --- the live page's cost --------------------------------------------------------------------------------
@@ -252,7 +259,9 @@ def watch_overhead(url: str, model: str, num: int, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--url", help="an already running OpenAI-compatible server (default: start minicb serve)")
-    p.add_argument("--model", default="smollm2", help="model name to send with --url")
+    p.add_argument("--model", default="smollm2", help="model name to send with --url and --peer")
+    p.add_argument("--peer", help="a second server (e.g. vLLM) that gets the same requests after minicb")
+    p.add_argument("--peer-name", default="peer", help="its name in the table (default: peer)")
     p.add_argument("--minicb-args", default=MINICB_ARGS,
                    help=f"flags of minicb serve (default: {MINICB_ARGS})")
     p.add_argument("--rates", default="0.25,0.5,1", help="Poisson arrival rates, requests/s, comma-separated")
@@ -271,8 +280,13 @@ def main() -> None:
         if args.watch_overhead:
             result["watch_overhead"] = watch_overhead(url, model, args.num_requests, args.repeats)
         else:
+            targets = [("minicb" if server else "server", url, model)]
+            if args.peer:
+                warm_up(args.peer, args.model)
+                targets.append((args.peer_name, args.peer, args.model))
+                result["peer"] = args.peer
             print(HEADER, flush=True)
-            result["rows"] = bench_rates(url, model, [float(r) for r in args.rates.split(",")],
+            result["rows"] = bench_rates(targets, [float(r) for r in args.rates.split(",")],
                                          args.num_requests, args.seed)
     finally:
         if server is not None:

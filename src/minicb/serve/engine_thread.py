@@ -161,7 +161,10 @@ class EngineThread:
         while not self._stop:
             msgs = self._wait(stalled)
             for msg in msgs:
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception:   # noqa: BLE001 - one bad message must not stop the engine thread
+                    log.exception("engine thread: handling %s failed", msg[0])
             if self.metrics is not None and any(m[0] in ("add", "abort") for m in msgs):
                 self.metrics.observe_state(self.engine.snapshot())   # the gauges, between steps too
             if self._deadline is not None and time.monotonic() >= self._deadline:
