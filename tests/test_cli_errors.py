@@ -349,3 +349,110 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line(moment, tiny_gguf):
                        env=dict(os.environ, PYTHONPATH=SRC), timeout=120)
     assert p.returncode == EXIT_INTERRUPTED, (p.returncode, p.stderr.decode()[-500:])
     assert p.stderr.decode() == "minicb: interrupted\n"
+
+
+# --- numeric flags of bench / simulate / trace: finite, positive, bounded, checked before any work -------
+FLAG_ROWS = [
+    (["simulate", "--step-overhead-ms", "inf"], ["--step-overhead-ms", "finite", "got inf"]),
+    (["simulate", "--step-overhead-ms", "-1"], ["--step-overhead-ms", "[0.0,", "got -1.0"]),
+    (["simulate", "--seq-overhead-us", "nan"], ["--seq-overhead-us", "finite", "got nan"]),
+    (["simulate", "--rates", "1e-300"], ["--rates", "[0.001, 1000000.0]", "1e-300"]),
+    (["simulate", "--rates", "2,inf"], ["--rates", "finite", "inf"]),
+    (["simulate", "--rates", "2,nan"], ["--rates", "nan"]),
+    (["simulate", "--plot-rate", "3", "--rates", "2,4"], ["--plot-rate 3.0 is not one of --rates"]),
+    (["simulate", "--seed", str(10**23)], ["--seed", "[0, 9223372036854775807]"]),
+    (["simulate", "--output-div", "0"], ["--output-div", "finite"]),
+    (["simulate", "--num-requests", "0"], ["--num-requests", "[1, 1000000]"]),
+    (["simulate", "--max-total", str(10**12)], ["--max-total", "[0, 1048576]"]),
+    (["bench", "--model", "tiny", "--rate", "1e-300"], ["--rate", "[0.001, 1000000.0]"]),
+    (["bench", "--model", "tiny", "--rate", "inf"], ["--rate", "finite"]),
+    (["bench", "--model", "tiny", "--seed", str(10**23)], ["--seed", "[0, 9223372036854775807]"]),
+    (["bench", "--model", "tiny", "--threads", "100000"], ["--threads", f"[0, {os.cpu_count()}]", "100000"]),
+    (["bench", "--model", "tiny", "--threads", "-1"], ["--threads"]),
+    (["bench", "--model", "tiny", "--time-scale", "nan"], ["--time-scale", "finite"]),
+    (["bench", "--model", "tiny", "--peak-gflops", "inf"], ["--peak-gflops", "finite"]),
+    (["bench", "--model", "tiny", "--peak-gflops", "0"], ["--peak-gflops"]),
+    (["trace", "--arrival-gap", str(10**9)], ["arrival_gap", "[0, 10000]"]),
+    (["trace", "--prompt-len", "1", str(10**12)], ["prompt_len high", "[1, 1048576]"]),
+    (["trace", "--num-requests", "100000", "--prompt-len", "4", "1000"], ["at most 10,000,000"]),
+    (["trace", "--width", str(10**12)], ["--width", "[20, 100000]"]),
+    (["trace", "--seed", str(10**23)], ["--seed"]),
+]
+
+
+@pytest.mark.parametrize("argv, needles", FLAG_ROWS, ids=[" ".join(a)[:60] for a, _ in FLAG_ROWS])
+def test_measuring_flags_are_checked_before_any_work(argv, needles, capsys):
+    rc, out, err = run_main(argv, capsys)
+    assert rc == EXIT_USAGE and out == "", out          # nothing ran: no preset / machine line printed
+    assert_one_line(err, *needles)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--num-blocks", "10000000000"], ["num_blocks=10,000,000,000", "more than the", "available"]),
+    (["--max-num-seqs", str(10**11), "--num-blocks", str(10**11)], ["max_num_seqs=100,000,000,000"]),
+])
+def test_a_simulated_pool_larger_than_the_machine_is_refused(argv, needles, capsys):
+    """The simulator has no KV tensors, but its block and slot tables are Python lists: 10**10 entries
+    used to be allocated (or swapped) for minutes; now refused before the tables are built."""
+    rc, out, err = run_main(["simulate", "--num-requests", "2", "--rates", "1", "--no-plots", *argv], capsys)
+    assert rc == EXIT_USAGE and "simulated" not in out
+    assert_one_line(err, *needles)
+
+
+def test_a_nan_step_overhead_is_refused_instead_of_looping_forever():
+    """``--step-overhead-ms nan`` made the simulated clock NaN and the run loop forever."""
+    p = cli("simulate", "--step-overhead-ms", "nan", "--num-requests", "4", "--rates", "1", "--no-plots")
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == EXIT_USAGE and out == b""
+    assert_one_line(err.decode(), "--step-overhead-ms must be a finite number", "got nan")
+
+
+@pytest.mark.parametrize("out_flag", [["simulate", "--out"], ["bench", "--model", "tiny", "--out"],
+                                      ["trace", "--out"]])
+def test_an_unwritable_out_is_refused_before_the_run(out_flag, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    target = {"trace": "x.png"}.get(out_flag[0], "x")
+    for bad, needle in ((f"/dev/null/{target}", "/dev/null"), (str(tmp_path / "a_file" / target), "a_file")):
+        rc, out, err = run_main([*out_flag, bad], capsys)
+        assert rc == EXIT_USAGE and out == ""
+        assert_one_line(err, "--out", needle)
+
+
+@pytest.mark.parametrize("content, needles", [
+    (None, ["cannot read the calibration file", "No such file"]),
+    ("dir", ["cannot read the calibration file", "Is a directory"]),
+    ("", ["is not JSON"]),
+    ("{not json", ["is not JSON"]),
+    ("[1, 2]", ["must be a JSON object", "list"]),
+    ('{"ceiling_gflops": 90}', ["lacks", "mem_bw_gbs"]),
+    ('{"ceiling_gflops": "fast", "mem_bw_gbs": 1, "compute_eff": 1, "memory_eff": 1, "attn_eff": 1, '
+     '"step_overhead_s": 0, "seq_overhead_s": 0}', ["ceiling_gflops must be a number", "fast"]),
+    ('{"ceiling_gflops": 90, "mem_bw_gbs": 1, "compute_eff": 1, "memory_eff": 1, "attn_eff": 1, '
+     '"step_overhead_s": NaN, "seq_overhead_s": 0}', ["step_overhead_s", "finite"]),
+    ('{"ceiling_gflops": 0, "mem_bw_gbs": 1, "compute_eff": 1, "memory_eff": 1, "attn_eff": 1, '
+     '"step_overhead_s": 0, "seq_overhead_s": 0}', ["peak_flops", "(0.0, inf]"]),
+])
+def test_a_bad_calibration_file_is_one_line(content, needles, tmp_path, capsys):
+    path = tmp_path / "cal.json"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    rc, out, err = run_main(["simulate", "--preset", "smollm2-135m", "--calibration", str(path)], capsys)
+    assert rc == EXIT_USAGE and out == ""
+    assert_one_line(err, *needles)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--num-blocks", "10000000000"], ["KV cache", "10,000,000,000 device", "more than the", "available"]),
+    (["--block-size", "1000000000000", "--max-num-seqs", "1", "--num-blocks", "1"],
+     ["KV cache", "1,000,000,000,000 tokens", "lower num_blocks or block_size"]),
+])
+def test_a_kv_pool_larger_than_the_machine_is_one_line_exit_2(extra, needles, tiny_gguf, capsys):
+    rc, out, err = run_main(["generate", "hi", "--model", str(tiny_gguf), *extra], capsys)
+    assert rc == EXIT_USAGE and out == ""
+    assert_one_line(err, *needles)

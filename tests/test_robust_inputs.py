@@ -254,3 +254,46 @@ def test_the_last_partial_character_survives_in_the_final_text(tmp_path):
         (out,) = llm.generate(["hello"], SamplingParams(max_tokens=n, ignore_eos=True))
         assert set(out.token_ids) <= {byte_token[0xC3], byte_token[0xE2]} and len(out.token_ids) == n
         assert out.text == llm.tokenizer.decode(out.token_ids) == "\ufffd" * n
+
+
+# --- pools sized by the user, checked against the machine's memory before allocating ----------------------
+def test_a_kv_pool_larger_than_the_machine_is_refused_before_allocating():
+    from minicb.kv_cache import KVCache
+
+    with pytest.raises(InvalidArgument, match=r"KV cache \(10,000,000,000 device \+ 0 host .*more than"):
+        KVCache(2, 10**10, 16, 2, 8)
+    with pytest.raises(InvalidArgument, match="lower num_blocks or block_size"):
+        LLM(tiny_model(), num_blocks=10**10, max_num_seqs=4)
+    with pytest.raises(InvalidArgument, match="or num_host_blocks"):
+        KVCache(2, 16, 16, 2, 8, num_host_blocks=10**12)
+
+
+def test_the_pool_check_compares_the_exact_size_with_what_is_available(monkeypatch):
+    """2 layers x 2 (K, V) x 8 blocks x 4 tokens x 2 heads x 8 dims x 8 bytes (float64) = 16 KiB."""
+    import minicb.kv_cache as kv
+
+    need = 2 * 2 * 8 * 4 * 2 * 8 * 8
+    monkeypatch.setattr(kv, "available_cpu_bytes", lambda: need)
+    kv.KVCache(2, 8, 4, 2, 8, dtype=torch.float64)                      # exactly fits
+    monkeypatch.setattr(kv, "available_cpu_bytes", lambda: need - 1)
+    with pytest.raises(InvalidArgument, match=r"needs 16\.0 KiB, more than the 16\.0 KiB available"):
+        kv.KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
+
+
+def test_the_machine_reports_its_available_memory():
+    from minicb.memory import available_cpu_bytes, format_bytes
+
+    avail = available_cpu_bytes()
+    assert avail is None or avail > 0
+    assert format_bytes(1536) == "1.5 KiB" and format_bytes(10) == "10 B"
+    assert format_bytes(2**70).endswith("PiB")
+
+
+@pytest.mark.parametrize("field, value", [("step_overhead_s", math.nan), ("step_overhead_s", math.inf),
+                                          ("seq_overhead_s", -1.0), ("op_launch_s", 1e9),
+                                          ("compute_eff", math.nan), ("host_bw", 0.0)])
+def test_a_cost_model_refuses_times_that_would_stop_or_break_the_clock(field, value):
+    from minicb.simulate.simulator import preset
+
+    with pytest.raises(InvalidArgument, match=field):
+        preset("llama-3-8b", **{field: value})

@@ -176,8 +176,8 @@ class BlockPool:
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, lo=0)
         # two Python lists of num_blocks entries: refuse a size the machine cannot hold (minicb.memory)
-        check_fits(f"the block tables of num_blocks={self.num_blocks:,}", 64 * self.num_blocks,
-                   available_cpu_bytes(), "in host memory", "lower num_blocks")
+        check_fits(f"num_blocks={self.num_blocks:,} (the block tables, ~64 bytes a block)",
+                   64 * self.num_blocks, available_cpu_bytes(), "in host memory", "lower num_blocks")
         self.ref_counts = [0] * self.num_blocks
         self._free = list(range(self.num_blocks))
         self._lru = OrderedDict()

@@ -36,7 +36,7 @@ def describe(value) -> str:
     ``repr`` is not enough: a 10**400 has 401 digits (and Python refuses to print an int of more than
     4,300), and a prompt may be megabytes long. Anything longer than 60 characters is cut.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
         return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     try:
         text = repr(value)

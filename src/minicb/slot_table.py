@@ -23,6 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from minicb.errors import InvalidArgument, check_int
+from minicb.memory import available_cpu_bytes, check_fits
 
 
 @dataclass(slots=True)
@@ -36,6 +37,9 @@ class SlotTable:
 
     def __post_init__(self) -> None:
         check_int("num_slots", self.num_slots, lo=1)
+        # three containers of num_slots entries: refuse a size the machine cannot hold (minicb.memory)
+        check_fits(f"max_num_seqs={self.num_slots:,} (the slot table, ~128 bytes a slot)",
+                   128 * self.num_slots, available_cpu_bytes(), "in host memory", "lower max_num_seqs")
         self._owners = [None] * self.num_slots
         self._slot_of = {}
         self._free = list(range(self.num_slots))            # sorted, hence already a heap

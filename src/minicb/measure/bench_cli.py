@@ -207,11 +207,20 @@ def _progress_display(enabled: bool, total: int):
 
 
 def cmd_bench(args) -> int:
-    from minicb.errors import check_int
+    from minicb.errors import check_float, check_int
+    from minicb.measure.flags import check_out_dir, check_rate, check_scale, check_workload_args
 
-    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+    check_workload_args(args)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
-    check_int("--threads", args.threads, lo=0)
+    # torch.set_num_threads(100000) crashes the interpreter: at most one thread per core
+    check_int("--threads", args.threads, lo=0, hi=os.cpu_count() or 1)
+    if args.rate is not None:
+        check_rate("--rate", args.rate)
+    check_scale("--time-scale", args.time_scale)
+    if args.peak_gflops is not None:
+        check_float("--peak-gflops", args.peak_gflops, lo=0.0, lo_open=True, hi=1e9, finite=True)
+    check_out_dir("--out", args.out)
     if args.clock == "cpu" and args.threads != 1:
         raise InvalidArgument("--clock cpu measures one thread's CPU time: use it with --threads 1")
     if args.replay and args.trace == "sharegpt":

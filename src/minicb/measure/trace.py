@@ -506,10 +506,13 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
 
     check_int("num_requests", num_requests, lo=1, hi=100_000)
     check_int("seed", seed, lo=0)
-    check_int("arrival_gap", arrival_gap, lo=0)
+    check_int("arrival_gap", arrival_gap, lo=0, hi=10_000)           # idle steps are run one by one
     for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
         check_int(f"{name} low", lo, lo=1)
-        check_int(f"{name} high", hi, lo=lo)
+        check_int(f"{name} high", hi, lo=lo, hi=2**20)
+    if num_requests * prompt_len[1] > 10_000_000:     # the prompts are built before any engine sees them
+        raise InvalidArgument(f"num_requests x prompt_len high = {num_requests * prompt_len[1]:,} tokens of "
+                              "prompts; at most 10,000,000")
     rng = random.Random(seed)
     prompts = tuple(tuple(rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_len)))
                     for _ in range(num_requests))
@@ -575,8 +578,14 @@ def add_parser(sub) -> None:
 
 def cmd_trace(args) -> int:
     """``minicb trace``: run, print the ASCII diagram, optionally write the image."""
+    from minicb.measure.flags import MAX_SEED, check_out_file
+
     if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
         raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
+    check_out_file("--out", args.out)                    # before the run, not after it
+    check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
+    if args.width is not None:
+        check_int("--width", args.width, lo=20, hi=100_000)
     if args.model == "tiny":
         import torch
 

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from minicb.errors import InvalidArgument, check_int
+from minicb.errors import InvalidArgument, check_float, check_int
 from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.measure.metrics import format_table, records_to_json
 
@@ -59,27 +59,39 @@ def add_parser(sub) -> None:
 
 
 def _rates(text: str) -> list[float]:
+    from minicb.measure.flags import check_rate
+
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise InvalidArgument(f"--rates must be comma-separated numbers, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
+    if not rates:
         raise InvalidArgument(f"--rates must be positive request rates, got {text!r}")
-    return rates
+    return [check_rate("--rates", r) for r in rates]
 
 
 def build(args):
     """(cost model, scheduler config, rates, policies) from the parsed arguments."""
     from minicb.config import SchedulerConfig
-    from minicb.simulate.simulator import load_calibration, preset
+    from minicb.measure.flags import check_out_dir, check_workload_args
+    from minicb.simulate.simulator import MAX_STEP_SECONDS, load_calibration, preset
 
-    for name in ("num_requests", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+    check_workload_args(args)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
-    over = {}
+    if args.num_blocks is not None:
+        check_int("--num-blocks", args.num_blocks, lo=1)
+    over = {}   # a NaN overhead used to stop the simulated clock: an endless run
     if args.step_overhead_ms is not None:
-        over["step_overhead_s"] = args.step_overhead_ms * 1e-3
+        over["step_overhead_s"] = check_float("--step-overhead-ms", args.step_overhead_ms, lo=0.0,
+                                              hi=MAX_STEP_SECONDS * 1e3, finite=True) * 1e-3
     if args.seq_overhead_us is not None:
-        over["seq_overhead_s"] = args.seq_overhead_us * 1e-6
+        over["seq_overhead_s"] = check_float("--seq-overhead-us", args.seq_overhead_us, lo=0.0,
+                                             hi=MAX_STEP_SECONDS * 1e6, finite=True) * 1e-6
+    rates = _rates(args.rates)
+    if args.plot_rate is not None and args.plot_rate not in rates:
+        raise InvalidArgument(f"--plot-rate {args.plot_rate} is not one of --rates {rates}")
+    check_out_dir("--out", args.out)
     cal = load_calibration(args.calibration) if args.calibration else None
     cost = preset(args.preset, calibration=cal, **over)
     blocks = args.num_blocks if args.num_blocks is not None else cost.num_kv_blocks(args.block_size)
@@ -88,7 +100,7 @@ def build(args):
                max_model_len=args.max_model_len)
     SchedulerConfig(**cfg)        # validate once, before any work
     policies = list(POLICY_ORDER) if args.policy == "all" else [args.policy]
-    return cost, cfg, _rates(args.rates), policies
+    return cost, cfg, rates, policies
 
 
 def cmd_simulate(args) -> int:

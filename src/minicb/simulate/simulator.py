@@ -52,7 +52,7 @@ from functools import cache
 
 from minicb.arrivals import Arrival, NoProgress, drive
 from minicb.config import ModelConfig, SchedulerConfig
-from minicb.errors import InvalidArgument
+from minicb.errors import InvalidArgument, check_float, check_int
 from minicb.events import Listeners
 from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
 from minicb.measure.workloads import Request, data_path
@@ -83,8 +83,15 @@ class Device:
     mem_bytes: float
     overlap: bool = True        # a roofline max(compute, memory) per op; False: their sum (a CPU core)
 
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "mem_bw", "mem_bytes"):     # a rate of 0 or inf makes every time nan
+            check_float(name, getattr(self, name), lo=0.0, lo_open=True, finite=True)
+
 
 A100_80GB = Device("A100-SXM4-80GB", peak_flops=312e12, mem_bw=2.039e12, mem_bytes=80e9)
+
+
+MAX_STEP_SECONDS = 3600.0      # the largest fixed time (overhead, launch) a cost model accepts
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,12 +123,20 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.attention not in ("varlen", "grouped"):
             raise InvalidArgument(f"attention must be 'varlen' or 'grouped', got {self.attention!r}")
-        for name in ("compute_eff", "memory_eff", "attn_eff", "elementwise_eff", "attn_memory_eff"):
+        for name in ("compute_eff", "memory_eff", "attn_eff", "elementwise_eff", "attn_memory_eff",
+                     "gpu_memory_utilization"):
             v = getattr(self, name)
             if v is None and name == "attn_memory_eff":
                 continue
-            if not 0 < v <= 1:
-                raise InvalidArgument(f"{name} must be in (0, 1], got {v}")
+            check_float(name, v, lo=0.0, hi=1.0, lo_open=True)
+        # Times are added to the simulated clock every step: NaN would stop it (an endless run), inf or
+        # a negative time would make every figure meaningless. An hour per step is beyond any machine.
+        for name in ("op_launch_s", "elementwise_launch_s", "attn_group_s", "step_overhead_s",
+                     "seq_overhead_s"):
+            check_float(name, getattr(self, name), lo=0.0, hi=MAX_STEP_SECONDS, finite=True)
+        check_float("host_bw", self.host_bw, lo=0.0, lo_open=True, finite=True)
+        check_int("tp", self.tp, lo=1)
+        check_int("dtype_bytes", self.dtype_bytes, lo=1, hi=8)
         if self.tp > 1 and not self.allreduce:
             raise InvalidArgument(f"tp={self.tp} needs an all-reduce table")
 
@@ -373,13 +388,45 @@ PRESETS = ("llama-3-70b", "llama-3-8b", "smollm2-135m")
 SMOLLM2_CALIBRATION = "calibration/smollm2_cpu.json"
 
 
+# What a calibration file must hold (bench/calibrate_cpu.py writes them all) and what it may hold.
+CALIBRATION_KEYS = ("ceiling_gflops", "mem_bw_gbs", "compute_eff", "memory_eff", "attn_eff",
+                    "step_overhead_s", "seq_overhead_s")
+CALIBRATION_OPTIONAL = ("mem_bytes", "attn_memory_eff", "elementwise_eff", "op_launch_s",
+                        "elementwise_launch_s", "attn_group_s")
+
+
 def load_calibration(path=None) -> dict:
-    """The smollm2-135m CPU calibration (``bench/calibrate_cpu.py`` writes it); the shipped one by default."""
+    """The smollm2-135m CPU calibration (``bench/calibrate_cpu.py`` writes it); the shipped one by default.
+
+    A missing, unreadable or malformed file is an ``InvalidArgument`` naming the file and what is
+    wrong (not a ``FileNotFoundError``, a ``KeyError`` or "Expecting value: line 1 column 1")."""
     if path is None:
         with data_path(SMOLLM2_CALIBRATION).open() as f:
             return json.load(f)
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise InvalidArgument(f"cannot read the calibration file {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:      # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidArgument(f"the calibration file {path} is not JSON: {' '.join(str(e).split())[:200]}"
+                              ) from None
+    return check_calibration(data, str(path))
+
+
+def check_calibration(data, source: str = "calibration") -> dict:
+    """``data`` if it is a calibration: a JSON object with every key of ``CALIBRATION_KEYS`` (and any
+    of ``CALIBRATION_OPTIONAL``) a finite number; else ``InvalidArgument`` naming the key."""
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{source}: a calibration must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in CALIBRATION_KEYS if k not in data]
+    if missing:
+        raise InvalidArgument(f"{source}: the calibration lacks {', '.join(missing)} (bench/calibrate_cpu.py "
+                              "writes every key)")
+    for key in CALIBRATION_KEYS + tuple(k for k in CALIBRATION_OPTIONAL if k in data):
+        if not (key == "attn_memory_eff" and data[key] is None):
+            check_float(f"{source}: {key}", data[key], lo=0.0, finite=True)
+    return data
 
 
 def preset(name: str, calibration: dict | None = None, **overrides) -> CostModel:
