@@ -450,3 +450,83 @@ def test_base_files_load(tmp_path):
     b = load_model(write_hf_dir(tmp_path / "hf"))
     assert a.config.num_hidden_layers == b.config.num_hidden_layers == 1
     assert base_kv()["llama.block_count"][0] == 1
+
+
+def test_gguf_header_claims_are_checked_against_the_data(tmp_path):
+    """A header that parses but lies used to load and give garbage weights (issue 17, item 19): two
+    tensors at one offset (aliased) or overlapping, a quantisation type swapped for one whose size
+    does not match the bytes, a misaligned offset, a name declared twice, a NaN in the weights. The
+    data section must be the tensors end to end with only alignment padding between them."""
+    from gguf import GGMLQuantizationType as T
+
+    base = write_gguf(tmp_path / "base.gguf")
+    data = base.read_bytes()
+    fields, _ = gguf_fields(data)
+    by = {f.name: f for f in fields}
+
+    def value(name: str) -> int:
+        f = by[name]
+        return int.from_bytes(data[f.pos:f.pos + f.size], "little")
+
+    def tensor_of_type(t) -> str:
+        return next(f.name[:-len(".type")] for f in fields if f.kind == "type" and f.name.endswith(".type")
+                    and f.name[:-5] + ".offset" in by and value(f.name) == t)
+
+    q8, q4 = tensor_of_type(T.Q8_0), tensor_of_type(T.Q4_0)
+    embd, attn_norm = value("token_embd.weight.offset"), value("blk.0.attn_norm.weight.offset")
+    norm = value("output_norm.weight.offset")
+    cases = {
+        "aliased": (overwrite(data, by["blk.0.ffn_norm.weight.offset"], attn_norm), "overlap"),
+        "overlapping": (overwrite(data, by["blk.0.attn_norm.weight.offset"], embd + 64), "overlap"),
+        "type_smaller": (overwrite(data, by[f"{q8}.type"], T.Q4_0), "bytes before the next tensor"),
+        "type_larger": (overwrite(data, by[f"{q4}.type"], T.Q4_1), "overlap"),
+        "misaligned": (overwrite(data, by["output_norm.weight.offset"], norm + 4),
+                       "not a multiple of the alignment"),
+    }
+    k, q = by["blk.0.attn_k.weight.n_dims"].pos, by["blk.0.attn_q.weight.n_dims"].pos
+    name_k, name_q = b"blk.0.attn_k.weight", b"blk.0.attn_q.weight"
+    assert data[k - len(name_k):k] == name_k and data[q - len(name_q):q] == name_q
+    cases["declared_twice"] = (data[:k - len(name_k)] + name_q + data[k:], "declared twice")
+    for name, (blob, needle) in cases.items():
+        p = tmp_path / f"{name}.gguf"
+        p.write_bytes(blob)
+        msg = load_error(p)
+        assert needle in msg and p.name in msg, (name, msg)
+
+
+def test_gguf_non_finite_weights_are_refused(tmp_path):
+    """A NaN or inf bit pattern over the first value of a float32 tensor (found through the header):
+    the model used to load and compute NaN logits."""
+    import struct as st
+
+    from minicb.model.gguf_loader import read_gguf
+
+    base = write_gguf(tmp_path / "base.gguf")
+    with read_gguf(base) as g:
+        info = g.tensors["output_norm.weight"]
+        assert info.type_name == "F32"
+        offset = info.offset
+    data = bytearray(base.read_bytes())
+    for bits, name in ((0x7FC00000, "nan"), (0x7F800000, "inf")):
+        data[offset:offset + 4] = st.pack("<I", bits)
+        p = tmp_path / f"{name}.gguf"
+        p.write_bytes(bytes(data))
+        msg = load_error(p)
+        assert "output_norm.weight" in msg and "1 values that are NaN or infinite" in msg, msg
+
+
+@pytest.mark.parametrize("key, value, needles", [
+    ("llama.attention.layer_norm_rms_epsilon", float("inf"), ["layer_norm_rms_epsilon", "finite", "inf"]),
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), ["layer_norm_rms_epsilon", "finite", "nan"]),
+    ("llama.attention.layer_norm_rms_epsilon", 2.0, ["rms_norm_eps", "[0.0, 1.0]"]),
+    ("llama.attention.layer_norm_rms_epsilon", -1e-5, ["rms_norm_eps"]),
+    ("llama.rope.freq_base", float("inf"), ["freq_base", "finite"]),
+    ("llama.rope.freq_base", 0.5, ["rope_theta", "(1.0, 1000000000000.0]"]),
+    ("llama.rope.freq_base", 1e30, ["rope_theta"]),
+])
+def test_gguf_metadata_numbers_out_of_range_are_refused(key, value, needles, tmp_path):
+    from gguf import GGUFValueType as VT
+
+    msg = load_error(write_gguf(tmp_path / "m.gguf", kv={key: (value, VT.FLOAT32)}))
+    for needle in needles:
+        assert needle in msg, (needle, msg)

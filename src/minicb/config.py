@@ -63,8 +63,10 @@ class ModelConfig:
         check_int("head_dim", self.head_dim, lo=2)
         if self.head_dim % 2:
             raise InvalidArgument(f"head_dim must be even for RoPE, got {self.head_dim}")
-        check_float("rope_theta", self.rope_theta, lo=0.0, lo_open=True)
-        check_float("rms_norm_eps", self.rms_norm_eps, lo=0.0)
+        # Bounded where a value stops meaning anything: theta <= 1 gives every dimension the same
+        # rotation; an epsilon of 1 or more swamps the mean square it guards.
+        check_float("rope_theta", self.rope_theta, lo=1.0, hi=1e12, lo_open=True, finite=True)
+        check_float("rms_norm_eps", self.rms_norm_eps, lo=0.0, hi=1.0, finite=True)
         for name in ("bos_token_id", "eos_token_id"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=0)

@@ -37,6 +37,12 @@ A damaged file is an error, never a crash, a hang or a huge allocation: every co
 header declares (strings, arrays, numbers of keys and tensors, dimensions, tensor extents) is checked
 against the bytes the file actually has *before* it is used, metadata values must have the types the
 format gives them, and anything that still goes wrong while parsing becomes ``ModelLoadError``.
+
+Nor does a file that parses get to produce garbage: what the header claims is checked against the
+data. Tensors must lie end to end with only alignment padding between them (``_check_layout``), so
+aliased or overlapping offsets and a quantisation type that does not match the bytes are refused;
+metadata numbers must be finite (and ``ModelConfig`` bounds them); and every dequantized weight must
+be finite.
 """
 
 from __future__ import annotations
@@ -271,8 +277,37 @@ def _parse_header(path: pathlib.Path, mm: mmap.mmap) -> GGUFFile:
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, GGUFTensorInfo] = {}
     for name, dims, ggml_type, offset in infos:
+        if name in tensors:
+            raise ModelLoadError(f"tensor {_short(name)} is declared twice (corrupt header)")
         tensors[name] = _tensor_info(path, name, dims, ggml_type, data_start + offset, len(mm))
+        if offset % alignment:
+            raise ModelLoadError(f"tensor {_short(name)} starts at data offset {offset}, not a multiple "
+                                 f"of the alignment {alignment} (corrupt header)")
+    _check_layout(tensors, alignment, len(mm))
     return GGUFFile(path, version, metadata, tensors, mm)
+
+
+def _check_layout(tensors: dict[str, GGUFTensorInfo], alignment: int, file_size: int) -> None:
+    """The data section is the tensors end to end, in the order of their offsets, with only alignment
+    padding between them (how every GGUF writer lays them out). The header alone cannot be trusted to
+    say that: two tensors given one offset (aliased) or overlapping offsets would read each other's
+    bytes, and a type swapped in the header (Q4_0 for a tensor written as Q8_0) makes its declared size
+    disagree with the bytes that are there. Both produce garbage weights without any other error."""
+    laid = sorted(tensors.values(), key=lambda t: t.offset)
+    for a, b in zip(laid, laid[1:]):
+        gap = b.offset - (a.offset + a.nbytes)
+        if gap < 0:
+            raise ModelLoadError(f"tensors {_short(a.name)} and {_short(b.name)} overlap: {a.nbytes} bytes "
+                                 f"at {a.offset} reach past {b.offset} (aliased offsets or a wrong type)")
+        if gap >= alignment:
+            raise ModelLoadError(f"tensor {_short(a.name)} is {a.type_name} of shape {list(a.shape)}, "
+                                 f"{a.nbytes} bytes, but the data holds {b.offset - a.offset} bytes before "
+                                 "the next tensor (a wrong type or shape in the header)")
+    if laid and file_size - (laid[-1].offset + laid[-1].nbytes) >= alignment:
+        last = laid[-1]
+        raise ModelLoadError(f"tensor {_short(last.name)} is {last.type_name} of shape {list(last.shape)}, "
+                             f"{last.nbytes} bytes, but {file_size - last.offset} bytes follow it to the end "
+                             "of the file (a wrong type or shape in the header)")
 
 
 def _tensor_info(path, name: str, dims: list[int], ggml_type: int, offset: int, file_size: int):
@@ -403,6 +438,8 @@ def _float(md: dict[str, Any], key: str, path, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ModelLoadError(f"{path}: GGUF metadata {key!r} must be a number, got "
                              f"{type(value).__name__} {_short(value)}")
+    if not math.isfinite(value):        # a float32 field holds inf / nan as easily as 1e-5
+        raise ModelLoadError(f"{path}: GGUF metadata {key!r} must be a finite number, got {value}")
     return float(value)
 
 
@@ -484,6 +521,10 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
     for name, target in names.items():
         info = g.tensors[name]
         w = dequantize(g.raw(name), info.ggml_type, info.shape)
+        if not np.isfinite(w).all():     # NaN/inf weights: corrupt data, or a type the bytes are not
+            bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+            raise ModelLoadError(f"{g.path}: tensor {_short(name)} ({info.type_name}) holds {bad} values "
+                                 "that are NaN or infinite (corrupt data, or a wrong type in the header)")
         if name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_attention_heads)
         elif name.endswith("attn_k.weight"):
