@@ -181,15 +181,15 @@ EXERCISES = [
         "With a budget of 4 tokens, in how many chunks does C's prompt go, and "
         "when does its first token come?",
         r"^(C's prompt went in|C's first token)",
-        "a and b take 2 of the 4 tokens every step, so C gets 2 a step: ten "
-        "chunks. The smaller the budget, the shorter every step, and the later "
-        "a new request's first token."),
+        "a and b take two of the four tokens every step, so C's prompt goes in "
+        "two-token chunks. The smaller the budget, the shorter every step, and "
+        "the later a new request's first token."),
     Exercise(
         "--budget 16",
         "With a budget of 16, how many chunks, and how far is C's first token "
         "from the unchunked run's?",
         r"^(C's prompt went in|C's first token)",
-        "14 tokens a step for C: two chunks. A budget is a dial between the "
-        "latency of new requests (first token) and of running ones (the next "
-        "token)."),
+        "C gets what the two decodes leave of each step's 16 tokens, so two "
+        "chunks are enough. A budget is a dial between the latency of new "
+        "requests (first token) and of running ones (the next token)."),
 ]

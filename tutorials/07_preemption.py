@@ -77,13 +77,13 @@ def trace(name: str, cfg: SchedulerConfig):
 
     def on_plan(event) -> None:
         plan = event.plan
-        victims.update(plan.preempted)
-        for s in plan.seqs:
-            if s.request_id in victims and s.start_pos < BLOCK_SIZE * 3 \
-                    and s.num_tokens > 1:
+        for s in plan.seqs:          # a recompute victim's first step back
+            if s.request_id in victims and cfg.preemption_mode == "recompute":
                 print(f"step {plan.step}: {s.request_id} is admitted again: "
                       f"{s.start_pos} tokens found cached, {s.num_tokens} "
                       f"re-prefilled\n   into blocks {list(s.block_table)}")
+        victims.difference_update(s.request_id for s in plan.seqs)
+        victims.update(plan.preempted)
         if plan.preempted or plan.swap_in:
             print(f"step {plan.step}: preempted {list(plan.preempted)}, copies "
                   f"out {list(plan.swap_out)}, in {list(plan.swap_in)}")

@@ -192,10 +192,12 @@ for caching in (False, True):
                           enable_prefix_caching=caching)
     eng, plans, _ = run_scheduler(cfg, requests, arrivals, prompts=prompts)
     st = eng.stats
-    print(f"caching {'on ' if caching else 'off'}: {st.num_steps} steps, "
-          f"{st.num_batched_tokens} tokens computed")
-    print(f"   prompt tokens from the cache: {st.num_cached_prompt_tokens} of "
-          f"{st.num_prompt_tokens} ({100 * st.prefix_cache_hit_rate:.0f}%)")
+    label = f"caching {'on ' if caching else 'off'}"
+    print(f"{label}: {st.num_steps} steps, {st.num_batched_tokens} tokens "
+          "computed")
+    print(f"{label}: prompt tokens from the cache "
+          f"{st.num_cached_prompt_tokens} of {st.num_prompt_tokens} "
+          f"({100 * st.prefix_cache_hit_rate:.0f}%)")
 
 # %% [markdown]
 # Every request after the first finds the full blocks of the system prompt; the
@@ -230,14 +232,14 @@ EXERCISES = [
         "--shared 3",
         "With a 3-token system prompt (less than a block), how many prompt "
         "tokens come from the cache in section 4?",
-        r"^   prompt tokens from the cache",
+        r"^caching on : prompt tokens from the cache",
         "None: only full blocks are cached, and the first block of every "
         "prompt already holds the request's own question."),
     Exercise(
         "--shared 16",
         "With a 16-token system prompt (four full blocks), what share of the "
         "prompt tokens comes from the cache?",
-        r"^   prompt tokens from the cache",
+        r"^caching (on |off): prompt tokens from the cache",
         "Much more: the whole system prompt is four full blocks, and every "
         "request after the first finds all four."),
 ]
