@@ -119,8 +119,8 @@ print(f"C's first token came at step: chunked {c_chunks[-1][0]}, "
 # `torch.nn.attention.bias.causal_lower_right` for SDPA.
 
 # %%
-start, n = next((s, k) for _, s, k in c_chunks if s > 0) if len(c_chunks) > 1 \
-    else (0, c_chunks[0][2])
+later = [(s, k) for _, s, k in c_chunks if s > 0] or [(0, c_chunks[0][2])]
+start, n = later[0]           # C's second chunk (its only one, if unchunked)
 keys = start + n
 print(f"C's chunk at positions {start}..{start + n - 1}: {n} queries, "
       f"{keys} keys")

@@ -29,6 +29,8 @@ This chapter shows both on the block tables, then what each costs.
 # planned (`PlanEvent.state`).
 
 # %%
+import math
+
 from _common import (
     Exercise,
     flags,
@@ -162,7 +164,7 @@ _ = trace("recompute + cache", config("recompute", caching=True))
 # %%
 S = args.scale
 BIG = [(r, 4 * S, 8 * S) for r, _, _ in REQUESTS]
-need = 3 * -(-12 * S // 16)      # blocks to run with no preemption
+need = 3 * math.ceil(12 * S / 16)      # blocks to run with no preemption
 COSTS = {"CPU": preset("smollm2-135m"), "A100": preset("llama-3-8b")}
 for name, cost in COSTS.items():
     kib = cost.kv_bytes_per_token() / 1024
