@@ -123,12 +123,12 @@ class SchedulerConfig:
         check_int("priority_aging", self.priority_aging, lo=0)
         if self.long_prefill_chunk is not None:
             check_int("long_prefill_chunk", self.long_prefill_chunk, lo=1, hi=self.max_num_batched_tokens)
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise InvalidArgument(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
+        if not isinstance(self.preemption_mode, str) or self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgument(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgument(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -54,7 +54,7 @@ class LLMEngine:
                  seed: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  attn_backend: str = "auto", runner: ModelRunner | None = None) -> None:
         if seed is not None:
-            check_int("seed", seed, lo=0, hi=2**63 - 1)
+            seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock

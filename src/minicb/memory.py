@@ -39,7 +39,9 @@ def check_fits(what: str, nbytes: int, available: int | None, where: str, hint: 
 
 
 def format_bytes(n: int) -> str:
-    """``1536`` -> ``'1.5 KiB'``; exabyte-scale requests stay readable."""
+    """``1536`` -> ``'1.5 KiB'``; exabyte-scale requests stay readable, absurd ones become ``2**N``."""
+    if n.bit_length() > 80:                   # beyond a million PiB (and beyond what a float holds)
+        return f"about 2**{n.bit_length() - 1} bytes"
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if size < 1024 or unit == "PiB":
