@@ -221,14 +221,14 @@ EXERCISES = [
         "--arrival-gap 0",
         "All 24 requests arrive at step 0. How do static and dynamic compare "
         "now?",
-        r"^(static|dynamic) ",
+        r"^(policy +steps|static |dynamic )",
         "Identical: with everybody already waiting, dynamic's first batch is "
         "as full as static's, and so is every later one."),
     Exercise(
         "--arrival-gap 8",
         "Requests arrive every 8 steps. Which padded policy makes requests "
         "wait less (mean queue) now, and does it also win on throughput?",
-        r"^(static|dynamic) ",
+        r"^(policy +steps|static |dynamic )",
         "Dynamic has the shorter queueing delay: static's first batch starts "
         "only once six requests have arrived, 40 steps in. Throughput hardly "
         "differs: at this load it is set by how fast requests arrive, not by "
