@@ -33,11 +33,13 @@ import asyncio
 import json
 import os
 import pathlib
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
@@ -199,24 +201,28 @@ def format_row(r: dict) -> str:
 
 # --- the live page's cost --------------------------------------------------------------------------------
 class Watcher:
-    """Reads /live/events as the page does, until closed; counts frames and bytes."""
+    """Reads /live/events as the page does, until closed; counts frames and bytes.
+
+    A plain socket (not urllib): closing a buffered HTTP response while another thread is blocked
+    reading it deadlocks on the buffer's lock; ``shutdown`` wakes the reader instead."""
 
     def __init__(self, url: str) -> None:
+        host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
         self.frames = self.bytes = 0
-        self._resp = urllib.request.urlopen(url + "/live/events", timeout=3600)
+        self._sock = socket.create_connection((host, port), timeout=3600)
+        self._sock.sendall(f"GET /live/events HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        try:
-            for line in self._resp:
-                self.bytes += len(line)
-                self.frames += line.startswith(b"data: ")
-        except (OSError, ValueError):
-            pass
+        while data := self._sock.recv(65536):
+            self.bytes += len(data)
+            self.frames += data.count(b"data: ")
 
     def close(self) -> None:
-        self._resp.close()
+        self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=10)
+        self._sock.close()
 
 
 def watch_overhead(url: str, model: str, num: int, repeats: int) -> dict:
@@ -259,6 +265,7 @@ def watch_overhead(url: str, model: str, num: int, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--url", help="an already running OpenAI-compatible server (default: start minicb serve)")
+    p.add_argument("--name", default="minicb", help="the --url server's name in the table (default: minicb)")
     p.add_argument("--model", default="smollm2", help="model name to send with --url and --peer")
     p.add_argument("--peer", help="a second server (e.g. vLLM) that gets the same requests after minicb")
     p.add_argument("--peer-name", default="peer", help="its name in the table (default: peer)")
@@ -280,7 +287,7 @@ def main() -> None:
         if args.watch_overhead:
             result["watch_overhead"] = watch_overhead(url, model, args.num_requests, args.repeats)
         else:
-            targets = [("minicb" if server else "server", url, model)]
+            targets = [(args.name, url, model)]
             if args.peer:
                 warm_up(args.peer, args.model)
                 targets.append((args.peer_name, args.peer, args.model))

@@ -6,21 +6,22 @@ pool coloured by owner, the waiting queue and tokens/s. It gets its data from ``
 a Server-Sent Events stream fed by this module::
 
     engine thread                                event loop (one task per open page)
-    ─────────────                                ──────────────────────────────────────
-    on_step(StepEvent) ─► column: which request  wait for "something new"  ◄─ one wake-up, then
-      held each slot, prompt chunk or decode      frame = new columns + the   no more until the page
-      (a tuple, under a lock: microseconds)       latest snapshot, as JSON    has taken a frame
-                                                  send; sleep 0.1 s (throttle: frames coalesce)
+    ─────────────                                ──────────────────────────────────────────────
+    on_step(StepEvent) ─► column: which request  loop: anything new since this page's last frame?
+      held each slot, prompt chunk or decode       yes: frame = the new columns + the latest
+      (a tuple, under a lock: microseconds)             snapshot, as JSON; send; sleep 0.1 s
+      wake the loop only if a page sleeps ──────►  no:  sleep until woken (an idle engine: no wake-ups)
 
 Why it is cheap for the engine, which is what matters (the engine thread is the bottleneck):
 
 * the listener only appends a tuple; no JSON, no I/O, no asyncio on the engine thread;
-* it wakes the event loop at most once per frame a page takes (``_wake_pending``), not every step;
+* while the engine is busy a page polls every 0.1 s and the engine thread never wakes the event
+  loop; only the first step after an idle spell does (``_asleep``), once;
 * frames are built on the event loop, at most ``1 / min_interval`` per second per page, however fast
   the engine steps: ten steps in 100 ms become one frame of ten columns.
 
 ``listener_seconds`` (engine thread) and ``frame_seconds`` (event loop) add up what the feed costs;
-``bench/serve.py --watch`` measures the throughput with and without a page watching.
+``bench/serve.py --watch-overhead`` measures the throughput with and without a page watching.
 
 A column says nothing that the plan does not: the kind of a row is "prefill" unless the request has
 already sampled a token and the row computes one token (a decode). The feed never reads the scheduler.
@@ -59,6 +60,7 @@ class Column:
 class _Watcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     seen: int = 0                                 # columns this page has been sent
+    version: int = -1                             # the feed's version at this page's last frame
 
 
 class LiveFeed:
@@ -70,10 +72,11 @@ class LiveFeed:
         self._lock = threading.Lock()
         self._columns: deque[Column] = deque(maxlen=history)
         self._count = 0                           # columns ever appended
+        self._version = 0                         # steps ever seen (empty ones too)
         self._state = None                        # the latest SchedulerSnapshot
         self._sampled: set[str] = set()           # requests that have sampled a token (engine thread)
         self._watchers: set[_Watcher] = set()
-        self._wake_pending = False
+        self._asleep = False                      # some page waits to be woken
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.listener_seconds = 0.0
@@ -85,8 +88,7 @@ class LiveFeed:
         t0 = time.perf_counter()
         plan = event.plan
         if plan.is_empty:
-            with self._lock:
-                self._state = event.after
+            self._publish(None, event.after)
             return
         rows = []
         for s in plan.seqs:
@@ -97,21 +99,23 @@ class LiveFeed:
         if len(self._sampled) > 4 * max(1, len(event.after.slots)):
             a = event.after
             self._sampled &= set(a.running) | set(a.waiting) | set(a.swapped)
-        col = Column(plan.step, event.start, event.end, tuple(rows), sum(s.sample for s in plan.seqs),
-                     len(plan.padding))
+        self._publish(Column(plan.step, event.start, event.end, tuple(rows),
+                             sum(s.sample for s in plan.seqs), len(plan.padding)), event.after)
+        self.listener_seconds += time.perf_counter() - t0
+
+    def _publish(self, col: Column | None, state) -> None:
         with self._lock:
-            self._columns.append(col)
-            self._count += 1
-            self._state = event.after
-            wake = bool(self._watchers) and not self._wake_pending and self._loop is not None
-            if wake:
-                self._wake_pending = True
+            if col is not None:
+                self._columns.append(col)
+                self._count += 1
+            self._state = state
+            self._version += 1
+            wake, self._asleep = self._asleep and self._loop is not None, False
         if wake:
             try:
                 self._loop.call_soon_threadsafe(self._wake)
             except RuntimeError:                  # the loop has closed
                 pass
-        self.listener_seconds += time.perf_counter() - t0
 
     # --- event loop ---------------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -131,35 +135,33 @@ class LiveFeed:
             self._watchers.add(w)
         try:
             yield _sse({"type": "init", **self.info})
-            w.wake.set()                          # send what there is at once
             while not self._closed:
-                await w.wake.wait()
-                if self._closed:
-                    break
-                w.wake.clear()
-                frame = self._frame(w)
-                if frame is not None:
-                    yield frame
+                with self._lock:
+                    news = self._version != w.version and self._state is not None
+                    if not news:                  # nothing new: sleep until a step wakes us
+                        w.wake.clear()
+                        self._asleep = True
+                if not news:
+                    await w.wake.wait()
+                    continue
+                yield self._frame(w)
                 await asyncio.sleep(self.min_interval)
         finally:
             with self._lock:
                 self._watchers.discard(w)
 
-    def _frame(self, w: _Watcher) -> str | None:
+    def _frame(self, w: _Watcher) -> str:
         t0 = time.perf_counter()
         with self._lock:
-            self._wake_pending = False
+            w.version = self._version
             new = min(self._count - w.seen, len(self._columns))
             cols = list(self._columns)[len(self._columns) - new:] if new else []
             w.seen = self._count
             state = self._state
             last = self._columns[-1].end if self._columns else 0.0
             window = [c for c in self._columns if c.end >= last - RATE_WINDOW_S]
-        if not cols and state is None:
-            return None
-        frame = {"type": "steps", "columns": [_column_json(c) for c in cols], "tps": _rate(window)}
-        if state is not None:
-            frame["state"] = _state_json(state)
+        frame = {"type": "steps", "columns": [_column_json(c) for c in cols], "tps": _rate(window),
+                 "state": _state_json(state)}
         out = _sse(frame)
         self.frame_seconds += time.perf_counter() - t0
         self.frames_sent += 1
