@@ -91,6 +91,22 @@ def test_flags_shapes_and_floats_are_not_counts(value):
         SamplingParams(max_tokens=value)
 
 
+def test_engine_limits_of_any_integer_type_are_stored_as_ints():
+    """A config holding a tensor would turn every size computed from it into a tensor."""
+    cfg = SchedulerConfig(max_num_seqs=np.int64(4), block_size=torch.tensor(4), num_blocks=np.int32(32),
+                          max_num_batched_tokens=np.uint16(64), long_prefill_chunk=np.array(8))
+    assert cfg == SchedulerConfig(max_num_seqs=4, block_size=4, num_blocks=32, max_num_batched_tokens=64,
+                                  long_prefill_chunk=8)
+    assert all(type(getattr(cfg, f)) is int for f in ("max_num_seqs", "block_size", "num_blocks",
+                                                       "max_num_batched_tokens", "long_prefill_chunk"))
+    with pytest.raises(InvalidArgument, match="block_size must be an integer"):
+        SchedulerConfig(block_size=torch.tensor(True))
+    llm = LLM(tiny_model(), max_num_seqs=np.int64(2), num_blocks=torch.tensor(16), block_size=np.int8(4),
+              seed=np.int64(5))
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.5, seed=np.int64(1)))
+    assert len(out.token_ids) == 3
+
+
 # --- token ids and arrival times ----------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [torch.tensor(True), np.True_, True, torch.tensor([5]), 5.0, None])
 def test_booleans_and_shaped_values_are_not_token_ids(bad):

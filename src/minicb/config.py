@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minicb.errors import InvalidArgument, check_float, check_int
+from minicb.errors import InvalidArgument, as_int, check_float, check_int
 
 POLICIES = ("continuous", "dynamic", "static")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -96,6 +96,10 @@ TINY_MODEL = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, n
                          max_position_embeddings=4096, eos_token_id=3)
 
 
+_INT_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk", "block_size", "num_blocks",
+               "num_host_blocks", "max_model_len", "priority_aging")
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     """The scheduler's limits and policies (module docstring); validated, frozen."""
@@ -114,6 +118,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True         # reuse cached prefix blocks (continuous only, as vLLM)
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:       # numpy / torch integers are stored as plain ints (frozen: set once)
+            value = as_int(getattr(self, name))
+            if value is not None:
+                object.__setattr__(self, name, value)
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
         check_int("block_size", self.block_size, lo=1)

@@ -131,7 +131,7 @@ class LLMEngine:
         rid = self.new_request_id() if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
             raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")
-        check_int("priority", priority)
+        priority = check_int("priority", priority)          # a plain int (numpy / torch ints too)
         now = self.clock() if arrival_time is None else check_float("arrival_time", arrival_time, finite=True)
         seq = Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
                        eos_token_id=self.eos_token_id)
