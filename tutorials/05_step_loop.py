@@ -87,7 +87,8 @@ while eng.has_unfinished_requests():
         end = f"  (finished: {o.finish_reason})" if o.finished else ""
         print(f"         {o.request_id} += {o.new_text!r}{end}")
 print(f"steps: {eng.stats.num_steps}")
-print(f"tokens generated: { {r: len(t) for r, t in sorted(tokens.items())} }")
+made = {r: len(t) for r, t in sorted(tokens.items())}
+print(f"tokens generated: {made}")
 
 # %% [markdown]
 # Notice the step where r0 finished: its slot and blocks were released inside
