@@ -3,6 +3,14 @@
     python bench/breakdown.py --threads 1          # W2 (about 3 min here)
     python bench/breakdown.py --threads 1 --quick  # 16 requests
     python bench/breakdown.py --threads 1 --attn-backend cpu-paged   # decode attention by the C kernel
+    python bench/breakdown.py --threads 1 --vs-vllm bench/out/vllm-profile/float32   # beside vLLM
+
+With ``--vs-vllm DIR`` it profiles only minicb continuous with ``LLM()``'s defaults (``--dtype``) and
+prints it beside the op table vLLM's torch profiler wrote for the same W2 requests
+(``python bench/peer_vllm.py --workloads W2 --dtypes float32 --repeats 1 --skip-minicb --profile-vllm
+bench/out/vllm-profile``): per part, seconds of self time, vLLM's ops grouped the same way (its linears
+are ``_C::onednn_mm``, its attention ``_C::cpu_attention_with_kv_cache`` and the cache write
+``_C::cpu_attn_reshape_and_cache``).
 
 Both policies run the W2 workload of ``bench/throughput.py`` (SmolLM2 float32, greedy, EOS ignored) under
 ``cProfile``, and the wall time is split by the torch calls it went to:
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pathlib
 import pstats
 import sys
@@ -64,15 +73,75 @@ def profile_run(model, wl, **config) -> dict[str, float]:
     return out
 
 
+VLLM_PARTS = {"linear": ("onednn_mm", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"),
+              "attention": ("cpu_attention", "cpu_attn", "scaled_dot_product")}
+UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def read_vllm_table(path: pathlib.Path) -> dict[str, float]:
+    """Seconds of self CPU time per op in a torch profiler table (``key_averages().table()``)."""
+    lines = path.read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if "Self CPU" in line and "Name" in line)
+    cols = [c.strip() for c in lines[header].split("  ") if c.strip()]
+    col = cols.index("Self CPU")
+    out: dict[str, float] = {}
+    for line in lines[header + 2:]:
+        fields = [c.strip() for c in line.split("  ") if c.strip()]
+        if len(fields) != len(cols):
+            continue
+        value = fields[col]
+        unit = value.lstrip("0123456789.")
+        out[fields[0]] = out.get(fields[0], 0.0) + float(value[:len(value) - len(unit)]) * UNITS[unit]
+    return out
+
+
+def vllm_parts(ops: dict[str, float]) -> dict[str, float]:
+    parts = {p: sum(t for name, t in ops.items() if any(k in name for k in keys))
+             for p, keys in VLLM_PARTS.items()}
+    parts["rest"] = sum(ops.values()) - sum(parts.values())
+    return parts
+
+
+def vs_vllm(args, wl) -> None:
+    from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute
+    from minicb.model.llama import DTYPES
+
+    tables = sorted(pathlib.Path(args.vs_vllm).rglob("*profiler_out.txt"))
+    if not tables:
+        raise SystemExit(f"no *profiler_out.txt under {args.vs_vllm}; run bench/peer_vllm.py --profile-vllm")
+    theirs = vllm_parts(read_vllm_table(tables[-1]))
+    model = load_smollm2(DTYPES[args.dtype])
+    if needs_float32_compute(model.dtype, "cpu"):
+        compute_linears_in_float32(model)
+    ours = profile_run(model, wl)                 # LLM()'s defaults: slots, budget, pool, backend
+    ours["attention"] += ours.pop("gather") + ours.pop("kernel")
+    print(f"machine: {machine_description()}; {args.dtype}; load average {os.getloadavg()[0]:.2f}")
+    print(f"W2 ({len(wl.prompts)} requests): seconds of self time per part; minicb under cProfile, "
+          f"vLLM's model worker under the torch profiler ({tables[-1]})")
+    print(f"{'part':<11}{'minicb':>9}{'vLLM':>9}{'minicb/vLLM':>13}")
+    for part in ("linear", "attention", "rest"):
+        print(f"{part:<11}{ours[part]:>9.1f}{theirs[part]:>9.1f}{ours[part] / theirs[part]:>12.2f}x")
+    total = sum(theirs.values())
+    print(f"{'total':<11}{ours['total']:>9.1f}{total:>9.1f}{ours['total'] / total:>12.2f}x")
+    print("(vLLM's total: time inside profiled ops; its scheduler and front end run in other processes)")
+    top = sorted(read_vllm_table(tables[-1]).items(), key=lambda kv: -kv[1])[:8]
+    print("vLLM's largest ops: " + ", ".join(f"{name} {t:.1f} s" for name, t in top))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--attn-backend", default="auto", choices=NAMES, help="minicb's attention backend")
+    ap.add_argument("--vs-vllm", metavar="DIR", help="minicb (LLM() defaults) beside vLLM's profile in DIR")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --vs-vllm")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     wl = w2(num=16) if args.quick else w2()
+    if args.vs_vllm:
+        vs_vllm(args, wl)
+        return
     model = load_smollm2()
     backend = resolve_backend(args.attn_backend, "cpu", torch.float32, model.config.head_dim)
     cont = profile_run(model, wl, policy="continuous", max_num_seqs=64, max_num_batched_tokens=1024,

@@ -35,6 +35,7 @@ import glob
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,14 +48,20 @@ DEFAULT_VENV_PYTHON = "/tmp/vllm-venv/bin/python"
 
 # ---------------------------------------------------------------------------------------------- child
 
-def serve_vllm(model_dir: str, dtype: str, max_model_len: int) -> None:
+def serve_vllm(model_dir: str, dtype: str, max_model_len: int, profile_dir: str | None = None) -> None:
     """The child: one vLLM ``LLM``, then ``{"prompts": [[ids]], "output_lens": [n]}`` lines on stdin,
-    each answered with ``{"seconds": s, "tokens": n}`` after a ``generate`` over all of them."""
+    each answered with ``{"seconds": s, "tokens": n}`` after a ``generate`` over all of them. With
+    ``profile_dir`` the torch profiler records the model worker during every ``generate`` and vLLM writes
+    its op table (``*.profiler_out.txt``, self CPU time per op) there."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0)
+    extra = {}
+    if profile_dir:
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir,
+                                    "torch_profiler_with_stack": False}
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0, **extra)
     _reply({"ready": True, "startup_s": time.perf_counter() - t0})
     for line in sys.stdin:
         req = json.loads(line)
@@ -62,11 +69,41 @@ def serve_vllm(model_dir: str, dtype: str, max_model_len: int) -> None:
             break
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in req["output_lens"]]
-        t = time.perf_counter()
+        if profile_dir and req.get("profile"):
+            llm.start_profile()
+        t, c = time.perf_counter(), cpu_seconds_of_tree()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        _reply({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        dt, cpu = time.perf_counter() - t, cpu_seconds_of_tree() - c
+        if profile_dir and req.get("profile"):
+            llm.stop_profile()
+        _reply({"seconds": dt, "cpu_seconds": cpu, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                 "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs]})
+
+
+def cpu_seconds_of_tree() -> float:
+    """CPU seconds used so far by this process and every process below it (vLLM's engine core and
+    model worker), from ``/proc``: on a shared machine this counts the work, not the waiting."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick      # utime + stime
+        except OSError:
+            pass
+    return total
 
 
 def _reply(obj: dict) -> None:
@@ -78,7 +115,8 @@ class VllmChild:
     """The vLLM child process seen from the parent: start, run a workload, stop."""
 
     def __init__(self, python: str, model_dir: pathlib.Path, dtype: str, cpu: int, pin: bool,
-                 kv_space_gib: int, max_model_len: int, log: pathlib.Path) -> None:
+                 kv_space_gib: int, max_model_len: int, log: pathlib.Path,
+                 profile_dir: str | None = None) -> None:
         env = dict(os.environ)
         iomp = glob.glob(str(pathlib.Path(python).resolve().parents[1] / "lib" / "libiomp5.so"))
         if iomp:
@@ -89,6 +127,8 @@ class VllmChild:
         self.log = open(log, "a")
         cmd = [python, str(pathlib.Path(__file__).resolve()), "--serve-vllm", str(model_dir),
                "--dtypes", dtype, "--max-model-len", str(max_model_len)]
+        if profile_dir:
+            cmd += ["--profile-vllm", profile_dir]
         # the affinity is inherited by every process vLLM starts (engine core, worker)
         pre = (lambda: os.sched_setaffinity(0, {cpu})) if pin else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -102,12 +142,14 @@ class VllmChild:
             self.log.write(line)
         raise RuntimeError(f"the vLLM child exited (code {self.proc.wait()}); see {self.log.name}")
 
-    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_lens": output_lens}) + "\n")
+    def run(self, prompts: list[list[int]], output_lens: list[int], profile: bool = False) -> dict:
+        req = {"prompts": prompts, "output_lens": output_lens, "profile": profile}
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def close(self) -> None:
+        """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
@@ -150,15 +192,16 @@ def run_minicb(llm, wl) -> dict:
     from minicb.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(wl.prompts, params)
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "tokens": sum(len(o.token_ids) for o in outs),
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"seconds": dt, "cpu_seconds": cpu, "tokens": sum(len(o.token_ids) for o in outs),
             "first_tokens": [o.token_ids[:8] for o in outs]}
 
 
-def summary(runs: list[dict]) -> tuple[float, float, float]:
-    tps = [r["tokens"] / r["seconds"] for r in runs]
+def summary(runs: list[dict], key: str = "seconds") -> tuple[float, float, float]:
+    """Median, min and max of tokens per wall second (``key="cpu_seconds"``: per CPU second)."""
+    tps = [r["tokens"] / r[key] for r in runs]
     return statistics.median(tps), min(tps), max(tps)
 
 
@@ -175,14 +218,20 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--minicb", default="", help="LLM() keyword overrides for minicb, k=v,k=v")
     ap.add_argument("--skip-vllm", action="store_true", help="minicb only (no vLLM venv needed)")
+    ap.add_argument("--skip-minicb", action="store_true", help="vLLM only")
     ap.add_argument("--out", default=str(HERE / "out"), help="export and log folder (default bench/out)")
     ap.add_argument("--json", help="write the results here as well")
+    ap.add_argument("--profile-vllm", metavar="DIR",
+                    help="profile vLLM's worker (torch profiler) during the last round into DIR/<dtype>; "
+                         "op table lands in *.profiler_out.txt (bench/breakdown.py --vllm-table reads it)")
     ap.add_argument("--serve-vllm", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_vllm:
-        serve_vllm(args.serve_vllm, args.dtypes, args.max_model_len)
+        serve_vllm(args.serve_vllm, args.dtypes, args.max_model_len, args.profile_vllm)
         return
 
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so the finally below stops vLLM's processes too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "src"))
     import torch
@@ -204,50 +253,65 @@ def main() -> None:
         child = None
         if not args.skip_vllm:
             print(f"[{dtype}] starting vLLM (first start compiles the model: minutes)", flush=True)
+            profile = str(pathlib.Path(args.profile_vllm).resolve() / dtype) if args.profile_vllm else None
             child = VllmChild(args.vllm_python, model_dir, dtype, args.cpu, args.pin_vllm, args.kv_space_gib,
-                              args.max_model_len, out / f"vllm-{dtype}.log")
+                              args.max_model_len, out / f"vllm-{dtype}.log", profile)
             print(f"[{dtype}] vLLM ready after {child.info['startup_s']:.0f} s", flush=True)
         try:
-            llm = LLM(dtype=dtype, **overrides)
-            cfg = llm.engine.config
-            print(f"[{dtype}] minicb: attn_backend={llm.engine.runner.backend.name} "
-                  f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
-                  f"num_blocks={cfg.num_blocks} block_size={cfg.block_size}", flush=True)
+            llm = None if args.skip_minicb else LLM(dtype=dtype, **overrides)
+            if llm is not None:
+                cfg = llm.engine.config
+                print(f"[{dtype}] minicb: attn_backend={llm.engine.runner.backend.name} max_num_seqs="
+                      f"{cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
+                      f"num_blocks={cfg.num_blocks} block_size={cfg.block_size}", flush=True)
             warm = w1(num=2, new_tokens=4)       # first-call costs (allocator, kernel build) out of the way
-            run_minicb(llm, warm)
+            if llm is not None:
+                run_minicb(llm, warm)
             if child:
                 child.run(warm.prompts, warm.output_lens)
-            runs = {(wl.name, eng): [] for wl in wls for eng in ("vllm", "minicb")}
+            engines = ["vllm"] * bool(child) + ["minicb"] * (not args.skip_minicb)
+            runs = {(wl.name, eng): [] for wl in wls for eng in engines}
             for rnd in range(args.repeats):
                 for wl in wls:
-                    for eng in (("vllm", "minicb") if child else ("minicb",)):
-                        r = child.run(wl.prompts, wl.output_lens) if eng == "vllm" else run_minicb(llm, wl)
+                    for eng in [e for e in ("vllm", "minicb") if e in engines]:
+                        last = rnd == args.repeats - 1
+                        r = child.run(wl.prompts, wl.output_lens, profile=last and bool(args.profile_vllm)) \
+                            if eng == "vllm" else run_minicb(llm, wl)
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                         runs[(wl.name, eng)].append(r)
                         tps = r["tokens"] / r["seconds"]
                         print(f"  [{dtype}] round {rnd + 1} {wl.name} {eng:<7} {tps:7.1f} tokens/s "
-                              f"({r['seconds']:.1f} s)", flush=True)
+                              f"({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU s)", flush=True)
             results[dtype] = {f"{w}/{e}": rs for (w, e), rs in runs.items() if rs}
-            llm.shutdown()
-            del llm
+            if llm is not None:
+                llm.shutdown()
+                del llm
         finally:
             if child:
                 child.close()
     print()
     print(f"machine: {machine_description()}; load average {os.getloadavg()[0]:.2f} at the end; "
           f"one core (cpu {args.cpu}) each, vLLM tree pinned: {args.pin_vllm and not args.skip_vllm}")
-    print(f"{'workload':<9}{'dtype':<10}{'vLLM tok/s':>12}{'range':>16}{'minicb tok/s':>14}{'range':>16}"
-          f"{'minicb/vLLM':>13}")
+    print("tokens/s: output tokens per wall second, median of the rounds (range); /CPU s: per second of "
+          "CPU time\n(vLLM: its three processes together; minicb: its one): a busy machine inflates it less")
+    print(f"{'workload':<9}{'dtype':<10}{'vLLM tok/s':>11}{'range':>15}{'minicb':>8}{'range':>15}"
+          f"{'ratio':>7}{'vLLM /CPU s':>13}{'minicb':>8}{'ratio':>7}")
     for dtype, r in results.items():
         for wl in wls:
-            m = summary(r[f"{wl.name}/minicb"])
-            v = summary(r[f"{wl.name}/vllm"]) if f"{wl.name}/vllm" in r else None
-            vtxt = f"{v[0]:>12.1f}{v[1]:>9.1f} - {v[2]:<5.1f}" if v else f"{'-':>12}{'':>16}"
-            ratio = f"{m[0] / v[0]:>12.2f}x" if v else ""
-            print(f"{wl.name:<9}{dtype:<10}{vtxt}{m[0]:>14.1f}{m[1]:>9.1f} - {m[2]:<5.1f}{ratio}")
-            if v:
-                same = sum(a == b for a, b in zip(r[f"{wl.name}/minicb"][0]["first_tokens"],
-                                                  r[f"{wl.name}/vllm"][0]["first_tokens"]))
+            mine, theirs = r.get(f"{wl.name}/minicb"), r.get(f"{wl.name}/vllm")
+            cells = []
+            for runs, width in ((theirs, 11), (mine, 8)):
+                m = summary(runs) if runs else None
+                cells.append(f"{m[0]:>{width}.1f}{m[1]:>8.1f} - {m[2]:<4.1f}" if m
+                             else f"{'-':>{width}}{'':>15}")
+            cells.append(f"{summary(mine)[0] / summary(theirs)[0]:>6.2f}x" if mine and theirs else f"{'':>7}")
+            for runs, width in ((theirs, 13), (mine, 8)):
+                cells.append(f"{summary(runs, 'cpu_seconds')[0]:>{width}.1f}" if runs else f"{'-':>{width}}")
+            if mine and theirs:
+                cells.append(f"{summary(mine, 'cpu_seconds')[0] / summary(theirs, 'cpu_seconds')[0]:>6.2f}x")
+            print(f"{wl.name:<9}{dtype:<10}" + "".join(cells))
+            if mine and theirs:
+                same = sum(a == b for a, b in zip(mine[0]["first_tokens"], theirs[0]["first_tokens"]))
                 print(f"{'':<19}first 8 tokens identical in {same}/{len(wl.prompts)} requests")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

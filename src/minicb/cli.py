@@ -75,10 +75,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "else reference; cpu-paged = reference with a C decode kernel (CPU, compiles on "
                         "first use)")
     p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="slots (default: 256 for continuous, 16 for the padded policies)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a step (default 2048)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: as many as --kv-cache-memory holds)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV cache size in GiB (default: 2 GiB or a quarter of the free RAM, the smaller)")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes (continuous policy only; "
@@ -170,6 +175,14 @@ def _read_prompt_file(path: str) -> list[str]:
     return lines
 
 
+def _gib(value: float | None) -> int | None:
+    if value is None:
+        return None
+    if not value > 0:
+        raise MinicbError(f"--kv-cache-memory must be a positive number of GiB, got {value}")
+    return int(value * (1 << 30))
+
+
 def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     from minicb.arrivals import Arrival, drive
@@ -182,7 +195,7 @@ def cmd_generate(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
-              enable_prefix_caching=args.prefix_caching)
+              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=_gib(args.kv_cache_memory))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     single = len(prompts) == 1

@@ -21,6 +21,19 @@ import torch
 from minicb.memory import available_cpu_bytes, check_fits
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros. On the CPU they come from numpy's ``calloc``, whose pages the OS maps, zero-filled, only
+    when first written: a pool sized for the worst case costs neither time nor memory until used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     """The physical K/V tensors of every layer, cut into blocks; written through ``slot_mapping``.
 
@@ -37,7 +50,7 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = lazy_zeros(shape, dtype, device)
         host_shape = (num_layers, 2, num_host_blocks, block_size, kv_heads, head_dim)
         self.host = torch.zeros(host_shape, dtype=dtype, device="cpu")
 

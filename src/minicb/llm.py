@@ -26,12 +26,19 @@ import torch
 from minicb.config import SchedulerConfig
 from minicb.engine import LLMEngine
 from minicb.errors import InvalidArgument, check_int
+from minicb.kv_budget import num_blocks_for
 from minicb.model.backends import check_device
+from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute
 from minicb.model.llama import DTYPES, LlamaForCausalLM
 from minicb.outputs import RequestOutput
 from minicb.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput"]
+
+# LLM()'s scheduler defaults where the caller gives none (SchedulerConfig's own stay small, for tests):
+# as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
+# against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults").
+FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 
 
 class LLM:
@@ -39,7 +46,9 @@ class LLM:
 
     ``model`` is a path (GGUF file or Hugging Face directory), ``None`` for the default SmolLM2, or an
     already built ``LlamaForCausalLM`` (tests pass tiny random ones). Other keyword arguments are
-    ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...).
+    ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...); those
+    not given get fast defaults (``FAST_DEFAULTS``) and a KV pool sized from memory, or from
+    ``kv_cache_memory_bytes`` (``minicb.kv_budget``).
 
     ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``: this
     process is rank 0, the others are started here, or it joins a ``torchrun`` job); call
@@ -49,11 +58,12 @@ class LLM:
     def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
-                 **config) -> None:
+                 kv_cache_memory_bytes: int | None = None, **config) -> None:
         torch_dtype = _dtype(dtype)
         device = check_device(device)
         check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
         _check_config_names(config)
+        config = {k: v for k, v in config.items() if v is not None}    # None: the default (the CLI's)
         SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
         if not isinstance(model, LlamaForCausalLM):
             from minicb.model.loader import load_model
@@ -63,7 +73,9 @@ class LLM:
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
-        sched = SchedulerConfig(**_default_config(model, config))
+            if tensor_parallel_size == 1 and needs_float32_compute(torch_dtype, device):
+                compute_linears_in_float32(model)      # bfloat16 matmuls at float32 speed (cpu_linear.py)
+        sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
             from minicb.distributed import launch
 
@@ -135,15 +147,28 @@ def _check_config_names(config: dict) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
         raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
-                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size and the "
+                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size, "
+                              f"kv_cache_memory_bytes and the "
                               f"SchedulerConfig fields "
                               f"{', '.join(sorted(known))}")
 
 
-def _default_config(model: LlamaForCausalLM, config: dict) -> dict:
-    config = dict(config)
-    config.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
-    return config
+def _default_config(model: LlamaForCausalLM, config: dict, kv_cache_memory_bytes: int | None = None) -> dict:
+    """The scheduler configuration: what the caller gave, else fast defaults (``FAST_DEFAULTS``, measured
+    in bench/RESULTS.md) and a KV pool sized from memory (``kv_budget``)."""
+    out = dict(config)
+    if out.get("policy", "continuous") == "continuous":     # the padded policies keep 16 slots
+        out = {**FAST_DEFAULTS, **out}
+    out.setdefault("max_num_seqs", SchedulerConfig().max_num_seqs)
+    out.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
+    if "num_blocks" not in out:
+        out["num_blocks"] = num_blocks_for(
+            model.config, block_size=out.get("block_size", 16), dtype_size=model.dtype.itemsize,
+            max_num_seqs=out["max_num_seqs"], max_model_len=out["max_model_len"],
+            kv_cache_memory_bytes=kv_cache_memory_bytes)
+    if "max_num_seqs" not in config:         # a default slot count never exceeds a small pool
+        out["max_num_seqs"] = min(out["max_num_seqs"], out["num_blocks"])
+    return out
 
 
 def _params_list(sp, n: int) -> list[SamplingParams]:

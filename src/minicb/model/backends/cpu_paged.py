@@ -16,8 +16,13 @@ second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DI
 calls it through ``ctypes``: no build step at install time, no new dependency. ``CpuPagedAttention``
 is ``ReferenceAttention`` with one change: the decode rows of a step go to the kernel in one call per
 layer, unpadded and unbucketed; prompt chunks and padding rows still go through SDPA exactly as in
-the reference backend. Where no C compiler works, asking for ``cpu-paged`` fails with the compiler's
-reason (``backends/__init__.py``), and ``reference`` runs as before.
+the reference backend. ``auto`` picks this backend on the CPU; where no C compiler works, ``auto``
+falls back to ``reference`` with one logged line, and asking for ``cpu-paged`` by name fails with the
+compiler's reason (``backends/__init__.py``).
+
+Dtypes: float32 and float64 are computed in their own precision; bfloat16 K/V and queries are widened
+to float32 as they are read, and the output rounded back once (``paged_decode.c``), so a bfloat16
+cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic.
 
 The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
 the reference backend's to rounding (``tests/test_cpu_paged.py`` checks both, and token-exactness
