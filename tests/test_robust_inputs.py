@@ -313,3 +313,15 @@ def test_a_cost_model_refuses_times_that_would_stop_or_break_the_clock(field, va
 
     with pytest.raises(InvalidArgument, match=field):
         preset("llama-3-8b", **{field: value})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dtype=np.array(3)), dict(dtype=[]), dict(attn_backend=np.array([1, 2])), dict(attn_backend={}),
+    dict(device=10**30), dict(device=np.array([0, 1]))],
+                         ids=["dtype-array", "dtype-list", "backend-array", "backend-dict", "device-huge",
+                              "device-array"])
+def test_unhashable_or_huge_choices_are_invalid_argument(kwargs):
+    """Found by the fuzz (``test_fuzz_api.py``, a longer random run): these raised numpy's ValueError,
+    ``TypeError: unhashable`` or torch's "Overflow when unpacking long long"."""
+    with pytest.raises(InvalidArgument):
+        LLM(tiny_model(), max_num_seqs=2, num_blocks=16, **kwargs)

@@ -132,7 +132,7 @@ class LLM:
 def _dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 

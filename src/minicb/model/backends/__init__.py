@@ -119,7 +119,7 @@ def check_device(device) -> torch.device:
     """``device`` as a ``torch.device``; ``InvalidArgument`` if it is malformed or CUDA is absent."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:     # e.g. torch.device(10**30)
         raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
     if dev.type == "cuda" and not cuda_available():
         raise InvalidArgument(f"device {device!r} needs CUDA, and torch.cuda.is_available() is False "
@@ -131,7 +131,7 @@ def check_device(device) -> torch.device:
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
     """The concrete backend name for ``name`` (``auto`` included); raises if ``name`` cannot run."""
-    if name not in NAMES:
+    if not isinstance(name, str) or name not in NAMES:
         raise InvalidArgument(f"attn_backend must be one of {NAMES}, got {name!r}")
     if name == "auto":
         if torch.device(device).type == "cpu":
