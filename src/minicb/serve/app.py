@@ -27,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -38,13 +38,13 @@ from minicb.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.serve.metrics import CONTENT_TYPE
 from minicb.serve.protocol import ApiError, ParsedRequest, bad_request, parse_chat, parse_completion
 
-if TYPE_CHECKING:
-    from minicb.serve.server import Server
-
 log = logging.getLogger("minicb.serve")
 
 HEALTH_TIMEOUT_S = 10.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+Server = Any    # minicb.serve.server.Server, which imports this module (no import back: no cycle)
 
 
 def build_app(server: Server) -> FastAPI:
