@@ -31,14 +31,13 @@ So a render is bounded three ways:
 
 What goes wrong becomes one of minicb's errors, so a caller never sees a Jinja2 exception:
 
-==========================================  =================================================
-the template calls ``raise_exception(msg)``   ``InvalidArgument``: it rejects these messages
-output (or a value) over the size limit     ``InvalidArgument``: the conversation is too long
-invalid Jinja2 syntax                       ``ModelLoadError``: the model file is broken
-over time or memory, a sandbox violation,   ``ModelLoadError``: the model's template is broken
-an undefined name used as a value, any
-other error while rendering
-==========================================  =================================================
+===============================================  ==================================================
+the template calls ``raise_exception(msg)``      ``InvalidArgument``: it rejects these messages
+output (or a value) over the size limit          ``InvalidArgument``: the conversation is too long
+invalid Jinja2 syntax                            ``ModelLoadError``: the model file is broken
+over time or memory, a sandbox violation, an     ``ModelLoadError``: the model's template is broken
+undefined name used as a value, any other error
+===============================================  ==================================================
 """
 
 from __future__ import annotations
@@ -119,7 +118,10 @@ def compile_template(source: str):
 
 
 class _Guard:
-    """The time and memory limits of one render, checked on every line of the template's own code."""
+    """The time and memory limits of one render, checked on the template's own lines (every 8th).
+
+    ``sys.settrace`` is per thread and is put back as it was after the render: a debugger or a
+    coverage tool tracing this thread sees nothing of the render itself, and everything else."""
 
     def __init__(self) -> None:
         self.deadline = time.monotonic() + MAX_RENDER_SECONDS
