@@ -116,7 +116,6 @@ class SchedulerSnapshot:
     slots: tuple[str | None, ...]                          # slot i -> the request holding it, or None
     block_tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request, device blocks) of slot holders
     host_tables: tuple[tuple[str, tuple[int, ...]], ...]   # (request, host blocks) of swapped requests
-    free_blocks: tuple[int, ...]                           # free device blocks (cached or not), lowest first
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int                                 # free blocks that still hold a cached prefix
@@ -134,6 +133,13 @@ class SchedulerSnapshot:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def free_blocks(self) -> tuple[int, ...]:
+        """The free device blocks (cached or not), lowest first: every block no table names. Derived
+        on demand, so a snapshot costs O(held blocks), not O(pool) (simulated pools are large)."""
+        held = {b for _, table in self.block_tables for b in table}
+        return tuple(b for b in range(self.num_blocks) if b not in held)
 
 
 @dataclass(slots=True)
@@ -209,7 +215,6 @@ class Scheduler:
             block_tables=tuple((rid, tuple(bm.block_tables[rid])) for rid in held.values()
                                if rid in bm.block_tables),
             host_tables=tuple((rid, tuple(t)) for rid, t in bm.host_tables.items()),
-            free_blocks=tuple(bm.device.free_blocks()),
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.num_cached_blocks, num_host_blocks=self.config.num_host_blocks,
             num_free_host_blocks=bm.num_free_host_blocks,
