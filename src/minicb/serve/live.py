@@ -48,6 +48,7 @@ RATE_WINDOW_S = 2.0           # tokens/s over the steps of the last two seconds
 class Column:
     """One step, as the page draws it."""
 
+    index: int                                    # columns made before this one (the feed's own count)
     step: int
     start: float
     end: float
@@ -99,7 +100,7 @@ class LiveFeed:
         if len(self._sampled) > 4 * max(1, len(event.after.slots)):
             a = event.after
             self._sampled &= set(a.running) | set(a.waiting) | set(a.swapped)
-        self._publish(Column(plan.step, event.start, event.end, tuple(rows),
+        self._publish(Column(self._count, plan.step, event.start, event.end, tuple(rows),
                              sum(s.sample for s in plan.seqs), len(plan.padding)), event.after)
         self.listener_seconds += time.perf_counter() - t0
 
@@ -152,14 +153,14 @@ class LiveFeed:
 
     def _frame(self, w: _Watcher) -> str:
         t0 = time.perf_counter()
-        with self._lock:
-            w.version = self._version
-            new = min(self._count - w.seen, len(self._columns))
-            cols = list(self._columns)[len(self._columns) - new:] if new else []
-            w.seen = self._count
-            state = self._state
-            last = self._columns[-1].end if self._columns else 0.0
-            window = [c for c in self._columns if c.end >= last - RATE_WINDOW_S]
+        with self._lock:                          # held for two reads only: the engine never waits long
+            w.version, state = self._version, self._state
+        history = list(self._columns)             # one C-level copy under the GIL: a consistent list
+        cols = [c for c in history if c.index >= w.seen]
+        if cols:
+            w.seen = cols[-1].index + 1
+        last = history[-1].end if history else 0.0
+        window = [c for c in history if c.end >= last - RATE_WINDOW_S]
         frame = {"type": "steps", "columns": [_column_json(c) for c in cols], "tps": _rate(window),
                  "state": _state_json(state)}
         out = _sse(frame)
