@@ -97,7 +97,8 @@ def test_the_live_page_shows_the_slots_of_running_requests(tmp_path):
         clients = Clients(url, 6)                      # 6 clients, 4 slots: there is always a queue
         try:
             target = browser.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-            session = browser.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+            session = browser.call("Target.attachToTarget",
+                                   {"targetId": target, "flatten": True})["sessionId"]
             for domain in ("Runtime", "Log", "Page"):
                 browser.call(f"{domain}.enable", session=session)
             browser.call("Emulation.setDeviceMetricsOverride", {"width": 1280, "height": 760,
@@ -107,8 +108,9 @@ def test_the_live_page_shows_the_slots_of_running_requests(tmp_path):
             assert browser.wait_event("Page.loadEventFired", session, 30)
             deadline = time.monotonic() + 30
             while True:
-                facts = json.loads(browser.call("Runtime.evaluate", {"expression": FACTS, "returnByValue": True},
-                                                session=session)["result"]["value"])
+                reply = browser.call("Runtime.evaluate", {"expression": FACTS, "returnByValue": True},
+                                     session=session)
+                facts = json.loads(reply["result"]["value"])
                 ready = (len(set(facts["slotRids"])) >= 3 and facts["blockRids"] and facts["tps"] > 0
                          and facts["step"] >= 160)          # a full window: slots have changed hands
                 if ready or time.monotonic() > deadline:
