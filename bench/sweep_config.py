@@ -64,13 +64,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workloads", default="W1,W2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_smollm2(DTYPES[args.dtype])
     if needs_float32_compute(model.dtype, "cpu"):
         compute_linears_in_float32(model)           # what LLM() does for a model it loads itself
     names = args.configs.split(",")
-    wls = [w1(), w2()]
+    wls = [w for w in (w1(), w2()) if w.name in args.workloads.split(",")]
     run(model, w1(num=2, new_tokens=4), {})         # first-call costs out of the way
     tps: dict[tuple[str, str], list[float]] = {(wl.name, n): [] for wl in wls for n in names}
     per_cpu: dict[tuple[str, str], list[float]] = {(wl.name, n): [] for wl in wls for n in names}
