@@ -225,40 +225,57 @@ class Watcher:
         self._sock.close()
 
 
-def watch_overhead(url: str, model: str, num: int, repeats: int) -> dict:
+def process_cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (all its threads), from /proc; NaN if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def watch_overhead(url: str, model: str, num: int, repeats: int, pid: int | None = None) -> dict:
+    """Alternate runs without and with a page watching; ``pid``: the server's, for its CPU time."""
     runs = []
     for k in range(2 * repeats):
         watched = k % 2 == 1
         prompts, outputs = w2_for_run(k, num)
-        h0 = health(url)
+        h0, c0 = health(url), process_cpu_seconds(pid)
         watcher = Watcher(url) if watched else None
         recs = run_load(url, model, prompts, outputs, [0.0] * len(prompts))
         if watcher is not None:
             watcher.close()
-        h1 = health(url)
+        h1, c1 = health(url), process_cpu_seconds(pid)
         s = summarize(recs)
         run = {"watched": watched, "throughput": s["throughput"], "seconds": s["seconds"],
+               "tokens_per_cpu_s": s["tokens"] / (c1 - c0) if c1 > c0 else float("nan"),
                "failed": s["failed"], "engine_busy_s": h1["engine_busy_s"] - h0["engine_busy_s"],
                "listener_s": h1["live_listener_s"] - h0["live_listener_s"],
                "frame_s": h1["live_frame_s"] - h0["live_frame_s"],
                "frames": watcher.frames if watcher else 0, "load_avg": os.getloadavg()[0]}
         runs.append(run)
         print(f"{'watched' if watched else 'alone  '}  {run['throughput']:6.1f} tok/s  "
-              f"{run['seconds']:6.1f} s  engine busy {run['engine_busy_s']:6.1f} s  "
+              f"{run['tokens_per_cpu_s']:6.1f} tok/CPU-s  {run['seconds']:6.1f} s  "
+              f"engine busy {run['engine_busy_s']:6.1f} s  "
               f"listener {1e3 * run['listener_s']:7.1f} ms  frames {run['frames']:4d} "
               f"({1e3 * run['frame_s']:.0f} ms to build)  load {run['load_avg']:.1f}", flush=True)
-    alone = statistics.median(r["throughput"] for r in runs if not r["watched"])
-    watched = statistics.median(r["throughput"] for r in runs if r["watched"])
-    busy = sum(r["engine_busy_s"] for r in runs)
-    listener = sum(r["listener_s"] for r in runs)
-    frames = [r for r in runs if r["watched"]]
-    out = {"runs": runs, "median_alone": alone, "median_watched": watched, "ratio": watched / alone,
-           "listener_share": listener / busy,
-           "frame_share": sum(r["frame_s"] for r in frames) / sum(r["engine_busy_s"] for r in frames)}
-    print(f"median tokens/s alone {alone:.1f}, watched {watched:.1f}: watched/alone = {out['ratio']:.3f}; "
-          f"engine thread in the live listener: {100 * out['listener_share']:.3f}% of its busy time; "
-          f"event loop building frames: {100 * out['frame_share']:.3f}% of the engine's busy time",
-          flush=True)
+    def median(key: str, watched: bool) -> float:
+        return statistics.median(r[key] for r in runs if r["watched"] == watched)
+
+    seen = [r for r in runs if r["watched"]]
+    busy = sum(r["engine_busy_s"] for r in seen)
+    out = {"runs": runs, "median_alone": median("throughput", False),
+           "median_watched": median("throughput", True),
+           "cpu_alone": median("tokens_per_cpu_s", False), "cpu_watched": median("tokens_per_cpu_s", True),
+           "listener_share": sum(r["listener_s"] for r in seen) / busy,
+           "frame_share": sum(r["frame_s"] for r in seen) / busy}
+    print(f"median tokens/s alone {out['median_alone']:.1f}, watched {out['median_watched']:.1f} "
+          f"({out['median_watched'] / out['median_alone']:.3f}); tokens per server CPU-second alone "
+          f"{out['cpu_alone']:.2f}, watched {out['cpu_watched']:.2f} "
+          f"({out['cpu_watched'] / out['cpu_alone']:.3f}); while watched, the engine thread spent "
+          f"{100 * out['listener_share']:.2f}% of its busy time in the live listener and the event loop "
+          f"{100 * out['frame_share']:.2f}% of it building frames", flush=True)
     return out
 
 
@@ -285,7 +302,8 @@ def main() -> None:
         result = {"server": args.url or server.command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                   "cores": os.cpu_count()}
         if args.watch_overhead:
-            result["watch_overhead"] = watch_overhead(url, model, args.num_requests, args.repeats)
+            pid = server.proc.pid if server is not None else None
+            result["watch_overhead"] = watch_overhead(url, model, args.num_requests, args.repeats, pid)
         else:
             targets = [(args.name, url, model)]
             if args.peer:
