@@ -87,7 +87,7 @@ def read_vllm_table(path: pathlib.Path) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in lines[header + 2:]:
         fields = [c.strip() for c in line.split("  ") if c.strip()]
-        if len(fields) != len(cols):
+        if len(fields) != len(cols) or line.startswith("-"):      # the closing rule, the totals line
             continue
         value = fields[col]
         unit = value.lstrip("0123456789.")
