@@ -139,6 +139,7 @@ def _refused(url: str) -> bool:
     (["serve", "--max-waiting", "-1"], "--max-waiting must be in [0, inf], got -1"),
     (["serve", "--shutdown-timeout", "-2"], "--shutdown-timeout must be >= 0 seconds"),
     (["serve", "--threads", "-1"], "--threads must be in [0, inf]"),
+    (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number of GiB"),
     (["serve", "--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, needle, capsys):
