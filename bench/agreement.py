@@ -5,7 +5,8 @@
 
 The 16 SmolLM2 check prompts (``minicb.measure.workloads.SMOLLM2_PROMPTS``, chat template applied) are
 generated greedily, 32 new tokens each, by the engine with its defaults (continuous batching, chunked
-prefill, paged KV) in each dtype and attention backend, and compared with the same engine in float64
+prefill, paged KV; bfloat16 linears in float32 where the CPU has no bfloat16 matmul, as ``LLM()``
+does) in each dtype and attention backend, and compared with the same engine in float64
 on the reference backend, the one the test suite holds exact. For every output that differs the
 script prints where it first diverges and the float64 logit margin there: the gap between the two
 candidate tokens' float64 logits after the common prefix. A small margin means a near-tie that any
@@ -29,6 +30,7 @@ from gpu_check import first_divergence_margin  # noqa: E402
 
 from minicb.llm import LLM  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
+from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
 from minicb.model.loader import load_model  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -59,6 +61,8 @@ def main() -> None:
     print(f"{'dtype':<10}{'backend':<11}{'identical':>10}   first divergences (token index, float64 margin)")
     for dname in args.dtypes.split(","):
         model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
+        if needs_float32_compute(model.dtype, "cpu"):
+            compute_linears_in_float32(model)          # as LLM() does for a model it loads itself
         for backend in args.backends.split(","):
             got = generate(model, prompts, args.new_tokens, backend)
             same = sum(a == b for a, b in zip(got, ref))

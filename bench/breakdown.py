@@ -53,14 +53,15 @@ PARTS = {"linear": "linear", "attention": "scaled_dot_product_attention", "gathe
          "kernel": "paged_decode"}
 
 
-def profile_run(model, wl, **config) -> dict[str, float]:
-    """Seconds per part (see the module docstring) of one ``LLM.generate`` over ``wl``."""
+def profile_run(model, wl, timer=time.perf_counter, **config) -> dict[str, float]:
+    """Seconds per part (see the module docstring) of one ``LLM.generate`` over ``wl``, by ``timer``
+    (wall clock, or ``time.process_time`` for CPU seconds)."""
     llm = LLM(model, **config)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
+    prof = cProfile.Profile(timer)
+    t0 = timer()
     prof.runcall(llm.generate, wl.prompts, params)
-    wall = time.perf_counter() - t0
+    wall = timer() - t0
     stats = pstats.Stats(prof).stats      # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
     out = {part: 0.0 for part in PARTS}
     # builtins are named like "<built-in method torch._C._nn.linear>" or "<method 'index_select' of ...>"
@@ -113,16 +114,17 @@ def vs_vllm(args, wl) -> None:
     model = load_smollm2(DTYPES[args.dtype])
     if needs_float32_compute(model.dtype, "cpu"):
         compute_linears_in_float32(model)
-    ours = profile_run(model, wl)                 # LLM()'s defaults: slots, budget, pool, backend
+    ours = profile_run(model, wl, time.process_time)   # LLM()'s defaults; CPU seconds (a busy machine)
     ours["attention"] += ours.pop("gather") + ours.pop("kernel")
     print(f"machine: {machine_description()}; {args.dtype}; load average {os.getloadavg()[0]:.2f}")
-    print(f"W2 ({len(wl.prompts)} requests): seconds of self time per part; minicb under cProfile, "
-          f"vLLM's model worker under the torch profiler ({tables[-1]})")
-    print(f"{'part':<11}{'minicb':>9}{'vLLM':>9}{'minicb/vLLM':>13}")
-    for part in ("linear", "attention", "rest"):
-        print(f"{part:<11}{ours[part]:>9.1f}{theirs[part]:>9.1f}{ours[part] / theirs[part]:>12.2f}x")
+    print(f"W2 ({len(wl.prompts)} requests): seconds per part; minicb: CPU seconds under cProfile; vLLM's "
+          f"model worker: self time under the torch profiler ({tables[-1]})")
     total = sum(theirs.values())
-    print(f"{'total':<11}{ours['total']:>9.1f}{total:>9.1f}{ours['total'] / total:>12.2f}x")
+    print(f"{'part':<11}{'minicb':>9}{'share':>7}{'vLLM':>9}{'share':>7}{'minicb/vLLM':>13}")
+    for part in ("linear", "attention", "rest"):
+        print(f"{part:<11}{ours[part]:>9.1f}{ours[part] / ours['total']:>7.0%}{theirs[part]:>9.1f}"
+              f"{theirs[part] / total:>7.0%}{ours[part] / theirs[part]:>12.2f}x")
+    print(f"{'total':<11}{ours['total']:>9.1f}{'':>7}{total:>9.1f}{'':>7}{ours['total'] / total:>12.2f}x")
     print("(vLLM's total: time inside profiled ops; its scheduler and front end run in other processes)")
     top = sorted(read_vllm_table(tables[-1]).items(), key=lambda kv: -kv[1])[:8]
     print("vLLM's largest ops: " + ", ".join(f"{name} {t:.1f} s" for name, t in top))
