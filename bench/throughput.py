@@ -127,8 +127,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's own choice)")
     ap.add_argument("--attn-backend", default="auto", choices=NAMES,
-                    help="minicb's attention backend (default auto: reference on the CPU; cpu-paged adds the "
-                         "C decode kernel)")
+                    help="minicb's attention backend (default auto: cpu-paged on the CPU, the C decode "
+                         "kernel, where it builds; reference = gather + SDPA)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every system this many times, interleaved, and report medians (default 1)")
     args = ap.parse_args()

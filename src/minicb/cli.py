@@ -71,9 +71,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--attn-backend", default="auto",
                    choices=["auto", "reference", "cpu-paged", "flash-attn", "torch-varlen"],
-                   help="attention kernel; auto = flash-attn, else torch-varlen on CUDA in float16/bfloat16, "
-                        "else reference; cpu-paged = reference with a C decode kernel (CPU, compiles on "
-                        "first use)")
+                   help="attention kernel; auto = cpu-paged on the CPU (reference with a C decode kernel, "
+                        "compiled on first use; reference where it cannot build), flash-attn, else "
+                        "torch-varlen on CUDA in float16/bfloat16, else reference")
     p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="slots (default: 256 for continuous, 16 for the padded policies)")
