@@ -407,3 +407,42 @@ def test_the_live_feed_is_throttled_and_loses_no_step(url):
     gaps = [b - a for (a, _), (b, _) in zip(frames[1:], frames[2:])]
     assert min(gaps) >= 0.09, gaps                                     # throttled: >= 0.1 s apart
     assert len(steps) > len(frames)                                   # several steps per frame
+
+
+def test_a_request_that_arrives_mid_run_joins_the_batch_at_the_next_step(url, served):
+    """Hold the engine thread between two steps, let a request arrive, release: the very next step
+    computes its prompt beside the running request's decode (read back from the live feed)."""
+    import json
+    import urllib.request
+
+    server = served[0]
+    c = client(url)
+    running = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=150, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True})
+    first = next(iter(running))
+    gate = threading.Event()
+    held = server.engine_thread.call(lambda engine: (engine.snapshot().step, gate.wait(30))[0])
+    wait_for(held.running, what="the engine thread held between two steps")
+    late = {}
+
+    def arrive():
+        stream = c.completions.create(model=MODEL, prompt=[8, 9], max_tokens=3, temperature=0, stream=True)
+        late["id"] = next(iter(stream)).id
+        late["rest"] = list(stream)
+
+    t = threading.Thread(target=arrive)
+    t.start()
+    wait_for(lambda: server.engine_thread.num_pending == 1, what="the new request in the inbox")
+    gate.set()
+    t.join(timeout=30)
+    next_step = held.result()
+    running.close()
+    with urllib.request.urlopen(url + "/live/events", timeout=30) as feed:
+        for line in feed:
+            frame = json.loads(line[6:]) if line.startswith(b"data: ") else {}
+            if frame.get("type") == "steps":
+                break
+    by_step = {col["step"]: {row[1]: row[2] for row in col["rows"]} for col in frame["columns"]}
+    joined = min(step for step, rows in by_step.items() if late["id"] in rows)
+    assert joined == next_step                                     # the first step after its arrival
+    assert by_step[joined][late["id"]] == "prefill" and by_step[joined][first.id] == "decode"

@@ -159,13 +159,16 @@ class EngineThread:
             self._on_start(self.engine)
         stalled = False
         while not self._stop:
-            msgs = self._wait(stalled)
-            for msg in msgs:
-                try:
-                    self._handle(msg)
-                except Exception:   # noqa: BLE001 - one bad message must not stop the engine thread
-                    log.exception("engine thread: handling %s failed", msg[0])
-            if self.metrics is not None and any(m[0] in ("add", "abort") for m in msgs):
+            msgs, handled = self._wait(stalled), []
+            while msgs:                       # what arrives while we handle these joins this step too
+                for msg in msgs:
+                    try:
+                        self._handle(msg)
+                    except Exception:   # noqa: BLE001 - one bad message must not stop the engine thread
+                        log.exception("engine thread: handling %s failed", msg[0])
+                handled += msgs
+                msgs = self._take()
+            if self.metrics is not None and any(m[0] in ("add", "abort") for m in handled):
                 self.metrics.observe_state(self.engine.snapshot())   # the gauges, between steps too
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._abort_all("the server is shutting down")
@@ -189,6 +192,11 @@ class EngineThread:
                         break
                 if not self._cond.wait(timeout) and stalled:
                     break
+            msgs, self._inbox = self._inbox, []
+        return msgs
+
+    def _take(self) -> list[tuple]:
+        with self._cond:
             msgs, self._inbox = self._inbox, []
         return msgs
 
