@@ -71,3 +71,24 @@ def hf_smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> pathlib.Path:
+    """The site built once per test session (``mkdocs build --strict``), for the docs and replay tests."""
+    import os
+    import subprocess
+
+    from preconditions import unavailable
+
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        unavailable("mkdocs is in the dev extra: pip install -e '.[dev]'")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                          cwd=root, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+    return out

@@ -89,3 +89,23 @@ def random_workload(n: int, seed: int, prompt_len=(1, 40), max_tokens=(1, 24), v
         t += rng.expovariate(1.0 / arrival_gap) if arrival_gap else 0.0
         arrivals.append(int(t))
     return prompts, params, arrivals
+
+
+def finishes(fn: Callable[[], object], bound_s: float = 30.0):
+    """Run ``fn()`` in a daemon thread; return what it returned or the exception it raised. Fails the
+    test if it is still running after ``bound_s``: a hang, not slowness."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(bound_s)
+    assert not t.is_alive(), f"still running after {bound_s} s: a hang"
+    return box["error"] if "error" in box else box.get("value")

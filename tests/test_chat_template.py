@@ -12,7 +12,6 @@ are lowered for these tests (0.3 s, 64 MiB) so that the time and memory cases co
 from __future__ import annotations
 
 import sys
-import threading
 
 import jinja2
 import pytest
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from minicb.errors import InvalidArgument, MinicbError, ModelLoadError
 from minicb.model import chat_template as ct
 from minicb.model.tokenizer import Tokenizer
+from robust_helpers import finishes
 from test_tokenizer import CHATML, tiny_gguf_tokenizer_metadata
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -31,24 +31,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def small_limits(monkeypatch):
     monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", 0.3)
     monkeypatch.setattr(ct, "MAX_RENDER_MEMORY", 64 * 2**20)
-
-
-def finishes(fn, bound_s: float = 30.0):
-    """Run ``fn()`` in a daemon thread; return what it returned or the exception it raised. Fails the
-    test if it is still running after ``bound_s`` (100x the render limit: a hang, not slowness)."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(bound_s)
-    assert not t.is_alive(), f"still running after {bound_s} s: the render is not bounded"
-    return box.get("value", box.get("error"))
 
 
 def render(source: str, messages=MESSAGES):

@@ -6,9 +6,7 @@ tutorial and API module."""
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -30,19 +28,6 @@ def _gen_pages():
     finally:
         sys.path.remove(str(DOCS))
 
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> pathlib.Path:
-    try:
-        import mkdocs  # noqa: F401
-    except ImportError:
-        unavailable("mkdocs is in the dev extra: pip install -e '.[dev]'")
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-    return out
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ import contextlib
 import io
 import math
 import os
-import threading
 from decimal import Decimal
 from fractions import Fraction
 
@@ -44,6 +43,7 @@ from minicb.errors import MinicbError
 from minicb.llm import LLM
 from minicb.model.tokenizer import Tokenizer
 from minicb.sampling_params import SamplingParams
+from robust_helpers import finishes as finishes_within
 from test_tokenizer import tiny_gguf_tokenizer_metadata
 from tiny_files import write_gguf
 
@@ -78,21 +78,7 @@ ANY = st.one_of(
 
 def finishes(fn):
     """``fn()``'s result, or the exception it raised, from a thread that must end within ``HANG_S``."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(HANG_S)
-    assert not t.is_alive(), f"no answer within {HANG_S} s: a hang"
-    if "error" in box:
-        return box["error"]
-    return box.get("value")
+    return finishes_within(fn, HANG_S)
 
 
 def only_minicb_errors(result) -> None:

@@ -5,10 +5,8 @@ widget (``docs/assets/replay/replay.js``) shows in headless Chromium exactly the
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
@@ -104,19 +102,6 @@ def test_the_replay_page_says_what_the_recording_shows(committed):
     for k in (2, 4, 6, 10, 11, 14, 17):
         assert f"?step={k})" in text
 
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> pathlib.Path:
-    try:
-        import mkdocs  # noqa: F401
-    except ImportError:
-        unavailable("mkdocs is in the dev extra: pip install -e '.[dev]'")
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-    return out
 
 
 SLOTS = "[...document.querySelectorAll('[data-slot]')].map(c => c.dataset.request || null)"

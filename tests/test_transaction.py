@@ -220,8 +220,10 @@ def test_restore_undoes_steps_exactly(seed, policy, mode, caching, k, m):
         sched = Scheduler(cfg)
         r = random.Random(seed)
         for i in range(7):
-            prompt = (shared if r.random() < 0.5 else []) + [r.randrange(4, 50) for _ in range(r.randint(1, 8))]
-            sched.add(Sequence(f"s{i}", prompt, SamplingParams(max_tokens=r.randint(1, 8), ignore_eos=True)))
+            own = [r.randrange(4, 50) for _ in range(r.randint(1, 8))]
+            prompt = (shared if r.random() < 0.5 else []) + own
+            params = SamplingParams(max_tokens=r.randint(1, 8), ignore_eos=True)
+            sched.add(Sequence(f"s{i}", prompt, params))
         sched.close_arrivals()
         return sched
 
