@@ -118,7 +118,7 @@ class SchedulerSnapshot:
     host_tables: tuple[tuple[str, tuple[int, ...]], ...]   # (request, host blocks) of swapped requests
     num_blocks: int
     num_free_blocks: int
-    num_cached_blocks: int                                 # free blocks that still hold a cached prefix
+    num_cached_blocks: int                                 # blocks in the prefix cache (held or free)
     num_host_blocks: int
     num_free_host_blocks: int
     waiting: tuple[str, ...]                               # queue order: the front first
