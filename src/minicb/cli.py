@@ -175,17 +175,10 @@ def _read_prompt_file(path: str) -> list[str]:
     return lines
 
 
-def _gib(value: float | None) -> int | None:
-    if value is None:
-        return None
-    if not value > 0:
-        raise MinicbError(f"--kv-cache-memory must be a positive number of GiB, got {value}")
-    return int(value * (1 << 30))
-
-
 def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     from minicb.arrivals import Arrival, drive
+    from minicb.kv_budget import gib_flag
     from minicb.llm import LLM
     from minicb.sampling_params import SamplingParams
 
@@ -195,7 +188,7 @@ def cmd_generate(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
-              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=_gib(args.kv_cache_memory))
+              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     single = len(prompts) == 1

@@ -56,3 +56,14 @@ def num_blocks_for(model: ModelConfig, *, block_size: int, dtype_size: int, max_
     per_block = bytes_per_block(model, block_size, dtype_size)
     most_useful = max_num_seqs * -(-max_model_len // block_size)
     return max(1, min(budget // per_block, most_useful))
+
+
+def gib_flag(value: float | None) -> int | None:
+    """``--kv-cache-memory GIB`` as bytes (None: size the pool from memory); a clear error if not > 0."""
+    from minicb.errors import InvalidArgument
+
+    if value is None:
+        return None
+    if not value > 0:
+        raise InvalidArgument(f"--kv-cache-memory must be a positive number of GiB, got {value}")
+    return int(value * GIB)

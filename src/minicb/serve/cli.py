@@ -43,9 +43,9 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def _check_args(args) -> None:
-    from minicb.cli import _gib  # --kv-cache-memory in GiB, checked as ``generate`` checks it
+    from minicb.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
 
-    _gib(args.kv_cache_memory)
+    gib_flag(args.kv_cache_memory)
     check_int("--port", args.port, lo=0, hi=65535)
     check_int("--max-waiting", args.max_waiting, lo=0)
     check_int("--threads", args.threads, lo=0)
@@ -80,7 +80,7 @@ def cmd_serve(args) -> int:
 def _serve(args, sock) -> int:
     import torch
 
-    from minicb.cli import _gib  # --kv-cache-memory in GiB, checked as ``generate`` checks it
+    from minicb.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
     from minicb.llm import LLM
     from minicb.serve.server import Server, base_url
 
@@ -90,7 +90,7 @@ def _serve(args, sock) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
-              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=_gib(args.kv_cache_memory))
+              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     try:
         name = args.served_model_name or model_name(args.model)
         server = Server(llm.engine, model_name=name, max_waiting=args.max_waiting,
