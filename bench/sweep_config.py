@@ -3,6 +3,7 @@
     python bench/sweep_config.py                      # float32, 2 rounds (about 15 min here)
     python bench/sweep_config.py --dtype bfloat16 --repeats 1 --configs 256/2048,64/1024
     python bench/sweep_config.py --configs default@t1,default@t2      # one torch thread against two
+    python bench/sweep_config.py --configs default@t2,default@t2@reference   # ... per attention backend
 
 Every configuration (``max_num_seqs/max_num_batched_tokens``; ``default`` is ``LLM()`` with nothing
 set: slots, budget, KV pool and attention backend all chosen by minicb; a suffix ``@tN`` runs it with N
@@ -36,15 +37,20 @@ CONFIGS = "default,16/512,64/1024,256/512,256/4096"
 
 
 def parse(name: str) -> dict:
-    name = name.split("@")[0]
-    if name == "default":
-        return {}
-    seqs, tokens = name.split("/")
-    return {"max_num_seqs": int(seqs), "max_num_batched_tokens": int(tokens)}
+    """``"64/1024@t2@reference"`` -> the ``LLM()`` keywords (``@tN``: threads, read by ``threads_of``;
+    any other ``@name``: the attention backend)."""
+    base, *tags = name.split("@")
+    out = {} if base == "default" else dict(zip(("max_num_seqs", "max_num_batched_tokens"),
+                                                 map(int, base.split("/"))))
+    for t in tags:
+        if not (t.startswith("t") and t[1:].isdigit()):
+            out["attn_backend"] = t
+    return out
 
 
 def threads_of(name: str, default: int) -> int:
-    return int(name.split("@t")[1]) if "@t" in name else default
+    tags = [t for t in name.split("@")[1:] if t.startswith("t") and t[1:].isdigit()]
+    return int(tags[0][1:]) if tags else default
 
 
 def run(model, wl, config: dict) -> tuple[float, float]:
