@@ -99,7 +99,8 @@ def _serve(args, sock) -> int:
         print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
               flush=True)
         if args.policy == "static":
-            print(f"minicb serve: policy static: a batch starts once {args.max_num_seqs} requests wait",
+            print(f"minicb serve: policy static: a batch starts once {llm.engine.config.max_num_seqs} "
+                  "requests wait",
                   file=sys.stderr, flush=True)
         server.run(sock)
         print("minicb serve: stopped", flush=True)
