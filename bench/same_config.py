@@ -44,8 +44,8 @@ def main() -> None:
     outs = llm.generate(wl.prompts, params)
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
-    eng = llm.engine
-    steps = eng.stats.num_steps if hasattr(eng, "stats") else eng.scheduler.stats.num_steps
+    steps = getattr(llm.engine, "stats", None)
+    steps = steps.num_steps if steps is not None else "?"      # commits before engine.stats: not shown
     print(f"{label}: {n} tokens in {dt:.1f} s = {n / dt:.1f} tokens/s; {steps} steps", flush=True)
 
 
