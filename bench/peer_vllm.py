@@ -10,7 +10,11 @@ torchvision / torchaudio / torchcodec it pulls in). This script runs in minicb's
 *itself* again under the venv's Python as a child (``--serve-vllm``) that holds one vLLM ``LLM`` and
 answers "run this workload" requests over stdin/stdout. So both engines stay loaded, and the runs
 alternate (vLLM W1, minicb W1, vLLM W2, minicb W2, next round ...): a slow spell of the shared
-machine hits both alike. The figures are medians over the rounds, with their ranges.
+machine hits both alike. The figures are medians over the rounds, with their ranges. Both engines
+cache prompt prefixes by default, and every round sends the same prompts: so before each run both
+prefix caches are emptied (``reset_prefix_cache()``, vLLM's and minicb's), and every round computes its
+prompts in full, as the first one does (``--keep-prefix-cache`` measures the other thing: how much a
+warm cache saves each engine; minicb's 16-token blocks find more of a repeated prompt than vLLM's).
 
 What is compared, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped
 requests) and dtype: output tokens/s of one offline ``generate`` call with every request given at once,
@@ -67,6 +71,8 @@ def serve_vllm(model_dir: str, dtype: str, max_model_len: int, profile_dir: str 
         req = json.loads(line)
         if req.get("quit"):
             break
+        if req.get("cold"):
+            llm.reset_prefix_cache()          # the same prompts again must not be found cached
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in req["output_lens"]]
         if profile_dir and req.get("profile"):
@@ -142,8 +148,9 @@ class VllmChild:
             self.log.write(line)
         raise RuntimeError(f"the vLLM child exited (code {self.proc.wait()}); see {self.log.name}")
 
-    def run(self, prompts: list[list[int]], output_lens: list[int], profile: bool = False) -> dict:
-        req = {"prompts": prompts, "output_lens": output_lens, "profile": profile}
+    def run(self, prompts: list[list[int]], output_lens: list[int], profile: bool = False,
+            cold: bool = True) -> dict:
+        req = {"prompts": prompts, "output_lens": output_lens, "profile": profile, "cold": cold}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -188,9 +195,11 @@ def export_dir(root: pathlib.Path) -> pathlib.Path:
     return out
 
 
-def run_minicb(llm, wl) -> dict:
+def run_minicb(llm, wl, cold: bool = True) -> dict:
     from minicb.sampling_params import SamplingParams
 
+    if cold and not llm.reset_prefix_cache():
+        raise RuntimeError("minicb's prefix cache could not be reset: requests still in flight")
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(wl.prompts, params)
@@ -221,6 +230,9 @@ def main() -> None:
     ap.add_argument("--skip-minicb", action="store_true", help="vLLM only")
     ap.add_argument("--out", default=str(HERE / "out"), help="export and log folder (default bench/out)")
     ap.add_argument("--json", help="write the results here as well")
+    ap.add_argument("--keep-prefix-cache", action="store_true",
+                    help="do not empty both engines' prefix caches before each run (rounds after the first "
+                         "then find the same prompts cached: a measure of the cache, not of W1/W2)")
     ap.add_argument("--profile-vllm", metavar="DIR",
                     help="profile vLLM's worker (torch profiler) during the last round into DIR/<dtype>; "
                          "op table lands in *.profiler_out.txt (bench/breakdown.py --vllm-table reads it)")
@@ -275,8 +287,9 @@ def main() -> None:
                 for wl in wls:
                     for eng in [e for e in ("vllm", "minicb") if e in engines]:
                         last = rnd == args.repeats - 1
-                        r = child.run(wl.prompts, wl.output_lens, profile=last and bool(args.profile_vllm)) \
-                            if eng == "vllm" else run_minicb(llm, wl)
+                        cold = not args.keep_prefix_cache
+                        r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold) \
+                            if eng == "vllm" else run_minicb(llm, wl, cold)
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                         runs[(wl.name, eng)].append(r)
                         tps = r["tokens"] / r["seconds"]

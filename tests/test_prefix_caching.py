@@ -221,6 +221,53 @@ def test_check_integrity_catches_cache_corruption():
         bm.check_integrity()
 
 
+def test_reset_empties_the_cache_only_when_no_request_holds_blocks():
+    bm = bm4()
+    compute(bm, "a", A)
+    compute(bm, "b", A[:8] + [99, 98])                    # shares a's two full blocks
+    before = (bm.cache.checkpoint(), bm.device.checkpoint())
+    assert bm.reset_prefix_cache() is False                # a and b still hold (cached) blocks
+    assert (bm.cache.checkpoint(), bm.device.checkpoint()) == before
+    bm.free("a")
+    assert bm.reset_prefix_cache() is False                # b still holds the shared ones
+    bm.free("b")
+    assert bm.num_cached_blocks == 2 and len(bm.device.cached_free_blocks()) == 2
+    assert bm.reset_prefix_cache() is True
+    bm.check_integrity()
+    assert bm.num_cached_blocks == 0 and bm.cache.by_hash == {} and bm.cache.num_children == {}
+    assert bm.device.cached_free_blocks() == [] and bm.device.free_blocks() == list(range(8))
+    assert bm.computed_blocks(A) == []                     # the same prompt now computes in full
+    assert compute(bm, "c", A) == [] and bm.num_cached_blocks == 2   # and is cached afresh
+
+
+def test_reset_without_caching_is_a_no_op_that_succeeds():
+    bm = BlockManager(8, 4)
+    bm.allocate("a", 10)
+    assert bm.reset_prefix_cache() is True and bm.block_table("a") == [0, 1, 2]
+
+
+def test_llm_reset_prefix_cache_makes_a_rerun_compute_its_prompts_again():
+    import torch
+
+    from minicb.llm import LLM
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, TINY.vocab_size, (n,), generator=g).tolist() for n in (9, 13, 17)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(tiny_model(), dtype="float64", block_size=4, num_blocks=64)
+    stats = llm.engine.stats
+    first = [o.token_ids for o in llm.generate(prompts, params)]
+    cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
+    assert cached == 0
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert stats.num_cached_prompt_tokens - cached == 4 * (2 + 3 + 4)      # every full block but the last token's
+    assert llm.reset_prefix_cache() is True
+    cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
+    assert [o.token_ids for o in llm.generate(prompts, params)] == first
+    assert stats.num_cached_prompt_tokens == cached                        # nothing found: computed again
+    assert stats.num_batched_tokens - computed == sum(map(len, prompts)) + 3 * 4
+
+
 # --- scheduler: exact plans ----------------------------------------------------------------------
 def ccfg(**kw) -> SchedulerConfig:
     base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=16)

@@ -149,6 +149,12 @@ class PrefixCache:
             mine.clear()
             mine.update(saved)
 
+    def clear(self) -> None:
+        """Forget every cached block."""
+        self.by_hash.clear()
+        self.blocks.clear()
+        self.num_children.clear()
+
     def evict(self, block: int) -> None:
         """Forget ``block``'s hash (it is about to be reused for other tokens)."""
         assert not self.num_children[block], f"block {block} is evicted before its cached children"
@@ -226,6 +232,15 @@ class BlockPool:
         for block in reversed(table):
             self.drop(block)
         return len(table)
+
+    def forget_cached(self) -> int:
+        """Move every cached free block to the plain free heap (the caller clears the cache itself);
+        return how many moved."""
+        moved = list(self._lru)
+        self._lru.clear()
+        for block in moved:
+            heapq.heappush(self._free, block)
+        return len(moved)
 
     def checkpoint(self) -> tuple:
         return list(self.ref_counts), list(self._free), OrderedDict(self._lru)
@@ -361,6 +376,19 @@ class BlockManager:
             added += self.cache.insert(table[i], table[i - 1] if i else None, tokens)
         self._num_hashed[request_id] = max(start, full)
         return added
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``), so that the next request computes its
+        whole prompt again: what a benchmark wants before it reruns the same prompts. Only possible when
+        no request holds a block (a held cached block is part of a live request's K/V); returns whether
+        it was done. A no-op returning True without caching."""
+        if self.cache is None:
+            return True
+        if self.block_tables or self.host_tables:
+            return False
+        self.device.forget_cached()
+        self.cache.clear()
+        return True
 
     # --- device allocation -----------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> bool:

@@ -189,6 +189,14 @@ class LLMEngine:
             self._pending.append(out)
         return out
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, so that the next requests compute their prompts in full
+        (vLLM's ``reset_prefix_cache``: for benchmarks that rerun the same prompts). Returns False and
+        changes nothing while any request holds blocks."""
+        self._not_inside_a_step("reset_prefix_cache()")
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
+
     def close_arrivals(self) -> None:
         """No more requests will come for now: the static policy may run a batch smaller than its slots."""
         self.scheduler.close_arrivals()

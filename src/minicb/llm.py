@@ -96,6 +96,11 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (``LLMEngine.reset_prefix_cache``): a rerun of the same prompts then
+        computes them again instead of finding them cached. False while requests are in flight."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

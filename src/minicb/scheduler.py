@@ -201,6 +201,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing done) while a request holds blocks (``block_manager``)."""
+        return self.block_manager.reset_prefix_cache()
+
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished request ``request_id``, or None."""
         return self._seqs.get(request_id)
