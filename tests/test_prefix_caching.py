@@ -260,7 +260,7 @@ def test_llm_reset_prefix_cache_makes_a_rerun_compute_its_prompts_again():
     cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
     assert cached == 0
     assert [o.token_ids for o in llm.generate(prompts, params)] == first
-    assert stats.num_cached_prompt_tokens - cached == 4 * (2 + 3 + 4)      # every full block but the last token's
+    assert stats.num_cached_prompt_tokens - cached == 4 * (2 + 3 + 4)      # full blocks, last token's aside
     assert llm.reset_prefix_cache() is True
     cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
     assert [o.token_ids for o in llm.generate(prompts, params)] == first

@@ -16,6 +16,8 @@ host) can still give *before* they are allocated (``minicb.memory``): ``num_bloc
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from minicb.memory import available_cpu_bytes, check_fits
@@ -31,7 +33,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     (``bench/RESULTS.md``, "What moved the figure"). Without huge pages it is the plain lazy mapping."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import mmap
     import numpy as np
 
     nbytes = dtype.itemsize
