@@ -28,9 +28,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_check import first_divergence_margin  # noqa: E402
 
-from minicb.llm import LLM  # noqa: E402
+from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
-from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
 from minicb.model.loader import load_model  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -61,8 +60,7 @@ def main() -> None:
     print(f"{'dtype':<10}{'backend':<11}{'identical':>10}   first divergences (token index, float64 margin)")
     for dname in args.dtypes.split(","):
         model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
-        if needs_float32_compute(model.dtype, "cpu"):
-            compute_linears_in_float32(model)          # as LLM() does for a model it loads itself
+        cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
         for backend in args.backends.split(","):
             got = generate(model, prompts, args.new_tokens, backend)
             same = sum(a == b for a, b in zip(got, ref))

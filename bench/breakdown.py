@@ -104,7 +104,7 @@ def vllm_parts(ops: dict[str, float]) -> dict[str, float]:
 
 
 def vs_vllm(args, wl) -> None:
-    from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute
+    from minicb.llm import cpu_fast_paths
     from minicb.model.llama import DTYPES
 
     tables = sorted(pathlib.Path(args.vs_vllm).rglob("*profiler_out.txt"))
@@ -112,8 +112,7 @@ def vs_vllm(args, wl) -> None:
         raise SystemExit(f"no *profiler_out.txt under {args.vs_vllm}; run bench/peer_vllm.py --profile-vllm")
     theirs = vllm_parts(read_vllm_table(tables[-1]))
     model = load_smollm2(DTYPES[args.dtype])
-    if needs_float32_compute(model.dtype, "cpu"):
-        compute_linears_in_float32(model)
+    cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
     ours = profile_run(model, wl, time.process_time)   # LLM()'s defaults; CPU seconds (a busy machine)
     ours["attention"] += ours.pop("gather") + ours.pop("kernel")
     print(f"machine: {machine_description()}; {args.dtype}; load average {os.getloadavg()[0]:.2f}")

@@ -28,8 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w1, w2  # noqa: E402
 
-from minicb.llm import LLM  # noqa: E402
-from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute  # noqa: E402
+from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.model.llama import DTYPES  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
@@ -74,8 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_smollm2(DTYPES[args.dtype])
-    if needs_float32_compute(model.dtype, "cpu"):
-        compute_linears_in_float32(model)           # what LLM() does for a model it loads itself
+    cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
     names = args.configs.split(",")
     wls = [w for w in (w1(), w2()) if w.name in args.workloads.split(",")]
     run(model, w1(num=2, new_tokens=4), {})         # first-call costs out of the way

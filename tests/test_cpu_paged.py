@@ -16,6 +16,7 @@ import torch
 from helpers import TINY, baseline_tokens, greedy, random_prompts, run_engine, tiny_model
 from minicb.config import SchedulerConfig
 from minicb.errors import InvalidArgument
+from minicb.model import ckernels
 from minicb.model.backends import cpu_paged, make_backend, resolve_backend
 from preconditions import unavailable
 
@@ -115,8 +116,8 @@ def test_build_failure_is_reported(tmp_path, monkeypatch):
     with pytest.raises(cpu_paged.KernelUnavailable, match="cannot be run"):
         cpu_paged.build([str(not_executable)])
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(cpu_paged.sysconfig, "get_config_var", lambda name: None)
-    monkeypatch.setattr(cpu_paged.shutil, "which", lambda cmd: None)
+    monkeypatch.setattr(ckernels.sysconfig, "get_config_var", lambda name: None)
+    monkeypatch.setattr(ckernels.shutil, "which", lambda cmd: None)
     with pytest.raises(cpu_paged.KernelUnavailable, match="no C compiler"):
         cpu_paged.compiler()
 

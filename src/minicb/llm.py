@@ -16,6 +16,7 @@ queues them, and runs the engine until *its* requests have finished; requests th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from minicb.config import SchedulerConfig
 from minicb.engine import LLMEngine
 from minicb.errors import InvalidArgument, check_int
 from minicb.kv_budget import num_blocks_for
+from minicb.model import cpu_fused
 from minicb.model.backends import check_device
 from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute
 from minicb.model.llama import DTYPES, LlamaForCausalLM
@@ -39,6 +41,7 @@ __all__ = ["LLM", "RequestOutput"]
 # as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
 # against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults").
 FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+_log = logging.getLogger("minicb")
 
 
 class LLM:
@@ -73,8 +76,8 @@ class LLM:
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
-            if tensor_parallel_size == 1 and needs_float32_compute(torch_dtype, device):
-                compute_linears_in_float32(model)      # bfloat16 matmuls at float32 speed (cpu_linear.py)
+            if tensor_parallel_size == 1:
+                cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
             from minicb.distributed import launch
@@ -132,6 +135,31 @@ class LLM:
         finally:
             eng.open_arrivals()
         return [results[rid] for rid in ids]
+
+
+def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
+    """What ``LLM`` does to a model it loads itself, on the CPU: bfloat16 linears computed in float32
+    where the CPU has no bfloat16 matmul (``cpu_linear``), and the fused norms and rotary embedding in
+    float32 and bfloat16 (``cpu_fused``; one logged line when they cannot be built). The names of what
+    was applied. Benchmarks that build their model by hand call it to run what ``LLM()`` runs."""
+    applied = []
+    if torch.device(device).type != "cpu":
+        return applied
+    if needs_float32_compute(model.dtype, device):
+        compute_linears_in_float32(model)              # bfloat16 matmuls at float32 speed
+        applied.append("float32-linears")
+    if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
+        reason = cpu_fused.unavailable_reason()
+        if reason is None:
+            cpu_fused.fuse_elementwise(model)
+            applied.append("fused-ops")
+        elif reason not in _FUSED_FALLBACK_LOGGED:
+            _FUSED_FALLBACK_LOGGED.add(reason)
+            _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
+    return applied
+
+
+_FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
 def _dtype(dtype) -> torch.dtype:

@@ -12,8 +12,9 @@ beside this file is that kernel for the CPU, about seventy lines of C. On the W2
 (``bench/RESULTS.md``, "Engine throughput").
 
 This module compiles it on first use with the machine's C compiler (``$CC`` or ``cc``; about a
-second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides), and
-calls it through ``ctypes``: no build step at install time, no new dependency. ``CpuPagedAttention``
+second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides; the
+machinery is ``minicb.model.ckernels``), and calls it through ``ctypes``: no build step at install
+time, no new dependency. ``CpuPagedAttention``
 is ``ReferenceAttention`` with one change: the decode rows of a step go to the kernel in one call per
 layer, unpadded and unbucketed; prompt chunks and padding rows still go through SDPA exactly as in
 the reference backend. ``auto`` picks this backend on the CPU; where no C compiler works, ``auto``
@@ -33,94 +34,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from minicb.model import ckernels
 from minicb.model.attention import AttentionMetadata, ReferenceAttention
+from minicb.model.ckernels import KernelUnavailable, cache_dir, compiler  # noqa: F401  (this module's API)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
-OPENMP = "-fopenmp"     # rows split over torch's thread count; without it (no OpenMP) one thread
 DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64",
           torch.bfloat16: "minicb_paged_decode_bf16"}     # bfloat16: stored so, computed in float32
 
 
-class KernelUnavailable(RuntimeError):
-    """The C kernel cannot be built or loaded here; the message says why."""
-
-
-def compiler() -> list[str]:
-    """The C compiler command: ``$CC``, else the one Python was built with, else ``cc``."""
-    for cmd in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
-        if cmd and shutil.which(shlex.split(cmd)[0]):
-            return shlex.split(cmd)
-    raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$MINICB_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicb`` or
-    ``~/.cache/minicb``; a temporary folder when that cannot be created (a read-only home)."""
-    root = Path(os.environ.get("MINICB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")) / "kernels"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        root = Path(tempfile.gettempdir()) / f"minicb-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
-        root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def _machine_key() -> str:
-    """What ``-march=native`` depends on: the architecture and the CPU's model and feature flags."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    lines.append(line.strip())
-                if len(lines) == 2:
-                    break
-    except OSError:
-        pass
-    return "\n".join([platform.machine(), *lines])
-
-
 def build(cc: list[str] | None = None) -> Path:
-    """Compile ``paged_decode.c`` into the cache (once per source, compiler, flags and CPU)."""
-    cc = cc or compiler()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *cc, *FLAGS, OPENMP, _machine_key()]).encode())
-    target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)    # same filesystem: atomic rename
-    os.close(fd)
-    try:
-        for flags in ((*FLAGS, OPENMP), FLAGS):       # a compiler without OpenMP still builds it
-            try:
-                proc = subprocess.run([*cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                      text=True)
-            except OSError as e:                      # not executable, vanished since `which`, ...
-                raise KernelUnavailable(f"{shlex.join(cc)} cannot be run: {e}") from e
-            if proc.returncode == 0:
-                break
-        else:
-            raise KernelUnavailable(f"{shlex.join(cc)} failed to compile {SOURCE.name}: "
-                                    f"{proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)      # two processes building at once both end with a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    """Compile ``paged_decode.c`` into the kernel cache (``ckernels.build``); the library's path."""
+    return ckernels.build(SOURCE, cc)
 
 
 @functools.lru_cache(maxsize=1)

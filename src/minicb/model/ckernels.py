@@ -1,0 +1,95 @@
+"""Compile one of minicb's C files on first use and cache the shared library: the build machinery of
+the ``cpu-paged`` decode kernel (``backends/paged_decode.c``) and the fused elementwise ops
+(``fused_ops.c``).
+
+No build step at install time and no new dependency: the machine's C compiler (``$CC``, else the one
+Python was built with, else ``cc``) compiles the file the first time it is needed (about a second),
+into ``~/.cache/minicb/kernels`` (``$MINICB_CACHE_DIR`` overrides), under a name keyed by the source,
+the compiler, the flags and the CPU (``-march=native``), so an edit or another machine rebuilds it.
+The caller loads the result with ``ctypes``. A compiler that rejects ``-fopenmp`` still builds the
+file single-threaded; any other failure is a ``KernelUnavailable`` carrying the compiler's message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+OPENMP = "-fopenmp"     # rows split over torch's thread count; without it (no OpenMP) one thread
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC``, else the one Python was built with, else ``cc``."""
+    for cmd in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+        if cmd and shutil.which(shlex.split(cmd)[0]):
+            return shlex.split(cmd)
+    raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$MINICB_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicb`` or
+    ``~/.cache/minicb``; a temporary folder when that cannot be created (a read-only home)."""
+    root = Path(os.environ.get("MINICB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")) / "kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        root = Path(tempfile.gettempdir()) / f"minicb-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _machine_key() -> str:
+    """What ``-march=native`` depends on: the architecture and the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    lines.append(line.strip())
+                if len(lines) == 2:
+                    break
+    except OSError:
+        pass
+    return "\n".join([platform.machine(), *lines])
+
+
+def build(source: Path, cc: list[str] | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile ``source`` into the cache (once per source, compiler, flags and CPU); its path."""
+    cc = cc or compiler()
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256("\0".join([source.read_text(), *cc, *flags, OPENMP, _machine_key()]).encode())
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)    # same filesystem: atomic rename
+    os.close(fd)
+    try:
+        for attempt in ((*flags, OPENMP), flags):     # a compiler without OpenMP still builds it
+            try:
+                proc = subprocess.run([*cc, *attempt, str(source), "-o", tmp, "-lm"], capture_output=True,
+                                      text=True)
+            except OSError as e:                      # not executable, vanished since `which`, ...
+                raise KernelUnavailable(f"{shlex.join(cc)} cannot be run: {e}") from e
+            if proc.returncode == 0:
+                break
+        else:
+            raise KernelUnavailable(f"{shlex.join(cc)} failed to compile {source.name}: "
+                                    f"{proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)      # two processes building at once both end with a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
