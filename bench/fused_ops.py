@@ -1,0 +1,131 @@
+"""What the fused CPU ops (``minicb.model.cpu_fused``) save: per op, and on a cold W2 run.
+
+    python bench/fused_ops.py --micro            # each op at a decode step's and a prefill step's shape
+    python bench/fused_ops.py --ab --rounds 3     # W2 (SmolLM2, float32): fused against reference ops
+    python bench/fused_ops.py --ab --dtype bfloat16 --num 16
+
+``--micro`` times RMSNorm, the rotary embedding of q and k and SiLU-and-mul, the reference ops of
+``llama.py`` against the fused ones, best of 5 loops, one thread, at 64 rows (a decode step of W2) and
+2,048 rows (a prefill step at ``LLM()``'s token budget), and adds up what a step of SmolLM2 saves
+(30 layers: two norms, one rotary embedding, one SiLU-and-mul each, and the final norm).
+
+``--ab`` loads the model twice, one copy switched to the fused ops, and alternates the two on W2 in one
+process (one engine each, ``LLM()``'s defaults), emptying each engine's prefix cache before every run
+so that every round computes its prompts in full. It prints tokens/s and CPU seconds per round, their
+medians, and how many requests gave identical tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import load_smollm2, machine_description  # noqa: E402
+from workloads import w2  # noqa: E402
+
+from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.model import cpu_fused  # noqa: E402
+from minicb.model.llama import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
+from minicb.sampling_params import SamplingParams  # noqa: E402
+
+
+def best_us(fn, n: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e6
+
+
+def op_times(rows: int) -> dict[str, tuple[float, float]]:
+    """{op: (reference us, fused us)} at ``rows`` tokens of SmolLM2's shapes."""
+    x, w, norm = torch.randn(rows, 576), torch.ones(576), RMSNorm(576, 1e-5)
+    q, k = torch.randn(rows, 9, 64), torch.randn(rows, 3, 64)
+    cos, sin = rope_cos_sin(torch.arange(rows), 64, 1e5, torch.float32)
+    g, u = torch.randn(rows, 1536), torch.randn(rows, 1536)
+    clone = best_us(lambda: g.clone())                           # the in-place version needs a fresh g
+    return {
+        "rmsnorm": (best_us(lambda: norm(x)), best_us(lambda: cpu_fused.rms_norm(x, w, 1e-5))),
+        "rope q, k": (best_us(lambda: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))),
+                      best_us(lambda: cpu_fused.rope_(q, k, cos, sin))),
+        "silu * up": (best_us(lambda: F.silu(g) * u),
+                      best_us(lambda: F.silu(g.clone(), inplace=True).mul_(u)) - clone),
+    }
+
+
+def micro() -> None:
+    print(f"machine: {machine_description()}; one thread; microseconds per call, best of 5 loops")
+    print(f"{'rows':>5}  {'op':<12}{'reference':>10}{'fused':>9}")
+    for rows in (64, 2048):
+        pairs = op_times(rows)
+        for name, (ref, fused) in pairs.items():
+            print(f"{rows:>5}  {name:<12}{ref:>10.1f}{fused:>9.1f}")
+        saved = sum(30 * (r - f) * (2 if n == "rmsnorm" else 1) for n, (r, f) in pairs.items())
+        saved += pairs["rmsnorm"][0] - pairs["rmsnorm"][1]
+        print(f"{rows:>5}  saved per step of SmolLM2 (30 layers): {saved / 1e3:.2f} ms")
+
+
+def ab(args) -> None:
+    dtype = getattr(torch, args.dtype)
+    wl = w2(num=args.num)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    reference, fused = load_smollm2(dtype), load_smollm2(dtype)
+    os.environ["MINICB_FUSED_OPS"] = "0"
+    cpu_fast_paths(reference, "cpu")            # bfloat16: float32 linears, as LLM() does; no fused ops
+    del os.environ["MINICB_FUSED_OPS"]
+    print("fused copy:", cpu_fast_paths(fused, "cpu"))
+    engines = {"reference": LLM(reference), "fused": LLM(fused)}
+    cpu = {name: [] for name in engines}
+    tokens = {}
+    for rnd in range(args.rounds):
+        for name, llm in engines.items():
+            llm.reset_prefix_cache()
+            t, c = time.perf_counter(), time.process_time()
+            outs = llm.generate(wl.prompts, params)
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            tokens[name] = [o.token_ids for o in outs]
+            cpu[name].append(dc)
+            print(f"  round {rnd + 1} {name:<9} {wl.num_output_tokens / dt:6.1f} tokens/s  {dc:5.1f} CPU s",
+                  flush=True)
+    same = sum(a == b for a, b in zip(tokens["reference"], tokens["fused"]))
+    print(f"machine: {machine_description()}; {args.dtype}; W2 ({len(wl.prompts)} requests); load average "
+          f"{os.getloadavg()[0]:.2f} at the end")
+    for name, secs in cpu.items():
+        rounds = ", ".join(f"{x:.1f}" for x in secs)
+        print(f"{name:<9} median {statistics.median(secs):5.1f} CPU s  ({rounds})")
+    print(f"identical outputs: {same}/{len(wl.prompts)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--micro", action="store_true", help="time each op (default when --ab is not given)")
+    ap.add_argument("--ab", action="store_true", help="fused against reference ops on W2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num", type=int, default=64, help="W2 requests (default all 64)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if cpu_fused.unavailable_reason():
+        raise SystemExit(f"the fused ops do not build here: {cpu_fused.unavailable_reason()}")
+    if args.micro or not args.ab:
+        micro()
+    if args.ab:
+        ab(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Where a cold W2 run's time goes, by plain timers around the parts of a step (no profiler).
+
+    python bench/step_parts.py                    # W2, LLM()'s defaults, one thread
+    python bench/step_parts.py --threads 2        # the same on two threads: which parts scale
+    python bench/step_parts.py --reference-ops    # without the fused CPU ops (MINICB_FUSED_OPS=0)
+    python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
+
+``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
+script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
+and reports the wall time spent inside each: the linear layers (``nn.Linear.forward``, the LM head
+included), the decode kernel (``cpu_paged.paged_decode``), SDPA (prompt chunks), the KV cache writes,
+the SiLU, the whole model forward and the whole engine step. "other" is the forward's time outside
+those parts (norms, rotary embedding, residual adds, the attention backend's glue, Python);
+"step - forward" is scheduling, packing and sampling. The engine is fresh (a cold prefix cache) and
+``LLM()``'s defaults are used.
+
+``--lm-head`` times SmolLM2's LM head (``[rows, 576] x [576, 49152]``, float32, 113 MB of weight) at
+the row counts of W2's decode steps, and prints GFLOP/s and the GB/s of weight it streams: at few rows
+it is limited by memory bandwidth, not arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import load_smollm2, machine_description  # noqa: E402
+from workloads import w2  # noqa: E402
+
+import minicb.kv_cache as kv_cache  # noqa: E402
+import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
+import minicb.model.llama as llama  # noqa: E402
+from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.sampling_params import SamplingParams  # noqa: E402
+
+SECONDS: collections.Counter = collections.Counter()
+CALLS: collections.Counter = collections.Counter()
+
+
+def timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            SECONDS[name] += time.perf_counter() - t
+            CALLS[name] += 1
+    return wrapper
+
+
+def parts(args) -> None:
+    cpu_paged.paged_decode = timed("decode kernel", cpu_paged.paged_decode)
+    kv_cache.KVCache.write = timed("kv write", kv_cache.KVCache.write)
+    torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
+    F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
+    F.silu = timed("silu", F.silu)
+    llama.LlamaForCausalLM.forward = timed("forward", llama.LlamaForCausalLM.forward)
+    if args.reference_ops:
+        os.environ["MINICB_FUSED_OPS"] = "0"
+    model = load_smollm2()
+    applied = cpu_fast_paths(model, "cpu")
+    wl = w2()
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    llm = LLM(model)
+    llm.engine.step = timed("engine step", llm.engine.step)
+    t, c = time.perf_counter(), time.process_time()
+    llm.generate(wl.prompts, params)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    print(f"machine: {machine_description()}; {args.threads} torch thread(s); fast paths "
+          f"{applied or 'none'}; load average {os.getloadavg()[0]:.2f}")
+    print(f"W2: {wall:.1f} s wall, {cpu:.1f} CPU s, {wl.num_output_tokens / wall:.1f} tokens/s")
+    for name in ("engine step", "forward", "linear", "decode kernel", "sdpa", "kv write", "silu"):
+        print(f"  {name:<15}{SECONDS[name]:7.2f} s {CALLS[name]:7d} calls")
+    inner = sum(SECONDS[n] for n in ("linear", "decode kernel", "sdpa", "kv write", "silu"))
+    print(f"  {'other':<15}{SECONDS['forward'] - inner:7.2f} s   (forward minus the parts above)")
+    print(f"  {'step - forward':<15}{SECONDS['engine step'] - SECONDS['forward']:7.2f} s")
+
+
+def lm_head() -> None:
+    weight = torch.randn(49152, 576) * 0.02
+    print(f"machine: {machine_description()}; {torch.get_num_threads()} thread(s); SmolLM2's LM head, "
+          "float32")
+    for rows in (8, 35, 64):
+        x = torch.randn(rows, 576)
+        for _ in range(3):
+            F.linear(x, weight)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(20):
+                F.linear(x, weight)
+            best = min(best, (time.perf_counter() - t) / 20)
+        gflop = 2 * rows * weight.numel() / 1e9
+        print(f"  {rows:3d} rows: {best * 1e3:6.2f} ms, {gflop / best:5.1f} GFLOP/s, "
+              f"{weight.numel() * 4 / best / 1e9:5.1f} GB/s of weight")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reference-ops", action="store_true", help="MINICB_FUSED_OPS=0")
+    ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.threads == 1 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    lm_head() if args.lm_head else parts(args)
+
+
+if __name__ == "__main__":
+    main()
