@@ -4,6 +4,7 @@
     python bench/step_parts.py --threads 2        # the same on two threads: which parts scale
     python bench/step_parts.py --reference-ops    # without the fused CPU ops (MINICB_FUSED_OPS=0)
     python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
+    python bench/step_parts.py --pool-pages       # a fresh KV pool: plain pages against huge pages
 
 ``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
 script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
@@ -17,6 +18,12 @@ those parts (norms, rotary embedding, residual adds, the attention backend's glu
 ``--lm-head`` times SmolLM2's LM head (``[rows, 576] x [576, 49152]``, float32, 113 MB of weight) at
 the row counts of W2's decode steps, and prints GFLOP/s and the GB/s of weight it streams: at few rows
 it is limited by memory bandwidth, not arithmetic.
+
+``--pool-pages`` writes W2's K/V (10,705 tokens, 30 layers, K and V) into a fresh SmolLM2-sized pool
+(2,912 blocks of 16, float32, 2.1 GB) the way the engine does (a step's rows at a time, layer by
+layer), once into ``kv_cache.lazy_zeros`` (plain lazily mapped pages) and once into numpy's ``zeros``
+(which asks for transparent huge pages), each in a fresh process: seconds, page faults, and the huge
+pages the process ended with.
 """
 
 from __future__ import annotations
@@ -105,16 +112,55 @@ def lm_head() -> None:
               f"{weight.numel() * 4 / best / 1e9:5.1f} GB/s of weight")
 
 
+POOL_CHILD = """
+import resource, sys, time
+import numpy as np, torch
+from minicb.kv_cache import lazy_zeros
+torch.set_num_threads(1)
+shape = (30, 2, 2912 * 16, 3, 64)
+if sys.argv[1] == "numpy":
+    pool = torch.from_numpy(np.zeros(int(np.prod(shape)) * 4, np.uint8)).view(torch.float32).view(shape)
+else:
+    pool = lazy_zeros(shape, torch.float32, "cpu")
+rows, slot = torch.randn(82, 3, 64), 0
+r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+for step in range(130):
+    idx = torch.arange(slot, slot + 82)
+    slot += 82
+    for layer in range(30):
+        for kv in range(2):
+            pool[layer, kv].index_copy_(0, idx, rows)
+dt, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+huge = [line.split()[1] for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages")]
+faults, kernel = r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime
+print(f"{sys.argv[1]:<11}{dt:6.2f} s{faults:>9} faults{kernel:6.2f} s in the kernel, "
+      f"huge pages {huge[0] if huge else '?'} kB")
+"""
+
+
+def pool_pages() -> None:
+    import subprocess
+    print(f"machine: {machine_description()}; W2's K/V written into a fresh 2.1 GB pool")
+    for kind in ("lazy_zeros", "numpy"):
+        subprocess.run([sys.executable, "-c", POOL_CHILD, kind], check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reference-ops", action="store_true", help="MINICB_FUSED_OPS=0")
     ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
+    ap.add_argument("--pool-pages", action="store_true", help="a fresh KV pool: plain against huge pages")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.threads == 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    lm_head() if args.lm_head else parts(args)
+    if args.pool_pages:
+        pool_pages()
+    elif args.lm_head:
+        lm_head()
+    else:
+        parts(args)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     """Zeros. On the CPU they are an anonymous ``mmap``, whose pages the OS maps, zero-filled, only when
     first written: a pool sized for the worst case costs neither time nor memory until used.
 
-    The mapping is marked ``MADV_HUGEPAGE`` (where the OS offers transparent huge pages): the first
-    write into a 2 MiB stretch of the pool then maps it at once, one page fault instead of 512. A cold
-    W2 run wrote about 500 MB of K/V into fresh pages; its cache writes went from 2.1 s to 0.9 s
-    (``bench/RESULTS.md``, "What moved the figure"). Without huge pages it is the plain lazy mapping."""
+    Plain pages, on purpose: numpy's ``zeros`` (what this used before) asks for transparent huge pages
+    on large arrays, so the first write into each 2 MiB stretch makes the kernel find and zero-fill a
+    whole huge page. A pool is written sparsely (each layer's K and V are separate regions, a few
+    blocks of each at a time), and on the VM of ``bench/RESULTS.md`` writing W2's K/V into a fresh
+    pool took 1.8 s with huge pages against 0.6 s with plain ones
+    (``python bench/step_parts.py --pool-pages``)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
@@ -40,10 +42,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
         nbytes *= n
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    mm = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return torch.from_numpy(np.frombuffer(mm, np.uint8)).view(dtype).view(shape)
+    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)).view(dtype).view(shape)
 
 
 class KVCache:
