@@ -5,6 +5,7 @@
     python bench/step_parts.py --reference-ops    # without the fused CPU ops (MINICB_FUSED_OPS=0)
     python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
     python bench/step_parts.py --pool-pages       # a fresh KV pool: plain pages against huge pages
+    python bench/step_parts.py --openmp           # which OpenMP runtimes the process has loaded
 
 ``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
 script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
@@ -145,17 +146,32 @@ def pool_pages() -> None:
         subprocess.run([sys.executable, "-c", POOL_CHILD, kind], check=True)
 
 
+def openmp_runtimes() -> None:
+    """Load both C libraries (decode kernel, fused ops) beside torch; print the OpenMP runtimes mapped."""
+    from minicb.model import cpu_fused
+    cpu_paged.load()
+    cpu_fused.load()
+    with open("/proc/self/maps") as f:
+        libs = sorted({line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1]})
+    print(f"torch {torch.__version__}: OpenMP runtimes mapped after loading both C libraries:")
+    for lib in libs:
+        print("  " + lib)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reference-ops", action="store_true", help="MINICB_FUSED_OPS=0")
     ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
     ap.add_argument("--pool-pages", action="store_true", help="a fresh KV pool: plain against huge pages")
+    ap.add_argument("--openmp", action="store_true", help="the OpenMP runtimes the process has loaded")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.threads == 1 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    if args.pool_pages:
+    if args.openmp:
+        openmp_runtimes()
+    elif args.pool_pages:
         pool_pages()
     elif args.lm_head:
         lm_head()
