@@ -12,6 +12,7 @@ file single-threaded; any other failure is a ``KernelUnavailable`` carrying the 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -93,3 +94,21 @@ def build(source: Path, cc: list[str] | None = None, extra_flags: tuple[str, ...
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def open_library(path: Path, what: str) -> ctypes.CDLL:
+    """``ctypes.CDLL(path)``, a ``KernelUnavailable`` naming ``what`` if it does not load."""
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"{what} does not load: {e}") from e
+
+
+def why_not(load) -> str | None:
+    """None when ``load()`` (a module's cached loader) succeeds, else its ``KernelUnavailable`` message;
+    a failure is not cached, so it is tried again on the next call."""
+    try:
+        load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None

@@ -44,10 +44,7 @@ EXTRA_FLAGS = ("-ffp-contract=off",)     # no fused multiply-adds: the rounding 
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The compiled ``fused_ops.c`` (built on the first call); ``KernelUnavailable`` if it cannot be."""
-    try:
-        lib = ctypes.CDLL(str(ckernels.build(SOURCE, extra_flags=EXTRA_FLAGS)))
-    except OSError as e:
-        raise ckernels.KernelUnavailable(f"the compiled fused ops do not load: {e}") from e
+    lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=EXTRA_FLAGS), "the compiled fused ops")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for suffix in DTYPES.values():
         norm = getattr(lib, f"minicb_rmsnorm_{suffix}")
@@ -59,11 +56,7 @@ def load() -> ctypes.CDLL:
 
 def unavailable_reason() -> str | None:
     """None when the fused ops build and load here, else why not."""
-    try:
-        load()
-    except ckernels.KernelUnavailable as e:
-        return str(e)
-    return None
+    return ckernels.why_not(load)
 
 
 def _check(name: str, *tensors: torch.Tensor) -> None:
@@ -114,14 +107,9 @@ class FusedRMSNorm(RMSNorm):
 class FusedAttention(LlamaAttention):
     """``LlamaAttention`` with q and k rotated in place by one C call (``rope_``)."""
 
-    def forward(self, x, cos, sin, layer: int, backend, state) -> torch.Tensor:
-        n, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(n, self.num_heads, d)
-        k = self.k_proj(x).view(n, self.num_kv_heads, d)
+    def rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         rope_(q, k, cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, d)
-        out = backend.attend(layer, q, k, v, state)
-        return self.o_proj(out.reshape(n, self.num_heads * d))
+        return q, k
 
 
 class FusedMLP(LlamaMLP):

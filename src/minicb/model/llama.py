@@ -79,11 +79,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, state) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin)
+        q, k = self.rotate(self.q_proj(x).view(n, self.num_heads, d),
+                           self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, d)
         out = backend.attend(layer, q, k, v, state)
         return self.o_proj(out.reshape(n, self.num_heads * d))
+
+    def rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated by their tokens' positions (``cpu_fused`` does it in place, in C)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class LlamaMLP(nn.Module):

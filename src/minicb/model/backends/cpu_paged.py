@@ -56,10 +56,7 @@ def build(cc: list[str] | None = None) -> Path:
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The compiled kernel library (built on the first call); ``KernelUnavailable`` if it cannot be."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except OSError as e:
-        raise KernelUnavailable(f"the compiled kernel does not load: {e}") from e
+    lib = ckernels.open_library(build(), "the compiled kernel")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in DTYPES.values():
         fn = getattr(lib, name)
@@ -71,11 +68,7 @@ def load() -> ctypes.CDLL:
 def unavailable_reason() -> str | None:
     """None when the kernel builds and loads here, else why not (a success is cached by ``load``; a
     failure is tried again on the next call)."""
-    try:
-        load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return ckernels.why_not(load)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
