@@ -9,16 +9,18 @@
 
 ``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
 script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
-and reports the wall time spent inside each: the linear layers (``nn.Linear.forward``, the LM head
-included), the decode kernel (``cpu_paged.paged_decode``), SDPA (prompt chunks), the KV cache writes,
-the SiLU, the whole model forward and the whole engine step. "other" is the forward's time outside
-those parts (norms, rotary embedding, residual adds, the attention backend's glue, Python);
-"step - forward" is scheduling, packing and sampling. The engine is fresh (a cold prefix cache) and
-``LLM()``'s defaults are used.
+and reports the wall time spent inside each: the layers' linear layers (``nn.Linear.forward``), the
+LM head (packed for oneDNN or not: ``cpu_linear``), the decode kernel (``cpu_paged.paged_decode``),
+SDPA (prompt chunks), the KV cache writes, the SiLU, the whole model forward and the whole engine
+step. "other" is the forward's time outside those parts (norms, rotary embedding, residual adds, the
+attention backend's glue, Python); "step - forward" is scheduling, packing and sampling. The engine
+is fresh (a cold prefix cache) and ``LLM()``'s defaults are used.
 
 ``--lm-head`` times SmolLM2's LM head (``[rows, 576] x [576, 49152]``, float32, 113 MB of weight) at
-the row counts of W2's decode steps, and prints GFLOP/s and the GB/s of weight it streams: at few rows
-it is limited by memory bandwidth, not arithmetic.
+row counts from 1 to 512 (W2's decode steps have up to 64), through ``F.linear`` (MKL, which packs the
+weight on every call) and through ``cpu_linear.PackedLinear`` (oneDNN, packed once), and prints
+GFLOP/s and the GB/s of weight each streams. At few rows MKL's per-call copy of the weight is most
+of its time; the packed weight is read once per call and nothing is copied.
 
 ``--pool-pages`` writes W2's K/V (10,705 tokens, 30 layers, K and V) into a fresh SmolLM2-sized pool
 (2,912 blocks of 16, float32, 2.1 GB) the way the engine does (a step's rows at a time, layer by
@@ -77,6 +79,8 @@ def parts(args) -> None:
         os.environ["MINICB_FUSED_OPS"] = "0"
     model = load_smollm2()
     applied = cpu_fast_paths(model, "cpu")
+    head_is_linear = type(model.lm_head) is torch.nn.Linear     # then "linear" counts it too
+    model.lm_head.forward = timed("lm head", model.lm_head.forward)
     wl = w2()
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     llm = LLM(model)
@@ -87,30 +91,46 @@ def parts(args) -> None:
     print(f"machine: {machine_description()}; {args.threads} torch thread(s); fast paths "
           f"{applied or 'none'}; load average {os.getloadavg()[0]:.2f}")
     print(f"W2: {wall:.1f} s wall, {cpu:.1f} CPU s, {wl.num_output_tokens / wall:.1f} tokens/s")
-    for name in ("engine step", "forward", "linear", "decode kernel", "sdpa", "kv write", "silu"):
+    if head_is_linear:
+        SECONDS["linear"] -= SECONDS["lm head"]
+        CALLS["linear"] -= CALLS["lm head"]
+    for name in ("engine step", "forward", "linear", "lm head", "decode kernel", "sdpa", "kv write", "silu"):
         print(f"  {name:<15}{SECONDS[name]:7.2f} s {CALLS[name]:7d} calls")
-    inner = sum(SECONDS[n] for n in ("linear", "decode kernel", "sdpa", "kv write", "silu"))
+    inner = sum(SECONDS[n] for n in ("linear", "lm head", "decode kernel", "sdpa", "kv write", "silu"))
     print(f"  {'other':<15}{SECONDS['forward'] - inner:7.2f} s   (forward minus the parts above)")
     print(f"  {'step - forward':<15}{SECONDS['engine step'] - SECONDS['forward']:7.2f} s")
 
 
 def lm_head() -> None:
-    weight = torch.randn(49152, 576) * 0.02
+    from minicb.model.cpu_linear import PackedLinear
+
+    head = torch.nn.Linear(576, 49152, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.02)
+    paths = {"F.linear": lambda x: F.linear(x, head.weight), "packed": PackedLinear(head)}
     print(f"machine: {machine_description()}; {torch.get_num_threads()} thread(s); SmolLM2's LM head, "
-          "float32")
-    for rows in (8, 35, 64):
+          "float32; best of 3 (ms, GFLOP/s, GB/s of weight)")
+    print(f"  {'rows':>5}" + "".join(f"  {name:>24}" for name in paths) + "  speed-up")
+    for rows in (1, 8, 36, 64, 128, 512):
         x = torch.randn(rows, 576)
-        for _ in range(3):
-            F.linear(x, weight)
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(20):
-                F.linear(x, weight)
-            best = min(best, (time.perf_counter() - t) / 20)
-        gflop = 2 * rows * weight.numel() / 1e9
-        print(f"  {rows:3d} rows: {best * 1e3:6.2f} ms, {gflop / best:5.1f} GFLOP/s, "
-              f"{weight.numel() * 4 / best / 1e9:5.1f} GB/s of weight")
+        best = {}
+        for name, fn in paths.items():
+            for _ in range(2):
+                fn(x)
+            reps = max(3, 400 // rows)
+            best[name] = min(_seconds(fn, x, reps) for _ in range(3))
+        gflop = 2 * rows * head.weight.numel() / 1e9
+        cells = "".join(f"  {t * 1e3:7.2f} {gflop / t:6.1f} {head.weight.numel() * 4 / t / 1e9:6.1f}  "
+                        for t in best.values())
+        print(f"  {rows:5d}{cells}  {best['F.linear'] / best['packed']:5.2f}x")
+
+
+def _seconds(fn, x, reps: int) -> float:
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(reps):
+            fn(x)
+    return (time.perf_counter() - t) / reps
 
 
 POOL_CHILD = """

@@ -113,14 +113,14 @@ def test_bad_inputs_are_refused_before_c_reads_them():
         cpu_fused.rope_(q.transpose(0, 1).contiguous().transpose(0, 1), k, cos, sin)
 
 
-@pytest.mark.parametrize("source", [cpu_fused.SOURCE, cpu_paged.SOURCE], ids=lambda p: p.name)
-def test_c_sources_compile_cleanly_with_openmp(source, tmp_path):
+@pytest.mark.parametrize("module", [cpu_fused, cpu_paged], ids=lambda m: m.SOURCE.name)
+def test_c_sources_compile_cleanly_with_openmp(module, tmp_path):
     """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which
     would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
     source once with OpenMP and every warning an error."""
     cc = ckernels.compiler()
-    cmd = [*cc, *ckernels.FLAGS, "-ffp-contract=off", ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
-           str(source), "-o", str(tmp_path / "lib.so"), "-lm"]
+    cmd = [*cc, *ckernels.FLAGS, *module.EXTRA_FLAGS, ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
+           str(module.SOURCE), "-o", str(tmp_path / "lib.so"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():
         unavailable(f"{shlex.join(cc)} has no OpenMP: {proc.stderr[-300:]}")
@@ -160,6 +160,7 @@ def test_fused_engine_gives_the_reference_tokens(dtype):
 
 
 def test_llm_fast_paths_for_a_loaded_model(monkeypatch, caplog):
+    monkeypatch.setenv("MINICB_PACKED_LM_HEAD", "0")     # the packed head: tests/test_cpu_linear.py
     model = LlamaForCausalLM.random(TINY, seed=6, dtype=torch.float32)
     assert cpu_fast_paths(model, "cpu") == ["fused-ops"]
     assert type(model.model.layers[0].mlp) is cpu_fused.FusedMLP

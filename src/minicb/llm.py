@@ -30,7 +30,7 @@ from minicb.errors import InvalidArgument, check_int
 from minicb.kv_budget import num_blocks_for
 from minicb.model import cpu_fused
 from minicb.model.backends import check_device
-from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute
+from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute, pack_lm_head
 from minicb.model.llama import DTYPES, LlamaForCausalLM
 from minicb.outputs import RequestOutput
 from minicb.sampling_params import SamplingParams
@@ -139,15 +139,18 @@ class LLM:
 
 def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
     """What ``LLM`` does to a model it loads itself, on the CPU: bfloat16 linears computed in float32
-    where the CPU has no bfloat16 matmul (``cpu_linear``), and the fused norms and rotary embedding in
-    float32 and bfloat16 (``cpu_fused``; one logged line when they cannot be built). The names of what
-    was applied. Benchmarks that build their model by hand call it to run what ``LLM()`` runs."""
+    where the CPU has no bfloat16 matmul and the LM head packed once for oneDNN (``cpu_linear``), and
+    the fused norms and rotary embedding in float32 and bfloat16 (``cpu_fused``; one logged line when
+    they cannot be built). The names of what was applied. Benchmarks that build their model by hand
+    call it to run what ``LLM()`` runs."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
     if needs_float32_compute(model.dtype, device):
         compute_linears_in_float32(model)              # bfloat16 matmuls at float32 speed
         applied.append("float32-linears")
+    if pack_lm_head(model):                            # the LM head's weight reordered once for oneDNN
+        applied.append("packed-lm-head")
     if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
         reason = cpu_fused.unavailable_reason()
         if reason is None:

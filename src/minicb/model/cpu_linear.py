@@ -1,4 +1,6 @@
-"""bfloat16 linear layers on a CPU without bfloat16 matrix instructions: compute them in float32.
+"""Linear layers on the CPU: bfloat16 computed in float32, and an LM head packed once for oneDNN.
+
+**bfloat16 on a CPU without bfloat16 matrix instructions: compute it in float32.**
 
 A bfloat16 matmul is fast on the CPU only when the hardware multiplies bfloat16 itself (AVX-512 BF16,
 AMX) and torch's oneDNN uses it (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). Elsewhere (an
@@ -18,9 +20,30 @@ runs at float32 speed. The price is memory (the float32 copy beside the bfloat16
 weights' trip from memory at float32 size; the model's dtype, its activations, its KV cache and every
 other operation stay bfloat16. ``LLM`` applies it to models it loads itself when
 ``needs_float32_compute(dtype, device)`` says so; a model built by hand is left as it is.
+
+**The LM head, packed once.** ``F.linear`` goes to MKL's sgemm, which copies the weight into its own
+blocked panels on every call. For the seven matrices of a layer that copy is small beside the
+arithmetic; for the LM head (SmolLM2: ``[49152, 576]``, 113 MB in float32) it is not, because a decode
+step asks it for few rows (one per running sequence) and the copy of 113 MB is most of the call: at 36
+rows it ran at 49 GFLOP/s here, against 90 for the layers' matrices at a prompt's 2,048 rows. vLLM's CPU
+build reorders every weight once at load for oneDNN (``onednn_mm``); ``PackedLinear`` does that for the
+LM head alone, through the same torch ops inductor uses when it freezes a CPU model::
+
+    load:   packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)       # once: oneDNN's layout
+    step:   y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+The same products, summed in float32 in oneDNN's order instead of MKL's (results agree to float32
+rounding, not bit for bit). On the machine of ``bench/RESULTS.md`` the head is 1.2-1.9x faster at the
+1 to 64 rows of decode steps, and as fast at 512 (``python bench/step_parts.py --lm-head``); for the
+layers' matrices
+oneDNN's packed path was slower than MKL above a handful of rows, so they stay on ``F.linear``. The
+price is memory: the packed copy beside the weight the embedding still reads (tied weights). float64
+has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` keeps it for every dtype.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +90,58 @@ def compute_linears_in_float32(model: nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, Float32ComputeLinear(child))
     return len(swaps)
+
+
+def can_pack() -> bool:
+    """Whether this torch has oneDNN's packed linear ops (a CPU build with MKLDNN)."""
+    try:
+        return (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` (no bias) computed by oneDNN from a float32 weight it reordered once (module
+    docstring). ``weight`` stays the original parameter (tied embeddings and ``state_dict`` unchanged);
+    ``weight_packed`` is oneDNN's copy, in float32 also for a bfloat16 layer, whose input is widened and
+    output rounded back as ``Float32ComputeLinear`` does."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        if getattr(linear, "bias", None) is not None:
+            raise ValueError("PackedLinear takes linear layers without bias (LLaMA has none)")
+        if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("PackedLinear takes float32 or bfloat16 CPU layers, got "
+                             f"{linear.weight.dtype} on {linear.weight.device.type}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        w32 = getattr(linear, "weight_f32", None)           # a Float32ComputeLinear's copy, if any
+        w32 = (linear.weight.detach().float() if w32 is None else w32).contiguous()
+        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(w32, 64),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight_packed, None, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def packed_lm_head_enabled() -> bool:
+    """False when ``MINICB_PACKED_LM_HEAD=0`` asks for ``F.linear``."""
+    return os.environ.get("MINICB_PACKED_LM_HEAD", "1") != "0"
+
+
+def pack_lm_head(model: nn.Module) -> bool:
+    """Replace ``model.lm_head`` by a ``PackedLinear`` when it is a float32 product on the CPU (a
+    float32 layer, or a bfloat16 one computed in float32) and this torch can pack; True if it did."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, PackedLinear) or not packed_lm_head_enabled() or not can_pack():
+        return False
+    float32_product = (type(head) is nn.Linear and head.weight.dtype == torch.float32) or \
+        isinstance(head, Float32ComputeLinear)
+    if not float32_product or head.weight.device.type != "cpu" or getattr(head, "bias", None) is not None:
+        return False
+    model.lm_head = PackedLinear(head)
+    return True
