@@ -32,7 +32,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     whole huge page. A pool is written sparsely (each layer's K and V are separate regions, a few
     blocks of each at a time), and on the VM of ``bench/RESULTS.md`` writing W2's K/V into a fresh
     pool took 1.8 s with huge pages against 0.6 s with plain ones
-    (``python bench/step_parts.py --pool-pages``)."""
+    (``python bench/step_parts.py --pool-pages``). Private pages, too: ``mmap``'s default is a shared
+    mapping, which Linux backs with shared memory, whose first touch costs more (W2's cache writes:
+    0.73 s private against 0.92 s shared, ``python bench/step_parts.py``); nothing else maps the pool."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
@@ -42,7 +44,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
         nbytes *= n
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)).view(dtype).view(shape)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.from_numpy(np.frombuffer(buf, np.uint8)).view(dtype).view(shape)
 
 
 class KVCache:
