@@ -47,8 +47,10 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64",
           torch.bfloat16: "minicb_paged_decode_bf16"}     # bfloat16: stored so, computed in float32
 # Multiply-adds fused into one instruction (an FMA, rounded once): ISO C (-std=c11) leaves them apart,
-# and the dot products and the weighted sum of values are nothing but multiply-adds.
-EXTRA_FLAGS = ("-ffp-contract=fast",)
+# and the dot products and the weighted sum of values are nothing but multiply-adds. No trapping math:
+# the kernel never reads floating-point exception flags, and without the flag GCC keeps the clamp in
+# exp_f32 as a branch and the softmax's exp loop one number at a time (torch builds with it too).
+EXTRA_FLAGS = ("-ffp-contract=fast", "-fno-trapping-math")
 
 
 def build(cc: list[str] | None = None) -> Path:
