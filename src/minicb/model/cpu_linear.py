@@ -36,8 +36,9 @@ The same products, summed in float32 in oneDNN's order instead of MKL's (results
 rounding, not bit for bit). On the machine of ``bench/RESULTS.md`` the head is 1.2-1.9x faster at the
 1 to 64 rows of decode steps, and as fast at 512 (``python bench/step_parts.py --lm-head``); for the
 layers' matrices oneDNN's packed path was slower than MKL above a handful of rows, so they stay on
-``F.linear``. The price is memory: the packed copy beside the weight the embedding still reads (tied weights). float64
-has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` keeps it for every dtype.
+``F.linear``. The price is memory: the packed copy beside the weight the embedding still reads (tied
+weights). float64 has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` keeps it for
+every dtype.
 """
 
 from __future__ import annotations

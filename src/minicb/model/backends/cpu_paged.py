@@ -86,6 +86,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``[rows]``, each at least 1. Returns ``[rows, q_heads, head_dim]``, what SDPA over each row's first
     ``context_lens`` keys returns (scale ``1 / sqrt(head_dim)`` unless given).
     """
+    max_context = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, block_size, max_context)
+    out = torch.empty_like(q)
+    if q.shape[0]:
+        decode_into(out, q, k_cache, v_cache, block_tables, context_lens, block_size, max_context, scale)
+    return out
+
+
+def check_decode_args(q, k_cache, v_cache, block_tables, context_lens, block_size: int,
+                      max_context: int | None) -> int:
+    """Refuse what the C kernel would read or write out of bounds (it checks nothing itself); returns
+    ``max_context`` (the longest context when not given). A few host syncs: the backend checks a step's
+    tables once, not once per layer."""
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError("paged_decode takes float32, float64 or bfloat16 q / k_cache / v_cache of one dtype,"
                          f" got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -101,11 +113,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"paged_decode: inconsistent shapes q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, block_tables "
                          f"{tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
-    out = torch.empty_like(q)
     if rows == 0:
-        return out
-    # C does no bounds checks: what it would read or write out of bounds is refused here (a few
-    # microseconds of reductions per call, against the milliseconds of the kernel).
+        return max_context or 0
     longest = int(context_lens.max())
     max_context = longest if max_context is None else max_context
     if longest > max_context:
@@ -116,24 +125,33 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_blocks = k_cache.shape[0] // block_size
     if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
         raise ValueError(f"block_tables name blocks outside the cache's {num_blocks}")
+    return max_context
+
+
+def decode_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_context: int,
+                scale: float | None = None) -> None:
+    """``paged_decode`` into ``out`` (contiguous, like ``q``) with arguments ``check_decode_args`` has
+    passed: no checks here, one C call."""
+    rows, q_heads, head_dim = q.shape
     scale = head_dim ** -0.5 if scale is None else scale
     failed = getattr(load(), DTYPES[q.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), rows, q_heads, kv_heads, head_dim,
+        context_lens.data_ptr(), out.data_ptr(), rows, q_heads, k_cache.shape[1], head_dim,
         block_tables.shape[1], block_size, max_context, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("paged_decode could not allocate its score buffer")
-    return out
 
 
 @dataclass(slots=True)
 class _DecodeRows:
-    """All of a step's decode rows, for one kernel call per layer."""
+    """All of a step's decode rows, for one kernel call per layer, checked once per step."""
 
-    tokens: torch.Tensor         # int64 [n]: their (single) tokens' rows in the flat batch
+    tokens: torch.Tensor | None  # int64 [n]: their (single) tokens' rows; None: the step is these rows
     block_tables: torch.Tensor   # int32 [n, max_blocks], contiguous
     context_lens: torch.Tensor   # int32 [n]: keys each attends over, its new one included
     max_context: int
+    checked: bool = False        # True once check_decode_args has passed, at the first layer
 
 
 class CpuPagedAttention(ReferenceAttention):
@@ -149,13 +167,23 @@ class CpuPagedAttention(ReferenceAttention):
         dev = meta.slot_mapping.device
         seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
         ctx = [meta.start_positions[i] + 1 for i in decodes]
-        return [_DecodeRows(meta.cu_seqlens_q.index_select(0, seqs).long(),   # a decode's one token
-                            meta.block_tables.index_select(0, seqs),           # int32, contiguous
+        # a step of decodes only (most of a long run): row i of q is decode i, nothing to gather
+        whole = len(decodes) == meta.num_seqs and sum(meta.q_lens) == len(decodes)
+        tokens = None if whole else meta.cu_seqlens_q.index_select(0, seqs).long()   # one token each
+        return [_DecodeRows(tokens, meta.block_tables.index_select(0, seqs),         # int32, contiguous
                             torch.tensor(ctx, dtype=torch.int32, device=dev), max(ctx))]
 
     def _attend_group(self, g, q, k, v, kc, vc, out: torch.Tensor) -> None:
         if not isinstance(g, _DecodeRows):
             return super()._attend_group(g, q, k, v, kc, vc, out)
-        od = paged_decode(q.index_select(0, g.tokens), kc, vc, g.block_tables, g.context_lens,
-                          self.kv_cache.block_size, g.max_context)
-        out.index_copy_(0, g.tokens, od)
+        bs = self.kv_cache.block_size
+        qd = q if g.tokens is None else q.index_select(0, g.tokens)
+        if not g.checked:         # the tables are the same for every layer: check them at the first
+            check_decode_args(qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
+            g.checked = True
+        if g.tokens is None:
+            decode_into(out, qd.contiguous(), kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
+        else:
+            od = torch.empty_like(qd)
+            decode_into(od, qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
+            out.index_copy_(0, g.tokens, od)

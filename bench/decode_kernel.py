@@ -1,0 +1,101 @@
+"""The ``cpu-paged`` decode kernel alone, on a synthetic step the size of W2's decode steps.
+
+    python bench/decode_kernel.py                         # the kernel minicb builds, float32, one thread
+    python bench/decode_kernel.py --dtype bfloat16
+    git show 0936cfe:src/minicb/model/backends/paged_decode.c > /tmp/old.c
+    python bench/decode_kernel.py --compare /tmp/old.c --compare-flags=-ffp-contract=off   # beside another
+
+The step: 64 decode rows with contexts drawn uniformly from 60-259 keys (about 10,700 keys in all;
+W2's steps run 18-64 rows of 60-300), their 16-slot blocks drawn at random from SmolLM2's default
+pool (2,912 blocks), SmolLM2's heads (9 query heads sharing 3 KV heads of 64). Each round calls the
+kernel once per layer for 30 layers, each layer's cache a separate region of the pool, so keys and
+values come from memory as in a real step rather than from the core's caches. The kernels run
+alternately, round by round (a slow spell of the shared machine hits both); the figures are the median
+and the best round, in milliseconds per call and millions of keys per second (a key: 9 query heads'
+scores and weighted values), and the largest difference between the kernels' outputs.
+
+``--compare SOURCE`` builds another C file with the same entry points (an older ``paged_decode.c``)
+with ``ckernels.FLAGS`` plus ``--compare-flags`` (default: the flags minicb's kernel is built with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import machine_description  # noqa: E402
+
+from minicb.model import ckernels  # noqa: E402
+from minicb.model.backends import cpu_paged  # noqa: E402
+
+LAYERS, NUM_BLOCKS, BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM, ROWS = 30, 2912, 16, 9, 3, 64, 64
+
+
+def library(source: pathlib.Path | None, flags: tuple[str, ...]) -> ctypes.CDLL:
+    lib = cpu_paged.load() if source is None else ctypes.CDLL(str(ckernels.build(source, extra_flags=flags)))
+    for name in cpu_paged.DTYPES.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--compare", type=pathlib.Path, help="another kernel source to time beside minicb's")
+    ap.add_argument("--compare-flags", default=" ".join(cpu_paged.EXTRA_FLAGS),
+                    help="extra compiler flags for --compare (default: minicb's kernel's)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    kernels = {"minicb": library(None, ())}
+    if args.compare:
+        kernels[args.compare.name] = library(args.compare, tuple(shlex.split(args.compare_flags)))
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.empty(LAYERS, 2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    pool.copy_(torch.randn(pool.shape, generator=g))
+    ctx = torch.randint(60, 260, (ROWS,), generator=g, dtype=torch.int32)
+    max_blocks = -(-int(ctx.max()) // BLOCK)
+    tables = torch.randperm(NUM_BLOCKS, generator=g)[:ROWS * max_blocks].to(torch.int32)
+    tables = tables.view(ROWS, max_blocks)
+    q = torch.randn(ROWS, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    keys = int(ctx.sum())
+    print(f"machine: {machine_description()}; {args.threads} thread(s); {args.dtype}; {ROWS} rows, "
+          f"{keys:,} keys, {LAYERS} layers of a {NUM_BLOCKS}-block pool")
+
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    outs: dict[str, torch.Tensor] = {}
+    for _ in range(args.rounds):
+        for name, lib in kernels.items():
+            fn = getattr(lib, cpu_paged.DTYPES[dtype])
+            out = torch.empty_like(q)
+            t = time.perf_counter()
+            for layer in range(LAYERS):
+                kc, vc = pool[layer, 0], pool[layer, 1]
+                fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
+                   out.data_ptr(), ROWS, Q_HEADS, KV_HEADS, HEAD_DIM, max_blocks, BLOCK, int(ctx.max()),
+                   HEAD_DIM ** -0.5, args.threads)
+            times[name].append((time.perf_counter() - t) / LAYERS)
+            outs[name] = out.double()
+    ref = outs["minicb"]
+    for name, ts in times.items():
+        med, best = statistics.median(ts), min(ts)
+        print(f"  {name:<24} median {med * 1e3:6.3f} ms per call (best {best * 1e3:6.3f}), "
+              f"{keys / med / 1e6:5.2f} M keys/s; max |difference| from minicb's "
+              f"{(outs[name] - ref).abs().max().item():.1e}")
+
+
+if __name__ == "__main__":
+    main()
