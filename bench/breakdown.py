@@ -15,10 +15,11 @@ are ``_C::onednn_mm``, its attention ``_C::cpu_attention_with_kv_cache`` and the
 Both policies run the W2 workload of ``bench/throughput.py`` (SmolLM2 float32, greedy, EOS ignored) under
 ``cProfile``, and the wall time is split by the torch calls it went to:
 
-* ``linear``: the matmuls (Q/K/V/O, MLP, LM head): the work both policies must do per computed row;
+* ``linear``: the matmuls (Q/K/V/O, MLP, and the LM head, packed for oneDNN or not): the work both
+  policies must do per computed row;
 * ``attention``: ``scaled_dot_product_attention`` calls of the reference backend;
 * ``gather``: ``index_select`` calls (K/V read from the paged cache through block tables, query rows);
-* ``kernel``: ``cpu_paged.paged_decode``, the C decode kernel of the ``cpu-paged`` backend (0 with the
+* ``kernel``: ``cpu_paged.decode_into``, the C decode kernel of the ``cpu-paged`` backend (0 with the
   reference backend, which does that work in ``gather`` and ``attention``);
 * ``rest``: everything else (norms, RoPE, SiLU, cache writes, scheduling, packing, sampling, Python).
 
@@ -49,8 +50,8 @@ from minicb.llm import LLM  # noqa: E402
 from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
 
-PARTS = {"linear": "linear", "attention": "scaled_dot_product_attention", "gather": "index_select",
-         "kernel": "paged_decode"}
+PARTS = {"linear": ("linear", "_linear_pointwise"), "attention": ("scaled_dot_product_attention",),
+         "gather": ("index_select",), "kernel": ("decode_into",)}
 
 
 def profile_run(model, wl, timer=time.perf_counter, **config) -> dict[str, float]:
@@ -66,8 +67,8 @@ def profile_run(model, wl, timer=time.perf_counter, **config) -> dict[str, float
     out = {part: 0.0 for part in PARTS}
     # builtins are named like "<built-in method torch._C._nn.linear>" or "<method 'index_select' of ...>"
     for (_, _, name), (_, _, tottime, _, _) in stats.items():
-        for part, fn in PARTS.items():
-            if name.endswith(f".{fn}>") or f"'{fn}'" in name or name == fn:
+        for part, fns in PARTS.items():
+            if any(name.endswith(f".{fn}>") or f"'{fn}'" in name or name == fn for fn in fns):
                 out[part] += tottime
     out["rest"] = wall - sum(out.values())
     out["total"] = wall

@@ -2,6 +2,7 @@
 
     python bench/step_parts.py                    # W2, LLM()'s defaults, one thread
     python bench/step_parts.py --threads 2        # the same on two threads: which parts scale
+    python bench/step_parts.py --dtype bfloat16   # a bfloat16 model (its linears computed in float32)
     python bench/step_parts.py --reference-ops    # without the fused CPU ops (MINICB_FUSED_OPS=0)
     python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
     python bench/step_parts.py --pool-pages       # a fresh KV pool: plain pages against huge pages
@@ -9,8 +10,9 @@
 
 ``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
 script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
-and reports the wall time spent inside each: the layers' linear layers (``nn.Linear.forward``), the
-LM head (packed for oneDNN or not: ``cpu_linear``), the decode kernel (``cpu_paged.paged_decode``),
+and reports the wall time spent inside each: the layers' linear layers (``nn.Linear.forward``, or
+``cpu_linear.Float32ComputeLinear`` for bfloat16), the LM head (packed for oneDNN or not:
+``cpu_linear``), the decode kernel's C calls (``cpu_paged.decode_into``),
 SDPA (prompt chunks), the KV cache writes, the SiLU, the whole model forward and the whole engine
 step. "other" is the forward's time outside those parts (norms, rotary embedding, residual adds, the
 attention backend's glue, Python); "step - forward" is scheduling, packing and sampling. The engine
@@ -19,8 +21,9 @@ is fresh (a cold prefix cache) and ``LLM()``'s defaults are used.
 ``--lm-head`` times SmolLM2's LM head (``[rows, 576] x [576, 49152]``, float32, 113 MB of weight) at
 row counts from 1 to 512 (W2's decode steps have up to 64), through ``F.linear`` (MKL, which packs the
 weight on every call) and through ``cpu_linear.PackedLinear`` (oneDNN, packed once), and prints
-GFLOP/s and the GB/s of weight each streams. At few rows MKL's per-call copy of the weight is most
-of its time; the packed weight is read once per call and nothing is copied.
+GFLOP/s and the GB/s of weight each streams, beside a plain pass over the weight (``torch.sum``): how
+fast one core reads memory. At few rows MKL's per-call copy of the weight is most of its time; the
+packed weight is read once per call and nothing is copied.
 
 ``--pool-pages`` writes W2's K/V (10,705 tokens, 30 layers, K and V) into a fresh SmolLM2-sized pool
 (2,912 blocks of 16, float32, 2.1 GB) the way the engine does (a step's rows at a time, layer by
@@ -48,6 +51,7 @@ from workloads import w2  # noqa: E402
 
 import minicb.kv_cache as kv_cache  # noqa: E402
 import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
+import minicb.model.cpu_linear as cpu_linear  # noqa: E402
 import minicb.model.llama as llama  # noqa: E402
 from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.sampling_params import SamplingParams  # noqa: E402
@@ -69,7 +73,8 @@ def timed(name: str, fn):
 
 
 def parts(args) -> None:
-    cpu_paged.paged_decode = timed("decode kernel", cpu_paged.paged_decode)
+    cpu_paged.decode_into = timed("decode kernel", cpu_paged.decode_into)
+    cpu_linear.Float32ComputeLinear.forward = timed("linear", cpu_linear.Float32ComputeLinear.forward)
     kv_cache.KVCache.write = timed("kv write", kv_cache.KVCache.write)
     torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
     F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
@@ -77,7 +82,7 @@ def parts(args) -> None:
     llama.LlamaForCausalLM.forward = timed("forward", llama.LlamaForCausalLM.forward)
     if args.reference_ops:
         os.environ["MINICB_FUSED_OPS"] = "0"
-    model = load_smollm2()
+    model = load_smollm2(getattr(torch, args.dtype))
     applied = cpu_fast_paths(model, "cpu")
     head_is_linear = type(model.lm_head) is torch.nn.Linear     # then "linear" counts it too
     model.lm_head.forward = timed("lm head", model.lm_head.forward)
@@ -90,7 +95,8 @@ def parts(args) -> None:
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     print(f"machine: {machine_description()}; {args.threads} torch thread(s); fast paths "
           f"{applied or 'none'}; load average {os.getloadavg()[0]:.2f}")
-    print(f"W2: {wall:.1f} s wall, {cpu:.1f} CPU s, {wl.num_output_tokens / wall:.1f} tokens/s")
+    print(f"W2 ({args.dtype}): {wall:.1f} s wall, {cpu:.1f} CPU s, "
+          f"{wl.num_output_tokens / wall:.1f} tokens/s")
     if head_is_linear:
         SECONDS["linear"] -= SECONDS["lm head"]
         CALLS["linear"] -= CALLS["lm head"]
@@ -123,6 +129,10 @@ def lm_head() -> None:
         cells = "".join(f"  {t * 1e3:7.2f} {gflop / t:6.1f} {head.weight.numel() * 4 / t / 1e9:6.1f}  "
                         for t in best.values())
         print(f"  {rows:5d}{cells}  {best['F.linear'] / best['packed']:5.2f}x")
+    with torch.inference_mode():
+        stream = min(_seconds(lambda w: w.sum(), head.weight, 5) for _ in range(3))
+    print(f"  for scale: one pass reading the weight (torch.sum) takes {stream * 1e3:.2f} ms, "
+          f"{head.weight.numel() * 4 / stream / 1e9:.1f} GB/s")
 
 
 def _seconds(fn, x, reps: int) -> float:
@@ -181,6 +191,7 @@ def openmp_runtimes() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--reference-ops", action="store_true", help="MINICB_FUSED_OPS=0")
     ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
     ap.add_argument("--pool-pages", action="store_true", help="a fresh KV pool: plain against huge pages")
