@@ -7,6 +7,7 @@
     python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
     python bench/step_parts.py --pool-pages       # a fresh KV pool: plain pages against huge pages
     python bench/step_parts.py --openmp           # which OpenMP runtimes the process has loaded
+    python bench/step_parts.py --scaling          # one thread against two, outside minicb
 
 ``bench/breakdown.py`` splits the time with cProfile, whose per-call overhead lands in "rest"; this
 script wraps a handful of functions with ``time.perf_counter`` instead (about a microsecond per call)
@@ -143,6 +144,28 @@ def _seconds(fn, x, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def scaling() -> None:
+    """What a second thread gives on work with no engine around it: a prompt-sized and a decode-sized
+    matmul of SmolLM2's MLP shape, and a plain read of 113 MB (the LM head's weight)."""
+    print(f"machine: {machine_description()}; best of 5, torch threads 1 against 2")
+    w = torch.randn(1536, 576)
+    big = torch.randn(113 * 2**20 // 4)
+    cases = {"matmul 2048 x 576 x 1536 (GFLOP/s)": (torch.randn(2048, 576), 2 * 2048 * 576 * 1536 / 1e9),
+             "matmul   64 x 576 x 1536 (GFLOP/s)": (torch.randn(64, 576), 2 * 64 * 576 * 1536 / 1e9)}
+    for name, (x, gflop) in cases.items():
+        rates = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            rates.append(gflop / min(_seconds(lambda a: F.linear(a, w), x, 20) for _ in range(5)))
+        print(f"  {name}  {rates[0]:7.1f}  {rates[1]:7.1f}  {rates[1] / rates[0]:5.2f}x")
+    rates = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rates.append(big.numel() * 4 / 1e9 / min(_seconds(lambda a: a.sum(), big, 5) for _ in range(5)))
+    name = "read 113 MB (torch.sum, GB/s)"
+    print(f"  {name:<35} {rates[0]:7.1f}  {rates[1]:7.1f}  {rates[1] / rates[0]:5.2f}x")
+
+
 POOL_CHILD = """
 import resource, sys, time
 import numpy as np, torch
@@ -196,11 +219,15 @@ def main() -> None:
     ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
     ap.add_argument("--pool-pages", action="store_true", help="a fresh KV pool: plain against huge pages")
     ap.add_argument("--openmp", action="store_true", help="the OpenMP runtimes the process has loaded")
+    ap.add_argument("--scaling", action="store_true",
+                    help="one thread against two on a plain matmul and a plain read: what the machine gives")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.threads == 1 and hasattr(os, "sched_setaffinity"):
+    if args.threads == 1 and not args.scaling and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    if args.openmp:
+    if args.scaling:
+        scaling()
+    elif args.openmp:
         openmp_runtimes()
     elif args.pool_pages:
         pool_pages()

@@ -25,7 +25,7 @@ other operation stay bfloat16. ``LLM`` applies it to models it loads itself when
 blocked panels on every call. For the seven matrices of a layer that copy is small beside the
 arithmetic; for the LM head (SmolLM2: ``[49152, 576]``, 113 MB in float32) it is not, because a decode
 step asks it for few rows (one per running sequence) and the copy of 113 MB is most of the call: at 36
-rows it ran at 49 GFLOP/s here, against 90 for the layers' matrices at a prompt's 2,048 rows. vLLM's CPU
+rows it ran at about 50 GFLOP/s here, where one core's float32 matmuls reach about 95. vLLM's CPU
 build reorders every weight once at load for oneDNN (``onednn_mm``); ``PackedLinear`` does that for the
 LM head alone, through the same torch ops inductor uses when it freezes a CPU model::
 
@@ -34,11 +34,11 @@ LM head alone, through the same torch ops inductor uses when it freezes a CPU mo
 
 The same products, summed in float32 in oneDNN's order instead of MKL's (results agree to float32
 rounding, not bit for bit). On the machine of ``bench/RESULTS.md`` the head is 1.2-1.9x faster at the
-1 to 64 rows of decode steps, and as fast at 512 (``python bench/step_parts.py --lm-head``); for the
-layers' matrices oneDNN's packed path was slower than MKL above a handful of rows, so they stay on
-``F.linear``. The price is memory: the packed copy beside the weight the embedding still reads (tied
-weights). float64 has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` keeps it for
-every dtype.
+8 to 64 rows of decode steps, about as fast at 1 row and at 512 (``python bench/step_parts.py
+--lm-head``); for the layers' matrices oneDNN's packed path was slower than MKL above a handful of
+rows, so they stay on ``F.linear``. The price is memory: the packed copy beside the weight the
+embedding still reads (tied weights). float64 has no oneDNN GEMM and keeps ``F.linear``;
+``MINICB_PACKED_LM_HEAD=0`` keeps it for every dtype.
 """
 
 from __future__ import annotations
