@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU: vLLM's paged_attention_v1 in about a hundred lines of C.
+/* Paged decode attention for the CPU: vLLM's paged_attention_v1 in about 150 lines of C.
  *
  * A decode row has one query per head and attends over every key of its sequence, which the paged
  * cache keeps in blocks scattered over the pool. The pure-PyTorch backend first gathers those keys
