@@ -169,7 +169,7 @@ class CpuPagedAttention(ReferenceAttention):
         seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
         ctx = [meta.start_positions[i] + 1 for i in decodes]
         # a step of decodes only (most of a long run): row i of q is decode i, nothing to gather
-        whole = len(decodes) == meta.num_seqs and sum(meta.q_lens) == len(decodes)
+        whole = len(decodes) == meta.num_seqs
         tokens = None if whole else meta.cu_seqlens_q.index_select(0, seqs).long()   # one token each
         return [_DecodeRows(tokens, meta.block_tables.index_select(0, seqs),         # int32, contiguous
                             torch.tensor(ctx, dtype=torch.int32, device=dev), max(ctx))]

@@ -127,7 +127,7 @@ static double softmax_numerators_f64(double *s, int64_t L) {
 
 /* One row and one kv head: its `group` query heads qf [group][D] (widened to A), scores into s
  * [group][cap], outputs into o [group][D] (T). D is a constant where the caller passes one. */
-#define HEAD_FN(NAME, T, A, LOAD, STORE, SOFTMAX)                                                        \
+#define HEAD_FN(NAME, T, A, LOAD, STORE, SOFTMAX)                                                    \
     static inline __attribute__((always_inline)) void NAME##_head(                                   \
         const A *qf, const T *k_cache, const T *v_cache, const int32_t *table, int64_t L,            \
         int64_t g, int64_t group, const int64_t D, int64_t slot_len, int64_t block_size,            \
@@ -135,7 +135,8 @@ static double softmax_numerators_f64(double *s, int64_t L) {
         const int64_t nblocks = (L + block_size - 1) / block_size;                                   \
         /* pass 1: s[h][t] = scale * q[h] . K[t][g] */                                               \
         for (int64_t b = 0; b < nblocks; ++b) {                                                      \
-            const T *kb = (const T *)block_at(k_cache, table, b, nblocks, block_bytes, g == 0) + g * D;      \
+            const T *kb = (const T *)block_at(k_cache, table, b, nblocks, block_bytes, g == 0)      \
+                          + g * D;                                                                   \
             const int64_t n = keys_in_block(L, b, block_size);                                       \
             for (int64_t i = 0; i < n; ++i) {                                                        \
                 const T *kh = kb + i * slot_len;                                                     \
@@ -150,8 +151,8 @@ static double softmax_numerators_f64(double *s, int64_t L) {
         }                                                                                            \
         for (int64_t h = 0; h < group; ++h) {                                                        \
             A *sh = s + h * cap;                                                                     \
-            const A sum = SOFTMAX(sh, L);         /* softmax numerators in place, and their sum */       \
-            /* pass 2: o[h] = sum_t p[t] * V[t][g] / sum, one head's sum at a time */              \
+            const A sum = SOFTMAX(sh, L);         /* softmax numerators in place, and their sum */   \
+            /* pass 2: o[h] = sum_t p[t] * V[t][g] / sum, one head's sum at a time */                \
             A acc[D];                                                                                \
             for (int64_t d = 0; d < D; ++d) acc[d] = 0;                                              \
             for (int64_t b = 0; b < nblocks; ++b) {                                                  \
