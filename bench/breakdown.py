@@ -46,9 +46,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w2  # noqa: E402
 
-from minicb.llm import LLM  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM  # noqa: E402
 from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
 
 PARTS = {"linear": ("linear", "_linear_pointwise"), "attention": ("scaled_dot_product_attention",),
          "gather": ("index_select",), "kernel": ("decode_into",)}
@@ -105,7 +105,7 @@ def vllm_parts(ops: dict[str, float]) -> dict[str, float]:
 
 
 def vs_vllm(args, wl) -> None:
-    from minicb.llm import cpu_fast_paths
+    from minicb.entrypoints.llm import cpu_fast_paths
     from minicb.model.llama import DTYPES
 
     tables = sorted(pathlib.Path(args.vs_vllm).rglob("*profiler_out.txt"))

@@ -45,11 +45,11 @@ sys.path.insert(0, str(HERE))
 from common import load_smollm2  # noqa: E402
 from forward import decode_plan, prefill_plan  # noqa: E402
 
-from minicb.kv_cache import KVCache  # noqa: E402
+from minicb.core.plan import ScheduledSeq, StepPlan  # noqa: E402
 from minicb.measure.bench_cli import machine_description, matmul_ceiling_gflops  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.packer import pack  # noqa: E402
-from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
+from minicb.model.kv_cache import KVCache  # noqa: E402
+from minicb.runtime.packer import pack  # noqa: E402
 from minicb.simulate.simulator import SMOLLM2_135M, CostModel, Device  # noqa: E402
 
 OUT = HERE.parent / "src" / "minicb" / "data" / "calibration" / "smollm2_cpu.json"
@@ -140,10 +140,10 @@ def time_forward(model, plan: StepPlan, repeats: int) -> float:
 
 def engine_overhead(repeats: int = 30) -> list[tuple[int, float]]:
     """(sequences, seconds outside the forward) of decode steps of the engine with the tiny model."""
-    from minicb.config import SchedulerConfig
-    from minicb.engine import LLMEngine
+    from minicb.core.config import SchedulerConfig
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.llm_engine import LLMEngine
     from minicb.measure.bench_cli import build_model
-    from minicb.sampling_params import SamplingParams
 
     model, _ = build_model("tiny", "float32")
     out = []

@@ -10,7 +10,7 @@ import torch
 
 from minicb.measure import bench_cli
 from minicb.model.llama import LlamaForCausalLM
-from minicb.model.loader import load_model
+from minicb.model.weights.loader import load_model
 
 
 def matmul_ceiling_gflops(n: int = 2048, repeats: int = 5) -> float:

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description, matmul_ceiling_gflops, median_time  # noqa: E402
 
-from minicb.kv_cache import KVCache  # noqa: E402
+from minicb.core.plan import ScheduledSeq, StepPlan  # noqa: E402
 from minicb.measure.metrics import layer_matmul_params, matmul_flops, step_flops  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.packer import pack  # noqa: E402
-from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
+from minicb.model.kv_cache import KVCache  # noqa: E402
+from minicb.runtime.packer import pack  # noqa: E402
 
 
 def decode_plan(n_seqs: int, context: int, block_size: int) -> StepPlan:

@@ -32,10 +32,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w2  # noqa: E402
 
-from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.model import cpu_fused  # noqa: E402
 from minicb.model.llama import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
 
 
 def best_us(fn, n: int = 300) -> float:

@@ -9,7 +9,7 @@
    with blocks of 16 (gather mode) and 256 (paged mode), and is compared with the reference backend
    in float64 on the CPU: ``max |out - ref| / max |ref|`` against a bound per dtype. A backend that
    cannot run here is listed with the reason.
-2. **Engine against the padded baseline.** The SmolLM2 prompts of ``tests/test_smollm2.py`` (16
+2. **Engine against the padded baseline.** The SmolLM2 prompts of ``tests/model/test_smollm2.py`` (16
    prompts, 32 new tokens, greedy), continuous policy with chunked prefill, against
    ``baseline.generate_padded``, in float64 and float32 on the GPU (reference backend: the kernels
    take half precision) and in bfloat16 with each available backend. Reported: the share of identical
@@ -22,7 +22,7 @@
 
 At the end one table sums it all up (``--json`` writes it too). ``--cpu-dry-run`` runs parts 1-3 on
 the CPU with a tiny random model and tiny workloads (kernels and transformers are listed as skipped),
-so the script itself is tested (``tests/test_gpu_path.py``).
+so the script itself is tested (``tests/model/test_gpu_path.py``).
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ from backend_checking import (  # noqa: E402
     relative_error,
     run_backend,
 )
-from minicb.baseline import generate_padded  # noqa: E402
-from minicb.config import ModelConfig  # noqa: E402
-from minicb.llm import LLM  # noqa: E402
+from minicb.core.config import ModelConfig  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
 from minicb.model.backends import BACKENDS, KERNEL_DTYPES, make_backend, unavailable_reasons  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.packer import pack_prompts  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.runtime.baseline import generate_padded  # noqa: E402
+from minicb.runtime.packer import pack_prompts  # noqa: E402
 
 PROMPTS = SMOLLM2_PROMPTS
 NEW_TOKENS = 32
@@ -178,7 +178,7 @@ def load_models(device: torch.device, dry: bool):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, TINY.vocab_size, (int(n),), generator=g).tolist() for n in (5, 17, 9, 30)]
         return model.to(device), model.state_dict(), prompts, "tiny random model"
-    from minicb.model.loader import load_model
+    from minicb.model.weights.loader import load_model
 
     loaded = load_model(None, dtype=torch.float64)
     tok = loaded.tokenizer
@@ -325,7 +325,7 @@ def part_throughput(rep: Report, device: torch.device, dry: bool, loaded) -> Non
 
 
 def _probe_cache(model: LlamaForCausalLM):
-    from minicb.kv_cache import KVCache
+    from minicb.model.kv_cache import KVCache
 
     c = model.config
     return KVCache(1, 1, 16, c.num_key_value_heads, c.head_dim, model.dtype, model.device)

@@ -16,13 +16,13 @@ prefix caches are emptied (``reset_prefix_cache()``, vLLM's and minicb's), and e
 prompts in full, as the first one does (``--keep-prefix-cache`` measures the other thing: how much a
 warm cache saves each engine; minicb's 16-token blocks find more of a repeated prompt than vLLM's).
 
-What is compared, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped
-requests) and dtype: output tokens/s of one offline ``generate`` call with every request given at once,
-greedy, EOS ignored, SmolLM2-135M-Instruct. vLLM reads a Hugging Face directory that
-``minicb.model.export`` writes from the very GGUF minicb loads (float32, dequantized: the same weights;
-vLLM casts to bfloat16 itself when asked). vLLM runs with its own defaults (offline ``LLM``: 256 seqs,
-4,096-token steps, torch.compile'd model, its CPU attention kernel, oneDNN linears) and a fixed KV
-space (``VLLM_CPU_KVCACHE_SPACE``); minicb with ``LLM()`` defaults unless ``--minicb k=v,...`` says more.
+What is compared, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped requests) and
+dtype: output tokens/s of one offline ``generate`` call with every request given at once, greedy, EOS ignored,
+SmolLM2-135M-Instruct. vLLM reads a Hugging Face directory that ``minicb.model.weights.export`` writes from
+the very GGUF minicb loads (float32, dequantized: the same weights; vLLM casts to bfloat16 itself when asked).
+vLLM runs with its own defaults (offline ``LLM``: 256 seqs, 4,096-token steps, torch.compile'd model, its CPU
+attention kernel, oneDNN linears) and a fixed KV space (``VLLM_CPU_KVCACHE_SPACE``); minicb with ``LLM()``
+defaults unless ``--minicb k=v,...`` says more.
 
 One core each: vLLM's model worker binds its OpenMP thread to ``--cpu`` (``VLLM_CPU_OMP_THREADS_BIND``);
 ``--pin-vllm`` (the default) also pins the whole vLLM process tree (front end, engine core, worker) to
@@ -187,7 +187,7 @@ def parse_overrides(text: str) -> dict:
 
 def export_dir(root: pathlib.Path) -> pathlib.Path:
     """SmolLM2 exported once (float32, the GGUF's dequantized weights) for vLLM to read."""
-    from minicb.model.export import export_hf
+    from minicb.model.weights.export import export_hf
 
     out = root / "smollm2-hf-float32"
     if not (out / "model.safetensors").is_file():
@@ -196,7 +196,7 @@ def export_dir(root: pathlib.Path) -> pathlib.Path:
 
 
 def run_minicb(llm, wl, cold: bool = True) -> dict:
-    from minicb.sampling_params import SamplingParams
+    from minicb.core.sampling_params import SamplingParams
 
     if cold and not llm.reset_prefix_cache():
         raise RuntimeError("minicb's prefix cache could not be reset: requests still in flight")
@@ -250,7 +250,7 @@ def main() -> None:
     from common import machine_description
     from workloads import w1, w2
 
-    from minicb.llm import LLM
+    from minicb.entrypoints.llm import LLM
 
     os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(1)

@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 
-from minicb.llm import LLM  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM  # noqa: E402
 
 MESSAGES = [
     "What is the capital of Italy?", "Name three fruits.", "How many legs does a spider have?",

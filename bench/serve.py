@@ -145,7 +145,7 @@ class MinicbServer:
 
     def __init__(self, args: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "minicb.cli", "serve", "--port", "0", "--served-model-name", "smollm2",
+        cmd = [sys.executable, "-m", "minicb", "serve", "--port", "0", "--served-model-name", "smollm2",
                *args.split()]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()

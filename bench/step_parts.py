@@ -50,12 +50,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w2  # noqa: E402
 
-import minicb.kv_cache as kv_cache  # noqa: E402
 import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
 import minicb.model.cpu_linear as cpu_linear  # noqa: E402
+import minicb.model.kv_cache as kv_cache  # noqa: E402
 import minicb.model.llama as llama  # noqa: E402
-from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 
 SECONDS: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
@@ -169,7 +169,7 @@ def scaling() -> None:
 POOL_CHILD = """
 import resource, sys, time
 import numpy as np, torch
-from minicb.kv_cache import lazy_zeros
+from minicb.model.kv_cache import lazy_zeros
 torch.set_num_threads(1)
 shape = (30, 2, 2912 * 16, 3, 64)
 if sys.argv[1] == "numpy":

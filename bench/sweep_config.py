@@ -28,9 +28,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w1, w2  # noqa: E402
 
-from minicb.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.model.llama import DTYPES  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
 
 CONFIGS = "default,16/512,64/1024,256/512,256/4096"
 

@@ -39,11 +39,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import Workload, w1, w2  # noqa: E402
 
-from minicb.llm import LLM  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM  # noqa: E402
 from minicb.measure.metrics import matmul_flops  # noqa: E402
 from minicb.model.backends import NAMES, resolve_backend  # noqa: E402
-from minicb.model.loader import default_model_path  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.model.weights.loader import default_model_path  # noqa: E402
 
 
 def run_minicb(model, wl: Workload, **config) -> dict:

@@ -32,13 +32,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minicb.config import SchedulerConfig  # noqa: E402
-from minicb.distributed import launch  # noqa: E402
-from minicb.engine import LLMEngine  # noqa: E402
+from minicb.core.config import SchedulerConfig  # noqa: E402
+from minicb.core.plan import ScheduledSeq, StepPlan  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.distributed.tensor_parallel import launch  # noqa: E402
+from minicb.engine.llm_engine import LLMEngine  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.loader import load_model  # noqa: E402
-from minicb.plan import ScheduledSeq, StepPlan  # noqa: E402
-from minicb.sampling_params import SamplingParams  # noqa: E402
+from minicb.model.weights.loader import load_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Tensor parallelism"

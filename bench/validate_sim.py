@@ -24,7 +24,7 @@ import json
 import pathlib
 import statistics
 
-from minicb.config import SchedulerConfig
+from minicb.core.config import SchedulerConfig
 from minicb.measure.bench_cli import shape_plan
 from minicb.measure.metrics import percentile
 from minicb.measure.workloads import Request

@@ -4,7 +4,7 @@
   then its cells in order (``tutorials/_cells.py`` describes the format): prose, a code cell, that
   cell's own output; then its exercises, each answered by running the script with the exercise's
   flags. The outputs are captured here and committed (a docs build must not take minutes of
-  tutorials); tests/test_chapters.py checks that the pages' code is the scripts' code;
+  tutorials); tests/docs/test_chapters.py checks that the pages' code is the scripts' code;
 * ``docs/tutorials/index.md``: the chapters with prerequisites and minutes, and a reading path;
 * ``docs/api/*.md``: one mkdocstrings page per module;
 * ``docs/images/trace-*.svg``: the slot timelines of the three policies, drawn by ``minicb trace``;
@@ -241,7 +241,7 @@ def images() -> None:
     out_dir.mkdir(exist_ok=True)
     for policy in ("static", "dynamic", "continuous"):
         out = out_dir / f"trace-{policy}.svg"
-        cmd = [sys.executable, "-m", "minicb.cli", "trace", "--policy", policy, *TRACE_ARGS,
+        cmd = [sys.executable, "-m", "minicb", "trace", "--policy", policy, *TRACE_ARGS,
                "--out", str(out), "--color", "never", "--width", "80"]   # the docs' code column
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         (out_dir / f"trace-{policy}.txt").write_text(proc.stdout.replace(f"wrote {out}\n", ""))

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minicb.kv_cache import KVCache
-from minicb.packer import pack
-from minicb.plan import ScheduledSeq, StepPlan
+from minicb.core.plan import ScheduledSeq, StepPlan
+from minicb.model.kv_cache import KVCache
+from minicb.runtime.packer import pack
 
 
 def random_plan(seed: int, block_size: int, num_decodes: int = 3, num_chunks: int = 3,

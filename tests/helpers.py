@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from minicb.baseline import generate_padded
-from minicb.config import ModelConfig, SchedulerConfig
-from minicb.engine import LLMEngine
+from minicb.core.config import ModelConfig, SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
 from minicb.model.llama import LlamaForCausalLM
-from minicb.sampling_params import SamplingParams
+from minicb.runtime.baseline import generate_padded
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,

@@ -39,8 +39,8 @@ def _peak_rss_mb() -> int:
 def main(cases_file: str) -> None:
     import torch  # noqa: F401  - imported before the cap, so its own reservations are not counted
 
-    from minicb.errors import ModelLoadError
-    from minicb.model.loader import load_model
+    from minicb.core.errors import ModelLoadError
+    from minicb.model.weights.loader import load_model
 
     headroom = int(os.environ.get("MINICB_FUZZ_HEADROOM_MB", "512")) << 20
     capped = False

@@ -8,10 +8,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minicb.config import ModelConfig
-from minicb.engine import LLMEngine
-from minicb.outputs import RequestOutput
-from minicb.sampling_params import SamplingParams
+from minicb.core.config import ModelConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
+from minicb.engine.outputs import RequestOutput
 
 # One layer, hidden 16: a step costs little more than the Python around it (for the soak).
 MICRO = ModelConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -12,8 +12,8 @@ import urllib.request
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from minicb.llm import LLM
-from minicb.serve.server import Server, listen
+from minicb.entrypoints.llm import LLM
+from minicb.entrypoints.serve.server import Server, listen
 
 MODEL = "tiny"
 

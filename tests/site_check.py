@@ -1,4 +1,4 @@
-"""Checks of the built documentation site (``site/``), used by tests/test_docs.py.
+"""Checks of the built documentation site (``site/``), used by tests/docs/test_docs.py.
 
 * ``broken_links(site)``: every internal ``href`` / ``src`` of every page must name a file of the site
   (and an element id, for ``#fragment`` links); nothing may be loaded from the network (the site must

@@ -74,7 +74,8 @@ def test_from_minicb_import_star_works_and_every_name_resolves():
 
 
 def test_import_minicb_does_not_import_torch():
-    code = "import sys, minicb, minicb.arrivals, minicb.events; assert 'torch' not in sys.modules"
+    code = ("import sys, minicb, minicb.engine.arrivals, minicb.engine.events; "
+            "assert 'torch' not in sys.modules")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
 
@@ -139,16 +140,16 @@ def test_no_import_cycle_in_src():
 
 def test_the_model_side_imports_nothing_from_scheduling_or_above():
     graph = _graph()
-    forbidden = {f"minicb.{m}" for m in SCHEDULING} | {"minicb.engine", "minicb.runner", "minicb.llm",
-                                                       "minicb.events", "minicb.arrivals", "minicb.packer"}
+    forbidden = {f"minicb.{m}" for m in SCHEDULING} | {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm",
+                                                       "minicb.engine.events", "minicb.engine.arrivals", "minicb.runtime.packer"}
     bad = {m: sorted(graph[m] & forbidden) for m in graph if m.startswith("minicb.model")}
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
 def test_the_scheduling_side_imports_no_torch_and_nothing_above_it():
     graph = _graph()
-    above = {"minicb.engine", "minicb.runner", "minicb.llm", "minicb.packer", "minicb.kv_cache",
-             "minicb.sampling", "minicb.distributed", "minicb.cli"}
+    above = {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm", "minicb.runtime.packer", "minicb.model.kv_cache",
+             "minicb.runtime.sampling", "minicb.distributed.tensor_parallel", "minicb.entrypoints.cli"}
     for m in SCHEDULING:
         name = f"minicb.{m}"
         assert not graph[name] & above, (name, graph[name] & above)
@@ -159,8 +160,8 @@ def test_the_scheduling_side_imports_no_torch_and_nothing_above_it():
 
 def test_engine_and_distributed_do_not_import_each_other_and_workers_hold_a_runner():
     graph = _graph()
-    assert "minicb.distributed" not in graph["minicb.engine"]
-    assert "minicb.llm" not in graph["minicb.engine"]
+    assert "minicb.distributed.tensor_parallel" not in graph["minicb.engine.llm_engine"]
+    assert "minicb.entrypoints.llm" not in graph["minicb.engine.llm_engine"]
     tree = ast.parse((SRC / "distributed.py").read_text())
     serve = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
     calls = [n.func.attr for n in ast.walk(serve)
@@ -170,15 +171,15 @@ def test_engine_and_distributed_do_not_import_each_other_and_workers_hold_a_runn
 
 
 def test_core_classes_have_a_docstring():
-    from minicb.block_manager import BlockManager, BlockPool
-    from minicb.engine import LLMEngine
-    from minicb.kv_cache import KVCache
-    from minicb.llm import LLM
-    from minicb.plan import ScheduledSeq, StepPlan
-    from minicb.runner import ModelRunner
-    from minicb.scheduler import Scheduler
-    from minicb.sequence import Sequence
-    from minicb.slot_table import SlotTable
+    from minicb.core.block_manager import BlockManager, BlockPool
+    from minicb.core.plan import ScheduledSeq, StepPlan
+    from minicb.core.scheduler import Scheduler
+    from minicb.core.sequence import Sequence
+    from minicb.core.slot_table import SlotTable
+    from minicb.engine.llm_engine import LLMEngine
+    from minicb.entrypoints.llm import LLM
+    from minicb.model.kv_cache import KVCache
+    from minicb.runtime.runner import ModelRunner
 
     for cls in (BlockManager, BlockPool, LLMEngine, KVCache, LLM, ScheduledSeq, StepPlan, ModelRunner,
                 Scheduler, Sequence, SlotTable):

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as VT
-
-from minicb.model.gguf_loader import permute_qk
 from test_tokenizer import tiny_gguf_tokenizer_metadata
+
+from minicb.model.weights.gguf_loader import permute_qk
 
 TOKENIZER = tiny_gguf_tokenizer_metadata()
 VOCAB = len(TOKENIZER["tokenizer.ggml.tokens"])            # 266
@@ -149,7 +149,7 @@ def write_hf_dir(path, weights: dict[str, np.ndarray] | None = None, config: dic
     """Write ``config.json``, ``model.safetensors`` and the tokenizer files into directory ``path``."""
     from safetensors.numpy import save_file
 
-    from minicb.model.tokenizer import Tokenizer
+    from minicb.model.text.tokenizer import Tokenizer
 
     d = pathlib.Path(path)
     d.mkdir(parents=True, exist_ok=True)

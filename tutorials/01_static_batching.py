@@ -7,8 +7,9 @@ the setting).
 A static batch runs a fixed group of requests together until the longest one
 ends. Requests that end early keep their row and compute padding; requests that
 arrive meanwhile wait outside. We measure that waste with minicb's padded
-baseline (``minicb.baseline.generate_padded``), then draw the seed's space-time
-picture for static versus continuous batching with ``minicb.measure.trace``.
+baseline (``minicb.runtime.baseline.generate_padded``), then draw the seed's
+space-time picture for static versus continuous batching with
+``minicb.measure.trace``.
 """
 
 # %% [markdown]
@@ -25,10 +26,10 @@ picture for static versus continuous batching with ``minicb.measure.trace``.
 # %%
 from _common import WIDTH, Exercise, flags, prompt_ids, run_engine, tiny_model
 
-from minicb.baseline import generate_padded
-from minicb.config import SchedulerConfig
+from minicb.core.config import SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
 from minicb.measure.trace import render_ascii
-from minicb.sampling_params import SamplingParams
+from minicb.runtime.baseline import generate_padded
 
 args = flags(__doc__, slots=(2, "batch slots (max_num_seqs) in section 2"))
 REQUESTS = {"A": (5, 3), "B": (3, 14), "C": (6, 5), "D": (4, 4)}

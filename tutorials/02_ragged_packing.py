@@ -7,8 +7,8 @@ Continuous batching mixes, in one forward step, a decode token of one request, a
 whole prompt of another and a prompt chunk of a third. Instead of a padded
 [batch, max_len] tensor, minicb (like vLLM and SGLang) lays every scheduled
 token end to end in one flat tensor and records where each request's tokens
-start: ``cu_seqlens``. ``minicb.packer.pack`` turns a ``StepPlan`` into these
-tensors.
+start: ``cu_seqlens``. ``minicb.runtime.packer.pack`` turns a ``StepPlan`` into
+these tensors.
 """
 
 # %% [markdown]
@@ -25,11 +25,11 @@ tensors.
 import torch
 from _common import Exercise, flags, prompt_ids, tiny_model
 
-from minicb.config import SchedulerConfig
-from minicb.engine import LLMEngine
+from minicb.core.config import SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
 from minicb.model.attention import ReferenceAttention
-from minicb.packer import pack, pack_prompts
-from minicb.sampling_params import SamplingParams
+from minicb.runtime.packer import pack, pack_prompts
 
 args = flags(__doc__, b_prompt=(37, "B's prompt length"),
              block_size=(4, "token positions per KV block"))

@@ -5,9 +5,9 @@ Prerequisites: chapter 01.
 
 A batch has a fixed number of rows, "slots" (``max_num_seqs``). A request takes
 a slot when it is admitted and gives it back the moment it finishes, so the next
-step can hand it to a waiting request. ``minicb.slot_table.SlotTable`` is the
-seed's ``running_slots`` dict plus its ``_find_free_slot_id``: it always hands
-out the lowest free slot, which makes the assignment deterministic (every
+step can hand it to a waiting request. ``minicb.core.slot_table.SlotTable`` is
+the seed's ``running_slots`` dict plus its ``_find_free_slot_id``: it always
+hands out the lowest free slot, which makes the assignment deterministic (every
 tensor-parallel rank computes the same one).
 """
 
@@ -20,9 +20,9 @@ tensor-parallel rank computes the same one).
 # %%
 from _common import Exercise, flags, run_scheduler
 
-from minicb.config import SchedulerConfig
-from minicb.errors import InvalidArgument
-from minicb.slot_table import SlotTable
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import InvalidArgument
+from minicb.core.slot_table import SlotTable
 
 args = flags(__doc__, slots=(3, "slots of the scheduler in section 2"))
 SLOTS = args.slots

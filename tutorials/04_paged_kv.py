@@ -7,8 +7,8 @@ Every token a request has seen keeps its key and value vectors in the KV cache.
 A padded engine reserves a contiguous [max_len] stretch per row up front;
 PagedAttention (vLLM) cuts the cache into fixed-size blocks and gives each
 request a *block table*, grown one block at a time as it decodes.
-``minicb.block_manager.BlockManager`` keeps those tables, the free list and the
-ref counts.
+``minicb.core.block_manager.BlockManager`` keeps those tables, the free list and
+the ref counts.
 """
 
 # %% [markdown]
@@ -21,7 +21,7 @@ ref counts.
 # %%
 from _common import Exercise, flags
 
-from minicb.block_manager import BlockManager
+from minicb.core.block_manager import BlockManager
 
 args = flags(__doc__, block_size=(4, "token positions per block"),
              page=(16, "block size of section 4's comparison"))

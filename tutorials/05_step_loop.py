@@ -3,7 +3,7 @@
 Run: python tutorials/05_step_loop.py
 Prerequisites: chapters 02, 03 and 04.
 
-The engine's loop is five lines (``minicb.engine.LLMEngine.step``)::
+The engine's loop is five lines (``minicb.engine.llm_engine.LLMEngine.step``)::
 
     plan   = scheduler.schedule()      # who computes which tokens where
     batch  = pack(plan)                # flat ids, positions, cu_seqlens, ...
@@ -25,12 +25,12 @@ then check the tokens against the padded baseline.
 import torch
 from _common import Exercise, flags, prompt_ids, tiny_model
 
-from minicb.baseline import generate_padded
-from minicb.config import SchedulerConfig
-from minicb.engine import LLMEngine
-from minicb.errors import ModelLoadError
-from minicb.llm import LLM
-from minicb.sampling_params import SamplingParams
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import ModelLoadError
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
+from minicb.entrypoints.llm import LLM
+from minicb.runtime.baseline import generate_padded
 
 args = flags(__doc__, slots=(2, "batch slots (max_num_seqs)"),
              budget=(64, "tokens per step (max_num_batched_tokens)"))

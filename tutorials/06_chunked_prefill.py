@@ -8,8 +8,8 @@ batch of decodes, the step that computes the whole prompt is long, and every
 running request's next token waits for it (the seed: "decode starvation").
 Chunked prefill caps each step at ``max_num_batched_tokens`` tokens: decodes are
 scheduled first, then the prompt gets what is left of the budget, chunk after
-chunk (``minicb.planner``). A chunk after the first one attends to keys it did
-not bring itself (the chunks before it, in the KV cache), which is why its
+chunk (``minicb.core.planner``). A chunk after the first one attends to keys it
+did not bring itself (the chunks before it, in the KV cache), which is why its
 causal mask must be *bottom-right* aligned.
 """
 
@@ -32,7 +32,7 @@ from _common import (
 )
 from torch.nn.attention.bias import causal_lower_right
 
-from minicb.config import SchedulerConfig
+from minicb.core.config import SchedulerConfig
 
 args = flags(__doc__, budget=(8, "tokens per step (max_num_batched_tokens)"))
 BUDGET = args.budget

@@ -6,7 +6,7 @@ Prerequisites: chapters 04 (block tables) and 05.
 Paged KV admits requests without reserving their whole future (chapter 04), so
 memory is oversubscribed: every decode may need a new block, and one day the
 pool is empty. Then the scheduler *preempts* a victim, the most recently
-admitted running request (``minicb.preemption``), in one of two ways:
+admitted running request (``minicb.core.preemption``), in one of two ways:
 
 * recompute: drop its blocks; it goes back to the front of the waiting queue and
   later re-prefills its prompt plus the tokens it already generated (compute
@@ -40,9 +40,9 @@ from _common import (
     tiny_model,
 )
 
-from minicb.baseline import generate_padded
-from minicb.config import SchedulerConfig
-from minicb.sampling_params import SamplingParams
+from minicb.core.config import SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.runtime.baseline import generate_padded
 from minicb.simulate.simulator import preset
 
 args = flags(__doc__, num_blocks=(7, "KV blocks of 4 tokens in the pool"),
@@ -130,7 +130,7 @@ _ = trace("recompute", config("recompute"))
 # With `num_host_blocks` = 8 the victim's blocks are copied to the host pool
 # instead, and copied back into fresh device blocks before any new request is
 # admitted. The `(device, host)` pairs are the copies the engine makes
-# (`minicb.kv_cache`).
+# (`minicb.model.kv_cache`).
 
 # %%
 _ = trace("swap", config("swap"))

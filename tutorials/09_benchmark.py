@@ -29,7 +29,7 @@ import textwrap
 
 from _common import WIDTH, Exercise, flags, run_engine, tiny_model
 
-from minicb.config import SchedulerConfig
+from minicb.core.config import SchedulerConfig
 from minicb.measure import metrics
 from minicb.measure.trace import make_workload, render_ascii
 

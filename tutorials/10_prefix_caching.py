@@ -9,8 +9,8 @@ same in every request, so computing them once is enough. Prefix caching (vLLM's
 "automatic prefix caching") keeps every *full* block of the paged KV cache
 findable by a hash of its tokens and of everything before it; a new request
 looks its blocks up at admission and computes only the rest.
-``minicb.block_manager`` implements it; this chapter drives it by hand, then
-through the scheduler and the real engine.
+``minicb.core.block_manager`` implements it; this chapter drives it by hand,
+then through the scheduler and the real engine.
 """
 
 # %% [markdown]
@@ -31,8 +31,8 @@ from _common import (
     tiny_model,
 )
 
-from minicb.block_manager import ROOT_HASH, BlockManager, hash_block
-from minicb.config import SchedulerConfig
+from minicb.core.block_manager import ROOT_HASH, BlockManager, hash_block
+from minicb.core.config import SchedulerConfig
 
 args = flags(__doc__, shared=(6, "tokens of the shared system prompt"))
 BLOCK_SIZE, SHARED, NUM_BLOCKS = 4, args.shared, 16

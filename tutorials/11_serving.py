@@ -6,8 +6,8 @@ Prerequisites: chapters 05 and 09.
 Continuous batching is for online serving: requests arrive while others are
 halfway through their output, and each joins the batch at the next step.
 ``minicb serve`` puts the engine behind an OpenAI-compatible HTTP server
-(``minicb.serve``): the event loop takes requests, one engine thread steps the
-engine, and a live page at ``/`` shows the slots filling and emptying.
+(``minicb.entrypoints.serve``): the event loop takes requests, one engine thread
+steps the engine, and a live page at ``/`` shows the slots filling and emptying.
 
 This chapter starts that server inside the script (a thread, a free port on
 127.0.0.1), fires concurrent streaming requests at it with the official
@@ -31,11 +31,11 @@ import openai
 import torch
 from _common import Exercise, flags, tiny_model
 
-from minicb.config import SchedulerConfig
-from minicb.engine import LLMEngine
-from minicb.errors import ModelLoadError
-from minicb.llm import LLM
-from minicb.serve.server import Server, listen
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import ModelLoadError
+from minicb.engine.llm_engine import LLMEngine
+from minicb.entrypoints.llm import LLM
+from minicb.entrypoints.serve.server import Server, listen
 
 args = flags(__doc__, clients=(6, "concurrent clients, one request each"),
              slots=(4, "batch slots (max_num_seqs)"))

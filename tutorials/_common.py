@@ -1,8 +1,8 @@
 """Helpers shared by the chapters: flags, the tiny random model, two drivers.
 
 Everything here calls minicb's real modules; nothing re-implements them. Two
-drivers, both feeding requests through ``minicb.arrivals.drive``, the loop every
-tool of minicb uses:
+drivers, both feeding requests through ``minicb.engine.arrivals.drive``, the
+loop every tool of minicb uses:
 
 * ``run_scheduler``: the scheduler alone with a *fake model* (the simulator's
   ``SimulatedEngine``: every sampled token is 5 and requests ignore EOS, so
@@ -11,10 +11,10 @@ tool of minicb uses:
 * ``run_engine``: the real engine (model forward, paged KV cache, sampler) with
   a slot trace.
 
-Width: a chapter's page shows its code and output in the documentation's
-content column, which holds ``WIDTH`` = 80 monospace characters
-(tests/test_chapters.py says how that was measured). Chapters print within it,
-and their source lines stay within it too (``tutorials/ruff.toml``).
+Width: a chapter's page shows its code and output in the documentation's content
+column, which holds ``WIDTH`` = 80 monospace characters
+(tests/docs/test_chapters.py says how that was measured). Chapters print within
+it, and their source lines stay within it too (``tutorials/ruff.toml``).
 """
 
 import argparse
@@ -22,14 +22,14 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-from minicb.arrivals import Arrival, drive
-from minicb.config import TINY_MODEL, SchedulerConfig
+from minicb.core.config import TINY_MODEL, SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.arrivals import Arrival, drive
 from minicb.measure.trace import TraceRecorder
-from minicb.sampling_params import SamplingParams
 from minicb.simulate.simulator import SimulatedEngine
 
 WIDTH = 80
-TINY = TINY_MODEL   # the package's one tiny random model (minicb.config)
+TINY = TINY_MODEL   # the package's one tiny random model (minicb.core.config)
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,7 +39,7 @@ class Exercise:
 
     ``answer`` is a regular expression: the lines of the run's output it
     matches are the answer the page shows (the generator runs the flags to get
-    them; tests/test_tutorials.py checks them against an independent
+    them; tests/docs/test_tutorials.py checks them against an independent
     computation). ``why`` explains the answer without quoting its numbers.
     """
 
@@ -123,7 +123,7 @@ def run_engine(model, config: SchedulerConfig, prompts, max_tokens,
     The slot trace keeps idle steps: one column per engine step. Returns
     (outputs by request id, slot trace, engine).
     """
-    from minicb.engine import LLMEngine
+    from minicb.engine.llm_engine import LLMEngine
 
     now = [0.0]
     cost = step_cost or (lambda plan: 1.0)

@@ -28,15 +28,16 @@ engine -> runner -> packer -> model, with scheduling beside them importing none 
 names load lazily, so ``import minicb`` stays cheap (no torch).
 """
 
-from minicb.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected
-from minicb.sampling_params import SamplingParams
+from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected
+from minicb.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "SchedulerConfig", "MinicbError",
            "InvalidArgument", "RequestRejected", "ModelLoadError"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "minicb.llm", "LLMEngine": "minicb.engine", "RequestOutput": "minicb.outputs",
-         "SchedulerConfig": "minicb.config"}
+_LAZY = {"LLM": "minicb.entrypoints.llm", "LLMEngine": "minicb.engine.llm_engine",
+         "RequestOutput": "minicb.engine.outputs",
+         "SchedulerConfig": "minicb.core.config"}
 
 
 def __getattr__(name: str):

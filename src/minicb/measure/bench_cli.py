@@ -8,7 +8,7 @@ For each policy a fresh engine (same model, same limits) serves the same request
 token ids with the trace's lengths, exactly the trace's output lengths (EOS ignored), both scaled as
 ``bench/throughput.py`` does (``--max-prompt``, ``--output-div``, ``--max-output``). Arrivals follow
 a Poisson process (``--rate``) or the trace's own timestamps (``--replay``, Azure traces), through
-``minicb.arrivals.drive`` on the wall clock::
+``minicb.engine.arrivals.drive`` on the wall clock::
 
     while requests remain:
         add every request whose arrival time has passed (its arrival_time is the scheduled one)
@@ -31,7 +31,7 @@ import random
 import sys
 import time
 
-from minicb.errors import InvalidArgument
+from minicb.core.errors import InvalidArgument
 from minicb.measure.metrics import RequestRecord, StepRecorder, format_table, records_to_json, summarize
 from minicb.measure.workloads import TRACES, Request, make_requests, random_prompt
 
@@ -132,13 +132,13 @@ def build_model(name: str, dtype: str, seed: int = 0):
     """(model, tokenizer) for ``name``: 'tiny' is a random 2-layer model (vocab 256), 'default' SmolLM2."""
     import torch
 
-    from minicb.config import TINY_MODEL
-    from minicb.llm import _dtype
+    from minicb.core.config import TINY_MODEL
+    from minicb.entrypoints.llm import _dtype
     from minicb.model.llama import LlamaForCausalLM
 
     if name == "tiny":
         return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3), None
-    from minicb.model.loader import load_model
+    from minicb.model.weights.loader import load_model
 
     loaded = load_model(None if name == "default" else name, dtype=_dtype(dtype))
     model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, _dtype(dtype),
@@ -153,12 +153,12 @@ def make_prompts(requests: list[Request], vocab: int, seed: int) -> dict[str, li
 
 def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, list[int]], sched_kwargs: dict,
                progress=None, clock=time.perf_counter, sleep=time.sleep):
-    """Serve ``requests`` with a fresh engine, arriving in wall-clock time (``minicb.arrivals.drive``);
+    """Serve ``requests`` with a fresh engine, arriving in wall-clock time (``minicb.engine.arrivals.drive``);
     return (request records, step records, scheduler stats, the shape of every step's plan)."""
-    from minicb.arrivals import Arrival, drive
-    from minicb.config import SchedulerConfig
-    from minicb.engine import LLMEngine
-    from minicb.sampling_params import SamplingParams
+    from minicb.core.config import SchedulerConfig
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.arrivals import Arrival, drive
+    from minicb.engine.llm_engine import LLMEngine
 
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
     engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
@@ -188,7 +188,7 @@ def plan_shape(plan) -> list:
 
 def shape_plan(shape, block_size: int = 16):
     """The inverse of ``plan_shape``: a ``StepPlan`` with dummy token ids of the same shape."""
-    from minicb.plan import ScheduledSeq, StepPlan
+    from minicb.core.plan import ScheduledSeq, StepPlan
 
     rows, padding = shape
     seqs = tuple(ScheduledSeq(str(i), i, (1,) * n, start, (), bool(sample))
@@ -207,7 +207,7 @@ def _progress_display(enabled: bool, total: int):
 
 
 def cmd_bench(args) -> int:
-    from minicb.errors import check_float, check_int
+    from minicb.core.errors import check_float, check_int
     from minicb.measure.flags import check_out_dir, check_rate, check_scale, check_workload_args
 
     check_workload_args(args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from minicb.errors import InvalidArgument, check_float, check_int
+from minicb.core.errors import InvalidArgument, check_float, check_int
 
 MAX_SEED = 2**63 - 1              # torch.Generator.manual_seed takes a signed 64-bit integer
 MIN_RATE, MAX_RATE = 1e-3, 1e6    # requests/s: one every 17 minutes .. a million a second

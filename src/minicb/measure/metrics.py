@@ -42,9 +42,9 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from minicb.config import ModelConfig
-from minicb.errors import InvalidArgument
-from minicb.plan import StepPlan
+from minicb.core.config import ModelConfig
+from minicb.core.errors import InvalidArgument
+from minicb.core.plan import StepPlan
 
 
 # --- small statistics ---------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 
-from minicb.block_manager import BlockManager
+from minicb.core.block_manager import BlockManager
 from minicb.measure.trace import (
     _LABELS,
     DECODE,
@@ -68,11 +68,11 @@ def mixed_step():
     them, so D's prompt is fed in chunks of 4 beside the others' decodes."""
     import torch
 
-    from minicb.arrivals import Arrival, drive
-    from minicb.config import TINY_MODEL, SchedulerConfig
-    from minicb.engine import LLMEngine
+    from minicb.core.config import TINY_MODEL, SchedulerConfig
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.arrivals import Arrival, drive
+    from minicb.engine.llm_engine import LLMEngine
     from minicb.model.llama import LlamaForCausalLM
-    from minicb.sampling_params import SamplingParams
 
     model = LlamaForCausalLM.random(TINY_MODEL, seed=0, dtype=torch.float32, std=0.3)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, long_prefill_chunk=4,
@@ -122,7 +122,7 @@ def _plan_rows(plan) -> list[dict]:
 
 def mask_data(plan) -> dict:
     """The ragged-mask picture's data: the step's rows, the packed metadata and the mask."""
-    from minicb.packer import pack
+    from minicb.runtime.packer import pack
 
     attn = pack(plan).attn
     cu_q, cu_k = attn.cu_seqlens_q.tolist(), attn.cu_seqlens_k.tolist()
@@ -135,7 +135,7 @@ def mask_data(plan) -> dict:
 def block_table_data(plan, state) -> dict:
     """The block-tables picture's data: per row its block table, per packed token its ``slot_mapping``,
     and which request holds every block of the pool when the step was planned."""
-    from minicb.packer import pack
+    from minicb.runtime.packer import pack
 
     attn = pack(plan).attn
     owner = {b: rid for rid, table in state.block_tables for b in table}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from minicb.errors import MinicbError
+from minicb.core.errors import MinicbError
 from minicb.measure.metrics import RequestRecord, StepRecord, Summary
 
 COLOURS = {"static": "#c0504d", "dynamic": "#f79646", "continuous": "#4f81bd"}

@@ -1,6 +1,6 @@
 """A run, step by step, as plain JSON: what the docs' replay widget plays back.
 
-``ReplayRecorder`` is a step-event listener (``engine.listen(on_step=...)``; ``minicb.events``). For
+``ReplayRecorder`` is a step-event listener (``engine.listen(on_step=...)``; ``minicb.engine.events``). For
 every step it keeps the plan and the scheduler's snapshots as JSON values, nothing else::
 
     {"step": 7,
@@ -109,11 +109,11 @@ def demo() -> dict:
     """Record the docs' run (``DEMO_REQUESTS`` under ``DEMO_CONFIG``) with a tiny random model."""
     import torch
 
-    from minicb.arrivals import Arrival, drive
-    from minicb.config import TINY_MODEL, SchedulerConfig
-    from minicb.engine import LLMEngine
+    from minicb.core.config import TINY_MODEL, SchedulerConfig
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.arrivals import Arrival, drive
+    from minicb.engine.llm_engine import LLMEngine
     from minicb.model.llama import LlamaForCausalLM
-    from minicb.sampling_params import SamplingParams
 
     model = LlamaForCausalLM.random(TINY_MODEL, seed=0, dtype=torch.float32, std=0.3)
     engine = LLMEngine(model, SchedulerConfig(**DEMO_CONFIG), seed=0, clock=lambda: 0.0)

@@ -49,7 +49,7 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from minicb.errors import InvalidArgument, MinicbError, check_int
+from minicb.core.errors import InvalidArgument, MinicbError, check_int
 
 PREFILL, DECODE, PADDING, STALL, IDLE = "prefill", "decode", "padding", "stall", "idle"
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -336,7 +336,7 @@ def summary_lines(s: TraceSummary) -> list[str]:
 
 
 # Image colours. A request's colour must never be mistaken for padding (pink-red) or for a held slot
-# that computes nothing (grey): no reds, pinks or greys among them (tests/test_trace.py measures it).
+# that computes nothing (grey): no reds, pinks or greys among them (tests/measure/test_trace.py measures it).
 REQUEST_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#17becf", "#bcbd22", "#8c564b",
                    "#393b79", "#637939", "#e7ba52", "#6baed6", "#005f73")
 PADDING_FACE = "#f3c1c1"
@@ -523,9 +523,9 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
 def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
-    from minicb.config import TINY_MODEL, SchedulerConfig
-    from minicb.engine import LLMEngine
-    from minicb.llm import LLM, _dtype
+    from minicb.core.config import TINY_MODEL, SchedulerConfig
+    from minicb.engine.llm_engine import LLMEngine
+    from minicb.entrypoints.llm import LLM, _dtype
     from minicb.model.llama import LlamaForCausalLM
 
     if model == "tiny":
@@ -537,10 +537,10 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
 
 def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
     """Run ``workload`` through ``engine`` (greedy, ``ignore_eos``: lengths are the workload's) and
-    return the slot trace. Arrivals are in steps (``minicb.arrivals.drive``); arrivals close after the
+    return the slot trace. Arrivals are in steps (``minicb.engine.arrivals.drive``); arrivals close after the
     last request is added. Steps that compute nothing (waiting for arrivals) stay in the trace."""
-    from minicb.arrivals import Arrival, drive
-    from minicb.sampling_params import SamplingParams
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.arrivals import Arrival, drive
 
     # Idle steps are kept: with arrivals over time they are real time in which the slots stood empty.
     rec = TraceRecorder(engine.config.max_num_seqs, skip_empty=False).attach(engine)

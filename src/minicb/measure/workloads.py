@@ -25,7 +25,7 @@ from datetime import datetime
 from functools import cache
 from importlib import resources
 
-from minicb.errors import InvalidArgument, check_int
+from minicb.core.errors import InvalidArgument, check_int
 
 TRACES = {
     "sharegpt": ("sharegpt_vllm_sosp23_opt_lengths.csv", "num_prefill_tokens", "num_decode_tokens"),

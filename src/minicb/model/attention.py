@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minicb.kv_cache import KVCache
+from minicb.model.kv_cache import KVCache
 
 
 @dataclass(slots=True)

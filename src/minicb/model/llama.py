@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minicb.config import ModelConfig
+from minicb.core.config import ModelConfig
 from minicb.model.attention import AttentionBackend
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

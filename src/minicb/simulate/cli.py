@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from minicb.errors import InvalidArgument, check_float, check_int
+from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.measure.metrics import format_table, records_to_json
 
@@ -72,7 +72,7 @@ def _rates(text: str) -> list[float]:
 
 def build(args):
     """(cost model, scheduler config, rates, policies) from the parsed arguments."""
-    from minicb.config import SchedulerConfig
+    from minicb.core.config import SchedulerConfig
     from minicb.measure.flags import check_out_dir, check_workload_args
     from minicb.simulate.simulator import MAX_STEP_SECONDS, load_calibration, preset
 
@@ -104,7 +104,7 @@ def build(args):
 
 
 def cmd_simulate(args) -> int:
-    from minicb.config import SchedulerConfig
+    from minicb.core.config import SchedulerConfig
     from minicb.measure.workloads import make_requests
     from minicb.simulate.simulator import simulate
 

@@ -50,16 +50,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 
-from minicb.arrivals import Arrival, NoProgress, drive
-from minicb.config import ModelConfig, SchedulerConfig
-from minicb.errors import InvalidArgument, check_float, check_int
-from minicb.events import Listeners
+from minicb.core.config import ModelConfig, SchedulerConfig
+from minicb.core.errors import InvalidArgument, check_float, check_int
+from minicb.core.plan import StepPlan
+from minicb.core.sampling_params import SamplingParams
+from minicb.core.scheduler import Scheduler
+from minicb.core.sequence import Sequence as Seq
+from minicb.engine.arrivals import Arrival, NoProgress, drive
+from minicb.engine.events import Listeners
 from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
 from minicb.measure.workloads import Request, data_path
-from minicb.plan import StepPlan
-from minicb.sampling_params import SamplingParams
-from minicb.scheduler import Scheduler
-from minicb.sequence import Sequence as Seq
 
 # --- models -------------------------------------------------------------------------------------------
 LLAMA_3_70B = ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -481,7 +481,7 @@ class SimulatedEngine:
     """The engine's loop with a clock instead of a model: the engine's own ``Scheduler`` plans every
     step, ``step_time(plan)`` says how long it takes, the clock jumps by that much, and every sampled
     row gets the dummy token ``token``. It has the engine's request API and step events (``listen``),
-    so ``minicb.arrivals.drive`` serves it like an ``LLMEngine``; no torch anywhere."""
+    so ``minicb.engine.arrivals.drive`` serves it like an ``LLMEngine``; no torch anywhere."""
 
     def __init__(self, config: SchedulerConfig, step_time: Callable[[StepPlan], float], *,
                  token: int = 1, start: float = 0.0) -> None:
@@ -499,7 +499,7 @@ class SimulatedEngine:
         return self._scheduler.stats
 
     def listen(self, on_plan=None, on_step=None):
-        """As ``LLMEngine.listen``: ``PlanEvent`` / ``StepEvent`` listeners (``minicb.events``)."""
+        """As ``LLMEngine.listen``: ``PlanEvent`` / ``StepEvent`` listeners (``minicb.engine.events``)."""
         return self._listeners.add(on_plan, on_step)
 
     def snapshot(self):

@@ -31,9 +31,9 @@ import logging
 
 import torch
 
-from minicb.errors import InvalidArgument
-from minicb.kv_cache import KVCache
+from minicb.core.errors import InvalidArgument
 from minicb.model.attention import AttentionBackend, ReferenceAttention
+from minicb.model.kv_cache import KVCache
 
 BACKENDS = ("reference", "cpu-paged", "flash-attn", "torch-varlen")
 NAMES = ("auto", *BACKENDS)

@@ -27,7 +27,7 @@ to float32 as they are read, and the output rounded back once (``paged_decode.c`
 cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic.
 
 The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
-the reference backend's to rounding (``tests/test_cpu_paged.py`` checks both, and token-exactness
+the reference backend's to rounding (``tests/model/test_cpu_paged.py`` checks both, and token-exactness
 against the padded baseline in float64).
 """
 

@@ -30,7 +30,7 @@ read path serves old and new keys alike. Padding rows of the padded policies hav
 the trailing rows of the batch and attend to their own tokens in a second, cache-free varlen call.
 
 Everything here except the kernel call is plain tensor indexing, so the preparation is tested on the
-CPU (``tests/test_gpu_path.py``) against the reference backend, with an explicit per-sequence
+CPU (``tests/model/test_gpu_path.py``) against the reference backend, with an explicit per-sequence
 attention standing in for the kernel.
 """
 
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minicb.kv_cache import KVCache
 from minicb.model.attention import AttentionBackend, AttentionMetadata, write_mask
+from minicb.model.kv_cache import KVCache
 
 PAGED_BLOCK_MULTIPLE = 256     # flash-attn 2: "Paged KV cache block size must be divisible by 256"
 MODES = ("gather", "paged")

@@ -1,0 +1,75 @@
+"""Chunked prefill: how many tokens each sequence computes in one step, under a token budget.
+
+A step may compute at most ``max_num_batched_tokens`` tokens for at most ``max_num_seqs`` sequences.
+The continuous policy hands the budget out in a fixed order, so that decodes (one token each, latency
+sensitive) never wait behind a long prompt::
+
+    1. decodes           running sequences with one uncomputed token          -> 1 token each
+    2. ongoing prefills  running sequences with more (a prompt being chunked,  -> a chunk each
+                         or a recompute-preempted sequence re-prefilling)
+    3. new prompts       the waiting queue, in order, until one gets nothing   -> a chunk each
+
+    budget 8, three decodes and a new 20-token prompt:
+        decode  decode  decode  prompt[0:5]          (3 + 5 = 8; prompt[5:] goes next step)
+
+A *chunk* is ``min(uncomputed tokens, long_prefill_chunk, budget left)``: ``long_prefill_chunk``
+(``SchedulerConfig.chunk_cap``) keeps one long prompt from taking the whole step. Only the chunk that
+reaches a sequence's last token samples.
+
+``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
+allocation and preemption). The tests state the same rule as one pure function of plain numbers
+(``tests/chunk_rule.py``) and check the scheduler's grants against it.
+
+Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
+``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minicb.core.errors import check_int
+
+
+@dataclass(slots=True)
+class TokenBudget:
+    """What is left of one step's token and sequence budget."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunk_cap: int
+    num_batched_tokens: int = 0
+    num_seqs: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
+        check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        check_int("chunk_cap", self.chunk_cap, lo=1)
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_num_batched_tokens - self.num_batched_tokens
+
+    def chunk(self, num_uncomputed: int) -> int:
+        """Tokens a sequence with ``num_uncomputed`` tokens may compute now (0: none this step)."""
+        if self.num_seqs >= self.max_num_seqs:
+            return 0
+        return max(0, min(num_uncomputed, self.chunk_cap, self.tokens_left))
+
+    def take(self, num_tokens: int) -> None:
+        """Charge one sequence's grant of ``num_tokens`` to the budget."""
+        assert 1 <= num_tokens <= self.tokens_left and self.num_seqs < self.max_num_seqs
+        self.num_batched_tokens += num_tokens
+        self.num_seqs += 1
+
+    def give_back(self, num_tokens: int) -> None:
+        """Undo one ``take`` (its sequence was preempted later in the same step)."""
+        assert 1 <= num_tokens <= self.num_batched_tokens and self.num_seqs >= 1
+        self.num_batched_tokens -= num_tokens
+        self.num_seqs -= 1
+
+    def check_integrity(self) -> None:
+        assert 0 <= self.num_batched_tokens <= self.max_num_batched_tokens, "token budget overdrawn"
+        assert 0 <= self.num_seqs <= self.max_num_seqs, "sequence budget overdrawn"
+        assert self.num_seqs <= self.num_batched_tokens, "every granted sequence has at least one token"

@@ -1,0 +1,152 @@
+"""One request's life: its tokens, its progress through the KV cache, and its state machine.
+
+::
+
+                 admit                      EOS / stop / max_tokens
+    WAITING ───────────────► RUNNING ─────────────────────────────► FINISHED
+       ▲                     │     ▲                                   ▲
+       │ preempt (recompute) │     │ swap in                           │ abort / error
+       └─────────────────────┤     │                                   │ (from any state)
+                             └─► SWAPPED
+                          preempt (swap)
+
+The one number that drives everything is ``num_computed_tokens``: how many of the sequence's tokens
+already have K/V in the cache. A step schedules ``n`` more tokens starting there:
+
+* a prompt (or a chunk of it) is ``n > 1`` tokens; a decode is ``n == 1`` (the token sampled last step);
+* the step samples a new token only when it reaches the end: ``num_computed_tokens + n == num_tokens``;
+* recompute preemption just resets ``num_computed_tokens`` to 0: the prompt *and* the generated tokens
+  are fed again as one long prefill, which yields exactly the same next token.
+
+Invariant: ``0 <= num_computed_tokens <= num_tokens - 1`` while unfinished (the last token's K/V is
+always computed in the step that feeds it). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field
+
+from minicb.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"        # queued, holds no slot and no blocks (new or recompute-preempted)
+    RUNNING = "running"        # holds a slot and device blocks
+    SWAPPED = "swapped"        # preempted by swap: its blocks live in the host pool, no slot
+    FINISHED = "finished"      # done: see ``finish_reason``
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS or a stop token id
+    LENGTH = "length"    # max_tokens reached
+    ABORT = "abort"      # abort_request()
+    ERROR = "error"      # the step that served it failed (see Sequence.error)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request through its life: prompt and output tokens, status, progress, timestamps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0                    # lower value = more important (vLLM's convention)
+    eos_token_id: int | None = None
+    arrival_index: int = 0               # FIFO tie-break, set by the scheduler on add()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    slot_id: int | None = None
+    admitted_index: int = -1             # order of the latest admission (the default preemption victim
+                                         # is the most recently admitted running sequence)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0           # tokens served from the prefix cache at the latest admission
+                                         # (0 while waiting; after recompute they may include outputs)
+    # timestamps (seconds, caller's clock)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold: what admission must be able to fit."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one token is waiting for K/V (a prompt, or a recompute re-prefill)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # --- transitions ---------------------------------------------------------------------------
+    def append_token(self, token_id: int, now: float) -> bool:
+        """Record a sampled token; finish the sequence if it hit EOS, a stop id or max_tokens.
+
+        Returns True when the sequence finished with this token.
+        """
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        p = self.params
+        if (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids:
+            self.finish(FinishReason.STOP, now)
+        elif self.num_output_tokens >= p.max_tokens:
+            self.finish(FinishReason.LENGTH, now)
+        return self.is_finished
+
+    # fields a step may change; token lists only grow, so their lengths are enough to undo a step
+    _STATE = ("status", "num_computed_tokens", "slot_id", "admitted_index", "arrival_index", "finish_reason",
+              "error", "num_preemptions", "num_cached_tokens", "first_scheduled_time", "first_token_time",
+              "finish_time")
+
+    def checkpoint(self) -> tuple:
+        """This sequence's changeable state; ``restore`` undoes everything a step did to it."""
+        return _get_state(self), len(self.output_token_ids), len(self.token_times)
+
+    def restore(self, cp: tuple) -> None:
+        fields, n_out, n_times = cp
+        for f, v in zip(self._STATE, fields):
+            setattr(self, f, v)
+        del self.output_token_ids[n_out:]
+        del self.token_times[n_times:]
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = now
+        self.error = error
+        self.slot_id = None
+
+
+_get_state = operator.attrgetter(*Sequence._STATE)     # one C call for the fields of a checkpoint

@@ -1,0 +1,6 @@
+"""The engine: the one step loop (``llm_engine.LLMEngine``), what it hands out (``outputs``), what
+listeners see (``events``) and the loop for requests that arrive over time (``arrivals``).
+
+It drives the core's scheduler and a runner (the tensor half of a step) and imports no torch: a
+runner is passed in, so the same loop runs the model, the tensor-parallel group and the simulator.
+"""

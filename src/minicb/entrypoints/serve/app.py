@@ -1,0 +1,312 @@
+"""The HTTP routes: OpenAI's API, health, metrics and the live page, on FastAPI.
+
+::
+
+    POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
+
+A generation request goes: parse and check the body (``protocol``; 400 / 404 here) -> hand a
+``RequestHandle`` to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503) -> stream
+its ``Delta``s as SSE chunks, or gather them into one response. The handlers never call the engine.
+
+A client that goes away is noticed in both modes: a stream's response is wrapped so that however it
+ends (finished, client gone, server cancelled) the request is aborted if still running; a non-stream
+request waits for its result *and* for ``http.disconnect``, whichever comes first. Aborting frees the
+request's slot and KV blocks at the engine's next turn.
+
+Every error a client sees is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``,
+including FastAPI's own 404 / 405 and anything unexpected (500, logged here, no traceback sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.metrics import CONTENT_TYPE
+from minicb.entrypoints.serve.protocol import (
+    ApiError,
+    ParsedRequest,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger("minicb.entrypoints.serve")
+
+HEALTH_TIMEOUT_S = 10.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+Server = Any    # minicb.entrypoints.serve.server.Server, which imports this module (no import back: no cycle)
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI application of ``server`` (its engine thread, metrics, live feed, model name)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine_thread.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            server.live.close()
+            await asyncio.to_thread(server.engine_thread.stop)
+
+    app = FastAPI(title="minicb serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    page = (importlib.resources.files("minicb.entrypoints.serve").joinpath("static/live.html")
+            .read_text("utf-8"))
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, "internal server error", "server_error"))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def live_page():
+        return HTMLResponse(page)
+
+    @app.get("/live/events")
+    async def live_events():
+        return EventStream(server.live.frames())
+
+    @app.get("/health")
+    async def health():
+        if server.draining:
+            raise ApiError(503, "the server is shutting down", "service_unavailable_error",
+                           code="server_shutting_down")
+        try:
+            fut = server.engine_thread.call(_health)
+            body = await asyncio.wait_for(asyncio.wrap_future(fut), HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            raise ApiError(503, "the engine thread does not answer", "service_unavailable_error") from None
+        body["engine_busy_s"] = round(server.engine_thread.busy_seconds, 6)
+        body["live_listener_s"] = round(server.live.listener_seconds, 6)
+        body["live_frame_s"] = round(server.live.frame_seconds, 6)
+        return body
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "minicb",
+                                            "max_model_len": server.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(server, request, parse_completion(await _json(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        render = server.render_chat
+        return await generate(server, request, parse_chat(await _json(request), render))
+
+    return app
+
+
+def _health(engine) -> dict:
+    """Runs on the engine thread: the scheduler's counts right now."""
+    s = engine.snapshot()
+    return {"status": "ok", "num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
+            "num_requests_swapped": len(s.swapped), "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_free_blocks, "num_free_slots": sum(r is None for r in s.slots),
+            "num_slots": len(s.slots), "num_steps": s.step}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+async def generate(server: Server, request: Request, parsed: ParsedRequest):
+    if parsed.model is not None and parsed.model != server.model_name:
+        raise ApiError(404, f"the model `{parsed.model}` does not exist; this server serves "
+                            f"`{server.model_name}` (GET /v1/models)", "invalid_request_error", "model",
+                       "model_not_found")
+    prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", parsed.generate, server.clock())
+    server.engine_thread.submit(handle)
+    try:
+        verdict = await handle.queue.get()
+    except asyncio.CancelledError:
+        server.engine_thread.abort(handle.request_id)
+        raise
+    if isinstance(verdict, ApiError):
+        raise verdict
+    assert isinstance(verdict, Accepted)
+    answer = _Answer(server, parsed, handle, verdict)
+    if parsed.stream:
+        return EventStream(answer.stream(), lambda: server.engine_thread.abort(handle.request_id))
+    return await answer.whole(request)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that stops as soon as the client goes away, and then calls ``on_close``.
+
+    Starlette (ASGI 2.4) notices a gone client only when the next write fails; a request waiting in
+    the queue, or a live page while the engine idles, writes nothing for a long time. So this listens
+    for ``http.disconnect`` beside the stream and cancels it at once; ``on_close`` runs however the
+    response ends (finished, client gone, server cancelled): a generation aborts its request there."""
+
+    def __init__(self, content, on_close=None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def run() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            if self._on_close is not None:
+                self._on_close()
+
+
+class _Answer:
+    """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s."""
+
+    def __init__(self, server: Server, parsed: ParsedRequest, handle: RequestHandle, accepted: Accepted):
+        self.server, self.parsed, self.handle, self.accepted = server, parsed, handle, accepted
+        self.chat = parsed.kind == "chat"
+        self.created = int(time.time())
+
+    def _usage(self, d: Delta) -> dict:
+        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
+                "total_tokens": d.num_prompt_tokens + d.num_output_tokens}
+
+    def _envelope(self, obj: str) -> dict:
+        env = {"id": self.handle.request_id, "object": obj, "created": self.created,
+               "model": self.server.model_name}
+        return env
+
+    # --- streaming ------------------------------------------------------------------------------
+    async def stream(self):
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        p = self.parsed
+        first = True
+
+        def chunk(text: str | None, ids: list[int], reason: str | None) -> str:
+            nonlocal first
+            if self.chat:
+                delta = {"role": "assistant", "content": text or ""} if first else \
+                    ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            if p.return_token_ids:
+                choice["token_ids"] = ids
+            body = {**self._envelope(obj), "choices": [choice]}
+            if p.return_token_ids and first:
+                body["prompt_token_ids"] = self.accepted.prompt_token_ids
+            if p.include_usage:
+                body["usage"] = None
+            first = False
+            return _sse(body)
+
+        if self.chat:                  # OpenAI's first chat chunk: the role, no content yet
+            yield chunk("", [], None)
+        while True:
+            d: Delta = await self.handle.queue.get()
+            if d.finish_reason == "error":
+                yield _sse(ApiError(500, f"the engine step serving this request failed: {d.error}",
+                                    "server_error").body())
+                break
+            if d.finished:
+                yield chunk(d.text, d.token_ids, d.finish_reason)
+                if p.include_usage:
+                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(d)})
+                break
+            if d.text or (p.return_token_ids and d.token_ids):
+                yield chunk(d.text, d.token_ids, None)
+        yield "data: [DONE]\n\n"
+
+    # --- one response ---------------------------------------------------------------------------
+    async def whole(self, request: Request):
+        disconnected = asyncio.ensure_future(_disconnect(request))
+        text: list[str] = []
+        ids: list[int] = []
+        try:
+            while True:
+                nxt = asyncio.ensure_future(self.handle.queue.get())
+                done, _ = await asyncio.wait({nxt, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    self.server.engine_thread.abort(self.handle.request_id)
+                    return Response(status_code=499)      # nobody reads it; nginx's "client closed"
+                d: Delta = nxt.result()
+                text.append(d.text)
+                ids += d.token_ids
+                if d.finished:
+                    break
+        except asyncio.CancelledError:
+            self.server.engine_thread.abort(self.handle.request_id)
+            raise
+        finally:
+            disconnected.cancel()
+        if d.finish_reason == "error":
+            raise ApiError(500, f"the engine step serving this request failed: {d.error}", "server_error")
+        if d.finish_reason == "abort":
+            raise ApiError(503, f"the request was aborted: {d.error or 'aborted'}",
+                           "service_unavailable_error", code="aborted", retry_after=5)
+        out = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if self.chat
+                  else {"index": 0, "text": out})
+        choice |= {"logprobs": None, "finish_reason": d.finish_reason}
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = ids
+        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": self._usage(d)}
+        if self.parsed.return_token_ids:
+            body["prompt_token_ids"] = self.accepted.prompt_token_ids
+        return JSONResponse(body)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read, so nothing else comes)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

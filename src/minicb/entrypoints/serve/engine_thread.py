@@ -1,0 +1,343 @@
+"""The engine thread: the one thread that owns the ``LLMEngine`` while the server runs.
+
+The HTTP side is asyncio (uvicorn); the engine is synchronous and not thread-safe, and a step takes
+milliseconds to seconds. So the engine lives in a thread of its own, and the two sides meet at two
+thread-safe doors, never anywhere else::
+
+      event loop (HTTP handlers)                      engine thread
+      ─────────────────────────                      ──────────────────────────────────────────
+      submit(handle) ──► inbox (list + Condition) ──► drain the inbox: add_request / abort / call
+      abort(id)      ──►                              step() while there is work; else sleep on
+                                                       the Condition (no polling: zero CPU idle)
+      handle.queue   ◄── loop.call_soon_threadsafe ◄── per-request Deltas of every step, in one batch
+
+* A request that arrives while the engine runs waits in the inbox for at most the current step and
+  joins the batch at the next one: that *is* continuous batching, seen from a client.
+* The inbox is drained completely before every step, so a burst of requests is admitted (or refused
+  with 503 past ``max_waiting``) together, in arrival order.
+* Stop strings are matched here, on the text of each step's output (``StopMatcher``): a match aborts
+  the request at once (no wasted step) and reports ``finish_reason == "stop"``.
+* Everything the event loop learns about a request comes through its ``RequestHandle.queue``: first
+  ``Accepted`` (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait),
+  then ``Delta``s, the last one ``finished``.
+* ``drain(timeout)`` (graceful shutdown): refuse new requests, let the accepted ones run, abort what
+  is left when the time is up. ``stop()`` ends the thread (aborting anything still there).
+
+Nothing else in the server touches the engine: ``call(fn)`` runs ``fn(engine)`` on this thread and
+returns a ``concurrent.futures.Future`` (``/health`` uses it to read ``engine.snapshot()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from minicb.core.errors import InvalidArgument, RequestRejected
+from minicb.engine.outputs import RequestOutput
+from minicb.entrypoints.serve.protocol import ApiError, GenerateRequest, bad_request
+from minicb.entrypoints.serve.stops import StopMatcher
+
+log = logging.getLogger("minicb.entrypoints.serve")
+
+STALL_RECHECK_S = 0.5      # an engine with requests but an empty plan (static batch filling) rechecks
+
+
+@dataclass(slots=True)
+class Accepted:
+    """The engine took the request: it is queued and will join the batch at the next step."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one step added to one request, ready to send (stop strings already applied)."""
+
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RequestHandle:
+    """The event loop's side of one request. Made on the loop; its queue is fed by the engine thread."""
+
+    request_id: str
+    request: GenerateRequest
+    arrival_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass(slots=True)
+class _Live:
+    """The engine thread's side of one request."""
+
+    handle: RequestHandle
+    stops: StopMatcher
+    num_prompt_tokens: int
+    seen_first_token: bool = False
+
+
+class EngineThread:
+    """Owns the engine in a thread; see the module docstring for the picture."""
+
+    def __init__(self, engine, *, max_waiting: int, metrics=None,
+                 on_start: Callable[[Any], None] | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._on_start = on_start                    # runs on the thread first (listeners attach here)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._live: dict[str, _Live] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: list[tuple[RequestHandle, Any]] = []
+        self._deadline: float | None = None          # draining: abort what is left at this time
+        self._draining = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="minicb-engine", daemon=True)
+        self.busy_seconds = 0.0                      # time spent inside engine.step()
+
+    # --- the event loop's side (any thread) ------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        self._post(("add", handle))
+
+    def abort(self, request_id: str) -> None:
+        """Abort if still running (a finished or unknown id is ignored): a client went away."""
+        self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps; its result (or exception)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, fut))
+        return fut
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; abort the accepted ones still running after ``timeout`` s."""
+        self._post(("drain", time.monotonic() + timeout))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread (aborting whatever is left) and wait for it."""
+        self._post(("stop",))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Messages posted and not yet taken by the engine thread."""
+        with self._cond:
+            return len(self._inbox)
+
+    def _post(self, msg: tuple) -> None:
+        with self._cond:
+            self._inbox.append(msg)
+            self._cond.notify()
+
+    # --- the engine thread -----------------------------------------------------------------------
+    def _main(self) -> None:
+        if self._on_start is not None:
+            self._on_start(self.engine)
+        stalled = False
+        while not self._stop:
+            msgs, handled = self._wait(stalled), []
+            while msgs:                       # what arrives while we handle these joins this step too
+                for msg in msgs:
+                    try:
+                        self._handle(msg)
+                    except Exception:   # noqa: BLE001 - one bad message must not stop the engine thread
+                        log.exception("engine thread: handling %s failed", msg[0])
+                handled += msgs
+                msgs = self._take()
+            if self.metrics is not None and any(m[0] in ("add", "abort") for m in handled):
+                self.metrics.observe_state(self.engine.snapshot())   # the gauges, between steps too
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._abort_all("the server is shutting down")
+                self._deadline = None
+            stalled = False
+            if not self._stop and self.engine.has_unfinished_requests():
+                stalled = not self._step()
+            self._flush()
+        self._abort_all("the server stopped")
+        self._flush()
+
+    def _wait(self, stalled: bool) -> list[tuple]:
+        """Take the inbox; block (no timeout, so no CPU) while there is nothing to do."""
+        with self._cond:
+            while not self._inbox and (stalled or not self.engine.has_unfinished_requests()):
+                timeout = STALL_RECHECK_S if stalled else None
+                if self._deadline is not None:
+                    left = max(0.0, self._deadline - time.monotonic())
+                    timeout = left if timeout is None else min(timeout, left)
+                    if left == 0.0:
+                        break
+                if not self._cond.wait(timeout) and stalled:
+                    break
+            msgs, self._inbox = self._inbox, []
+        return msgs
+
+    def _take(self) -> list[tuple]:
+        with self._cond:
+            msgs, self._inbox = self._inbox, []
+        return msgs
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self._add(msg[1])
+        elif kind == "abort":
+            live = self._live.get(msg[1])
+            if live is not None:
+                out = self.engine.abort_request(msg[1])
+                if out is not None:
+                    self._finish(live, out, "abort", "")
+        elif kind == "call":
+            fut = msg[2]
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(msg[1](self.engine))
+                except Exception as e:   # noqa: BLE001 - the caller gets the exception
+                    fut.set_exception(e)
+        elif kind == "drain":
+            self._draining = True
+            self._deadline = msg[1]
+            self.engine.close_arrivals()          # a static batch need not wait for more requests
+        elif kind == "stop":
+            self._stop = True
+
+    def _add(self, handle: RequestHandle) -> None:
+        req = handle.request
+        try:
+            if self._draining:
+                raise ApiError(503, "the server is shutting down and takes no new requests",
+                               "service_unavailable_error", code="server_shutting_down", retry_after=5)
+            waiting = len(self.engine.snapshot().waiting)
+            if waiting >= self.max_waiting:
+                raise ApiError(503, f"too many requests are waiting ({waiting}, --max-waiting "
+                               f"{self.max_waiting}); retry later", "service_unavailable_error",
+                               code="server_overloaded", retry_after=1)
+            ids = self.engine.tokenize(req.prompt)
+            params = req.params
+            if req.max_tokens_from_room:
+                params = dataclasses.replace(params, max_tokens=self._room(len(ids)))
+            self.engine.add_request(handle.request_id, ids, params, arrival_time=handle.arrival_time)
+        except ApiError as e:
+            self._send(handle, e)
+            return
+        except RequestRejected as e:       # can never fit: the message names the limit
+            self._send(handle, bad_request(str(e), "prompt", "context_length_exceeded"))
+            return
+        except InvalidArgument as e:
+            self._send(handle, bad_request(str(e), "prompt"))
+            return
+        except Exception:   # noqa: BLE001 - a bug must cost this request only, and never show a traceback
+            log.exception("adding request %s failed", handle.request_id)
+            self._send(handle, ApiError(500, "internal error while adding the request", "server_error"))
+            return
+        self._live[handle.request_id] = _Live(handle, StopMatcher(req.stops), len(ids))
+        self._send(handle, Accepted(ids, params.max_tokens))
+
+    def _room(self, prompt_len: int) -> int:
+        """Chat without max_tokens: all the room the prompt leaves (context length and KV pool)."""
+        c = self.engine.config
+        limit = min(c.max_model_len, c.num_blocks * c.block_size)
+        if prompt_len >= limit:
+            raise bad_request(f"the prompt has {prompt_len} tokens, which leaves no room to generate: "
+                              f"the limit is {limit} tokens (max_model_len={c.max_model_len}, KV pool "
+                              f"{c.num_blocks} blocks x {c.block_size})", "messages",
+                              "context_length_exceeded")
+        return limit - prompt_len
+
+    def _step(self) -> bool:
+        """One engine step and its outputs; False when the step did nothing (nothing runnable)."""
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.step()
+        except Exception:   # noqa: BLE001 - the engine fails a bad step itself; this is a bug elsewhere
+            log.exception("engine step raised; ending every request in flight")
+            self._abort_all("internal error in the engine step")
+            return True
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is not None:
+                self._output(live, out)
+        plan = self.engine.last_plan
+        return bool(outs) or (plan is not None and not plan.is_empty)
+
+    def _output(self, live: _Live, out: RequestOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_tokens(out, first=not live.seen_first_token and bool(out.new_token_ids))
+        if out.new_token_ids:
+            live.seen_first_token = True
+        text = live.stops.push(out.new_text)
+        if live.stops.stopped:
+            new_ids = out.new_token_ids
+            if not out.finished:                       # end it now: no step is spent past the stop
+                out = self.engine.abort_request(out.request_id) or out
+            self._finish(live, out, "stop", text, new_ids)
+        elif out.finished:
+            self._finish(live, out, out.finish_reason, text + live.stops.flush())
+        else:
+            self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
+                                          len(out.token_ids)))
+
+    def _finish(self, live: _Live, out: RequestOutput, reason: str | None, text: str,
+                new_ids: list[int] | None = None) -> None:
+        del self._live[live.handle.request_id]
+        if self.metrics is not None:
+            self.metrics.observe_finished(out, reason)
+        self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
+                                      live.num_prompt_tokens, len(out.token_ids), True, reason, out.error))
+
+    def _abort_all(self, why: str) -> None:
+        for rid, live in list(self._live.items()):
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:   # noqa: BLE001 - a broken engine must still let clients go
+                log.exception("abort of %s failed", rid)
+                out = None
+            if out is None:
+                del self._live[rid]
+                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, "abort", why))
+            else:
+                self._finish(live, out, "abort", live.stops.push(out.new_text))
+
+    # --- delivery to the event loop --------------------------------------------------------------
+    def _send(self, handle: RequestHandle, item) -> None:
+        self._outbox.append((handle, item))
+
+    def _flush(self) -> None:
+        """Hand this iteration's items to the event loop in one call (one wake-up per step)."""
+        if not self._outbox or self._loop is None:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:          # the loop is closed: nobody is listening any more
+            pass
+
+
+def _deliver(batch: list[tuple[RequestHandle, Any]]) -> None:
+    for handle, item in batch:
+        handle.queue.put_nowait(item)

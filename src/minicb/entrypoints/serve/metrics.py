@@ -1,0 +1,127 @@
+"""``GET /metrics``: Prometheus metrics under vLLM's names, so vLLM's dashboards read minicb.
+
+Where vLLM (V1) has a metric for a concept, minicb uses its name, type and ``model_name`` label::
+
+    vllm:num_requests_running / vllm:num_requests_waiting / vllm:num_requests_swapped   gauges
+    vllm:kv_cache_usage_perc              gauge, used KV blocks / all blocks (1 = full)
+    vllm:num_preemptions_total            counter (recompute + swap)
+    vllm:prompt_tokens_total              counter, prompt tokens of requests that got their first token
+    vllm:generation_tokens_total          counter, tokens generated
+    vllm:request_success_total            counter, finished requests by finished_reason
+    vllm:time_to_first_token_seconds      histogram, arrival at the server -> first token
+    vllm:inter_token_latency_seconds      histogram, gap between consecutive tokens of a request
+    vllm:e2e_request_latency_seconds      histogram, arrival -> finish
+    vllm:request_queue_time_seconds       histogram, arrival -> first scheduled
+    vllm:iteration_tokens_total           histogram, tokens computed per engine step
+
+The gauges and per-step figures come from the engine's step events (``on_step``: the plan and the
+snapshot after it); the per-request figures from the outputs the engine thread hands on
+(``observe_tokens`` / ``observe_finished``). All of it runs on the engine thread; prometheus_client
+is thread-safe, so the event loop renders ``/metrics`` at any time. Each server has its own
+registry (tests run several servers in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from minicb.engine.events import StepEvent
+from minicb.engine.outputs import RequestOutput
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so the histograms line up with its dashboards
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()     # no ``*_created`` series (process-wide, as vLLM does)
+        self.registry = CollectorRegistry()
+        r, labels, name = self.registry, ["model_name"], {"model_name": model_name}
+
+        def gauge(metric: str, doc: str):
+            return Gauge(metric, doc, labels, registry=r).labels(**name)
+
+        def counter(metric: str, doc: str):
+            return Counter(metric, doc, labels, registry=r).labels(**name)
+
+        def histogram(metric: str, doc: str, buckets):
+            return Histogram(metric, doc, labels, buckets=buckets, registry=r).labels(**name)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.")
+        self.swapped = gauge("vllm:num_requests_swapped", "Number of requests swapped out to host memory.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of finished requests.",
+                                labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token "
+                              "in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                             "seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end-to-end request "
+                             "latency in seconds.", REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent "
+                                    "waiting before the first step in seconds.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens "
+                                          "per engine step.", TOKEN_BUCKETS)
+
+    # --- from step events -------------------------------------------------------------------------
+    def on_step(self, event: StepEvent) -> None:
+        self.observe_state(event.after)
+        if event.plan.preempted:
+            self.preemptions.inc(len(event.plan.preempted))
+        if event.plan.num_batched_tokens:
+            self.iteration_tokens.observe(event.plan.num_batched_tokens)
+
+    def observe_state(self, snap) -> None:
+        """The gauges from a ``SchedulerSnapshot``."""
+        self.running.set(len(snap.running))
+        self.waiting.set(len(snap.waiting))
+        self.swapped.set(len(snap.swapped))
+        self.kv_usage.set(snap.num_used_blocks / snap.num_blocks if snap.num_blocks else 0.0)
+
+    # --- from the outputs ---------------------------------------------------------------------------
+    def observe_tokens(self, out: RequestOutput, first: bool) -> None:
+        """A step's output of one request: its new tokens (``first``: the request's first ones)."""
+        k = len(out.new_token_ids)
+        if not k:
+            return
+        self.generation_tokens.inc(k)
+        times = out.token_times
+        if first:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.first_token_time is not None:
+                self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+        for i in range(max(1, len(times) - k), len(times)):
+            self.itl.observe(max(0.0, times[i] - times[i - 1]))
+
+    def observe_finished(self, out: RequestOutput, reason: str | None) -> None:
+        self._success.labels(model_name=self._model_name, finished_reason=reason or "abort").inc()
+        if out.finish_time is not None:
+            self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
+        if out.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

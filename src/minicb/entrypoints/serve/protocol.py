@@ -1,0 +1,254 @@
+"""The OpenAI request bodies the server accepts, checked and turned into what the engine needs.
+
+::
+
+    POST /v1/completions       {"model", "prompt": "text" | [token ids], "max_tokens": 16, ...}
+    POST /v1/chat/completions  {"model", "messages": [{"role", "content"}], "max_completion_tokens", ...}
+
+Both become one ``GenerateRequest``: a prompt (text, token ids, or the chat template rendered to
+text), ``SamplingParams`` and the stop strings. Everything a client can get wrong is found here and
+reported as an ``ApiError`` (HTTP 400, OpenAI's error object, ``param`` naming the field), before the
+request reaches the engine; what only the engine can judge (the prompt's length in tokens against
+``max_model_len`` and the KV pool) is judged on the engine thread and reported the same way.
+
+Field by field (vLLM's choices where OpenAI leaves room):
+
+* ``temperature`` defaults to 1.0 and ``top_p`` to 1.0, as OpenAI's; ``temperature: 0`` is greedy.
+* ``top_k`` (vLLM's extension): 0 or -1 means off. ``seed``: per-request generator, reproducible.
+* ``max_tokens`` defaults to 16 for completions (OpenAI's default) and, for chat, to whatever room the
+  prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
+* ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
+  ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
+* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, tools: a clear 400
+  rather than a silently ignored field. Unknown fields are ignored (clients send extras).
+* ``return_token_ids`` (vLLM's extension): the response carries ``prompt_token_ids`` and each
+  choice its ``token_ids``; the tests use it to compare with ``LLM.generate`` token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from minicb.core.errors import InvalidArgument, check_float, check_int
+from minicb.core.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class ApiError(Exception):
+    """An error a client receives as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after: float | None = None        # seconds, sent as ``Retry-After`` (503)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(slots=True, frozen=True)
+class GenerateRequest:
+    """One request as the engine thread needs it. ``params.max_tokens`` is a placeholder when
+    ``max_tokens_from_room`` (chat without a limit): the engine thread sets it from the prompt length."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stops: tuple[str, ...] = ()
+    max_tokens_from_room: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedRequest:
+    """A checked body: what to generate and how to answer (stream or not, usage, token ids)."""
+
+    kind: str                      # "completion" | "chat"
+    model: str | None
+    generate: GenerateRequest
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+# fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
+_UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
+}
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    body = _object(body)
+    if "prompt" not in body:
+        raise bad_request("prompt is required: a string or a list of token ids", "prompt")
+    return _parse(body, "completion", _prompt(body["prompt"]), default_max_tokens=16)
+
+
+def parse_chat(body: Any, render) -> ParsedRequest:
+    """``render(messages) -> str`` applies the model's chat template (``Tokenizer.apply_chat_template``)."""
+    body = _object(body)
+    messages = _messages(body.get("messages"))
+    try:
+        prompt = render(messages)
+    except InvalidArgument as e:
+        raise bad_request(str(e), "messages") from None
+    except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
+        raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    return _parse(body, "chat", prompt, default_max_tokens=None)
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None) -> ParsedRequest:
+    for name, defaults in _UNSUPPORTED.items():
+        if name in body and not _is_default(body[name], defaults):
+            raise bad_request(f"{name} is not supported by minicb serve (leave it unset)", name)
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad_request(f"n must be 1 (one choice per request), got {n!r}", "n")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+        if not stream:
+            raise bad_request("stream_options is allowed only with stream: true", "stream_options")
+        include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
+    max_tokens = body.get("max_tokens")
+    from_room = max_tokens is None and default_max_tokens is None
+    max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
+    stops = _stops(body.get("stop"))
+    params = _sampling_params(body, max_tokens)
+    return ParsedRequest(kind, model, GenerateRequest(prompt, params, stops, from_room), stream,
+                         include_usage, _bool(body, "return_token_ids", False))
+
+
+def _is_default(value, defaults: tuple) -> bool:
+    """``value`` is one of ``defaults`` with the same type (so ``logprobs: 0`` is not ``False``)."""
+    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
+
+
+def _sampling_params(body: dict, max_tokens) -> SamplingParams:
+    def get(name, default):
+        v = body.get(name)
+        return default if v is None else v
+
+    top_k = get("top_k", 0)
+    args: dict[str, Any] = {}
+    checks = [
+        ("max_tokens", lambda: check_int("max_tokens", max_tokens, lo=1)),
+        ("temperature", lambda: check_float("temperature", get("temperature", 1.0), lo=0.0, hi=2.0)),
+        ("top_p", lambda: check_float("top_p", get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True)),
+        ("top_k", lambda: 0 if top_k == -1 else check_int("top_k", top_k, lo=-1)),
+        ("seed", lambda: None if body.get("seed") is None
+         else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
+        ("stop_token_ids", lambda: tuple(check_int("stop_token_ids[i]", t, lo=0)
+                                         for t in _list(body, "stop_token_ids"))),
+        ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
+    ]
+    for name, check in checks:
+        try:
+            args[name] = check()
+        except InvalidArgument as e:
+            raise bad_request(str(e), name) from None
+    if not math.isfinite(args["temperature"]):
+        raise bad_request("temperature must be finite", "temperature")
+    return SamplingParams(**args)
+
+
+def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{param or name} must be true or false, got {v!r}", param or name)
+    return v
+
+
+def _list(body: dict, name: str) -> list:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise InvalidArgument(f"{name} must be a list, got {type(v).__name__}")
+    return v
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return tuple(s for s in stops if s)
+
+
+def _prompt(prompt):
+    """A completion prompt: text or token ids; a list holding exactly one of them is unwrapped."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"prompt holds {len(prompt)} prompts; minicb serve takes one prompt per "
+                              "request (send several requests: they are batched anyway)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content, i: int) -> str:
+    """Message content: a string, or OpenAI's list of parts of which only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                  f"messages[{i}].content")
+            texts.append(text)
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                      f"messages[{i}].content")

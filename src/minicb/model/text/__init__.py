@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer (with incremental detokenizing) and the chat template."""

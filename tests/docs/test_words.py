@@ -1,0 +1,95 @@
+"""The words of the docs: the glossary defines what the issues asked for and every link into it lands on
+a heading; the README's module table is the layout of ``src/minicb``; the figures quoted on the home
+page and on top of the benchmarks page are the ones ``bench/RESULTS.md`` records; nothing repeats the
+seed's overstated tensor-parallel sentence."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+SRC = ROOT / "src" / "minicb"
+RESULTS = (ROOT / "bench" / "RESULTS.md").read_text()
+NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?")
+
+
+def _slug(heading: str) -> str:
+    from markdown.extensions.toc import slugify
+
+    return slugify(heading.replace("`", ""), "-")
+
+
+def _glossary_anchors() -> set[str]:
+    text = (DOCS / "glossary.md").read_text()
+    return {_slug(m) for m in re.findall(r"^## (.+)$", text, flags=re.M)}
+
+
+def test_glossary_defines_the_words_the_issues_ask_for():
+    anchors = _glossary_anchors()
+    for anchor in ("batch-slot", "kv-slot-slot_mapping", "block", "block-table", "chunk", "step",
+                   "token-budget", "ttft-itl-queueing-delay", "padding-padding-bubble-padding-waste",
+                   "cu_seqlens", "preemption", "prefix-cache", "runner", "step-event-snapshot"):
+        assert anchor in anchors, anchor
+
+
+def test_every_concept_page_links_the_glossary_and_every_glossary_link_resolves():
+    anchors = _glossary_anchors()
+    for page in sorted((DOCS / "concepts").glob("*.md")):
+        assert "glossary.md" in page.read_text(), f"{page.name} does not link the glossary"
+    links = [(p, a) for p in DOCS.rglob("*.md") for a in re.findall(r"glossary\.md#([\w-]+)", p.read_text())]
+    assert len(links) > 20
+    bad = [f"{p.relative_to(DOCS)}: #{a}" for p, a in links if a not in anchors]
+    assert not bad, bad
+
+
+def _readme_modules() -> set[str]:
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| module | what it owns"):].split("\n\n")[0]
+    names = set()
+    for row in table.splitlines()[2:]:
+        names |= set(re.findall(r"`([\w/]+(?:\.py)?)`", row.split("|")[1]))
+    return names
+
+
+def test_readme_module_table_is_the_layout_of_src():
+    named = _readme_modules()
+    for name in named:                                # nothing stale: every row names what exists
+        assert (SRC / name.rstrip("/")).exists(), f"README names {name}, which is not in src/minicb"
+    present = {p.name for p in SRC.glob("*.py") if p.name != "__init__.py"}
+    present |= {p.name + "/" for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    left_out = sorted(present - named)
+    assert not left_out, f"src/minicb has modules the README's table leaves out: {left_out}"
+
+
+def test_no_page_repeats_that_mismatched_plans_simply_deadlock():
+    files = [ROOT / "README.md", *DOCS.glob("*.md"), *(DOCS / "concepts").glob("*.md"), *SRC.rglob("*.py")]
+    for f in files:
+        assert not re.search(r"collectives (simply )?deadlock", f.read_text()), f
+    home = (DOCS / "index.md").read_text()
+    assert "hang" in home and "silently" in home and "error" in home
+
+
+@pytest.mark.parametrize("page, start, end", [
+    ("index.md", "Read it with two caveats", "## Where to go from here"),
+    ("benchmarks.md", "## On one screen", "\n---\n"),
+])
+def test_quoted_figures_are_the_recorded_ones(page, start, end):
+    """Every figure in the summary is in bench/RESULTS.md, where its command is."""
+    text = (DOCS / page).read_text()
+    part = text[text.index(start):text.index(end, text.index(start))]
+    figures = ["".join(m) for m in NUMBER.findall(part)]
+    assert len(figures) > 10
+    missing = [f for f in figures if not re.search(r"(?<![\d.,])" + re.escape(f) + r"(?![\d])", RESULTS)]
+    assert not missing, missing
+
+
+def test_home_page_states_the_seeds_table_with_its_caveats():
+    home = (DOCS / "index.md").read_text()
+    assert "| continuous batching | 3,850 (4.53x) | 88.2% | 85 ms | 22.5 ms | < 0.1% |" in home
+    assert "88.2% cannot be compute (FLOP) utilisation" in home
+    assert "impossible" in RESULTS and "3,850 x 141 GFLOP/token = 0.54 PFLOP/s = 22% of peak" in RESULTS
+    assert "P99 inter-token latency: the opposite of the seed" in RESULTS

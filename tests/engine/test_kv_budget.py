@@ -1,0 +1,85 @@
+"""``LLM()``'s defaults: the KV pool sized from memory (``kv_budget``), fast scheduler limits, and bfloat16
+models loaded on a CPU without bfloat16 matmul computing their linears in float32."""
+
+import pytest
+import torch
+
+from helpers import TINY, tiny_model
+from minicb.core.config import ModelConfig
+from minicb.core.errors import InvalidArgument
+from minicb.core.kv_budget import DEFAULT_MAX_BYTES, GIB, bytes_per_block, default_budget, num_blocks_for
+from minicb.entrypoints.llm import FAST_DEFAULTS, LLM
+from minicb.model.cpu_linear import Float32ComputeLinear, needs_float32_compute
+
+SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                            num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def test_bytes_per_block():
+    # 30 layers x (K, V) x 16 tokens x 3 kv heads x 64 dims x 4 bytes, written out
+    assert bytes_per_block(SMOLLM2_SHAPE, 16, 4) == 30 * 2 * 16 * 3 * 64 * 4 == 737_280
+    assert bytes_per_block(SMOLLM2_SHAPE, 16, 2) == 368_640
+
+
+def test_default_budget_is_capped_both_ways():
+    assert default_budget(None) == DEFAULT_MAX_BYTES == 2 * GIB
+    assert default_budget(100 * GIB) == 2 * GIB
+    assert default_budget(GIB) == GIB // 4
+    assert default_budget(0) == 0
+
+
+def test_num_blocks():
+    kw = dict(block_size=16, dtype_size=4, max_num_seqs=256, max_model_len=8192)
+    assert num_blocks_for(SMOLLM2_SHAPE, kv_cache_memory_bytes=GIB, **kw) == GIB // 737_280 == 1456
+    assert num_blocks_for(SMOLLM2_SHAPE, available=8 * GIB, **kw) == (2 * GIB) // 737_280
+    assert num_blocks_for(SMOLLM2_SHAPE, available=1 << 20, **kw) == 1     # never zero blocks
+    # never more than max_num_seqs sequences of max_model_len can use
+    few = {**kw, "max_num_seqs": 2}
+    assert num_blocks_for(SMOLLM2_SHAPE, kv_cache_memory_bytes=100 * GIB, **few) == 2 * 8192 // 16
+    for bad in (0, -1, 1.5, "1G"):
+        with pytest.raises(InvalidArgument, match="kv_cache_memory_bytes"):
+            num_blocks_for(SMOLLM2_SHAPE, kv_cache_memory_bytes=bad, **kw)
+
+
+def test_llm_defaults():
+    model = tiny_model()
+    cfg = LLM(model).engine.config
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 2048) == tuple(FAST_DEFAULTS.values())
+    assert cfg.num_blocks == num_blocks_for(TINY, block_size=16, dtype_size=8, max_num_seqs=256,
+                                            max_model_len=cfg.max_model_len)
+    # what the caller says wins; None means "the default" (the command line passes None)
+    cfg = LLM(model, max_num_seqs=8, num_blocks=40, max_num_batched_tokens=None).engine.config
+    assert (cfg.max_num_seqs, cfg.num_blocks, cfg.max_num_batched_tokens) == (8, 40, 2048)
+    per_block = bytes_per_block(TINY, 4, 8)
+    cfg = LLM(model, block_size=4, kv_cache_memory_bytes=100 * per_block + 5).engine.config
+    assert (cfg.num_blocks, cfg.max_num_seqs) == (100, 100)     # default slots never exceed the pool
+    assert LLM(model, num_blocks=40).engine.config.max_num_seqs == 40
+    assert LLM(model, policy="static").engine.config.max_num_seqs == 16     # the padded policies keep 16
+    with pytest.raises(InvalidArgument, match="kv_cache_memory_bytes"):
+        LLM(model, kv_cache_memory_bytes=0)
+
+
+def test_llm_generates_with_the_defaults():
+    from minicb.core.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model())
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
+def test_bfloat16_model_loaded_by_llm_computes_linears_in_float32(tmp_path):
+    from tiny_files import write_gguf
+
+    llm = LLM(str(write_gguf(tmp_path / "m.gguf")), dtype="bfloat16")
+    model = llm.engine.model
+    assert model.dtype == torch.bfloat16
+    swapped = isinstance(model.model.layers[0].mlp.down_proj, Float32ComputeLinear)
+    assert swapped == needs_float32_compute(torch.bfloat16, "cpu")
+    assert not isinstance(LLM(str(tmp_path / "m.gguf")).engine.model.lm_head, Float32ComputeLinear)
+
+
+def test_cli_kv_cache_memory_must_be_positive(capsys):
+    from minicb.entrypoints.cli import main
+
+    assert main(["generate", "hi", "--kv-cache-memory", "-1"]) == 2
+    assert "--kv-cache-memory must be a positive number of GiB" in capsys.readouterr().err

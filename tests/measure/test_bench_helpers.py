@@ -1,0 +1,87 @@
+"""The arithmetic of the benchmark scripts (bench/), which the figures in bench/RESULTS.md rest on."""
+
+import importlib
+import pathlib
+import sys
+
+import pytest
+
+from helpers import tiny_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def bench_modules(*names: str) -> list:
+    """The named scripts of bench/, imported as modules (bench/ is on the path only meanwhile)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return [importlib.import_module(n) for n in names]
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    forward, throughput = bench_modules("forward", "throughput")
+    return forward, throughput
+
+
+@pytest.fixture(scope="module")
+def breakdown():
+    breakdown, workloads = bench_modules("breakdown", "workloads")
+    return breakdown, workloads.Workload
+
+
+def test_median_run_is_the_middle_run_and_keeps_every_run(bench):
+    _, throughput = bench
+    runs = [{"seconds": 3.0, "tokens": 30}, {"seconds": 1.0, "tokens": 30}, {"seconds": 2.0, "tokens": 30}]
+    mid = throughput.median_run(runs)
+    assert mid["seconds"] == 2.0
+    assert mid["runs_seconds"] == [3.0, 1.0, 2.0]                 # in the order they ran
+    assert mid["runs_tokens_per_s"] == [10.0, 30.0, 15.0]
+    assert "runs_seconds" not in runs[2]                           # the inputs are left alone
+    even = throughput.median_run([{"seconds": s, "tokens": 1} for s in (4.0, 1.0, 3.0, 2.0)])
+    assert even["seconds"] == 2.0                                  # the lower middle of an even count
+    assert throughput.median_run([{"seconds": 5.0, "tokens": 1}])["seconds"] == 5.0
+
+
+def test_fit_line_recovers_a_line_and_measures_the_misfit(bench):
+    forward, _ = bench
+    a, b, worst = forward.fit_line({16: 0.04 + 16 * 0.002, 32: 0.04 + 32 * 0.002, 64: 0.04 + 64 * 0.002})
+    assert a == pytest.approx(0.04) and b == pytest.approx(0.002) and worst == pytest.approx(0, abs=1e-12)
+    a, b, worst = forward.fit_line({0: 1.0, 1: 3.0, 2: 3.0})     # least squares: y = 4/3 + x
+    assert a == pytest.approx(4 / 3) and b == pytest.approx(1.0)
+    assert worst == pytest.approx((4 / 3 - 1) / 1.0)              # the point at x = 0 is off by 1/3
+
+
+def test_layer_matmul_sweep_counts_every_layer_weight(bench):
+    forward, _ = bench
+    model = tiny_model()
+    sweep = forward.layer_matmul_sweep(model, rows=(2, 4, 8), repeats=1)
+    cfg = model.config
+    per_layer = sum(p.numel() for name, p in model.model.layers[0].named_parameters()
+                    if "proj" in name)
+    assert sweep["flops_per_row"] == 2.0 * per_layer * cfg.num_hidden_layers
+    assert sweep["weight_bytes"] == per_layer * cfg.num_hidden_layers * model.dtype.itemsize
+    assert set(sweep["rows"]) == {"2", "4", "8"} and all(t > 0 for t in sweep["rows"].values())
+    a, b = sweep["a_s"], sweep["b_s_per_row"]
+    assert sum(sweep["rows"].values()) == pytest.approx(sum(a + b * m for m in (2, 4, 8)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-paged"])
+def test_breakdown_attributes_decode_attention_to_the_backend_that_did_it(breakdown, backend):
+    """bench/breakdown.py's parts: the C kernel's time is found under ``kernel`` with cpu-paged, and
+    the reference backend's decode attention under ``gather`` / ``attention`` (kernel 0)."""
+    from minicb.model.backends import cpu_paged
+    from preconditions import unavailable
+
+    if backend == "cpu-paged" and cpu_paged.unavailable_reason():
+        unavailable(f"the cpu-paged kernel cannot be built here: {cpu_paged.unavailable_reason()}")
+    profile_run, Workload = breakdown[0].profile_run, breakdown[1]
+    wl = Workload("t", [[5, 6, 7, 8] * (1 + i % 3) for i in range(6)], [12] * 6)
+    parts = profile_run(tiny_model(), wl, policy="continuous", max_num_seqs=4,
+                                        max_num_batched_tokens=64, attn_backend=backend)
+    assert (parts["kernel"] > 0) == (backend == "cpu-paged")
+    assert parts["linear"] > 0 and parts["gather"] > 0 and parts["attention"] > 0   # prompts use SDPA
+    assert sum(parts[p] for p in ("linear", "attention", "gather", "kernel", "rest")) == pytest.approx(
+        parts["total"])

@@ -1,0 +1,176 @@
+"""``minicb.model.cpu_fused``: RMSNorm and the rotary embedding as C loops (``fused_ops.c``).
+
+The rotary embedding must equal ``llama.apply_rope`` bit for bit (no fused multiply-adds, each step
+rounded as torch rounds it); RMSNorm sums its squares in another order, so it is checked to a float32
+rounding (and to one bfloat16 step). Then the model level: switching a model's modules keeps its
+weights and its greedy tokens, and ``LLM`` switches the models it loads itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shlex
+import subprocess
+
+import pytest
+import torch
+
+from helpers import TINY, random_prompts
+from minicb.core.sampling_params import SamplingParams
+from minicb.entrypoints.llm import LLM, cpu_fast_paths
+from minicb.model import ckernels, cpu_fused
+from minicb.model.attention import ReferenceAttention
+from minicb.model.backends import cpu_paged
+from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
+from minicb.runtime.packer import pack_prompts
+from preconditions import unavailable
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    why = cpu_fused.unavailable_reason()
+    if why:
+        unavailable(f"the fused ops do not build here: {why}")
+
+
+def rand(*shape, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,q_heads,kv_heads,dim", [(1, 4, 2, 8), (37, 9, 3, 64), (300, 8, 8, 16)])
+def test_rope_equals_apply_rope_bit_for_bit(dtype, rows, q_heads, kv_heads, dim):
+    q, k = rand(rows, q_heads, dim, dtype=dtype), rand(rows, kv_heads, dim, dtype=dtype, seed=1, scale=30)
+    positions = torch.randint(0, 5000, (rows,), generator=torch.Generator().manual_seed(2))
+    cos, sin = rope_cos_sin(positions, dim, 10000.0, dtype)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cpu_fused.rope_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 8), (64, 576), (2048, 96)])
+def test_rms_norm_matches_the_reference_to_a_rounding(dtype, rows, dim):
+    x, w = rand(rows, dim, dtype=dtype, scale=3), 1 + rand(dim, dtype=dtype, seed=1, scale=0.1)
+    ref = RMSNorm(dim, 1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    want, got = ref(x), cpu_fused.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        assert (got.double() - exact).abs().max() <= 4 * (want.double() - exact).abs().max() + 1e-6
+    else:                           # a rounding apart in float32 is at most one bfloat16 step apart
+        step = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - 7)
+        assert ((got.double() - want.double()).abs() <= step).all()
+
+
+def test_rms_norm_of_a_zero_row_and_of_no_rows():
+    out = cpu_fused.rms_norm(torch.zeros(2, 16), torch.ones(16), 1e-5)
+    assert torch.equal(out, torch.zeros(2, 16))
+    assert cpu_fused.rms_norm(torch.zeros(0, 16), torch.ones(16), 1e-5).shape == (0, 16)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    x, w = rand(4096, 64, dtype=torch.float32), rand(64, dtype=torch.float32, seed=1)
+    q, k = rand(4096, 8, 64, dtype=torch.float32, seed=2), rand(4096, 2, 64, dtype=torch.float32, seed=3)
+    cos, sin = rope_cos_sin(torch.arange(4096), 64, 10000.0, torch.float32)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            qq, kk = q.clone(), k.clone()
+            cpu_fused.rope_(qq, kk, cos, sin)
+            outs.append((cpu_fused.rms_norm(x, w, 1e-6), qq, kk))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_bad_inputs_are_refused_before_c_reads_them():
+    x, w = torch.zeros(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_fused.rms_norm(x.double(), w.double(), 1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_fused.rms_norm(x, w.to(torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_fused.rms_norm(torch.zeros(8, 4).T, w, 1e-5)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_fused.rms_norm(x, torch.ones(7), 1e-5)
+    q, k = torch.zeros(3, 4, 8), torch.zeros(3, 2, 8)
+    cos = sin = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cpu_fused.rope_(q, k, cos[:2], sin[:2])
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cpu_fused.rope_(q, torch.zeros(3, 2, 6), cos, sin)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_fused.rope_(q.transpose(0, 1).contiguous().transpose(0, 1), k, cos, sin)
+
+
+@pytest.mark.parametrize("module", [cpu_fused, cpu_paged], ids=lambda m: m.SOURCE.name)
+def test_c_sources_compile_cleanly_with_openmp(module, tmp_path):
+    """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which
+    would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
+    source once with OpenMP and every warning an error."""
+    cc = ckernels.compiler()
+    cmd = [*cc, *ckernels.FLAGS, *module.EXTRA_FLAGS, ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
+           str(module.SOURCE), "-o", str(tmp_path / "lib.so"), "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():
+        unavailable(f"{shlex.join(cc)} has no OpenMP: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- the model ---------------------------------------------------------------------------------------
+def test_fuse_elementwise_switches_classes_keeps_weights_and_logits():
+    model = LlamaForCausalLM.random(TINY, seed=4, dtype=torch.float32, std=0.3)
+    ref = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = TINY.num_hidden_layers
+    assert cpu_fused.fuse_elementwise(model) == 2 * layers + 1 + layers + layers
+    assert cpu_fused.fuse_elementwise(model) == 0                         # idempotent
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert isinstance(model.model.norm, cpu_fused.FusedRMSNorm)
+    b = pack_prompts([[5, 9, 11, 4, 20], [7, 7, 30]])
+    got = model(b.input_ids, b.positions, ReferenceAttention(None), b.attn)
+    want = ref(b.input_ids, b.positions, ReferenceAttention(None), b.attn)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        cpu_fused.fuse_elementwise(LlamaForCausalLM.random(TINY, seed=4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_engine_gives_the_reference_tokens(dtype):
+    prompts = random_prompts(12, 3, 40, TINY.vocab_size, seed=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = LlamaForCausalLM.random(TINY, seed=5, dtype=dtype, std=0.3)
+    fused = copy.deepcopy(ref)
+    cpu_fused.fuse_elementwise(fused)
+    runs = [[o.token_ids for o in LLM(m, dtype=dtype, max_num_seqs=5, max_num_batched_tokens=32,
+                                      block_size=4, num_blocks=256).generate(prompts, params)]
+            for m in (ref, fused)]
+    same = sum(a == b for a, b in zip(*runs))
+    assert same == len(prompts) if dtype == torch.float32 else same >= len(prompts) - 2, runs
+
+
+def test_llm_fast_paths_for_a_loaded_model(monkeypatch, caplog):
+    monkeypatch.setenv("MINICB_PACKED_LM_HEAD", "0")     # the packed head: tests/model/test_cpu_linear.py
+    model = LlamaForCausalLM.random(TINY, seed=6, dtype=torch.float32)
+    assert cpu_fast_paths(model, "cpu") == ["fused-ops"]
+    assert type(model.model.layers[0].mlp) is cpu_fused.FusedMLP
+    assert cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float64), "cpu") == []
+    monkeypatch.setenv("MINICB_FUSED_OPS", "0")
+    assert cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float32), "cpu") == []
+    monkeypatch.delenv("MINICB_FUSED_OPS")
+    monkeypatch.setattr(cpu_fused, "unavailable_reason", lambda: "no C compiler found (stand-in)")
+    with caplog.at_level(logging.WARNING, logger="minicb"):
+        plain = LlamaForCausalLM.random(TINY, dtype=torch.float32)
+        assert cpu_fast_paths(plain, "cpu") == []
+    assert type(plain.model.norm) is RMSNorm
+    assert "fused CPU ops unavailable" in caplog.text and "stand-in" in caplog.text

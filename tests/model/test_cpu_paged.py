@@ -1,0 +1,227 @@
+"""The ``cpu-paged`` backend: the C decode kernel against an independent oracle, and the engine on it.
+
+The oracle is written here, row by row, the plain way: look each key up through the block table,
+softmax in float64, weight the values. The kernel must agree with it to rounding on any block size,
+GQA shape, context length (1 included) and thread count; the engine on ``cpu-paged`` must give the
+padded baseline's tokens for every policy, preemption mode and block size, as the reference does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from helpers import TINY, baseline_tokens, greedy, random_prompts, run_engine, tiny_model
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import InvalidArgument
+from minicb.model import ckernels
+from minicb.model.backends import cpu_paged, make_backend, resolve_backend
+from preconditions import unavailable
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    why = cpu_paged.unavailable_reason()
+    if why:
+        unavailable(f"the cpu-paged kernel cannot be built here: {why}")
+
+
+def oracle(q, kc, vc, tables, ctx, bs):
+    """Row by row, key by key through the table, in float64."""
+    rows, hq, d = q.shape
+    group = hq // kc.shape[1]
+    out = torch.empty(rows, hq, d, dtype=torch.float64)
+    for r in range(rows):
+        slots = [int(tables[r, t // bs]) * bs + t % bs for t in range(int(ctx[r]))]
+        k = kc[slots].double().repeat_interleave(group, dim=1)       # [L, hq, d]
+        v = vc[slots].double().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[r].double(), k) / d ** 0.5, dim=-1)
+        out[r] = torch.einsum("hl,lhd->hd", p, v)
+    return out
+
+
+def random_case(rows, hq, hkv, d, bs, max_ctx, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, max_ctx + 1, (rows,), generator=g)
+    ctx[0] = 1                                                      # a one-key context
+    if rows > 1:
+        ctx[1] = max_ctx - max_ctx % bs or max_ctx                   # ends on a block boundary
+    max_blocks = -(-int(ctx.max()) // bs)
+    num_blocks = rows * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=g)[:rows * max_blocks].view(rows, max_blocks)
+    kc = torch.randn(num_blocks * bs, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    vc = torch.randn(num_blocks * bs, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    q = torch.randn(rows, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, kc, vc, tables.to(torch.int32), ctx.to(torch.int32)
+
+
+# bfloat16: inputs and output are stored in 8 significant bits, the arithmetic is float32; the output's
+# own rounding (half a unit in the last place, 2**-9 relative) dominates the error.
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+# head_dim 64 and 128 run as compile-time constants; 12 and 6 end in a part shorter than a vector
+@pytest.mark.parametrize("shape", [(4, 2, 8), (9, 3, 64), (6, 6, 16), (8, 1, 32), (4, 2, 128), (3, 1, 12),
+                                   (2, 2, 6)])
+def test_kernel_matches_oracle(dtype, tol, bs, shape):
+    hq, hkv, d = shape
+    q, kc, vc, tables, ctx = random_case(7, hq, hkv, d, bs, 70, dtype, seed=bs * 100 + d)
+    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, bs)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), oracle(q, kc, vc, tables, ctx, bs), rtol=tol, atol=tol)
+
+
+def test_kernel_is_the_same_on_two_threads():
+    q, kc, vc, tables, ctx = random_case(33, 9, 3, 64, 16, 200, torch.float32, seed=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+        torch.set_num_threads(2)
+        two = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)       # rows are independent: threads change who computes, not what
+
+
+def test_kernel_rejects_bad_input():
+    q, kc, vc, tables, ctx = random_case(3, 4, 2, 8, 4, 20, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="float32, float64 or bfloat16"):
+        cpu_paged.paged_decode(q.half(), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="of one dtype"):
+        cpu_paged.paged_decode(q.bfloat16(), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_paged.paged_decode(q.transpose(0, 1), kc, vc, tables, ctx, 4)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_paged.paged_decode(q, kc, vc, tables.long(), ctx, 4)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cpu_paged.paged_decode(q, kc[:, :1].contiguous(), vc[:, :1].contiguous(), tables[:2], ctx, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_paged.paged_decode(q, kc, vc, tables, ctx, 4, max_context=tables.shape[1] * 4 + 1)
+    with pytest.raises(ValueError, match="below the longest context"):
+        cpu_paged.paged_decode(q, kc, vc, tables, ctx, 4, max_context=int(ctx.max()) - 1)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_paged.paged_decode(q, kc, vc, tables + kc.shape[0] // 4, ctx, 4)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_paged.paged_decode(q, kc, vc, tables - 1 - tables.max(), ctx, 4)
+    assert cpu_paged.paged_decode(q[:0], kc, vc, tables[:0], ctx[:0], 4).shape == (0, 4, 8)
+
+
+def test_build_failure_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path))
+    with pytest.raises(cpu_paged.KernelUnavailable, match="failed to compile"):
+        cpu_paged.build(["false"])                  # a "compiler" that always fails
+    assert not list(tmp_path.rglob("*.so"))         # no half-written library is left behind
+    not_executable = tmp_path / "cc.txt"
+    not_executable.write_text("not a program")
+    with pytest.raises(cpu_paged.KernelUnavailable, match="cannot be run"):
+        cpu_paged.build([str(not_executable)])
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(ckernels.sysconfig, "get_config_var", lambda name: None)
+    monkeypatch.setattr(ckernels.shutil, "which", lambda cmd: None)
+    with pytest.raises(cpu_paged.KernelUnavailable, match="no C compiler"):
+        cpu_paged.compiler()
+
+
+def test_build_without_openmp_falls_back_to_one_thread(tmp_path, monkeypatch):
+    """A compiler that rejects -fopenmp still builds the kernel (its pragmas are then ignored)."""
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / "cc-without-openmp"
+    real = cpu_paged.compiler()
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *-fopenmp*) echo 'no OpenMP' >&2; exit 1;; esac\n"
+                    f'exec {" ".join(real)} "$@"\n')
+    fake.chmod(0o755)
+    lib = ctypes.CDLL(str(cpu_paged.build([str(fake)])))
+    assert lib.minicb_paged_decode_f32 and lib.minicb_paged_decode_f64
+
+
+def test_unwritable_cache_dir_falls_back_to_a_temporary_one(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(blocked))
+    where = cpu_paged.cache_dir()
+    assert where.is_dir() and blocked not in where.parents
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path))
+    first = cpu_paged.build()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_paged.build() == first and first.stat().st_mtime_ns == stamp   # not rebuilt
+
+
+def test_registry(caplog, monkeypatch):
+    import minicb.model.backends as backends
+
+    monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())     # another test may have logged it
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        assert resolve_backend("cpu-paged", "cpu", dtype, 64) == "cpu-paged"
+        assert resolve_backend("auto", "cpu", dtype, 64) == "cpu-paged"     # the fastest that runs here
+    assert not caplog.records
+    with pytest.raises(InvalidArgument, match="float32, float64 or bfloat16"):
+        resolve_backend("cpu-paged", "cpu", torch.float16, 64)
+    # auto falls back to the reference backend where cpu-paged cannot run, and says why in one line
+    with caplog.at_level("WARNING", logger="minicb"):
+        assert resolve_backend("auto", "cpu", torch.float16, 64) == "reference"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "using reference, not cpu-paged: cpu-paged takes float32, float64 or bfloat16" in line
+    assert "\n" not in line
+
+
+def test_registry_reports_a_broken_compiler(monkeypatch, caplog):
+    import minicb.model.backends as backends
+
+    monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())
+    monkeypatch.setattr(cpu_paged, "unavailable_reason", lambda: "no C compiler found (stand-in)")
+    with pytest.raises(InvalidArgument, match="cpu-paged.*no C compiler found"):
+        resolve_backend("cpu-paged", "cpu", torch.float32, 64)
+    with caplog.at_level("WARNING", logger="minicb"):
+        assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"
+        assert resolve_backend("auto", "cpu", torch.float32, 64) == "reference"
+    assert [r.getMessage() for r in caplog.records] == [    # said once, not once per engine
+        "minicb: attn_backend auto: using reference, not cpu-paged: no C compiler found (stand-in)"]
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_engine_on_cpu_paged_matches_baseline(policy, bs):
+    model = tiny_model()
+    prompts = random_prompts(24, 1, 60, TINY.vocab_size, seed=bs)
+    params = [greedy(1 + (i * 7) % 20) for i in range(len(prompts))]
+    cfg = SchedulerConfig(policy=policy, max_num_seqs=6, max_num_batched_tokens=32, block_size=bs,
+                          num_blocks=max(12, 240 // bs), num_host_blocks=max(12, 240 // bs),
+                          preemption_mode="swap" if bs == 4 else "recompute", long_prefill_chunk=16)
+    outs, eng = run_engine(model, cfg, prompts, params, attn_backend="cpu-paged")
+    assert eng.runner.backend.name == "cpu-paged"
+    if policy == "continuous":
+        assert eng.scheduler.stats.num_preemptions > 0     # the pool is small enough to force it
+    assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, TINY.eos_token_id)
+
+
+def test_engine_backend_builds_at_start(monkeypatch):
+    """A broken kernel surfaces when the engine is made, not in the middle of a run."""
+    import minicb.model.backends.cpu_paged as mod
+
+    kv = make_backend("reference", _small_cache()).kv_cache
+    monkeypatch.setattr(mod, "load", lambda: (_ for _ in ()).throw(mod.KernelUnavailable("stand-in")))
+    with pytest.raises(mod.KernelUnavailable, match="stand-in"):
+        mod.CpuPagedAttention(kv)
+
+
+def _small_cache():
+    from minicb.model.kv_cache import KVCache
+
+    return KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 8)])
+def test_bfloat16_kernel_is_the_float32_kernel_rounded(shape):
+    """The bfloat16 kernel widens to float32, computes as the float32 kernel does and rounds once at the
+    end: its output is the float32 kernel's on the widened inputs, rounded by torch (nearest-even)."""
+    hq, hkv, d = shape
+    q, kc, vc, tables, ctx = random_case(11, hq, hkv, d, 16, 90, torch.bfloat16, seed=d)
+    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+    want = cpu_paged.paged_decode(q.float(), kc.float(), vc.float(), tables, ctx, 16).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

@@ -1,0 +1,160 @@
+"""``minicb serve`` as a command: a real process, its CPU time when idle, and its shutdown.
+
+* An idle server sleeps: over 5 s its whole process (engine thread, event loop, torch's threads) uses
+  next to no CPU time (read from ``/proc/<pid>/stat``).
+* SIGTERM with requests in flight: new requests are refused, the running ones that can finish within
+  ``--shutdown-timeout`` finish, the one that cannot is aborted (its stream ends with
+  ``finish_reason: "abort"`` and ``[DONE]``), and the process exits 0. Ctrl-C (SIGINT) too.
+* Mistakes on the command line are one line on stderr and exit code 2, before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from minicb.entrypoints.cli import EXIT_USAGE, main
+from preconditions import unavailable
+from serve_helpers import MODEL, client, http, wait_for
+from tiny_files import write_gguf
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("serve-proc") / "tiny.gguf")
+
+
+class ServeProcess:
+    def __init__(self, gguf, *flags: str) -> None:
+        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minicb", "serve", "--model", str(gguf), "--served-model-name", MODEL,
+             "--dtype", "float64", "--port", "0", "--threads", "1", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()             # "minicb serve: tiny on http://127.0.0.1:PORT ..."
+        assert " on http://" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        self.url = line.split(" on ", 1)[1].split()[0]
+        self.lines: list[str] = []
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def serve(gguf):
+    started = []
+
+    def start(*flags: str) -> ServeProcess:
+        started.append(ServeProcess(gguf, *flags))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+@pytest.mark.slow
+def test_an_idle_server_uses_no_cpu_and_ctrl_c_exits_0(serve):
+    if not os.path.exists("/proc/self/stat"):
+        unavailable("the idle-CPU check reads a process's CPU time from /proc (Linux)")
+    p = serve()
+    r = client(p.url).completions.create(model=MODEL, prompt=[5, 6], max_tokens=8)   # warm everything
+    assert r.usage.completion_tokens >= 1
+    time.sleep(1.0)
+    t0, c0 = time.monotonic(), p.cpu_seconds()
+    time.sleep(5.0)
+    used, wall = p.cpu_seconds() - c0, time.monotonic() - t0
+    print(f"idle server: {used:.3f} s of CPU in {wall:.1f} s")
+    assert used <= 0.05, f"an idle server used {used:.3f} s of CPU in {wall:.1f} s"
+    p.proc.send_signal(signal.SIGINT)
+    rc, out, err = p.finish(timeout=20)
+    assert rc == 0, err
+    assert "minicb serve: stopped" in out and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_running_requests_aborts_the_rest_and_exits_0(serve):
+    p = serve("--shutdown-timeout", "2", "--max-num-seqs", "4")
+    results: dict[str, dict] = {}
+    started = {k: threading.Event() for k in ("short1", "short2", "long")}
+
+    def stream(key: str, max_tokens: int) -> None:
+        got = results[key] = {"chunks": 0, "reason": None}
+        for chunk in client(p.url).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=max_tokens,
+                                                      temperature=0, stream=True,
+                                                      extra_body={"ignore_eos": True}):
+            got["chunks"] += 1
+            got["reason"] = chunk.choices[0].finish_reason or got["reason"]
+            started[key].set()
+
+    jobs = (("short1", 40), ("short2", 60), ("long", 4000))
+    threads = [threading.Thread(target=stream, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for e in started.values():
+        assert e.wait(30)
+    t0 = time.monotonic()
+    p.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: _refused(p.url), timeout=5, what="new requests refused")
+    for t in threads:
+        t.join(timeout=30)
+    rc, out, err = p.finish(timeout=30)
+    took = time.monotonic() - t0
+    assert rc == 0, err
+    assert results["short1"]["reason"] == results["short2"]["reason"] == "length"
+    assert results["long"]["reason"] == "abort" and results["long"]["chunks"] < 4000
+    assert 1.5 < took < 2 + 8, took                     # the long one ran until the timeout, not longer
+    assert "Traceback" not in err
+
+
+def _refused(url: str) -> bool:
+    try:
+        status, _, _ = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": "x"}, timeout=2)
+    except OSError:
+        return True                                   # the listening socket is closed
+    return status == 503
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["serve", "--max-waiting", "-1"], "--max-waiting must be in [0, inf], got -1"),
+    (["serve", "--shutdown-timeout", "-2"], "--shutdown-timeout must be >= 0 seconds"),
+    (["serve", "--threads", "-1"], "--threads must be in [0, inf]"),
+    (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number of GiB"),
+    (["serve", "--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
+])
+def test_bad_flags_are_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("minicb: error: ") and needle in err, err
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["serve", "--port", str(port), "--model", "/nonexistent.gguf"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"minicb: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,114 @@
+"""Request bodies to ``GenerateRequest`` (``minicb.entrypoints.serve.protocol``), without a server: what each
+OpenAI field becomes, and every bad field a 400 that names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from minicb.core.errors import InvalidArgument
+from minicb.core.sampling_params import SamplingParams
+from minicb.entrypoints.serve.protocol import ApiError, parse_chat, parse_completion
+
+
+def chatml(messages) -> str:
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_completion_defaults_are_openais():
+    r = parse_completion({"model": "m", "prompt": "hi"})
+    assert r.kind == "completion" and r.model == "m" and not r.stream
+    assert r.generate.prompt == "hi" and r.generate.stops == () and not r.generate.max_tokens_from_room
+    assert r.generate.params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
+
+
+def test_every_supported_field_reaches_sampling_params():
+    r = parse_completion({"prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0, "top_p": 0.5, "top_k": 4,
+                          "seed": 11, "stop": "\n\n", "stop_token_ids": [3, 4], "ignore_eos": True,
+                          "stream": True, "stream_options": {"include_usage": True},
+                          "return_token_ids": True, "n": 1, "user": "ignored", "logprobs": None})
+    assert r.generate.prompt == [5, 6, 7] and r.generate.stops == ("\n\n",)
+    assert r.generate.params == SamplingParams(max_tokens=9, temperature=0.0, top_p=0.5, top_k=4, seed=11,
+                                               stop_token_ids=(3, 4), ignore_eos=True)
+    assert r.stream and r.include_usage and r.return_token_ids
+
+
+def test_one_prompt_in_a_list_is_unwrapped_and_top_k_minus_one_is_off():
+    assert parse_completion({"prompt": ["text"]}).generate.prompt == "text"
+    assert parse_completion({"prompt": [[1, 2]]}).generate.prompt == [1, 2]
+    assert parse_completion({"prompt": "x", "top_k": -1}).generate.params.top_k == 0
+
+
+def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
+    r = parse_chat({"messages": [{"role": "system", "content": "be brief"},
+                                 {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                              {"type": "text", "text": "there"}]}]}, chatml)
+    assert r.kind == "chat" and r.generate.prompt == "<system>be brief<user>hi there<assistant>"
+    assert r.generate.max_tokens_from_room          # no max_tokens: the engine thread fills it in
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                    "max_completion_tokens": 5}, chatml)
+    assert r.generate.params.max_tokens == 5 and not r.generate.max_tokens_from_room
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({}, "prompt", "prompt is required"),
+    ({"prompt": 5}, "prompt", "string or a list of token ids"),
+    ({"prompt": [1, "a"]}, "prompt", "token ids"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, inf]"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be in [0.0, 2.0]"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature", "temperature must be in [0.0, 2.0]"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0.0, 1.0]"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "top_k must be in [-1, inf]"),
+    ({"prompt": "x", "seed": -1}, "seed", "seed must be in [0,"),
+    ({"prompt": "x", "stop": 5}, "stop", "stop must be a string or a list of strings"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids[i] must be in [0, inf]"),
+    ({"prompt": "x", "stop_token_ids": 3}, "stop_token_ids", "must be a list"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "true or false"),
+    ({"prompt": "x", "stream": 1}, "stream", "true or false"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": "x", "model": 3}, "model", "model must be a string"),
+])
+def test_bad_completion_fields_are_400_naming_the_field(body, param, needle):
+    with pytest.raises(ApiError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param and needle in e.value.message, e.value
+    assert e.value.body() == {"error": {"message": e.value.message, "type": "invalid_request_error",
+                                        "param": param, "code": None}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+])
+def test_bad_messages_are_400(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_chat(body, chatml)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_template_that_refuses_the_messages_is_a_400():
+    def refuse(messages):
+        raise RuntimeError("Conversation roles must alternate user/assistant")
+
+    def no_template(messages):
+        raise InvalidArgument("this tokenizer has no chat_template")
+
+    for render, needle in ((refuse, "must alternate"), (no_template, "no chat_template")):
+        with pytest.raises(ApiError) as e:
+            parse_chat({"messages": [{"role": "user", "content": "x"}]}, render)
+        assert e.value.status == 400 and needle in e.value.message
+
+
+def test_a_body_that_is_not_an_object_is_a_400():
+    with pytest.raises(ApiError) as e:
+        parse_completion(["prompt"])
+    assert e.value.status == 400 and "JSON object" in e.value.message

@@ -1,0 +1,75 @@
+"""Stop strings on a growing text (``minicb.entrypoints.serve.stops.StopMatcher``): whatever the chunking, the
+text sent ends right before the first stop string to appear (at its earliest occurrence in the text
+so far), and no stop string is ever sent, not even its first characters ahead of time."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minicb.entrypoints.serve.stops import StopMatcher
+
+
+def run(stops, chunks) -> tuple[str, bool, list[str]]:
+    m = StopMatcher(tuple(stops))
+    sent = []
+    for c in chunks:
+        sent.append(m.push(c))
+        if m.stopped:
+            break
+    if not m.stopped:
+        sent.append(m.flush())
+    return "".join(sent), m.stopped, sent
+
+
+def expected(stops, chunks) -> tuple[str, bool]:
+    """The oracle, with plain ``str.find``: the text so far after each chunk; the first of these that
+    contains a stop string is cut before the earliest occurrence in it."""
+    text = ""
+    for c in chunks:
+        text += c
+        hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+        if hits:
+            return text[:min(hits)], True
+    return text, False
+
+
+def test_the_docstring_example():
+    text, stopped, sent = run(["END"], ["The", " E", "N", "D!", " more"])
+    assert (text, stopped) == ("The ", True)
+    assert sent == ["The", " ", "", ""]            # "E" and "EN" held back, never sent
+
+
+def test_text_that_only_looks_like_a_stop_is_released():
+    m = StopMatcher(("END",))
+    assert m.push("EN") == ""                       # could still become "END"
+    assert m.push("X") == "ENX"                     # it did not: released with the new text
+    assert m.push("E") == ""
+    assert m.flush() == "E"                         # the request ended: held text is text after all
+
+
+def test_the_first_stop_to_complete_ends_the_text_at_its_earliest_occurrence():
+    assert run(["bcd", "c"], ["ab", "cd"])[:2] == ("a", True)     # both complete with "cd": earliest wins
+    assert run(["bcd", "c"], ["abc", "d"])[:2] == ("ab", True)    # "c" completes first: the text ends
+    assert run(["abc", "bd"], ["a", "b", "d"])[:2] == ("a", True)
+
+
+def test_no_stops_and_empty_stops_pass_everything_through():
+    assert run([], ["a", "b"])[:2] == ("ab", False)
+    assert run([""], ["a", "b"])[:2] == ("ab", False)
+
+
+def test_nothing_after_a_match():
+    m = StopMatcher(("x",))
+    assert m.push("axb") == "a" and m.stopped
+    assert m.push("more") == "" and m.flush() == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
+       chunks=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=12))
+def test_any_chunking_gives_the_text_before_the_first_stop(stops, chunks):
+    text, stopped, sent = run(stops, chunks)
+    assert (text, stopped) == expected(stops, chunks)
+    for s in stops:          # no prefix of the sent text ever showed a stop string
+        assert s not in text
