@@ -66,7 +66,8 @@ EXTRA_TESTS = {
     "core/config.py": ["tests/engine/test_robust_inputs.py"],
     "core/errors.py": ["tests/engine/test_robust_inputs.py"],
     "core/sampling_params.py": ["tests/engine/test_robust_inputs.py"],
-    "core/memory.py": ["tests/model/test_kv_pool_memory.py", "tests/engine/test_robust_inputs.py"],
+    "core/memory.py": ["tests/model/test_kv_pool_memory.py", "tests/model/test_kv_cache.py",
+                       "tests/engine/test_robust_inputs.py"],
     "core/kv_budget.py": ["tests/engine/test_kv_budget.py"],
 }
 SAMPLER_TESTS = ["tests/runtime", "tests/engine/test_robust_inputs.py"]
@@ -588,6 +589,23 @@ def choose_tests(m: Mutant, trace: dict[str, dict]) -> list[str]:
 
 
 # --- the driver -------------------------------------------------------------------------------------------
+# Operators only ``--all`` uses: ``not`` dropped, ``+``/``-`` swapped, ``in``/``not in``, a flipped
+# ``True``/``False`` (their mutants die with the others of their line; the default leaves them out).
+EXTRA_OPERATORS = {"`not`", "`+`", "`-`", "`in`", "`True`", "`False`"}
+
+
+def one_per_line(mutants: list[Mutant]) -> list[Mutant]:
+    """The first mutant of every line (a dropped statement, else the leftmost operator): a line's
+    mutants nearly always live or die together, and a run of all of them takes twice as long."""
+    seen: set[tuple[str, int]] = set()
+    kept = []
+    for m in mutants:
+        if (m.rel, m.line) not in seen:
+            seen.add((m.rel, m.line))
+            kept.append(m)
+    return kept
+
+
 def spread(items: list, n: int) -> list:
     if n >= len(items):
         return items
@@ -601,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the modules whose path (as core/planner.py) contains this; repeatable")
     ap.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     ap.add_argument("--max", type=int, default=None, metavar="N", help="at most N mutants, spread evenly")
+    ap.add_argument("--all", action="store_true",
+                    help="every mutant of every line, with the extra operators (about 1.6x the mutants)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--verbose", "-v", action="store_true", help="one line per mutant run, with its time")
     ap.add_argument("--fraction", type=float, default=0.25,
@@ -610,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     files = [p for p in target_files()
              if not args.module or any(s in p.relative_to(PACKAGE).as_posix() for s in args.module)]
     mutants = [m for p in files for m in find_mutants(p)]
+    if not args.all:
+        mutants = one_per_line([m for m in mutants if m.description.split()[0] not in EXTRA_OPERATORS])
     if args.max is not None:
         mutants = spread(mutants, args.max)
     equivalent = {m: r for m in mutants if (r := equivalence_reason(m)) is not None}
@@ -626,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     rels = sorted({m.rel for m in mutants})
     print(f"{len(mutants)} mutants in {len(rels)} modules, {len(equivalent)} listed as equivalent; "
           f"{args.workers} workers", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)     # a kill cleans up like Ctrl-C
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="minicb-mutate-"))
     workers: list[Worker] = []
     t0 = time.monotonic()

@@ -27,6 +27,8 @@ row's numbers) can raise in the middle of a batch and take the other requests of
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from minicb.core.sampling_params import SamplingParams
@@ -74,15 +76,17 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 class Sampler:
-    """Holds one generator per live request and samples rows of a logits matrix."""
+    """Holds one generator per live request and samples rows of a logits matrix.
+
+    An unseeded request gets its seed from the sampler's own generator, which is seeded with ``seed``
+    (repeatable runs) or, without one, from the operating system's entropy: a ``torch.Generator``
+    left alone starts from the same constant in every process, so every unseeded request of every
+    run would draw the same tokens."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._fallback = torch.Generator()
-        if seed is not None:
-            self._fallback.manual_seed(seed)
-        else:
-            self._fallback.seed()
+        self._fallback.manual_seed(secrets.randbits(63) if seed is None else seed)
 
     def register(self, request_id: str, params: SamplingParams) -> None:
         if params.greedy:
