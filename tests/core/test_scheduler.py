@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minicb.core.config import SchedulerConfig
@@ -653,18 +653,29 @@ requests = st.lists(st.tuples(prompts, st.integers(1, 12), st.integers(0, 6), st
 
 @st.composite
 def configs(draw, policy: str, block_size: int, reqs: list[Req]):
-    """Pools just big enough for the largest request, so memory is tight and preemption frequent."""
-    max_num_seqs = draw(st.integers(1, 4))
+    """Pools just big enough for the largest request, so memory is tight and preemption frequent.
+
+    The continuous policy (the only one that preempts) is steered towards both preemption paths: at
+    least two sequences may run at once, the pool has at most two blocks to spare, prefix caching
+    (which makes swap fall back to recompute) is on in a third of the examples, and a swap-mode host
+    pool is usually big enough to take a victim (a small or absent one falls back to recompute,
+    drawn too, but less often). Run with
+    ``--hypothesis-show-statistics`` to see the share of examples that reach each."""
+    preempting = policy == "continuous"
+    max_num_seqs = draw(st.integers(2, 4) if preempting else st.integers(1, 4))
     need = max(-(-(len(r.prompt) + r.max_tokens) // block_size) for r in reqs)
     budget = draw(st.integers(1, 32))
+    spare = st.integers(0, 2) if preempting else st.integers(0, max(2, need // 2))
+    hosts = [need, 4 * need, 4 * need, 1, 0] if preempting else [0, 1, need, 4 * need]
     return SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
         long_prefill_chunk=draw(st.one_of(st.none(), st.integers(1, budget))),
-        num_blocks=max(max_num_seqs, need) + draw(st.integers(0, max(2, need // 2))),
-        num_host_blocks=draw(st.sampled_from([0, 1, need, 4 * need])),
+        num_blocks=max(max_num_seqs, need) + draw(spare),
+        num_host_blocks=draw(st.sampled_from(hosts)),
         policy=policy, preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
-        enable_prefix_caching=draw(st.booleans()))
+        # a block shared through the prefix cache is never swapped out (its victim recomputes)
+        enable_prefix_caching=draw(st.sampled_from([False, False, True]) if preempting else st.booleans()))
 
 
 def to_reqs(raw) -> list[Req]:
@@ -686,10 +697,13 @@ def test_tokens_do_not_depend_on_the_schedule(policy, block_size, data, raw):
     config = data.draw(configs(policy, block_size, reqs))
     run = drive(config, reqs, max_steps=step_bound(reqs))
     assert_token_exact(run, reqs)
-    seqs_preempted = run.scheduler.stats.num_preemptions
-    assert seqs_preempted == run.scheduler.stats.num_recomputes + run.scheduler.stats.num_swaps
+    stats = run.scheduler.stats
+    assert stats.num_preemptions == stats.num_recomputes + stats.num_swaps
     if policy != "continuous":
-        assert seqs_preempted == 0
+        assert stats.num_preemptions == 0
+    # how often the examples reach each preemption path (pytest --hypothesis-show-statistics)
+    event("reaches swap" if stats.num_swaps else "no swap")
+    event("reaches recompute" if stats.num_recomputes else "no recompute")
 
 
 def _pressure(block_size: int) -> tuple[list[Req], int]:
