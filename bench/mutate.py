@@ -642,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(mutants)} mutants in {len(files)} modules")
         for p in files:
             rel = p.relative_to(PACKAGE).as_posix()
-            print(f"  {rel:28} {sum(m.rel == rel for m in mutants):4} mutants  tests: {' '.join(tests_for(rel))}")
+            count = sum(m.rel == rel for m in mutants)
+            print(f"  {rel:28} {count:4} mutants  tests: {' '.join(tests_for(rel))}")
         return 0
 
     rels = sorted({m.rel for m in mutants})
@@ -700,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
         # 2. the quick pass, then 3. every survivor again with all the examples
         todo = [job_for(m, 1.0) for m in mutants]
         run_jobs(workers, todo, args.fraction, on_result, shared)
-        todo = [dataclasses.replace(job_for(m, 1.0), fresh=True) for m in mutants if verdicts[m] == "unpatched"]
+        todo = [dataclasses.replace(job_for(m, 1.0), fresh=True)
+                for m in mutants if verdicts[m] == "unpatched"]
         if todo:
             print(f"{len(todo)} mutants could not be patched in memory: importing afresh", flush=True)
             done[0] = 0
