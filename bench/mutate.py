@@ -116,6 +116,10 @@ COMPARE_SWAPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="),
                  ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.Is: ("is", "is not"),
                  ast.IsNot: ("is not", "is"), ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
 BINOP_SWAPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+")}
+# The integrity checks are the tests' referee, not behaviour: like ``assert`` statements they are not
+# mutated (a weakened referee is not a wrong result).
+REFEREE = {"check_integrity", "_check_cache", "_check_waiting", "_check_swapped", "_check_running",
+           "_check_holders"}
 NUMERIC_PARENTS = (ast.Compare, ast.BinOp, ast.UnaryOp)   # where an off-by-one constant means something
 
 
@@ -184,6 +188,8 @@ class _Finder(ast.NodeVisitor):
         return                  # the integrity checks: the tests' own referee, not behaviour
 
     def _function(self, node) -> None:
+        if node.name in REFEREE:
+            return
         for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
             self.visit(d)
         if not self.in_function:
@@ -619,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the modules whose path (as core/planner.py) contains this; repeatable")
     ap.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     ap.add_argument("--max", type=int, default=None, metavar="N", help="at most N mutants, spread evenly")
+    ap.add_argument("--only", metavar="FILE", help="only the mutants listed in FILE, one per line as the "
+                    "survivors are printed (`core/planner.py:61 statement dropped ...`)")
     ap.add_argument("--all", action="store_true",
                     help="every mutant of every line, with the extra operators (about 1.6x the mutants)")
     ap.add_argument("--workers", type=int, default=2)
@@ -632,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     mutants = [m for p in files for m in find_mutants(p)]
     if not args.all:
         mutants = one_per_line([m for m in mutants if m.description.split()[0] not in EXTRA_OPERATORS])
+    if args.only:
+        wanted = {" ".join(line.split()[:1] + line.split()[1:]) for line in
+                  pathlib.Path(args.only).read_text().splitlines() if line.strip()}
+        mutants = [m for m in mutants if any(w.startswith(f"{m.where} {m.description}") for w in wanted)]
     if args.max is not None:
         mutants = spread(mutants, args.max)
     equivalent = {m: r for m in mutants if (r := equivalence_reason(m)) is not None}
@@ -649,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     rels = sorted({m.rel for m in mutants})
     print(f"{len(mutants)} mutants in {len(rels)} modules, {len(equivalent)} listed as equivalent; "
           f"{args.workers} workers", flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)     # a kill cleans up like Ctrl-C
+    for sig in (signal.SIGINT, signal.SIGTERM):      # a kill cleans up like Ctrl-C (even run in background)
+        signal.signal(sig, signal.default_int_handler)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="minicb-mutate-"))
     workers: list[Worker] = []
     t0 = time.monotonic()
