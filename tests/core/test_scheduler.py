@@ -655,17 +655,17 @@ requests = st.lists(st.tuples(prompts, st.integers(1, 12), st.integers(0, 6), st
 def configs(draw, policy: str, block_size: int, reqs: list[Req]):
     """Pools just big enough for the largest request, so memory is tight and preemption frequent.
 
-    The continuous policy (the only one that preempts) is steered towards both preemption paths: at
-    least two sequences may run at once, the pool has at most two blocks to spare, prefix caching
-    (which makes swap fall back to recompute) is on in a third of the examples, and a swap-mode host
-    pool is usually big enough to take a victim (a small or absent one falls back to recompute,
-    drawn too, but less often). Run with
+    The continuous policy (the only one that preempts) is steered towards both preemption paths:
+    at least two sequences may run at once, the pool has at most two blocks to spare (none when
+    one block holds most of a request), prefix caching (with which swap falls back to recompute)
+    is on in a third of the examples, and a swap-mode host pool is usually big enough to take a
+    victim (a small or absent one falls back to recompute, drawn too, but less often). Run with
     ``--hypothesis-show-statistics`` to see the share of examples that reach each."""
     preempting = policy == "continuous"
     max_num_seqs = draw(st.integers(2, 4) if preempting else st.integers(1, 4))
     need = max(-(-(len(r.prompt) + r.max_tokens) // block_size) for r in reqs)
     budget = draw(st.integers(1, 32))
-    spare = st.integers(0, 2) if preempting else st.integers(0, max(2, need // 2))
+    spare = st.integers(0, 2 if block_size < 16 else 0) if preempting else st.integers(0, max(2, need // 2))
     hosts = [need, 4 * need, 4 * need, 1, 0] if preempting else [0, 1, need, 4 * need]
     return SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
