@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-fast lint docs docs-pages serve-docs bench clean
+.PHONY: setup demo test test-fast lint docs docs-pages serve-docs bench clean mutate
 
 # Idempotent set-up: reuse an installed torch, else take the CPU wheel torch==2.13.0 (never a CUDA build).
 setup: $(STAMP)
@@ -29,6 +29,11 @@ test: setup
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests
+
+# Mutation testing of the core and the sampler: the score, every survivor, the equivalent mutants.
+# MUTATE_ARGS passes options, e.g. make mutate MUTATE_ARGS="--module planner".
+mutate: setup
+	$(PYTHON) bench/mutate.py $(MUTATE_ARGS)
 
 lint: setup
 	$(PYTHON) -m ruff check src tests bench tutorials

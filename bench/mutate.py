@@ -1,28 +1,39 @@
 """Mutation testing of the core and the sampler: break the code on purpose, one small change at a time,
 and check that some test notices.
 
-A *mutant* is the source with one small change: a flipped comparison (``<`` becomes ``<=``), an
-off-by-one constant, a dropped statement, ``min`` swapped for ``max``, ``and`` for ``or``, a dropped
-``not``, a ``+`` for a ``-``, a ``return`` of ``None``. A mutant is *killed* when a test fails on it (or
-runs past its timeout: an infinite loop is a failure too) and *survives* when every test still passes:
-a survivor is a behaviour nothing checks. Some mutants cannot be told apart from the original by any
-test, because they compute the same thing (``x > 0`` and ``x >= 1`` on integers); those
-*equivalent* mutants are listed below, one reason each, printed with the results and left out of the
-score::
+A *mutant* is the source with one small change: a flipped comparison (``<`` becomes ``<=``, ``==``
+becomes ``!=``, ``is`` becomes ``is not``), an off-by-one constant in a comparison or arithmetic, a
+dropped statement (a call, a store into an object, a ``+=``, a ``raise``), ``min`` swapped for
+``max``, ``and`` for ``or``, a constant ``return`` (``False`` from a ``-> bool`` function, ``0``
+from an ``-> int`` one). By default each line gets its first mutant only (a line's mutants nearly
+always live or die together); ``--all`` takes every mutant of every line and adds a dropped
+``not``, ``+``/``-`` and ``in``/``not in`` swaps and flipped ``True``/``False``.
+
+A mutant is *killed* when a test fails on it (or runs past its timeout: an infinite loop is a
+failure too) and *survives* when every test still passes: a survivor is a behaviour nothing checks.
+Some mutants cannot be told apart from the original by any test, because they compute the same
+thing (``x > 0`` and ``x >= 1`` on integers): those *equivalent* mutants are listed in
+``EQUIVALENT`` below with one reason each, printed with the results and left out of the score::
 
     score = killed / (mutants - equivalent)
 
-How it runs, so a full run fits in minutes on two busy cores:
+Not mutated: docstrings, f-strings (messages), annotations, decorators, ``assert`` statements and the
+``check_integrity`` functions: those are the tests' referee, not behaviour.
 
-* every mutant runs only the tests of its module (``TESTS`` below), ``-x`` (first failure stops), with
-  hypothesis derandomized, without shrinking, and a quarter of each property test's examples;
-* a survivor of that quick pass is run again with every example, so the quick pass never decides a
+How it stays fast on two busy cores:
+
+* one unmutated, traced run of the modules' tests records which lines each test executes (and checks
+  they pass); a mutant then runs only the tests that execute its lines, fastest first, ``-x``
+  (first failure stops). A mutant that runs at import (a module constant, a default argument) runs
+  its module's whole test set (``TESTS_FOR`` below);
+* hypothesis is derandomized, does not shrink, and runs a quarter of each property test's examples;
+  a survivor of that quick pass runs again with every example, so the quick pass never decides a
   survivor on its own;
-* each worker owns a copy of ``src/`` and ``tests/`` in a temporary folder and writes its mutant there:
-  the working tree is never touched, whatever happens (Ctrl-C included), and the copy is deleted at
-  the end;
-* torch, pytest and hypothesis are imported once; each mutant's pytest runs in a ``fork`` of this
-  process (saving their ~2 s import per mutant), two at a time, each with a timeout.
+* torch, pytest, hypothesis, the package and the test modules are imported once; each mutant runs
+  in a ``fork`` of this process, two at a time, each with a timeout, and the mutant is put in by
+  giving the functions of the imported module the mutated code objects (nothing is imported again);
+* everything happens in a temporary copy of ``src/`` and ``tests/``: the working tree is never
+  touched, whatever happens (Ctrl-C and ``kill`` included), and the copy is deleted at the end.
 
 Usage::
 
@@ -30,6 +41,7 @@ Usage::
     python bench/mutate.py --module planner       # the modules whose path contains "planner"
     python bench/mutate.py --list                 # only list the mutants
     python bench/mutate.py --max 40               # 40 mutants spread over the modules
+    python bench/mutate.py --only survivors.txt   # the mutants listed in a file, as printed
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ def target_files() -> list[pathlib.Path]:
 MODULES = [p.relative_to(PACKAGE).as_posix() for p in target_files()]
 
 
-# Which tests run for a mutant of which module (paths relative to the repository root). Every core
+# TESTS_FOR: which tests a mutant of which module may run (paths relative to the repository root). Every core
 # module gets the whole of tests/core (new test files there join automatically); a few modules are
 # also used, or only used, by the engine and model tests named here.
 CORE_TESTS = ["tests/core"]
