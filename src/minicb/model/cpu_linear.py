@@ -133,9 +133,15 @@ def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, dtype: torch.dtype):
     """``x @ W.T`` with oneDNN's packed ``W``, computed in ``dtype``, returned in ``x``'s dtype."""
-    flat = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.dtype != dtype:                    # each skipped no-op is a dispatch saved, 200 calls a step
+        flat = flat.to(dtype)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     y = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
-    return y.reshape(*x.shape[:-1], out_features).to(x.dtype)
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], out_features)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _compute_dtype(weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
