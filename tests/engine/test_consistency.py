@@ -31,6 +31,7 @@ import types
 from pathlib import Path
 
 import pytest
+from test_tokenizer import tiny_tokenizer
 
 from helpers import assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import ModelConfig, SchedulerConfig
@@ -38,7 +39,6 @@ from minicb.core.errors import EngineDeadError
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
 from minicb.runtime.runner import ModelRunner
-from test_tokenizer import tiny_tokenizer
 
 SRC = Path(__import__("minicb").__file__).resolve().parent
 # A vocabulary past 0x80 bytes, so that tokens end inside multi-byte characters and the decoder holds.
@@ -90,17 +90,17 @@ def workload(mode: str) -> tuple[object, dict, dict, int]:
     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
         eng.add_request(f"r{i}", p, sp)
     eng.close_arrivals()
-    finals, streamed, interrupts, steps = {}, {}, 0, 0
+    finals, streamed = {}, {}
     ARMED[0] = True
     try:
-        _serve(eng, finals, streamed, steps)
+        interrupts = _serve(eng, finals, streamed)
     finally:
         ARMED[0] = False
-    return eng, finals, streamed, _serve.interrupts
+    return eng, finals, streamed, interrupts
 
 
-def _serve(eng, finals: dict, streamed: dict, steps: int) -> None:
-    _serve.interrupts = interrupts = 0
+def _serve(eng, finals: dict, streamed: dict) -> int:
+    interrupts = steps = 0
     while True:
         try:
             if not eng.has_unfinished_requests():
@@ -118,9 +118,9 @@ def _serve(eng, finals: dict, streamed: dict, steps: int) -> None:
                 break
         except KeyboardInterrupt:
             interrupts += 1
-            _serve.interrupts = interrupts
         except RuntimeError as e:              # an injected error that reached the caller: go on
             assert "injected" in str(e), e
+    return interrupts
 
 
 def _take(out, finals: dict, streamed: dict) -> None:
