@@ -15,13 +15,14 @@ read bandwidth``. This script measures both on this machine and prints that floo
   pass: what streaming a weight costs).
 
 Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine until every prompt is
-in the cache, and times ``--steps`` decode steps twice: once untouched (the step's wall time), once with
-timers around its parts (``time.perf_counter``, about a microsecond per call, so the parts add up to a
-little more than the untouched step): the linear products (q/k/v, o, gate/up, down: ``linears``), the
-LM head, the decode kernel, the whole forward (its ``other`` is norms, rotary, residual adds, the
-backend's glue: the Python of the layers), the runner's packing of the batch (``pack``: ids, positions,
-metadata tensors), sampling, and the rest of the step (scheduling, the checkpoint, making outputs).
-Every figure is a median over the steps and names the CPU; on a shared machine read the ratios.
+in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
+with timers around its parts (``time.perf_counter``, about a microsecond per call, so the ``timed``
+step is a little longer, and its parts add up to it): the linear products (q/k/v, o, gate/up, down:
+``linears``), the LM head, the decode kernel, the rest of the forward (``fwd oth``: norms, rotary,
+residual adds, the backend's glue, the Python of the layers), the runner's packing of the batch
+(``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
+scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
+parts are means; the header names the CPU. On a shared machine read the ratios.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def timed(name: str, fn):
     return wrapper
 
 
-def install_timers(model: LlamaForCausalLM) -> None:
+def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
     for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
         cls.forward = timed("linears", cls.forward)
     model.lm_head.forward = timed("lm head", model.lm_head.forward)     # counted apart from "linears"
@@ -90,6 +91,7 @@ def install_timers(model: LlamaForCausalLM) -> None:
     runner_module.pack = timed("pack", runner_module.pack)
     Sampler.sample = timed("sample", Sampler.sample)
     model.forward = timed("forward", model.forward)
+    llm.engine.step = timed("step", llm.engine.step)
 
 
 def decode_steps(llm: LLM, batch: int, steps: int, vocab: int) -> tuple[list[float], dict[str, float]]:
@@ -139,25 +141,25 @@ def main() -> None:
         floor = nbytes / (bw * 1e9) * 1e3             # ms
         clean = {b: statistics.median(decode_steps(llm, b, args.steps, model.config.vocab_size)[0])
                  for b in batches}
-        install_timers(model)
-        print(f"  {'seqs':>5} {'step':>7} {'floor':>6} {'x floor':>7} | {'linears':>7} {'lm head':>7} "
-              f"{'kernel':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} {'sched+out':>9}   (ms per step)")
+        install_timers(model, llm)
+        print(f"  {'seqs':>5} {'step':>7} {'floor':>6} {'x floor':>7} | {'timed':>7} {'linears':>7} "
+              f"{'lm head':>7} {'kernel':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} {'sched+out':>9}"
+              "   (ms per step)")
         for b in batches:
             _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size)
             s = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in parts.items()})
             s["linears"] -= s["lm head"]                  # its class's timer counted the head too
             other = s["forward"] - s["linears"] - s["lm head"] - s["decode kernel"]
-            # the rest of the step: the runner's swaps and glue, scheduling, the checkpoint, outputs
-            rest = clean[b] * 1e3 - s["forward"] - s["pack"] - s["sample"]
+            # the rest of the (timed) step: the runner's swaps and glue, scheduling, making outputs
+            rest = s["step"] - s["forward"] - s["pack"] - s["sample"]
             print(f"  {b:>5} {clean[b] * 1e3:7.2f} {floor:6.2f} {clean[b] * 1e3 / floor:7.2f} | "
-                  f"{s['linears']:7.2f} {s['lm head']:7.2f} {s['decode kernel']:7.2f} {other:7.2f} "
-                  f"{s['pack']:6.2f} {s['sample']:6.2f} {rest:9.2f}")
+                  f"{s['step']:7.2f} {s['linears']:7.2f} {s['lm head']:7.2f} {s['decode kernel']:7.2f} "
+                  f"{other:7.2f} {s['pack']:6.2f} {s['sample']:6.2f} {rest:9.2f}")
         for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
             cls.forward = cls.forward.__wrapped__
         cpu_paged.decode_into = cpu_paged.decode_into.__wrapped__
         runner_module.pack = runner_module.pack.__wrapped__
         Sampler.sample = Sampler.sample.__wrapped__
-        del llm, model
 
 
 if __name__ == "__main__":

@@ -53,10 +53,11 @@ correctness everywhere, speed where the hardware has it.
 (``fast_bf16_matmul``) gets ``onednn-bf16``; otherwise a micro-check (``onednn_speedup``) times one
 layer-shaped float32 product (16 rows, the model's q/k/v shape) through MKL and packed oneDNN,
 alternately, and keeps oneDNN only if it is at least ``ONEDNN_MARGIN`` faster. On the AMD EPYC of
-``bench/RESULTS.md`` (avx512_bf16) packed oneDNN was 2.5-3x MKL in float32 and packed bfloat16 another
-1.5-3.5x; on the Intel-like machine of its earlier sections MKL's float32 matched oneDNN for the layers'
-matrices. float64 has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` (the older
-switch) means no packing at all.
+``bench/RESULTS.md`` (avx512_bf16) packed oneDNN was 1.5-3x MKL in float32 (W2: 1.5-1.6x per CPU
+second) and packed bfloat16 1.1-1.2x torch's own unpacked bfloat16 on W2; on the AVX2-only machine of
+its earlier sections MKL's float32 was faster than packed oneDNN for the layers' matrices above a
+handful of rows. float64 has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` (the
+older switch) means no packing at all.
 
 Numerics: every path sums bfloat16 or float32 products in float32, each library in its own order, so
 the paths agree to float32 rounding (float32 models) or to one bfloat16 rounding of each output
