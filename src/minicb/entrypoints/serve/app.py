@@ -42,7 +42,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe

@@ -130,6 +130,11 @@ class Frontend:
             ids = prompt
         if not ids:
             raise bad_request("prompt must not be empty: it needs at least 1 token (it has 0)", param)
+        cap = self.limits.max_prompt_tokens
+        if len(ids) > cap:               # the engine would refuse it too, after checking every id
+            raise bad_request(f"the prompt has {len(ids):,} tokens; at most {cap:,} are allowed "
+                              f"({flag('max_prompt_tokens')}, at most max_model_len)", param,
+                              "context_length_exceeded")
         top = max(ids)                                   # one C loop: the ids are plain ints by now
         if top >= self.vocab_size:
             raise bad_request(f"prompt token ids must be integers in [0, {self.vocab_size - 1}] (the "
