@@ -321,10 +321,10 @@ def test_past_max_waiting_requests_get_503_with_retry_after(gguf):
 
 def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
     """Two slots busy, two free, --max-waiting 3: of 8 new requests 2 start and 3 wait; 3 refused.
-    (2 x 62 + 5 x 4 tokens fit the 192-token pool: nobody is preempted, which would count as waiting.)"""
-    with running_server(gguf, max_waiting=3, **SMALL) as (server, url):
+    (A pool of 800 tokens: the two long ones are still running, and nobody is preempted.)"""
+    with running_server(gguf, max_waiting=3, **(SMALL | {"num_blocks": 200})) as (server, url):
         c = client(url)
-        busy = [c.completions.create(model=MODEL, prompt=[5, 6 + i], max_tokens=60, temperature=0,
+        busy = [c.completions.create(model=MODEL, prompt=[5, 6 + i], max_tokens=300, temperature=0,
                                      stream=True, extra_body={"ignore_eos": True}) for i in range(2)]
         for s in busy:
             next(iter(s))

@@ -208,7 +208,7 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
         return True
     except ConnectionResetError:
         return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
 
 

@@ -59,6 +59,7 @@ from minicb.entrypoints.serve.metrics import ServerMetrics
 
 DEFAULT_MAX_WAITING = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+LINGER_S = 2.0                # a refused body: read and dropped this long, so its client sees the 413
 FORCE_GRACE_S = 2.0           # after a second signal: the aborted requests' last chunks get this long
 
 EXIT_STOPPED = 0
@@ -115,9 +116,10 @@ class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
     that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
     or of its previous response, is closed; so is one whose response is done while its body is still
-    arriving (a 413 or a 408: nothing more will be read)."""
+    arriving (a 413 or a 408), after ``LINGER_S`` seconds of reading and dropping what still comes."""
 
     header_timeout = 10.0
+    _discarding = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -135,11 +137,17 @@ class _DeadlineH11(H11Protocol):
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if body_left:
-            self.transport.close()            # the body was refused half way: do not read the rest
+        if body_left:                         # the body was refused half way (413, 408): read and drop
+            self._discarding = True           # the rest for a moment, so that the client, still
+            self._unset_keepalive_if_required()   # sending, gets to read the answer; then close
+            self.loop.call_later(LINGER_S, self.transport.close)
             return
         self._head_timer.cancel()
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._discarding:
+            super().data_received(data)
 
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()
