@@ -26,11 +26,6 @@ class ModelLoadError(MinicbError, ValueError):
     """A model path could not be loaded: missing, not a model, unsupported architecture or type."""
 
 
-class EngineDeadError(MinicbError):
-    """The engine can no longer step (a worker died, a step failed beyond recovery): every request in
-    flight is lost, and the caller (``minicb serve``) must tell its clients why and shut down."""
-
-
 class DistributedError(MinicbError, RuntimeError):
     """Tensor-parallel ranks disagree, or a rank died: raised on every rank instead of hanging."""
 
