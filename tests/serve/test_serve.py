@@ -307,7 +307,7 @@ def test_past_max_waiting_requests_get_503_with_retry_after(gguf):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(9)]
         for t in threads:
             t.start()
-        wait_for(lambda: server.engine_thread.num_pending == 9, what="9 requests in the inbox")
+        wait_for(lambda: server.engine_thread.num_pending == 9, timeout=60, what="9 requests in the inbox")
         gate.set()                                                     # ...and sees all nine at once
         for t in threads:
             t.join()
@@ -336,7 +336,7 @@ def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
             for i in range(8)]
         for t in threads:
             t.start()
-        wait_for(lambda: server.engine_thread.num_pending == 8, what="8 requests in the inbox")
+        wait_for(lambda: server.engine_thread.num_pending == 8, timeout=60, what="8 requests in the inbox")
         gate.set()
         for t in threads:
             t.join()
