@@ -20,8 +20,10 @@ a refused watcher) or *broke* (a 500, a traceback, a hang, a non-JSON answer, an
   ``--conn-wait`` s), 64 live-page watchers (some refused or not);
 * ``admission``: 24 concurrent requests on 4 free slots with ``--max-waiting 8`` (all 12 that can
   start or wait should be accepted);
-* ``gap``: an innocent stream while large-but-legal requests arrive: the longest gap between its
-  chunks as a ratio to its median gap (a step);
+* ``gap``: an innocent stream while large-but-legal requests arrive (200,000 characters of text,
+  1,024 messages, 4,096 ids: each refused by the engine only after the frontend's work; 4 stop
+  strings of 1,020 characters): the longest gap between its chunks as a ratio to its median gap
+  (a step: the stream gets a token per step);
 * ``shutdown``: a second server, three streams and one non-stream request, SIGINT twice: every
   stream must end with a final chunk and ``[DONE]``, the non-stream client must get an error object,
   and the process must exit within 2 s of printing "stopped".
@@ -157,7 +159,8 @@ def peak_rss_during(srv: Serve, fn) -> tuple[int, object]:
 # --- the classes -----------------------------------------------------------------------------------
 def numbers(t: Tally, srv: Serve, m: str) -> None:
     base = {"model": m, "prompt": "hi", "max_tokens": 2}
-    for name, extra in [("max_tokens=2**63", {"max_tokens": 2**63}), ("max_tokens=10**29", {"max_tokens": 10**29}),
+    for name, extra in [("max_tokens=2**63", {"max_tokens": 2**63}),
+                        ("max_tokens=10**29", {"max_tokens": 10**29}),
                         ("top_k=2**63", {"top_k": 2**63}), ("top_k=10**29", {"top_k": 10**29}),
                         ("stop_token_ids=[10**29]", {"stop_token_ids": [10**29]}),
                         ("temperature=1e-6", {"temperature": 1e-6}),
@@ -285,7 +288,7 @@ def admission(t: Tally, srv: Serve, m: str) -> None:
 
 def gap(t: Tally, srv: Serve, m: str, figures: dict) -> None:
     """An innocent stream while large-but-legal requests arrive: max gap / median gap."""
-    times, stop = [], threading.Event()
+    times: list[float] = []
     started = threading.Event()
 
     def innocent():
@@ -304,11 +307,15 @@ def gap(t: Tally, srv: Serve, m: str, figures: dict) -> None:
     th.start()
     started.wait(60)
     t0 = time.monotonic()
-    loads = [("/v1/completions", {"model": m, "prompt": "word " * 3000, "max_tokens": 1}),
-             ("/v1/chat/completions", {"model": m, "max_tokens": 1,
-                                       "messages": [{"role": "user", "content": "hello there"}] * 200}),
-             ("/v1/completions", {"model": m, "prompt": [7] * 1500, "max_tokens": 1}),
-             ("/v1/completions", {"model": m, "prompt": "hi", "max_tokens": 1, "stop": ["xyz" * 300] * 4})]
+    # large but legal: the frontend does all the work (render, tokenize, check, build a matcher), the
+    # engine refuses the first three at add_request (prompt + max_tokens > max_model_len) and runs the
+    # last for one token, so no request brings a long prefill step: the gaps measure only blocking
+    big = 10**6
+    loads = [("/v1/completions", {"model": m, "prompt": "word " * 40_000, "max_tokens": big}),
+             ("/v1/chat/completions", {"model": m, "max_tokens": big,
+                                       "messages": [{"role": "user", "content": "hello there"}] * 1024}),
+             ("/v1/completions", {"model": m, "prompt": [7] * 4096, "max_tokens": big}),
+             ("/v1/completions", {"model": m, "prompt": "hi", "max_tokens": 1, "stop": ["xyz" * 340] * 4})]
     sent = 0
     while th.is_alive() and time.monotonic() - t0 < 60:
         ths = [threading.Thread(target=request, args=(srv, "POST", p, b)) for p, b in loads]
@@ -349,7 +356,8 @@ def shutdown(t: Tally, model: str | None) -> None:
                     last = json.loads(line[6:])
         except (OSError, http.client.HTTPException):
             pass
-        final = bool(last) and ("error" in last or last.get("choices", [{}])[0].get("finish_reason") is not None)
+        final = bool(last) and ("error" in last
+                                or last.get("choices", [{}])[0].get("finish_reason") is not None)
         ends.append((final, done))
 
     def one():
@@ -377,7 +385,8 @@ def shutdown(t: Tally, model: str | None) -> None:
     exit_after = time.monotonic() - stopped_at if stopped_at else None
     for th in ths:
         th.join(30)
-    t.add("shutdown", "streams end with a final chunk and [DONE]", all(f and d for f, d in ends) and len(ends) == 3,
+    t.add("shutdown", "streams end with a final chunk and [DONE]",
+          all(f and d for f, d in ends) and len(ends) == 3,
           f"(final, [DONE]) = {ends}")
     ok = whole and whole[0][0] is not None and whole[0][0] >= 400 and is_error_object(whole[0][1])
     t.add("shutdown", "non-stream client gets an error object", bool(ok),
@@ -385,7 +394,8 @@ def shutdown(t: Tally, model: str | None) -> None:
     t.add("shutdown", "exit code says what happened", rc not in (0, None), f"exit code {rc}")
     t.add("shutdown", "exit within 2 s of 'stopped'", exit_after is not None and exit_after < 2,
           f"{exit_after}")
-    t.add("shutdown", "no traceback", not any("Traceback" in e for e in srv.err), f"{len(srv.err)} stderr lines")
+    t.add("shutdown", "no traceback", not any("Traceback" in e for e in srv.err),
+          f"{len(srv.err)} stderr lines")
 
 
 def main() -> None:
@@ -403,8 +413,10 @@ def main() -> None:
     try:
         for name, fn in [("numbers", lambda: numbers(t, srv, m)), ("json", lambda: json_shapes(t, srv, m)),
                          ("ignored_fields", lambda: ignored_fields(t, srv, m)),
-                         ("cost", lambda: cost(t, srv, m, figures)), ("security", lambda: security(t, srv, m)),
-                         ("admission", lambda: admission(t, srv, m)), ("gap", lambda: gap(t, srv, m, figures)),
+                         ("cost", lambda: cost(t, srv, m, figures)),
+                         ("security", lambda: security(t, srv, m)),
+                         ("admission", lambda: admission(t, srv, m)),
+                         ("gap", lambda: gap(t, srv, m, figures)),
                          ("connections", lambda: connections(t, srv, m, args.conn_wait))]:
             if only is None or name in only:
                 print(f"{name}:", flush=True)

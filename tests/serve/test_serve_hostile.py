@@ -83,7 +83,8 @@ def post(url: str, path: str, raw: bytes, headers: dict | None = None, timeout: 
 
 def is_error_object(body) -> bool:
     return isinstance(body, dict) and set(body) == {"error"} and \
-        set(body["error"]) == {"message", "type", "param", "code"} and isinstance(body["error"]["message"], str)
+        set(body["error"]) == {"message", "type", "param", "code"} \
+        and isinstance(body["error"]["message"], str)
 
 
 # --- the fuzz --------------------------------------------------------------------------------------
@@ -96,12 +97,13 @@ ODD_TEXT = ["", "\ud800", "x\udfffy", "\x00", "<|im_start|>", "\u202e", "a" * 50
 scalars = st.one_of(st.none(), st.booleans(), st.sampled_from(BOUNDARY_INTS), st.integers(),
                     st.sampled_from(BOUNDARY_FLOATS), st.floats(), st.sampled_from(ODD_TEXT),
                     st.text(max_size=20))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=12)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n", "logprobs",
-          "min_p", "min_tokens", "skip_special_tokens", "return_token_ids", "guided_json"]
+values = st.recursive(
+    scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                     st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n",
+          "logprobs", "min_p", "min_tokens", "skip_special_tokens", "return_token_ids", "guided_json"]
 good_prompt = st.one_of(st.text(max_size=30), st.lists(st.integers(0, 300), max_size=12))
 good_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
                                                 "content": st.one_of(st.text(max_size=20), values)}),
@@ -160,7 +162,8 @@ def test_after_the_fuzz_the_server_is_healthy_and_exact(served):
 
 
 @pytest.mark.parametrize("raw, needle", [
-    (b'{"prompt": "x", "max_tokens": 2, "top_k": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nests deeper than 32"),
+    (b'{"prompt": "x", "max_tokens": 2, "top_k": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+     "nests deeper than 32"),
     (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
     (b'{"model": "\\ud800", "prompt": "x"}', "does not exist"),
     (json.dumps({"prompt": "x", "max_tokens": 2**63}).encode(), "max_tokens must be in"),
@@ -264,7 +267,8 @@ def test_host_allow_list_cors_and_api_key(gguf):
         assert status == 401 and got["error"]["code"] == "invalid_api_key", got
         status, got = post(url, "/v1/completions", body, {"Authorization": "Bearer wrong"})
         assert status == 401
-        status, got = post(url, "/v1/completions", body, {"Authorization": "Bearer sesame", "Host": "localhost"})
+        status, got = post(url, "/v1/completions", body,
+                           {"Authorization": "Bearer sesame", "Host": "localhost"})
         assert status == 200 and got["usage"]["completion_tokens"] == 1
         r = client(url).models  # the openai client sends its api_key as a bearer token
         assert health(url)["status"] == "ok"                        # /health needs no key, as vLLM's
@@ -291,7 +295,7 @@ def test_host_allow_list_cors_and_api_key(gguf):
 
 
 # --- nothing blocks the loop or the engine thread ----------------------------------------------------
-STEP_S = 0.02     # the tiny model steps in ~1 ms; a real one in tens (its kernels release the GIL, as sleep does)
+STEP_S = 0.02     # the tiny model steps in ~1 ms; a real one in tens (kernels release the GIL, as sleep does)
 
 
 def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf):
@@ -336,8 +340,8 @@ def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf):
                     answered.append(post(url, path, raw)[0])
 
         c = client(url)
-        stream = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=60, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True})
+        stream = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=60, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
         it = iter(stream)
         next(it)
         floods = [threading.Thread(target=flood) for _ in range(3)]
@@ -397,8 +401,10 @@ def test_a_dead_engine_answers_503_with_the_reason_to_everyone_and_health_says_s
         status, _, got = whole[0]
         assert status == 503 and got["error"]["code"] == "engine_dead", got
         assert "EngineDeadError: injected: the worker process exited" in got["error"]["message"]
-        status, _, got = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 1})
-        assert status == 503 and "injected" in got["error"]["message"] and got["error"]["code"] == "engine_dead"
+        status, _, got = http("POST", url + "/v1/completions",
+                              {"model": MODEL, "prompt": [5], "max_tokens": 1})
+        assert status == 503 and "injected" in got["error"]["message"]
+        assert got["error"]["code"] == "engine_dead"
         status, _, got = http("GET", url + "/health")
         assert status == 503 and "injected" in got["error"]["message"], got
         assert server.exit_code == 1

@@ -233,14 +233,15 @@ def test_an_abuse_replay_leaves_the_server_small_and_responsive(serve):
     first = client(p.url).completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, temperature=0)
     before = rss()
     probes = [
-        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stop": ["ab" * 15_000] * 4}).encode(), 400),
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stop": ["ab" * 15_000] * 4}).encode(),
+         400),
         ("/v1/completions", b'{"prompt": "' + b"a" * 100_000_000 + b'"}', 413),
         ("/v1/completions", json.dumps({"prompt": [1] * 2_000_000}).encode(), 413),
         ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),
-        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 100_000}).encode(),
-         413),
-        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 5_000}).encode(),
-         400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 100_000})
+         .encode(), 413),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 5_000})
+         .encode(), 400),
     ]
     for path, raw, want in probes:
         try:

@@ -65,7 +65,8 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "seed": -1}, "seed", "seed must be in [0,"),
     ({"prompt": "x", "stop": 5}, "stop", "stop must be a string or a list of strings"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
-    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids[i] must be in [0, 9223372036854775807]"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids",
+     "stop_token_ids[i] must be in [0, 9223372036854775807]"),
     ({"prompt": "x", "stop_token_ids": 3}, "stop_token_ids", "must be a list"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "true or false"),
@@ -147,13 +148,15 @@ def test_the_defaults_of_the_unimplemented_fields_are_accepted():
     assert r.generate.params == SamplingParams(max_tokens=16, temperature=1.0) and r.include_usage
 
 
-LIMITS = ServeLimits(max_prompt_chars=100, max_prompt_tokens=50, max_messages=3, max_stop=2, max_stop_chars=10,
-                     max_stop_token_ids=4)
+LIMITS = ServeLimits(max_prompt_chars=100, max_prompt_tokens=50, max_messages=3, max_stop=2,
+                     max_stop_chars=10, max_stop_token_ids=4)
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"prompt": "x" * 101}, "prompt", "the prompt has 101 characters; at most 100 are allowed (--max-prompt-chars)"),
-    ({"prompt": [1] * 51}, "prompt", "the prompt has 51 token ids; at most 50 are allowed (--max-prompt-tokens"),
+    ({"prompt": "x" * 101}, "prompt",
+     "the prompt has 101 characters; at most 100 are allowed (--max-prompt-chars)"),
+    ({"prompt": [1] * 51}, "prompt",
+     "the prompt has 51 token ids; at most 50 are allowed (--max-prompt-tokens"),
     ({"prompt": [1] * 10**6 + ["x"]}, "prompt", "at most 50 are allowed"),      # the length first
     ({"prompt": "x", "stop": ["a", "b", "c"]}, "stop", "at most 2 strings (--max-stop), got 3"),
     ({"prompt": "x", "stop": ["abcdef", "ghijk"]}, "stop", "hold 11 characters; at most 10 are allowed "
@@ -174,7 +177,8 @@ def test_chat_bounds_messages_and_their_characters_before_the_template_runs():
         calls.append(messages)
         return chatml(messages)
 
-    for messages, needle in [([{"role": "user", "content": "x"}] * 4, "at most 3 are allowed (--max-messages)"),
+    for messages, needle in [([{"role": "user", "content": "x"}] * 4,
+                              "at most 3 are allowed (--max-messages)"),
                              ([{"role": "user", "content": "x" * 60}] * 2, "more than 100 characters"),
                              ([{"role": "u" * 101, "content": ""}], "more than 100 characters")]:
         with pytest.raises(ApiError) as e:

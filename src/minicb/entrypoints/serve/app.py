@@ -108,8 +108,8 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         if server.engine_thread.dead is not None:
-            raise ApiError(503, f"the engine is dead: {server.engine_thread.dead}", "service_unavailable_error",
-                           code="engine_dead")
+            raise ApiError(503, f"the engine is dead: {server.engine_thread.dead}",
+                           "service_unavailable_error", code="engine_dead")
         if server.draining:
             raise ApiError(503, "the server is shutting down", "service_unavailable_error",
                            code="server_shutting_down")
@@ -193,7 +193,8 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
         return await asyncio.wait_for(read(), limits.body_timeout)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} s "
-                            f"({flag('body_timeout')})", "invalid_request_error", code="request_timeout") from None
+                            f"({flag('body_timeout')})", "invalid_request_error",
+                       code="request_timeout") from None
     except ClientDisconnect:
         raise ApiError(400, "the client went away before sending its body") from None
 

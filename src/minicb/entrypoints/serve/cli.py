@@ -48,7 +48,8 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     d = ServeLimits()
-    lim = p.add_argument_group("limits of one request and one connection (refused with 400 / 408 / 413 / 503)")
+    lim = p.add_argument_group("limits of one request and one connection "
+                               "(refused with 400 / 408 / 413 / 503)")
     for field, kind, unit, default in [
             ("max_body_bytes", int, "bytes of a request body", d.max_body_bytes),
             ("max_prompt_chars", int, "characters of a text prompt, or of all messages", d.max_prompt_chars),
@@ -84,7 +85,8 @@ def add_parser(sub, add_engine_args) -> None:
 
 def limits_from(args) -> ServeLimits:
     """The ``ServeLimits`` the flags ask for (a bad value: ``InvalidArgument`` naming the flag)."""
-    given = {f: getattr(args, f) for f in ServeLimits.__dataclass_fields__ if getattr(args, f, None) is not None}
+    given = {f: getattr(args, f) for f in ServeLimits.__dataclass_fields__
+             if getattr(args, f, None) is not None}
     return ServeLimits(**given)
 
 

@@ -365,7 +365,8 @@ class EngineThread:
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
         if failure is None and reason == "error":
-            failure = ApiError(500, f"the engine step serving this request failed: {out.error}", "server_error")
+            failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
+                               "server_error")
         self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
                                       live.num_prompt_tokens, len(out.token_ids), True, reason,
                                       out.error if failure is None else failure.message, failure))

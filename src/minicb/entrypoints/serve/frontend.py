@@ -104,7 +104,8 @@ class Frontend:
     def _check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
         if isinstance(model, str) and model != self.model_name:
-            shown = model if len(model) <= 100 and model.isprintable() and _encodable(model) else describe(model)
+            plain = len(model) <= 100 and model.isprintable() and _encodable(model)
+            shown = model if plain else describe(model)
             raise ApiError(404, f"the model `{shown}` does not exist; this server serves "
                                 f"`{self.model_name}` (GET /v1/models)", "invalid_request_error", "model",
                            "model_not_found")

@@ -37,7 +37,7 @@ def default_allowed_hosts(bound_host: str) -> tuple[str, ...]:
 
 
 def host_name(header: str) -> str:
-    """``Host`` without its port, lower case: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
+    """``Host`` without its port, lower case: ``[::1]:8000`` -> ``::1``, ``A.com:80`` -> ``a.com``."""
     h = header.strip().lower()
     if h.startswith("["):
         return h[1:h.find("]")] if "]" in h else h
@@ -69,7 +69,8 @@ class Guard:
                 return await _refuse(send, 400, f"the Host header names {host or 'nothing'!r}, which this "
                                                 "server does not answer to (--allowed-hosts)",
                                      "invalid_host")
-        if self._key is not None and scope.get("path", "").startswith("/v1/") and scope.get("method") != "OPTIONS":
+        guarded = scope.get("path", "").startswith("/v1/") and scope.get("method") != "OPTIONS"
+        if self._key is not None and guarded:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):
                 return await _refuse(send, 401, "a valid API key is required: send Authorization: Bearer "

@@ -279,7 +279,8 @@ def _prompt(prompt, limits: ServeLimits = DEFAULT_LIMITS):
     if isinstance(prompt, str):
         if len(prompt) > limits.max_prompt_chars:
             raise bad_request(f"the prompt has {len(prompt):,} characters; at most "
-                              f"{limits.max_prompt_chars:,} are allowed ({flag('max_prompt_chars')})", "prompt")
+                              f"{limits.max_prompt_chars:,} are allowed ({flag('max_prompt_chars')})",
+                              "prompt")
         return prompt
     if isinstance(prompt, list):
         return token_ids(prompt, limits)

@@ -206,7 +206,8 @@ class Server:
         protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout})
         config = uvicorn.Config(asgi, log_level=self.log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=self.shutdown_timeout + 2.0, http=protocol,
-                                timeout_keep_alive=lim.keep_alive_timeout, limit_concurrency=lim.max_connections)
+                                timeout_keep_alive=lim.keep_alive_timeout,
+                                limit_concurrency=lim.max_connections)
         return _Uvicorn(config, self.begin_shutdown, self.force_shutdown)
 
     def _attach(self, engine) -> None:
