@@ -401,7 +401,7 @@ def shutdown(t: Tally, model: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF or HF directory (default: minicb serve's)")
-    ap.add_argument("--conn-wait", type=float, default=20.0,
+    ap.add_argument("--conn-wait", type=float, default=45.0,
                     help="seconds the silent / slowloris connections are given to be closed")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated classes to run")
