@@ -20,6 +20,12 @@ If the model raises inside a step, the requests of that step end with ``finish_r
 ``KeyboardInterrupt`` inside a step does the same to that step's requests (their outputs come out of
 the next ``step()``) and is then re-raised, so an interrupted engine is still consistent.
 
+The engine is handed its runner (``minicb.engine.interface.Runner``) and never builds one, so this
+module imports no torch: the same loop drives a model (``minicb.runtime.runner.engine_for(model,
+config)`` makes both), rank 0 of a tensor-parallel group, and the simulator's clock. A runner that
+breaks for good (``runner.failure``: a tensor-parallel rank died) makes every later ``step()`` raise
+that failure; ``shutdown()`` ends every request and closes the runner.
+
 The error contract (which argument, which range, which exception) is the table in ``docs/errors.md``.
 """
 
@@ -38,9 +44,8 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler, SchedulerStats
 from minicb.core.sequence import Sequence
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
+from minicb.engine.interface import Runner
 from minicb.engine.outputs import OutputTracker, RequestOutput
-from minicb.model.llama import LlamaForCausalLM
-from minicb.runtime.runner import ModelRunner
 
 __all__ = ["LLMEngine", "RequestOutput"]
 
@@ -48,23 +53,19 @@ _GREEDY = SamplingParams()    # sampling for a row whose request was aborted aft
 
 
 class LLMEngine:
-    """Owns a scheduler and a model runner; ``step()`` runs one iteration of the loop."""
+    """Owns a scheduler and drives a runner; ``step()`` runs one iteration of the loop.
 
-    def __init__(self, model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None,
-                 seed: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 attn_backend: str = "auto", runner: ModelRunner | None = None) -> None:
-        if seed is not None:
-            seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
+    ``runner`` does the tensor half of every step (``minicb.engine.interface.Runner``); its KV pool
+    must have the shape ``config`` schedules. ``clock`` stamps arrivals, tokens and finishes."""
+
+    def __init__(self, runner: Runner, config: SchedulerConfig, tokenizer=None, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
-        self.runner = runner or ModelRunner(model, num_blocks=config.num_blocks,
-                                            block_size=config.block_size,
-                                            num_host_blocks=config.num_host_blocks,
-                                            attn_backend=attn_backend, seed=seed)
+        self.runner = runner
         self.scheduler = Scheduler(config)
-        cfg = model.config
-        self.eos_token_id = cfg.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+        self.eos_token_id = runner.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.last_plan: StepPlan | None = None
         self._live: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
@@ -74,12 +75,9 @@ class LLMEngine:
         self._step_thread: int | None = None      # the thread running a step now
         self._deferred_aborts: deque[str] = deque()
         self._needs_reconcile = False
+        self._closed = False                      # shutdown() was called
 
     # --- what the outside may read --------------------------------------------------------------
-    @property
-    def model(self) -> LlamaForCausalLM:
-        return self.runner.model
-
     @property
     def stats(self) -> SchedulerStats:
         """Running totals of the scheduler (steps, preemptions, tokens); a live object, read it."""
@@ -106,7 +104,7 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
         """Validate a prompt (text or token ids) and return its token ids."""
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
@@ -154,6 +152,7 @@ class LLMEngine:
 
     def _add(self, seq: Sequence) -> None:
         self._not_inside_a_step("add_request()")
+        self._check_open()
         if seq.request_id in self._live:
             raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
         with self._lock:
@@ -161,7 +160,7 @@ class LLMEngine:
 
     def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
-        self.runner.sampler.register(seq.request_id, seq.params)
+        self.runner.register(seq.request_id, seq.params)
         dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
         self._live[seq.request_id] = OutputTracker(seq, dec)
 
@@ -209,11 +208,15 @@ class LLMEngine:
         """Run one iteration; return the outputs of the requests that got a token or finished."""
         self._not_inside_a_step("step() / run() / generate()")
         with self._lock:
+            if self._closed and self._pending:    # the final outputs of requests ended by shutdown()
+                outs, self._pending = self._pending, []
+                return outs
+            self._check_usable()
             self._step_thread = threading.get_ident()
             try:
                 if self._needs_reconcile:
                     self._reconcile()
-                return self._step()
+                outs = self._step()
             except BaseException:
                 self._needs_reconcile = True       # an output may be half made: check at the next step
                 raise
@@ -221,6 +224,32 @@ class LLMEngine:
                 self._step_thread = None
                 while self._deferred_aborts:       # aborts asked for by a listener of this step
                     self._abort(self._deferred_aborts.popleft(), deliver=True)
+            self._check_usable()                   # the runner broke inside this step: say so now
+            return outs
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this engine was shut down (its runner is closed): create a new engine "
+                                  "(or LLM) to serve more requests")
+
+    def _check_usable(self) -> None:
+        """Refuse to step a shut-down engine or one whose runner broke for good (``runner.failure``)."""
+        self._check_open()
+        failure = self.runner.failure
+        if failure is not None:
+            raise failure.with_traceback(None)
+
+    def shutdown(self) -> None:
+        """End every unfinished request (``finish_reason == "abort"``) and close the runner (a
+        tensor-parallel group's other ranks stop). The next ``step()`` hands out those final outputs;
+        after that every ``step()`` / ``add_request()`` raises ``InvalidArgument``. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for rid in list(self._live):
+                out = self.abort_request(rid)
+                if out is not None:
+                    self._pending.append(out)
+        self.runner.close()
 
     def _not_inside_a_step(self, what: str) -> None:
         if self._step_thread == threading.get_ident():
@@ -274,8 +303,9 @@ class LLMEngine:
         return outs
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first).
-        A row whose request was aborted since planning is computed but samples with default params."""
+        """The tensor half of a step: the runner's ``run`` (whatever the runner is: a model, rank 0 of a
+        tensor-parallel group, a simulated clock). A row whose request was aborted since planning is
+        computed but samples with default params."""
         params = {}
         for s in plan.seqs:
             if s.sample:
@@ -337,7 +367,7 @@ class LLMEngine:
     def _finish(self, rid: str) -> RequestOutput:
         out = self._live[rid].output()              # made before it is forgotten: never lost
         del self._live[rid]
-        self.runner.sampler.release(rid)
+        self.runner.release(rid)
         return out
 
 
