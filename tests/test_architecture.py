@@ -140,16 +140,18 @@ def test_no_import_cycle_in_src():
 
 def test_the_model_side_imports_nothing_from_scheduling_or_above():
     graph = _graph()
-    forbidden = {f"minicb.{m}" for m in SCHEDULING} | {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm",
-                                                       "minicb.engine.events", "minicb.engine.arrivals", "minicb.runtime.packer"}
+    forbidden = {f"minicb.{m}" for m in SCHEDULING} | {
+        "minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm", "minicb.engine.events",
+        "minicb.engine.arrivals", "minicb.runtime.packer"}
     bad = {m: sorted(graph[m] & forbidden) for m in graph if m.startswith("minicb.model")}
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
 def test_the_scheduling_side_imports_no_torch_and_nothing_above_it():
     graph = _graph()
-    above = {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm", "minicb.runtime.packer", "minicb.model.kv_cache",
-             "minicb.runtime.sampling", "minicb.distributed.tensor_parallel", "minicb.entrypoints.cli"}
+    above = {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm",
+             "minicb.runtime.packer", "minicb.model.kv_cache", "minicb.runtime.sampling",
+             "minicb.distributed.runner", "minicb.distributed.launch", "minicb.entrypoints.cli"}
     for m in SCHEDULING:
         name = f"minicb.{m}"
         assert not graph[name] & above, (name, graph[name] & above)
@@ -158,11 +160,34 @@ def test_the_scheduling_side_imports_no_torch_and_nothing_above_it():
         assert "import torch" not in text, name
 
 
+def test_the_engine_imports_no_runner_model_or_torch():
+    """The engine is handed a runner (``minicb.engine.interface.Runner``): no module of ``minicb.engine``
+    imports the runtime, the model, the distributed runtime or the entry points, lazily or not, and
+    importing all of them loads no torch."""
+    graph = _graph()
+    below = ("minicb.runtime", "minicb.model", "minicb.distributed", "minicb.entrypoints", "minicb.simulate")
+    engine = [m for m in graph if m == "minicb.engine" or m.startswith("minicb.engine.")]
+    assert len(engine) >= 5, engine
+    bad = {m: sorted(d for d in graph[m] if d.startswith(below)) for m in engine}
+    assert not {m: d for m, d in bad.items() if d}, bad
+    for m in engine:
+        path = SRC.joinpath(*m.split(".")[1:])
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        tree = ast.parse(path.read_text())
+        torch_imports = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                         and any(a.name.split(".")[0] == "torch" for a in n.names)
+                         or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch"]
+        assert not torch_imports, (m, torch_imports)
+    code = f"import sys; import {', '.join(engine)}; assert 'torch' not in sys.modules, 'torch'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+
+
 def test_engine_and_distributed_do_not_import_each_other_and_workers_hold_a_runner():
     graph = _graph()
-    assert "minicb.distributed.tensor_parallel" not in graph["minicb.engine.llm_engine"]
+    assert not [d for d in graph["minicb.engine.llm_engine"] if d.startswith("minicb.distributed")]
     assert "minicb.entrypoints.llm" not in graph["minicb.engine.llm_engine"]
-    tree = ast.parse((SRC / "distributed.py").read_text())
+    tree = ast.parse((SRC / "distributed" / "runner.py").read_text())
     serve = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
     calls = [n.func.attr for n in ast.walk(serve)
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
@@ -190,7 +215,7 @@ def test_core_classes_have_a_docstring():
 def test_only_the_runner_calls_the_model_during_a_step():
     """The step's tensor work is in one method: ``ModelRunner.run``. The engine and the TP worker
     loop call it; neither packs or runs the model itself."""
-    for name in ("engine.py", "distributed.py"):
+    for name in ("engine/llm_engine.py", "distributed/runner.py"):
         tree = ast.parse((SRC / name).read_text())
         called = {n.func.id for n in ast.walk(tree)
                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}

@@ -32,6 +32,7 @@ from minicb.core.slot_table import SlotTable
 from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.outputs import OutputTracker
 from minicb.model.kv_cache import KVCache
+from minicb.runtime.runner import engine_for
 from minicb.runtime.sampling import Sampler
 from robust_helpers import random_workload
 
@@ -139,7 +140,7 @@ def test_an_interrupt_at_any_point_of_a_step_leaves_every_request_right_or_faile
     for at in (1, 4, 9):
         trigger = Once(at, KeyboardInterrupt())
         with monkeypatch.context() as mp:
-            eng = LLMEngine(tiny_model(), config(mode))
+            eng = engine_for(tiny_model(), config(mode))
             POINTS[point](mp, trigger, eng)
             outs = run_interrupted(eng, trigger, KeyboardInterrupt)
         fired += trigger.fired
@@ -166,7 +167,7 @@ def test_an_exception_at_a_point_is_contained_the_same_way(monkeypatch, point):
 
     want = expected()
     trigger = Once(3, Boom("injected"))
-    eng = LLMEngine(tiny_model(), config("swap"))
+    eng = engine_for(tiny_model(), config("swap"))
     POINTS[point](monkeypatch, trigger, eng)
     outs = run_interrupted(eng, trigger, Boom)
     assert trigger.fired
@@ -178,7 +179,7 @@ def test_an_exception_at_a_point_is_contained_the_same_way(monkeypatch, point):
 def test_the_swap_interrupt_of_the_bug_report_no_longer_moves_tables_without_copies(monkeypatch):
     """Issue: a Ctrl-C inside ``schedule()`` on a step that swaps moved the block tables without the
     KV copy, and a later request silently got different tokens. Now the step is undone."""
-    eng = LLMEngine(tiny_model(), config("swap"))
+    eng = engine_for(tiny_model(), config("swap"))
     swaps = []
     real = BlockManager.swap_out
 

@@ -38,10 +38,10 @@ def _cfg(policy="continuous", **kw):
 
 # --- the same scheduler ---------------------------------------------------------------------------
 def test_the_simulator_drives_the_engines_scheduler_class():
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.measure.bench_cli import build_model
+    from minicb.runtime.runner import engine_for
 
-    engine = LLMEngine(build_model("tiny", "float32")[0], _cfg())
+    engine = engine_for(build_model("tiny", "float32")[0], _cfg())
     sim = SimulatedEngine(_cfg(), lambda plan: 1.0)
     assert type(sim._scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
 

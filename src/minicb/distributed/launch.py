@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -30,47 +30,12 @@ import torch.distributed as dist
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import DistributedError, InvalidArgument
 from minicb.distributed.group import DEFAULT_TIMEOUT_S, Fault, TPGroup
-from minicb.distributed.runner import TPRunner, serve, worker_runner
+from minicb.distributed.runner import TPRunner, Workers, serve, worker_runner
 from minicb.distributed.sharding import RankShard, ShardedLlama, shard_layout, shard_state_dict
 from minicb.engine.llm_engine import LLMEngine
 from minicb.model.llama import LlamaForCausalLM
 
 STARTUP_TIMEOUT_S = 600.0         # ranks loading the model and joining the group
-
-
-@dataclass(slots=True)
-class Workers:
-    """The ranks this process started (none under torchrun) and what they reported on exit."""
-
-    processes: list = field(default_factory=list)    # index i: rank i + 1
-    queue: object | None = None
-    reports: dict[int, str] = field(default_factory=dict)
-    closed: bool = False
-
-    def close(self, tp: TPGroup, abort: bool) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        tp.stop_workers()           # ranks waiting for a plan leave; ranks inside a collective fail
-        for p in self.processes:
-            p.join(timeout=3 if abort else 30)
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-        self._collect()
-        for i, p in enumerate(self.processes):
-            if p.exitcode and i + 1 not in self.reports:
-                self.reports[i + 1] = f"exited with code {p.exitcode}"
-
-    def _collect(self) -> None:
-        while self.queue is not None and not self.queue.empty():
-            rank, msg = self.queue.get()
-            self.reports[rank] = msg
-
-    def describe(self) -> str:
-        return "; ".join(f"rank {r}: {m}" for r, m in sorted(self.reports.items()) if m != "ok")
-
 
 
 # --- launching -----------------------------------------------------------------------------------------

@@ -23,16 +23,13 @@ rank's report, the workers are stopped, and the engine raises that error from th
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import DistributedError
 from minicb.distributed.group import CommStats, TPGroup
 from minicb.distributed.sharding import ShardedLlama
 from minicb.runtime.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from minicb.distributed.launch import Workers
 
 
 class TPRunner(ModelRunner):
@@ -76,6 +73,40 @@ class TPRunner(ModelRunner):
     def close(self) -> None:
         """Stop the other ranks and release the group (idempotent; also runs when the runner is freed)."""
         self._finalizer()
+
+
+@dataclass(slots=True)
+class Workers:
+    """The ranks this process started (none under torchrun) and what they reported on exit."""
+
+    processes: list = field(default_factory=list)    # index i: rank i + 1
+    queue: object | None = None
+    reports: dict[int, str] = field(default_factory=dict)
+    closed: bool = False
+
+    def close(self, tp: TPGroup, abort: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        tp.stop_workers()           # ranks waiting for a plan leave; ranks inside a collective fail
+        for p in self.processes:
+            p.join(timeout=3 if abort else 30)
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        self._collect()
+        for i, p in enumerate(self.processes):
+            if p.exitcode and i + 1 not in self.reports:
+                self.reports[i + 1] = f"exited with code {p.exitcode}"
+
+    def _collect(self) -> None:
+        while self.queue is not None and not self.queue.empty():
+            rank, msg = self.queue.get()
+            self.reports[rank] = msg
+
+    def describe(self) -> str:
+        return "; ".join(f"rank {r}: {m}" for r, m in sorted(self.reports.items()) if m != "ok")
 
 
 def worker_runner(model: ShardedLlama, config: SchedulerConfig, attn_backend: str) -> ModelRunner:

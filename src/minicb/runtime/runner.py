@@ -14,8 +14,9 @@ The runner owns the model, the paged KV cache, the attention backend and the sam
 generators. It knows nothing about slots, queues or policies: it gets a frozen plan and returns the
 sampled tokens, so the scheduler's state never depends on it.
 
-**One runner, every rank.** With tensor parallelism (``minicb.distributed.tensor_parallel``) every rank holds
-a runner over its own shard and calls this same ``run`` with the same plan; rank 0 (the engine) passes the
+**One runner, every rank.** With tensor parallelism (``minicb.distributed``) every rank holds
+a runner over its own shard and calls this same ``run`` with the same plan; rank 0 (its ``TPRunner``, a
+``ModelRunner`` that sends the plan first) passes the
 requests' sampling parameters and gets tokens back, the other ranks pass none: they skip the LM head and
 sampling, but swap, pack and run every layer (and so every all-reduce) exactly as rank 0 does. Nothing else in
 minicb calls the model during serving.
