@@ -105,7 +105,7 @@ print(f"tokens generated: {made}")
 shown = PROMPTS if MODEL != "tiny" else [str(p) for p in prompts]
 for i, p in enumerate(shown):
     print(f"r{i}: {p!r} -> {texts[f'r{i}']!r}")
-base = generate_padded(eng.model, prompts, params,
+base = generate_padded(eng.runner.model, prompts, params,
                        eos_token_id=eng.eos_token_id)
 same = all(tokens[f"r{i}"] == base.token_ids[i] for i in range(len(prompts)))
 print(f"padded baseline: {base.steps} steps, padding waste "

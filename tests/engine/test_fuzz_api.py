@@ -210,7 +210,7 @@ def test_any_sequence_of_requests_and_aborts_ends_cleanly(calls):
 def test_generate_takes_anything(prompts, params):
     llm = _TEXT_LLM.get("llm")
     if llm is None:
-        llm = _TEXT_LLM["llm"] = LLM(text_engine().model, tokenizer=tokenizer(), **SMALL)
+        llm = _TEXT_LLM["llm"] = LLM(text_engine().runner.model, tokenizer=tokenizer(), **SMALL)
     result = finishes(lambda: llm.generate(prompts, params))
     only_minicb_errors(result)
     if isinstance(result, list):
