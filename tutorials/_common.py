@@ -102,7 +102,8 @@ def run_scheduler(config: SchedulerConfig, requests, arrivals=None,
 
     def finished(outs) -> None:
         for o in outs:
-            finish_step[o.request_id] = engine.last_plan.step
+            if o.finished:
+                finish_step[o.request_id] = engine.last_plan.step
 
     arrivals = arrivals or [0] * len(requests)
     drive(engine, [Arrival(arrivals[k], rid,

@@ -43,7 +43,7 @@ def test_the_simulator_drives_the_engines_scheduler_class():
 
     engine = engine_for(build_model("tiny", "float32")[0], _cfg())
     sim = SimulatedEngine(_cfg(), lambda plan: 1.0)
-    assert type(sim._scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
+    assert type(sim.scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
 
 
 def test_simulate_calls_scheduler_schedule_and_update(monkeypatch):
