@@ -50,6 +50,8 @@ from minicb.engine.outputs import OutputTracker, RequestOutput
 __all__ = ["LLMEngine", "RequestOutput"]
 
 _GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
+_SHUT_DOWN = ("this engine was shut down (its runner is closed): create a new engine (or LLM) to serve more "
+              "requests")
 
 
 class LLMEngine:
@@ -229,12 +231,12 @@ class LLMEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidArgument("this engine was shut down (its runner is closed): create a new engine "
-                                  "(or LLM) to serve more requests")
+            raise InvalidArgument(_SHUT_DOWN)
 
     def _check_usable(self) -> None:
         """Refuse to step a shut-down engine or one whose runner broke for good (``runner.failure``)."""
-        self._check_open()
+        if self._closed:
+            raise InvalidArgument(_SHUT_DOWN)
         failure = self.runner.failure
         if failure is not None:
             raise failure.with_traceback(None)
