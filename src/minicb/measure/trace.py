@@ -524,12 +524,12 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
     from minicb.core.config import TINY_MODEL, SchedulerConfig
-    from minicb.entrypoints.llm import LLM, _dtype
-    from minicb.model.llama import LlamaForCausalLM
+    from minicb.entrypoints.llm import LLM
+    from minicb.model.llama import LlamaForCausalLM, as_dtype
     from minicb.runtime.runner import engine_for
 
     if model == "tiny":
-        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3)
+        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3)
         config.setdefault("max_model_len", 4096)
         return engine_for(m, SchedulerConfig(**config), seed=seed)
     return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine
