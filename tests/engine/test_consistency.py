@@ -37,7 +37,6 @@ from helpers import assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import EngineDeadError
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
 from minicb.runtime.runner import ModelRunner, engine_for
 
 SRC = Path(__import__("minicb").__file__).resolve().parent
