@@ -268,8 +268,9 @@ class LLMEngine:
                     self._pending = []
             finally:
                 self._step_thread = None
+            if self.runner.failure is not None:       # the runner broke in this step: say so now (the
+                raise self.runner.failure.with_traceback(None)     # outputs stay; nobody is dropped)
             outs, self._ready = self._ready, []       # a Ctrl-C at the boundary keeps them for later
-            self._check_usable()                      # the runner broke inside this step: say so now
             return outs
 
     def _step(self, ctrl_c: DeferredInterrupts) -> None:
