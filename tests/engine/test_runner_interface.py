@@ -125,6 +125,22 @@ def test_a_broken_runner_makes_every_later_step_raise():
     assert len(runner.plans) == n                  # refused before planning: the runner is not called
 
 
+def test_after_a_broken_runner_shutdown_hands_out_every_final_output_once():
+    runner = CountingRunner()
+    eng = LLMEngine(runner, cfg(max_num_seqs=1))
+    eng.add_request("a", [1, 2], greedy(4))
+    eng.add_request("b", [3], greedy(4))           # waits: one slot
+    eng.step()
+    runner.break_next = True
+    with pytest.raises(DistributedError):
+        eng.step()                                 # "a" was in the step: it ended with the error
+    eng.shutdown()                                 # "b" never ran: aborted
+    outs = eng.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "abort")]
+    assert [o.token_ids for o in outs if o.request_id == "a"] == [[102]]
+    assert not eng.has_unfinished_requests() and runner.closed == 1
+
+
 def test_shutdown_ends_every_request_closes_the_runner_and_refuses_more():
     runner = CountingRunner()
     eng = LLMEngine(runner, cfg())
