@@ -136,10 +136,9 @@ def cmd_serve(args) -> int:
 
 
 def _as_program() -> bool:
-    """This process *is* ``minicb serve`` (not a test calling ``main([...])``)."""
-    from minicb.entrypoints import cli
-
-    return getattr(cli, "_AS_PROGRAM", False)
+    """This process *is* ``minicb serve`` (not a test calling ``main([...])``): the command line,
+    which imported this module, says so (read from ``sys.modules``, not imported: it imports us)."""
+    return bool(getattr(sys.modules.get("minicb.entrypoints.cli"), "_AS_PROGRAM", False))
 
 
 def _serve(args, sock) -> int:
