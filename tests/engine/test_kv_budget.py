@@ -71,13 +71,13 @@ def test_bfloat16_model_loaded_by_llm_computes_linears_in_float32(tmp_path):
     from tiny_files import write_gguf
 
     llm = LLM(str(write_gguf(tmp_path / "m.gguf")), dtype="bfloat16")
-    model = llm.engine.model
+    model = llm.engine.runner.model
     assert model.dtype == torch.bfloat16
     down = model.model.layers[0].mlp.down_proj       # float32 products: MKL's, or oneDNN's packed ones
     swapped = isinstance(down, Float32ComputeLinear) or (
         isinstance(down, PackedLinear) and down.compute_dtype == torch.float32)
     assert swapped == needs_float32_compute(torch.bfloat16, "cpu")
-    assert not isinstance(LLM(str(tmp_path / "m.gguf")).engine.model.lm_head, Float32ComputeLinear)
+    assert not isinstance(LLM(str(tmp_path / "m.gguf")).engine.runner.model.lm_head, Float32ComputeLinear)
 
 
 def test_cli_kv_cache_memory_must_be_positive(capsys):

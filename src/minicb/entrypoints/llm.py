@@ -7,10 +7,11 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
 
 ``LLM`` loads the model (GGUF file, Hugging Face directory, or an already built model), builds the scheduler
-configuration, and makes one engine: ``LLMEngine`` in this process, or rank 0's engine of a tensor-parallel
-group (``minicb.distributed.tensor_parallel``). ``generate`` validates every prompt before any work, queues
-them, and runs the engine until *its* requests have finished; requests that a caller added to ``llm.engine``
-for streaming are left to that caller's ``step()``.
+configuration, and makes one engine: ``LLMEngine`` over a ``ModelRunner`` in this process
+(``minicb.runtime.runner.engine_for``), or over rank 0's ``TPRunner`` of a tensor-parallel group
+(``minicb.distributed``). ``generate`` validates every prompt before any work, queues them, and runs the
+engine until *its* requests have finished; requests that a caller added to ``llm.engine`` for streaming are
+left to that caller's ``step()``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.outputs import RequestOutput
 from minicb.model import cpu_fused, cpu_linear
 from minicb.model.backends import check_device
 from minicb.model.llama import LlamaForCausalLM, as_dtype
+from minicb.runtime.runner import engine_for
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -52,7 +53,7 @@ class LLM:
     not given get fast defaults (``FAST_DEFAULTS``) and a KV pool sized from memory, or from
     ``kv_cache_memory_bytes`` (``minicb.core.kv_budget``).
 
-    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed.tensor_parallel``:
+    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``:
     this process is rank 0, the others are started here, or it joins a ``torchrun`` job); call ``shutdown()``
     (or use ``with LLM(...) as llm:``) to stop them.
     """
@@ -79,18 +80,18 @@ class LLM:
                 cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
-            from minicb.distributed.tensor_parallel import launch
+            from minicb.distributed.launch import launch
 
             self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
                                  clock=clock, attn_backend=attn_backend, device=device)
         else:
-            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
-                                    attn_backend=attn_backend)
+            self.engine = engine_for(model, sched, tokenizer, seed=seed, clock=clock,
+                                     attn_backend=attn_backend)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent)."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        """End the engine (``LLMEngine.shutdown``): unfinished requests are aborted and the runner is
+        closed, which stops the tensor-parallel ranks, if any. Idempotent."""
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
