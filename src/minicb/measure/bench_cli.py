@@ -133,15 +133,14 @@ def build_model(name: str, dtype: str, seed: int = 0):
     import torch
 
     from minicb.core.config import TINY_MODEL
-    from minicb.entrypoints.llm import _dtype
-    from minicb.model.llama import LlamaForCausalLM
+    from minicb.model.llama import LlamaForCausalLM, as_dtype
 
     if name == "tiny":
-        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3), None
+        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3), None
     from minicb.model.weights.loader import load_model
 
-    loaded = load_model(None if name == "default" else name, dtype=_dtype(dtype))
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, _dtype(dtype),
+    loaded = load_model(None if name == "default" else name, dtype=as_dtype(dtype))
+    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, as_dtype(dtype),
                                              torch.device("cpu"))
     return model, loaded.tokenizer
 
@@ -158,10 +157,10 @@ def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, l
     from minicb.core.config import SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
-    from minicb.engine.llm_engine import LLMEngine
+    from minicb.runtime.runner import engine_for
 
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
-    engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
+    engine = engine_for(model, cfg, None, seed=0, clock=clock)
     shapes: list = []
     engine.listen(on_plan=lambda ev: shapes.append(plan_shape(ev.plan)) if (ev.plan.seqs or ev.plan.padding)
                   else None)

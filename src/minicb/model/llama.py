@@ -31,10 +31,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from minicb.core.config import ModelConfig
+from minicb.core.errors import InvalidArgument
 from minicb.model.attention import AttentionBackend
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+def as_dtype(dtype) -> torch.dtype:
+    """A ``torch.dtype`` from itself or its name in ``DTYPES`` ("float32", ...); anything else is an
+    ``InvalidArgument`` naming the choices."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 class RMSNorm(nn.Module):
@@ -79,11 +90,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, state) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        q, k = self.rotate(self.q_proj(x).view(n, self.num_heads, d),
-                           self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, d)
-        out = backend.attend(layer, q, k, v, state)
+        q, k, v = self.project(x)
+        q, k = self.rotate(q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), cos, sin)
+        out = backend.attend(layer, q, k, v.view(n, self.num_kv_heads, d), state)
         return self.o_proj(out.reshape(n, self.num_heads * d))
+
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of ``x``: three matmuls (``cpu_linear`` makes them one, packed for oneDNN)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by their tokens' positions (``cpu_fused`` does it in place, in C)."""

@@ -262,7 +262,9 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise InvalidArgument(f"text is not valid Unicode: {describe(text[e.start])} at index {e.start} "
                                   "(a lone surrogate; bytes that were not UTF-8?)") from None
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but it releases the GIL while the Rust code runs, so a
+        # long text tokenized in one thread (``minicb serve``'s frontend) does not stall the others
+        return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @property
     def max_token_chars(self) -> int:
@@ -387,6 +389,21 @@ class IncrementalDecoder:
         else:
             out = self._push_generic(token_id)
         self.text += out
+        return out
+
+    def push_many(self, token_ids, final: bool = False) -> str:
+        """``push`` each token (and ``flush`` if ``final``), all or nothing: if any of it raises, the
+        decoder is put back as it was before the call, so the same tokens can be pushed again."""
+        state = (self._utf8.getstate(), len(self._ids), self._prefix, self._read, self.text)
+        try:
+            out = "".join([self.push(t) for t in token_ids])
+            if final:
+                out += self.flush()
+        except BaseException:
+            utf8, n, self._prefix, self._read, self.text = state
+            self._utf8.setstate(utf8)
+            del self._ids[n:]
+            raise
         return out
 
     def _push_generic(self, token_id: int) -> str:
