@@ -652,10 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     mutants = [m for p in files for m in find_mutants(p)]
     if not args.all:
         mutants = one_per_line([m for m in mutants if m.description.split()[0] not in EXTRA_OPERATORS])
-    if args.only:
-        wanted = {" ".join(line.split()[:1] + line.split()[1:]) for line in
-                  pathlib.Path(args.only).read_text().splitlines() if line.strip()}
-        mutants = [m for m in mutants if any(w.startswith(f"{m.where} {m.description}") for w in wanted)]
+    if args.only:                   # lines as printed: "module:line  mutation  the line's text"
+        wanted = [" ".join(line.split()) for line in pathlib.Path(args.only).read_text().splitlines()]
+        mutants = [m for m in mutants
+                   if " ".join(f"{m.where} {m.description} {line_text(m)}".split()) in wanted
+                   or " ".join(f"{m.rel} {m.description} {line_text(m)}".split()) in wanted]
     if args.max is not None:
         mutants = spread(mutants, args.max)
     equivalent = {m: r for m in mutants if (r := equivalence_reason(m)) is not None}
