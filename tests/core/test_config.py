@@ -1,6 +1,6 @@
-"""``ModelConfig``'s checks (``core/config.py``): every shape rule refuses what breaks it and accepts its
-boundary. The values are the rules' edges worked out by hand (a LLaMA head needs an even head_dim for
-RoPE's pairs; query heads come in whole groups per KV head)."""
+"""``ModelConfig``'s and ``SchedulerConfig``'s checks (``core/config.py``): every rule refuses what
+breaks it and accepts its boundary. The values are the rules' edges worked out by hand (a LLaMA head
+needs an even head_dim for RoPE's pairs; query heads come in whole groups per KV head)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from minicb.core.config import ModelConfig
+from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import InvalidArgument
 
 BASE = dict(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -94,3 +94,65 @@ def test_num_params_counts_the_embedding_once_when_tied():
     tied = layers * per_layer + v * h + h
     assert c.num_params == tied
     assert dataclasses.replace(c, tie_word_embeddings=False).num_params == tied + v * h
+
+
+def test_flops_per_token_is_twice_the_matmul_weights_plus_attention():
+    c = model()
+    h, v, layers, heads, d = 32, 61, 2, 4, 8
+    body = c.num_params - v * h                             # without the (tied) embedding ...
+    matmuls = body + v * h                                  # ... but with the LM head's matmul
+    assert c.flops_per_token() == 2.0 * matmuls
+    assert c.flops_per_token(10) == 2.0 * matmuls + 4 * layers * heads * d * 10
+    untied = dataclasses.replace(c, tie_word_embeddings=False)
+    assert untied.flops_per_token() == c.flops_per_token()  # the lookup table is no matmul
+
+
+# --- SchedulerConfig -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, lo", [("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
+                                      ("num_blocks", 1), ("num_host_blocks", 0), ("max_model_len", 1),
+                                      ("priority_aging", 0)])
+def test_scheduler_limits_and_their_lowest_values(name, lo):
+    kw = dict(max_num_seqs=1, num_blocks=1) if name in ("max_num_seqs", "num_blocks") else {}
+    assert getattr(SchedulerConfig(**{**kw, name: lo}), name) == lo
+    with pytest.raises(InvalidArgument, match=name):
+        SchedulerConfig(**{**kw, name: lo - 1})
+
+
+def test_integers_of_other_types_are_stored_as_plain_ints():
+    import numpy as np
+
+    c = SchedulerConfig(max_num_seqs=np.int64(4), block_size=np.int32(8))
+    assert type(c.max_num_seqs) is int and type(c.block_size) is int and c.max_num_seqs == 4
+
+
+def test_the_prefill_chunk_lies_between_one_and_the_step_budget():
+    assert SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=64).chunk_cap == 64
+    assert SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=1).chunk_cap == 1
+    assert SchedulerConfig(max_num_batched_tokens=64).chunk_cap == 64
+    for bad in (0, 65):
+        with pytest.raises(InvalidArgument, match="long_prefill_chunk"):
+            SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=bad)
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("policy", "static", "lifo"), ("preemption_mode", "swap", "drop"),
+    ("scheduling_policy", "priority", "random"), ("enable_prefix_caching", False, 1),
+])
+def test_the_named_choices(name, good, bad):
+    assert getattr(SchedulerConfig(**{name: good}), name) == good
+    for wrong in (bad, None):
+        with pytest.raises(InvalidArgument, match=name):
+            SchedulerConfig(**{name: wrong})
+
+
+def test_the_pool_needs_a_block_per_slot():
+    assert SchedulerConfig(max_num_seqs=4, num_blocks=4).num_blocks == 4
+    with pytest.raises(InvalidArgument, match="num_blocks must be at least max_num_seqs"):
+        SchedulerConfig(max_num_seqs=4, num_blocks=3)
+
+
+def test_prefix_caching_is_in_effect_only_for_the_continuous_policy():
+    assert SchedulerConfig().prefix_caching is True
+    assert SchedulerConfig(enable_prefix_caching=False).prefix_caching is False
+    assert SchedulerConfig(policy="dynamic").prefix_caching is False
+    assert SchedulerConfig(policy="static").prefix_caching is False
