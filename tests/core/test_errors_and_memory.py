@@ -100,7 +100,7 @@ def test_check_fits_refuses_only_what_exceeds_a_known_amount():
 @pytest.mark.parametrize("n, text", [
     (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (1024**2, "1.0 MiB"),
     (5 * 1024**3, "5.0 GiB"), (1024**4, "1.0 TiB"), (1024**5, "1.0 PiB"), (3 * 1024**6, "3,072.0 PiB"),
-    (2**80 - 1, "1,048,576.0 PiB"), (2**80, "about 2**80 bytes"), (2**81 + 5, "about 2**81 bytes"),
+    (2**80 - 1, "1,073,741,824.0 PiB"), (2**80, "about 2**80 bytes"), (2**81 + 5, "about 2**81 bytes"),
 ])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
