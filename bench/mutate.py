@@ -103,6 +103,9 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("core/block_manager.py", "self.num_children.pop(block, None)", "statement dropped",
      "the evicted block has no cached children (asserted just above), and a Counter reads a missing "
      "key as 0: a zero entry left behind changes no lookup"),
+    ("core/block_manager.py", "self._num_hashed[request_id] = len(computed)", "statement dropped",
+     "only saves work: the prefix-hit blocks are re-offered to the cache, and insert() refuses a block "
+     "that is cached already (they are: lookup found them, and a shared block is never evicted)"),
 ]
 
 
