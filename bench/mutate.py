@@ -106,6 +106,8 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("core/block_manager.py", "self._num_hashed[request_id] = len(computed)", "statement dropped",
      "only saves work: the prefix-hit blocks are re-offered to the cache, and insert() refuses a block "
      "that is cached already (they are: lookup found them, and a shared block is never evicted)"),
+    ("core/errors.py", "return math.inf if value > 0 else -math.inf", "`>` -> `>=`",
+     "only an integer too large for a float overflows, and that is never 0"),
 ]
 
 
@@ -564,8 +566,10 @@ class Worker:
             verdict = "timeout"
         else:
             rc = os.waitstatus_to_exitcode(status)
-            verdict = {0: "survived", 1: "killed", 2: "killed", 97: "unpatched", 99: "not-loaded"}.get(
-                rc, f"pytest exit {rc}")
+            # 97: the mutant could not be patched in; 98: patching it raised (a module-level statement
+            # fails, say): both are tried again by a fresh import of the mutated file
+            verdict = {0: "survived", 1: "killed", 2: "killed", 97: "unpatched", 98: "unpatched",
+                       99: "not-loaded"}.get(rc, f"pytest exit {rc}")
         job, self.pid, self.job = self.job, None, None
         return job, verdict, time.monotonic() - self.started
 

@@ -118,6 +118,14 @@ def test_scheduler_limits_and_their_lowest_values(name, lo):
         SchedulerConfig(**{**kw, name: lo - 1})
 
 
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
+                                  "num_host_blocks", "max_model_len", "priority_aging", "long_prefill_chunk"])
+@pytest.mark.parametrize("bad", [2.5, "4", True])
+def test_every_limit_must_be_an_integer(name, bad):
+    with pytest.raises(InvalidArgument, match=name):
+        SchedulerConfig(**{name: bad})
+
+
 def test_integers_of_other_types_are_stored_as_plain_ints():
     import numpy as np
 

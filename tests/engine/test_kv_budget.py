@@ -85,3 +85,21 @@ def test_cli_kv_cache_memory_must_be_positive(capsys):
 
     assert main(["generate", "hi", "--kv-cache-memory", "-1"]) == 2
     assert "--kv-cache-memory must be a positive number of GiB" in capsys.readouterr().err
+
+
+def test_a_budget_smaller_than_one_block_still_gives_one_block():
+    per_block = bytes_per_block(TINY, 16, 4)
+    for budget in (1, per_block - 1, per_block):
+        assert num_blocks_for(TINY, block_size=16, dtype_size=4, max_num_seqs=4, max_model_len=64,
+                              kv_cache_memory_bytes=budget) == 1
+    assert num_blocks_for(TINY, block_size=16, dtype_size=4, max_num_seqs=4, max_model_len=64,
+                          kv_cache_memory_bytes=2 * per_block) == 2
+
+
+def test_the_gib_flag_must_be_positive():
+    from minicb.core.kv_budget import gib_flag
+
+    assert gib_flag(None) is None and gib_flag(0.5) == GIB // 2 and gib_flag(1e-9) == int(1e-9 * GIB)
+    for bad in (0, 0.0, -1, float("nan")):
+        with pytest.raises(InvalidArgument, match="--kv-cache-memory must be a positive"):
+            gib_flag(bad)
