@@ -108,6 +108,8 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
      "that is cached already (they are: lookup found them, and a shared block is never evicted)"),
     ("core/errors.py", "return math.inf if value > 0 else -math.inf", "`>` -> `>=`",
      "only an integer too large for a float overflows, and that is never 0"),
+    ("core/memory.py", 'raise AssertionError("unreachable")', "statement dropped",
+     "the loop above returns at PiB at the latest: the line is never reached"),
 ]
 
 

@@ -144,3 +144,16 @@ def test_cgroup_limits_are_read_from_the_first_file_pair_that_exists(monkeypatch
     assert memory._cgroup_available() == 1500
     files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = str(2**62)   # v1's "no limit"
     assert memory._cgroup_available() is None
+
+
+def test_meminfo_gives_mem_available_in_bytes(monkeypatch, tmp_path):
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal:  8000 kB\nMemFree:  100 kB\nMemAvailable:  1000 kB\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        fake if path == "/proc/meminfo" else path, *a, **k))
+    assert memory._meminfo_available() == 1000 * 1024
+    fake.write_text("MemTotal:  8000 kB\n")                      # an old kernel: no MemAvailable
+    assert memory._meminfo_available() is None
+    fake.write_text("MemAvailable: lots\n")
+    assert memory._meminfo_available() is None
