@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from minicb.core.errors import InvalidArgument
-from minicb.core.sampling_params import MAX_INT, MAX_SEED, MIN_TEMPERATURE, SamplingParams
+from minicb.core.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+MAX_INT = MAX_SEED = 2**63 - 1          # written out: a mutated constant in the module must not move the test
 
 
 def test_defaults_are_greedy_and_unfiltered():

@@ -1,0 +1,24 @@
+"""``Scheduler.snapshot()``: the plain values step listeners see, and the figures derived from them."""
+
+from __future__ import annotations
+
+from test_scheduler import Req, make_seq, step
+
+from minicb.core.config import SchedulerConfig
+from minicb.core.scheduler import Scheduler
+
+
+def test_a_snapshot_counts_slots_and_blocks_and_lists_the_free_blocks():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, block_size=4, num_blocks=6,
+                                      enable_prefix_caching=False))
+    s0 = sched.snapshot()
+    assert s0.num_held_slots == 0 and s0.num_used_blocks == 0 and s0.free_blocks == tuple(range(6))
+    sched.add(make_seq(Req("a", list(range(1, 10)), 4)))     # 9 tokens: 3 blocks
+    sched.add(make_seq(Req("b", [1, 2], 4)))                 # 2 tokens: 1 block
+    step(sched)
+    s = sched.snapshot()
+    assert s.num_held_slots == 2 and s.slots.count(None) == 1
+    assert s.num_used_blocks == 4 and s.num_free_blocks == 2
+    held = {b for _, table in s.block_tables for b in table}
+    assert len(held) == 4 and s.free_blocks == tuple(sorted(set(range(6)) - held))
+    assert set(s.running) == {"a", "b"} and s.waiting == () and s.swapped == ()
