@@ -22,3 +22,13 @@ def test_a_snapshot_counts_slots_and_blocks_and_lists_the_free_blocks():
     held = {b for _, table in s.block_tables for b in table}
     assert len(held) == 4 and s.free_blocks == tuple(sorted(set(range(6)) - held))
     assert set(s.running) == {"a", "b"} and s.waiting == () and s.swapped == ()
+
+
+def test_a_scheduler_needs_a_scheduler_config():
+    import pytest
+
+    from minicb.core.errors import InvalidArgument
+
+    for bad in (None, {"max_num_seqs": 2}, "continuous"):
+        with pytest.raises(InvalidArgument, match="config must be a SchedulerConfig"):
+            Scheduler(bad)
