@@ -32,3 +32,16 @@ def test_a_scheduler_needs_a_scheduler_config():
     for bad in (None, {"max_num_seqs": 2}, "continuous"):
         with pytest.raises(InvalidArgument, match="config must be a SchedulerConfig"):
             Scheduler(bad)
+
+
+def test_add_refuses_a_non_string_request_id():
+    import pytest
+
+    from minicb.core.errors import InvalidArgument
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.core.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4))
+    for rid in (5, None, b"x"):
+        with pytest.raises(InvalidArgument, match="request_id must be a str"):
+            sched.add(Sequence(rid, [1, 2], SamplingParams(max_tokens=1)))
