@@ -114,6 +114,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
      "in add(): validate() just refused any sequence that is not WAITING already"),
     ("core/scheduler.py", "budget.check_integrity()", "statement dropped",
      "a call of the budget's integrity check (the tests' referee, see REFEREE), not behaviour"),
+    ("core/scheduler.py",
+     "seq.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(seq.request_id):", "`>` -> `>=`",
+     "the guard only skips work: with equal counts cache_full_blocks has no new block to offer"),
+    ("core/scheduler.py",
+     "seq.admitted_index, self._next_admission = self._next_admission, self._next_admission + 1",
+     "`1` -> `2`", "admission numbers 0, 2, 4, ... keep their order, and only their order is ever used"),
 ]
 
 
@@ -672,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [" ".join(line.split()) for line in pathlib.Path(args.only).read_text().splitlines()]
         mutants = [m for m in mutants
                    if " ".join(f"{m.where} {m.description} {line_text(m)}".split()) in wanted
-                   or " ".join(f"{m.rel} {m.description} {line_text(m)}".split()) in wanted]
+                   or any(w.startswith(" ".join(f"{m.where} {m.description} ".split()) + " ")
+                          for w in wanted)]
     if args.max is not None:
         mutants = spread(mutants, args.max)
     equivalent = {m: r for m in mutants if (r := equivalence_reason(m)) is not None}

@@ -45,3 +45,23 @@ def test_add_refuses_a_non_string_request_id():
     for rid in (5, None, b"x"):
         with pytest.raises(InvalidArgument, match="request_id must be a str"):
             sched.add(Sequence(rid, [1, 2], SamplingParams(max_tokens=1)))
+
+
+def test_prompt_tokens_are_counted_once_per_request_whatever_the_policy_and_preemption():
+    from test_scheduler import assert_token_exact, drive, step_bound
+
+    reqs = [Req("first", [(3 * j) % 50 + 1 for j in range(12)], 10, arrival=0, priority=5, ignore_eos=True),
+            Req("vip", [(7 * j) % 50 + 1 for j in range(12)], 10, arrival=1, priority=0, ignore_eos=True)]
+    total = sum(len(r.prompt) for r in reqs)
+    for policy in ("static", "dynamic"):
+        run = drive(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, block_size=4, num_blocks=16,
+                                    policy=policy), reqs, max_steps=step_bound(reqs))
+        assert_token_exact(run, reqs)
+        assert run.scheduler.stats.num_prompt_tokens == total, policy
+    # the first admission (index 0) is preempted by a more important request and admitted again
+    run = drive(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, block_size=4, num_blocks=7,
+                                scheduling_policy="priority", enable_prefix_caching=False),
+                reqs, max_steps=step_bound(reqs))
+    assert_token_exact(run, reqs)
+    assert run.scheduler.stats.num_recomputes > 0 and run.seqs["first"].num_preemptions > 0
+    assert run.scheduler.stats.num_prompt_tokens == total
