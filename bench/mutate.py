@@ -120,6 +120,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("core/scheduler.py",
      "seq.admitted_index, self._next_admission = self._next_admission, self._next_admission + 1",
      "`1` -> `2`", "admission numbers 0, 2, 4, ... keep their order, and only their order is ever used"),
+    ("core/scheduler.py", "if start + n <= p:", "`<=` -> `<`",
+     "a fast path: at equality the general branch gives the same slice (the prompt's tail, no outputs)"),
+    ("core/scheduler.py", "if start >= p:", "`>=` -> `>`",
+     "a fast path: at equality the general branch gives the same slice (no prompt, the first outputs)"),
+    ("core/sequence.py", "admitted_index: int = -1             # order of the latest admission (the default "
+     "preemption victim", "`1` -> `2`", "any negative value means never admitted; only `< 0` is ever asked"),
 ]
 
 

@@ -65,3 +65,36 @@ def test_prompt_tokens_are_counted_once_per_request_whatever_the_policy_and_pree
     assert_token_exact(run, reqs)
     assert run.scheduler.stats.num_recomputes > 0 and run.seqs["first"].num_preemptions > 0
     assert run.scheduler.stats.num_prompt_tokens == total
+
+
+def test_every_finished_request_is_counted():
+    from test_scheduler import drive
+
+    reqs = [Req(f"r{i}", [i + 1, i + 2], 3, arrival=i) for i in range(5)]
+    for policy in ("continuous", "static"):
+        run = drive(SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4, policy=policy), reqs)
+        assert run.scheduler.stats.num_finished == 5
+
+
+def test_the_slot_table_refuses_a_size_whose_containers_cannot_fit(monkeypatch):
+    """About 128 bytes a slot: 100 slots need 12,800 bytes."""
+    import pytest
+
+    import minicb.core.slot_table as slot_table
+    from minicb.core.errors import InvalidArgument
+
+    monkeypatch.setattr(slot_table, "available_cpu_bytes", lambda: 12800)
+    assert slot_table.SlotTable(100).num_free == 100
+    with pytest.raises(InvalidArgument, match="max_num_seqs=101"):
+        slot_table.SlotTable(101)
+
+
+def test_a_sequence_records_each_token_s_time_and_the_first_one():
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.core.sequence import Sequence
+
+    s = Sequence("a", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert s.append_token(5, now=1.5) is False
+    assert s.append_token(6, now=2.5) is False
+    assert s.first_token_time == 1.5 and s.token_times == [1.5, 2.5] and s.output_token_ids == [5, 6]
+    assert s.append_token(7, now=4.0) is True and s.first_token_time == 1.5

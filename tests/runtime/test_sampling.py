@@ -215,3 +215,15 @@ def test_greedy_rows_take_the_argmax_and_register_nothing():
     t = params(top_k=1, seed=0)
     s.register("t", t)
     assert s.sample(logits, ("g", "t"), [g, t]) == [1, 0]      # a mixed batch: row by row
+
+
+def test_a_released_request_no_longer_draws_from_its_generator():
+    """After ``release`` the row has no generator of its own: it draws from torch's global one."""
+    p = params(seed=77)
+    s = Sampler(seed=1)
+    s.register("r", p)
+    s.release("r")
+    torch.manual_seed(123)
+    after = [s.sample(LOGITS_FLAT, ("r",), [p])[0] for _ in range(8)]
+    torch.manual_seed(123)
+    assert after == [sample_token(LOGITS_FLAT[0], p, None) for _ in range(8)]
