@@ -100,6 +100,15 @@ for policy in ("static", "continuous"):
           "padding tokens\n")
 
 # %% [markdown]
+# Why does the scheduler count 16 padding tokens when section 1 counted 36?
+# Section 1 padded *one* batch of all four: every prompt to C's 6 tokens
+# (1 + 3 + 0 + 2 = 6 padding tokens) and every row to B's 14 tokens (A, C and D
+# idle 11 + 9 + 10 = 30 steps): 36. With 2 slots the static policy forms two
+# batches of two, each padded only to its own members: A with B (B's prompt
+# padded to A's 5: 2 tokens; A idles 11 steps), then C with D (D's prompt to
+# C's 6: 2; D idles 1 step): 2 + 11 + 2 + 1 = 16. A `.` in the picture is
+# one of those idle steps. Smaller batches pad less, but C and D wait for B.
+#
 # Count the steps and the share of (slot, step) cells that did real work:
 
 # %%

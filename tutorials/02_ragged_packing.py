@@ -103,8 +103,23 @@ print(f"\nflat tokens computed: {batch.num_tokens}")
 print(f"a padded [batch={n_seqs}, max_len={longest}] tensor would compute "
       f"{n_seqs * longest} token rows,")
 print(f"{n_seqs * longest - batch.num_tokens} of them padding")
+# attention also reads keys: a padded batch gives every query row the
+# longest context's keys; the ragged one gives a row its own request's keys
+q_len = meta.cu_seqlens_q.diff().tolist()
+k_len = meta.cu_seqlens_k.diff().tolist()
+padded_pairs = n_seqs * longest * max(k_len)
+ragged_pairs = sum(q * k for q, k in zip(q_len, k_len, strict=True))
+print(f"query-key scores: padded [{n_seqs}, {longest}] x {max(k_len)} keys = "
+      f"{padded_pairs},")
+terms = " + ".join(f"{q}x{k}" for q, k in zip(q_len, k_len, strict=True))
+print(f"ragged {terms} = {ragged_pairs}")
 
 # %% [markdown]
+# Token rows are only half of padding's cost. The weights' matmuls cost per
+# row, but attention costs per query-key pair: padded, every one of the 9 rows
+# would score the longest context's keys (B's cached ones), so the short
+# prompts pay for B's history too. Ragged, each row scores its own keys.
+#
 # Every layer except attention works token by token, so it does not care which
 # request a row belongs to. Attention uses `cu_seqlens` to keep requests apart:
 # the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` attend only to request i's
