@@ -11,7 +11,10 @@
 * ``docs/images/{ragged-mask,block-tables,prefix-tree,policies}.{json,svg}`` (``minicb.measure.pictures``)
   and ``docs/assets/replay/data.js``, the recorded run the replay page plays (``minicb.measure.replay``).
 
-``--only tutorials|api|images`` regenerates one kind. The site is built by ``make docs``.
+* ``docs/annotated/*.md``: the annotated source pages (``ANNOTATED``), prose beside code, both read
+  from the source files.
+
+``--only tutorials|api|images|annotated`` regenerates one kind. The site is built by ``make docs``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ TRACE_ARGS = ["--num-requests", "10", "--seed", "3", "--max-num-seqs", "4", "--o
 READING_PATH = """\
 ## A reading path
 
+0. **Why batch at all** (00): a decode step is bound by memory, so a batch is nearly free.
 1. **The problem and the layout** (01, 02): why static batches waste work, and the flat batch
    with `cu_seqlens` that makes mixing requests possible.
 2. **The bookkeeping** (03, 04): the slot table and the paged block pool, each driven by hand.
@@ -69,6 +73,10 @@ READING_PATH = """\
 SERVING = "6. **Serving** (11): the engine behind an HTTP server, requests arriving while it runs.\n"
 GLOSSARY = ("New words (slot, block table, chunk, preemption, ...) are defined in the "
             "[glossary](../glossary.md).\n")
+
+# Flags the page's own run of a chapter gets: chapter 00 draws its roofline from the same run whose
+# numbers the page prints (the flag writes a file and prints nothing).
+PAGE_FLAGS = {"00_why_batch": ("--figure", "docs/images/roofline.svg")}
 
 # reading speed for the index's minutes: words of prose a minute, and a code line counted as words
 WORDS_PER_MINUTE, WORDS_PER_CODE_LINE = 200, 4
@@ -188,7 +196,7 @@ def tutorial_pages(only: str | None = None) -> None:
         if only and not path.name.startswith(only) and (out_dir / f"{path.stem}.md").exists():
             continue                # (a chapter without a page yet is always run: the index needs it)
         print(f"running {path.name} ...", flush=True)
-        run = cells_mod.run(path)
+        run = cells_mod.run(path, PAGE_FLAGS.get(path.stem, ()))
         if run.seconds > 60:
             print(f"warning: {path.name} took {run.seconds:.0f} s; a chapter should run in under 60 s",
                   file=sys.stderr)
@@ -251,13 +259,181 @@ def images() -> None:
                    cwd=ROOT, check=True)
 
 
+# --- annotated source: prose beside the code it explains ------------------------------------------
+# Each page: (file name, title, the chapters that run it, the tests that pin it, [(source file,
+# [qualified names of the functions or classes shown, in order])]). The prose is the code's own
+# docstrings and comments, so a page cannot say what the code does not.
+ANNOTATED = [
+    ("continuous_schedule", "The continuous policy's schedule",
+     ["05_step_loop", "06_chunked_prefill", "07_preemption"],
+     ["tests/core/test_scheduler.py", "tests/core/test_scheduler_statemachine.py",
+      "tests/engine/test_equivalence.py"],
+     [("core/scheduler.py", ["Scheduler.schedule", "Scheduler._schedule_continuous",
+                             "Scheduler._schedule_running", "Scheduler._make_room", "Scheduler._preempt",
+                             "Scheduler._schedule_swapped", "Scheduler._schedule_waiting",
+                             "Scheduler._grant"])]),
+    ("block_manager", "The block manager: allocate, append, free, prefix hits",
+     ["04_paged_kv", "10_prefix_caching"],
+     ["tests/core/test_block_manager.py", "tests/core/test_prefix_caching.py"],
+     [("core/block_manager.py", ["hash_block", "PrefixCache.lookup", "PrefixCache.insert",
+                                 "BlockPool.take", "BlockPool.drop", "BlockManager.computed_blocks",
+                                 "BlockManager.num_new_blocks", "BlockManager.can_allocate",
+                                 "BlockManager.allocate", "BlockManager.cache_full_blocks",
+                                 "BlockManager.free"])]),
+    ("packer", "The packer: a plan becomes flat tensors", ["02_ragged_packing"],
+     ["tests/model/test_model_forward.py", "tests/engine/test_equivalence.py"],
+     [("runtime/packer.py", ["pack"])]),
+    ("paged_attention", "Paged attention, the reference", ["02_ragged_packing", "06_chunked_prefill"],
+     ["tests/model/test_model_forward.py", "tests/engine/test_equivalence.py"],
+     [("model/attention.py", ["write_mask", "grouped_sdpa", "ReferenceAttention.prepare",
+                              "ReferenceAttention._group", "ReferenceAttention.attend",
+                              "ReferenceAttention._attend_group"])]),
+    ("step_loop", "The step loop and update", ["05_step_loop"],
+     ["tests/engine/test_engine_api.py", "tests/engine/test_errors.py",
+      "tests/core/test_scheduler.py"],
+     [("engine/llm_engine.py", ["LLMEngine.step", "LLMEngine._step", "LLMEngine.execute",
+                                "LLMEngine._record"]),
+      ("core/scheduler.py", ["Scheduler.update"])]),
+]
+ANNOTATED_HEADER = ("<!-- generated by docs/gen_pages.py from the source files it shows: edit the source's "
+                    "comments and docstrings, not this page -->\n")
+
+
+def _definition(tree: ast.Module, qualname: str):
+    """The ``def`` or ``class`` node of ``qualname`` ("Class.method" or "function") in ``tree``."""
+    body, node = tree.body, None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                     and n.name == part), None)
+        if node is None:
+            raise ValueError(f"no {qualname} (stopped at {part})")
+        body = node.body
+    return node
+
+
+def source_sections(source: str, qualname: str) -> list[tuple[str, list[tuple[int, list[str]]]]]:
+    """(prose, code runs) of one definition, in order; a run is (first line number, the file's own
+    lines, unchanged). A section starts at the definition (its docstring is the prose, and the code
+    runs on around it, so the definition's code is two runs) and at every block of whole-line comments
+    (the comments, their ``#`` removed, are the prose of the code that follows, up to the next block).
+    Blank lines at the edges of a run are dropped."""
+    lines = source.splitlines()
+    node = _definition(ast.parse(source), qualname)
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    doc_span = None
+    if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+            and isinstance(node.body[0].value.value, str):
+        doc_span = (node.body[0].lineno, node.body[0].end_lineno)
+    sections: list[tuple[str, list[tuple[int, list[str]]]]] = []
+    prose, runs, comment = inspect_clean(ast.get_docstring(node) or ""), [], []
+
+    def add(number: int, line: str) -> None:
+        if runs and runs[-1][0] + len(runs[-1][1]) == number:
+            runs[-1][1].append(line)
+        else:
+            runs.append((number, [line]))
+
+    for number in range(first, node.end_lineno + 1):
+        line = lines[number - 1]
+        if doc_span and doc_span[0] <= number <= doc_span[1]:
+            continue                                  # the docstring is the first section's prose
+        stripped = line.strip()
+        if stripped.startswith("#") and not stripped.startswith("#!"):
+            if any(c.strip() for _, run in runs for c in run):
+                sections.append((prose, runs))
+                prose, runs = "", []
+            comment.append(stripped[2:] if stripped[1:2] == " " else stripped[1:])
+            continue
+        if comment:
+            prose = (prose + "\n\n" if prose else "") + "\n".join(comment)
+            comment = []
+        add(number, line)
+    if comment:
+        prose = (prose + "\n\n" if prose else "") + "\n".join(comment)
+    if runs or prose:
+        sections.append((prose, runs))
+    if len(sections) > 1 and not sections[0][0].strip():     # no docstring: the signature joins the
+        sections[1] = (sections[1][0], sections[0][1] + sections[1][1])   # first comment's section
+        del sections[0]
+    out = []
+    for prose, rs in sections:
+        trimmed = []
+        for start, code in rs:
+            while code and not code[0].strip():
+                code, start = code[1:], start + 1
+            while code and not code[-1].strip():
+                code = code[:-1]
+            if code:
+                trimmed.append((start, code))
+        out.append((prose, trimmed))
+    return out
+
+
+def inspect_clean(doc: str) -> str:
+    """A docstring as Markdown: reST's double backticks are Markdown's inline code already; a
+    paragraph ending in ``::`` introduces an indented block, which Markdown shows as code."""
+    return re.sub(r"::\n", ":\n", doc) if doc else ""
+
+
+def _prose_html(prose: str) -> str:
+    return prose.strip() or "&nbsp;"
+
+
+def annotated_page(name: str) -> str:
+    """The Markdown of one annotated page (``ANNOTATED``): a two-column table of sections, prose left
+    and the code it explains right (``docs/assets/annotated.css`` stacks them on a narrow screen)."""
+    spec = next(s for s in ANNOTATED if s[0] == name)
+    _, title, chapters, tests, parts = spec
+    links = ", ".join(f"[chapter {c[:2]}](../tutorials/{c}.md)" for c in chapters)
+    out = ["---", "hide:", "  - navigation", "  - toc", "---", "", f"# {title}", "", ANNOTATED_HEADER,
+           f"**Run by** {links}. **Pinned by** " + ", ".join(f"`{t}`" for t in tests) + ".", ""]
+    for rel, names in parts:
+        path = ROOT / "src" / "minicb" / rel
+        source = path.read_text()
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        out += [f"## `minicb/{rel}`", "", '<div class="annotated" markdown>', ""]
+        if doc:
+            intro = inspect_clean(doc.split("\n\n")[0])
+            out += ['<div class="section" markdown>', '<div class="prose" markdown>', "", intro, "",
+                    "</div>", '<div class="code" markdown></div>', "</div>", ""]
+        for qualname in names:
+            for k, (prose, runs) in enumerate(source_sections(source, qualname)):
+                head = f"**`{qualname}`**\n\n" if k == 0 else ""
+                out += ['<div class="section" markdown>', '<div class="prose" markdown>', "",
+                        head + _prose_html(prose), "", "</div>", '<div class="code" markdown>', ""]
+                for start, code in runs:
+                    out += [f'```python linenums="{start}"', *code, "```", ""]
+                out += ["</div>", "</div>", ""]
+        out += ["</div>", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def annotated_pages() -> None:
+    out_dir = DOCS / "annotated"
+    out_dir.mkdir(exist_ok=True)
+    for name, *_ in ANNOTATED:
+        (out_dir / f"{name}.md").write_text(annotated_page(name))
+    index = ["# Annotated source\n", ANNOTATED_HEADER,
+             "The code that *is* continuous batching, read the way nn.labml.ai reads a model: the code's own",
+             "comments and docstrings on the left, the lines they explain on the right, with the file's line",
+             "numbers. The pages are generated from the source files (`python docs/gen_pages.py --only",
+             "annotated`), and `tests/docs/test_annotated.py` fails when one is older than its source.\n"]
+    for name, title, chapters, _, parts in ANNOTATED:
+        files = ", ".join(f"`{rel}`" for rel, _ in parts)
+        index.append(f"- [{title}]({name}.md) ({files}; run by chapter "
+                     + ", ".join(c[:2] for c in chapters) + ")")
+    (out_dir / "index.md").write_text("\n".join(index) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=["tutorials", "api", "images"])
+    p.add_argument("--only", choices=["tutorials", "api", "images", "annotated"])
     p.add_argument("--tutorial", help="with --only tutorials: rerun only the chapters starting with this")
     args = p.parse_args()
     if args.only in (None, "api"):
         api_pages()
+    if args.only in (None, "annotated"):
+        annotated_pages()
     if args.only in (None, "images"):
         images()
     if args.only in (None, "tutorials"):
