@@ -341,6 +341,8 @@ SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
     "screenshot-home-table.png": ("", "article table"),        # the seed's table and its caveats
     "screenshot-chapter.png": ("tutorials/01_static_batching/", None),
     "screenshot-replay.png": ("replay/#step=6", "[data-minicb-replay]"),
+    "screenshot-annotated.png": ("annotated/block_manager/", ".annotated .section:nth-of-type(9)"),
+    "screenshot-roofline.png": ("tutorials/00_why_batch/", "img[src$='roofline.svg']"),
 }
 
 
