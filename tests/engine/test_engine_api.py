@@ -279,10 +279,10 @@ def test_drive_on_a_clock_waits_for_arrivals_and_rejects_bad_times():
 
 
 def test_drive_raises_instead_of_spinning_when_nothing_can_progress(monkeypatch):
-    from minicb.core.scheduler import Scheduler
+    from minicb.core.continuous import ContinuousPolicy
 
     eng = LLMEngine(tiny_model(), cfg())
-    monkeypatch.setattr(Scheduler, "_schedule_waiting", lambda self, work, budget: None)   # admits nobody
+    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # admits nobody
     with pytest.raises(NoProgress):
         drive(eng, [Arrival(0, "a", PROMPTS[0], greedy(2))])
 
