@@ -21,11 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import VOCAB, Req, assert_token_exact, drive, rows, seq, step, step_bound
 
-import minicb.core.block_manager as block_manager
+import minicb.core.prefix_cache as prefix_cache
 from helpers import TINY, baseline_tokens, run_engine, tiny_model
-from minicb.core.block_manager import ROOT_HASH, BlockManager, CachedBlock, hash_block
+from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
+from minicb.core.prefix_cache import ROOT_HASH, CachedBlock, hash_block
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import SequenceStatus
@@ -162,7 +163,7 @@ def test_the_same_prefix_computed_twice_at_once_is_cached_once():
 
 
 def test_collision_guard_compares_token_ids(monkeypatch):
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent_hash, token_ids: 42)
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, token_ids: 42)
     bm = bm4()
     compute(bm, "a", A)
     assert bm.cache.by_hash == {42: 0}                     # block 1 collided with block 0: not cached
@@ -173,7 +174,7 @@ def test_collision_guard_compares_token_ids(monkeypatch):
 def test_collision_guard_compares_the_parent_block(monkeypatch):
     # A hash that forgets the parent: a block with the same tokens at another position (or after
     # another prefix) gets the same hash. Its K/V would be wrong for us: the parent check refuses it.
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent_hash, token_ids: hash(token_ids))
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, token_ids: hash(token_ids))
     bm = bm4()
     compute(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert bm.computed_blocks([5, 6, 7, 8, 9]) == []       # finds block 1 by hash; its parent is 0

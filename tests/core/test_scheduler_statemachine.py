@@ -355,16 +355,16 @@ class CollidingPrefixCacheMachine(PrefixCacheMachine):
     @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), host=st.integers(0, 8),
                 weak=st.sampled_from(sorted(WEAK_HASHES)))
     def setup(self, num_blocks, block_size, host, weak):
-        import minicb.core.block_manager as bm_module
+        import minicb.core.prefix_cache as hash_module
 
-        self._saved_hash = bm_module.hash_block
-        bm_module.hash_block = WEAK_HASHES[weak]
+        self._saved_hash = hash_module.hash_block
+        hash_module.hash_block = WEAK_HASHES[weak]
         PrefixCacheMachine.setup(self, num_blocks, block_size, host)
 
     def teardown(self):
-        import minicb.core.block_manager as bm_module
+        import minicb.core.prefix_cache as hash_module
 
-        bm_module.hash_block = self._saved_hash
+        hash_module.hash_block = self._saved_hash
 
 
 # --- scheduler -------------------------------------------------------------------------------------
