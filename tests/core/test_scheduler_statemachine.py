@@ -3,7 +3,7 @@
 Each machine keeps a plain model of what the state must be, applies random operations (valid ones and
 invalid ones, which must raise and change nothing) and checks DESIGN.md section 3 after every rule:
 blocks conserved (device and host), ref counts, slot uniqueness, step limits, every request ending
-exactly once, and, for the scheduler, token-exactness against the fake model of ``test_scheduler``.
+exactly once, and, for the scheduler, token-exactness against the fake model of ``scheduler_fixtures``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 from hypothesis import HealthCheck, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_scheduler import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
 
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
@@ -21,6 +20,7 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import FinishReason, Sequence
 from minicb.core.slot_table import SlotTable
+from scheduler_fixtures import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
 
 SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -282,7 +282,7 @@ def test_drive_raises_instead_of_spinning_when_nothing_can_progress(monkeypatch)
     from minicb.core.continuous import ContinuousPolicy
 
     eng = LLMEngine(tiny_model(), cfg())
-    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # admits nobody
+    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # no one in
     with pytest.raises(NoProgress):
         drive(eng, [Arrival(0, "a", PROMPTS[0], greedy(2))])
 

@@ -46,9 +46,8 @@ def tiny_llm(**config) -> LLM:
 
 def text_llm() -> LLM:
     """The tiny model with a (tiny, 266-token) tokenizer: only for rows about text prompts."""
-    from test_tokenizer import tiny_gguf_tokenizer_metadata
-
     from minicb.model.text.tokenizer import Tokenizer
+    from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
     return LLM(tiny_model(), tokenizer=Tokenizer.from_gguf_metadata(tiny_gguf_tokenizer_metadata()),
                max_num_seqs=2, num_blocks=32, block_size=4)

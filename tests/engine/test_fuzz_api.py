@@ -34,7 +34,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tokenizer import tiny_gguf_tokenizer_metadata
 
 from helpers import TINY, tiny_model
 from minicb.core.config import SchedulerConfig
@@ -46,6 +45,7 @@ from minicb.entrypoints.llm import LLM
 from minicb.model.text.tokenizer import Tokenizer
 from robust_helpers import finishes as finishes_within
 from tiny_files import write_gguf
+from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
 HANG_S = 60.0
 # A longer hunt than CI's, locally:

@@ -27,7 +27,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tokenizer import tiny_gguf_tokenizer_metadata
 
 from helpers import TINY, tiny_model
 from minicb.core.config import SchedulerConfig
@@ -37,6 +36,7 @@ from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
 from minicb.model.text.tokenizer import MAX_TEXT_CHARS, Tokenizer
 from minicb.runtime.sampling import Sampler
+from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
 V = TINY.vocab_size
 

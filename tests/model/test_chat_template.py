@@ -17,12 +17,12 @@ import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tokenizer import CHATML, tiny_gguf_tokenizer_metadata
 
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError
 from minicb.model.text import chat_template as ct
 from minicb.model.text.tokenizer import Tokenizer
 from robust_helpers import finishes
+from tokenizer_fixtures import CHATML, tiny_gguf_tokenizer_metadata
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
