@@ -60,6 +60,17 @@ def test_scheduler_side_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
+def test_drain_fails_instead_of_spinning_when_nothing_can_progress(monkeypatch):
+    from minicb.core.continuous import ContinuousPolicy
+
+    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # no one in
+    sched = Scheduler(cfg())
+    sched.add(seq("a", 3))
+    with pytest.raises(AssertionError, match=r"not drained after 50 steps: waiting=\['a'\] running=\[\]"):
+        drain_scheduler(sched, max_steps=50)
+    assert sched.stats.num_steps == 50
+
+
 # --- continuous: exact plans ---------------------------------------------------------------------------
 def test_admission_fills_slots_and_a_freed_slot_is_refilled_next_step():
     sched = Scheduler(cfg(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_blocks=8))
