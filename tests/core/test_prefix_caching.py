@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minicb.core.prefix_cache as prefix_cache
+from hypothesis_profiles import examples
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
@@ -407,7 +408,7 @@ def assert_tables_only_grow(run) -> None:
             last[s.request_id] = s.block_table
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), reqs=sharing_requests())
 def test_shared_prefixes_stay_token_exact_under_pressure(data, reqs):
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]))

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, RequestRejected
 from minicb.core.preemption import choose_victim, preempt, running_order
@@ -507,7 +508,7 @@ def to_reqs(raw) -> list[Req]:
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), raw=requests)
 def test_tokens_do_not_depend_on_the_schedule(policy, block_size, data, raw):
     reqs = to_reqs(raw)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from hypothesis_profiles import examples
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, RequestRejected
@@ -22,7 +23,7 @@ from minicb.core.sequence import FinishReason, Sequence
 from minicb.core.slot_table import SlotTable
 from scheduler_fixtures import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
 
-SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
+SETTINGS = settings(max_examples=examples(60), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 NAMES = st.sampled_from([f"q{i}" for i in range(8)])
 FEW_NAMES = st.sampled_from(["q0", "q1", "q2"])          # fewer names: longer tables, more swaps
@@ -518,13 +519,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSlotTable = SlotTableMachine.TestCase
-TestSlotTable.settings = settings(SETTINGS, max_examples=50)
+TestSlotTable.settings = settings(SETTINGS, max_examples=examples(50))
 TestBlockManager = BlockManagerMachine.TestCase
-TestBlockManager.settings = settings(SETTINGS, max_examples=80)
+TestBlockManager.settings = settings(SETTINGS, max_examples=examples(80))
 TestPrefixCache = PrefixCacheMachine.TestCase
-TestPrefixCache.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
+TestPrefixCache.settings = settings(SETTINGS, max_examples=examples(100), stateful_step_count=40)
 TestPrefixCacheCollisions = CollidingPrefixCacheMachine.TestCase
-TestPrefixCacheCollisions.settings = settings(SETTINGS, max_examples=50, stateful_step_count=40)
+TestPrefixCacheCollisions.settings = settings(SETTINGS, max_examples=examples(50), stateful_step_count=40)
 
 
 class SwapMachine(SchedulerMachine):
@@ -540,10 +541,10 @@ class StaticMachine(SchedulerMachine):
 
 
 TestContinuousRecompute = SchedulerMachine.TestCase
-TestContinuousRecompute.settings = settings(SETTINGS, max_examples=60, stateful_step_count=30)
+TestContinuousRecompute.settings = settings(SETTINGS, max_examples=examples(60), stateful_step_count=30)
 TestContinuousSwap = SwapMachine.TestCase
-TestContinuousSwap.settings = settings(SETTINGS, max_examples=60, stateful_step_count=30)
+TestContinuousSwap.settings = settings(SETTINGS, max_examples=examples(60), stateful_step_count=30)
 TestDynamic = DynamicMachine.TestCase
-TestDynamic.settings = settings(SETTINGS, max_examples=30, stateful_step_count=30)
+TestDynamic.settings = settings(SETTINGS, max_examples=examples(30), stateful_step_count=30)
 TestStatic = StaticMachine.TestCase
-TestStatic.settings = settings(SETTINGS, max_examples=30, stateful_step_count=30)
+TestStatic.settings = settings(SETTINGS, max_examples=examples(30), stateful_step_count=30)

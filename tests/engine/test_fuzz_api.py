@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY, tiny_model
+from hypothesis_profiles import examples as scaled
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import MinicbError
 from minicb.core.sampling_params import SamplingParams
@@ -58,7 +59,7 @@ FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), derandom
 def fuzz(examples: int) -> settings:
     """Deterministic by default (the same examples in every run: CI reproduces a failure), no
     per-example deadline (``finishes`` bounds each call instead)."""
-    return settings(FUZZ, max_examples=max(1, int(examples * SCALE)))
+    return settings(FUZZ, max_examples=max(1, int(scaled(examples) * SCALE)))
 
 SCALARS = [np.int64(3), np.int32(-1), np.uint8(7), np.int64(2**62), np.float32(0.5), np.float64(math.nan),
            np.float16(2.0), np.bool_(True), np.array(3), np.array(0.5), np.array([1, 2]), torch.tensor(4),

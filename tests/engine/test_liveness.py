@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
@@ -60,7 +61,7 @@ def tight_workloads(draw):
     return reqs, config
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tight_workloads())
 def test_no_request_waits_longer_than_the_bound(w):
     reqs, config = w

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY, tiny_model
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.sampling_params import MIN_TEMPERATURE, SamplingParams
@@ -150,7 +151,7 @@ params = st.builds(SamplingParams, temperature=st.one_of(st.just(0.0), st.floats
                    top_k=st.integers(0, 10), top_p=st.floats(0.01, 1.0), seed=st.integers(0, 2**63 - 1))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(rows, params), min_size=1, max_size=5))
 def test_every_row_samples_a_valid_token_whatever_its_logits_and_alone_or_not(batch):
     """Rows with NaN / inf logits and extreme temperatures: no exception, a token in the vocabulary,

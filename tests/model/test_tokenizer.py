@@ -10,6 +10,7 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from minicb.core.errors import InvalidArgument, ModelLoadError
 from minicb.model.text.tokenizer import Tokenizer, bytes_to_unicode
 from tokenizer_fixtures import MERGES, SAMPLE, SPECIALS, tiny_gguf_tokenizer_metadata, tiny_tokenizer
@@ -92,7 +93,7 @@ _CHARS = st.sampled_from(list("ab1 2\n\r\t'sé日本語😀👍🏽.,-")) | st.c
     max_codepoint=0x2FFF, exclude_categories=("Cs", "Cn", "Co"))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(alphabet=_CHARS, max_size=40))
 def test_smollm_pre_tokenizer_matches_llama_cpp_regex_random(text):
     tok = tiny_tokenizer()
