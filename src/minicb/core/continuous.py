@@ -45,14 +45,15 @@ class ContinuousPolicy(Policy):
     """Rebuilds the batch every step: running (preempting to fit), then swapped, then waiting."""
 
     def schedule(self) -> StepWork:
+        """One step's batch, in the three steps of the module docstring."""
         c = self.config
         work = StepWork()
         budget = TokenBudget(c.max_num_batched_tokens, c.max_num_seqs, c.chunk_cap)
-        self._schedule_running(work, budget)
+        self._schedule_running(work, budget)          # 1. decodes, then prefill chunks; preempt to fit
         if not work.preempted:
-            self._schedule_swapped(work, budget)
+            self._schedule_swapped(work, budget)      # 2. swapped ones back, before any new request
         if not work.preempted and not self.swapped:
-            self._schedule_waiting(work, budget)
+            self._schedule_waiting(work, budget)      # 3. admit from the front, no overtaking
         budget.check_integrity()
         return work
 
