@@ -254,24 +254,6 @@ class BlockManager:
         dst_tables[request_id] = [d for _, d in copies]
         return copies
 
-    def checkpoint(self) -> tuple:
-        """Copies of everything that changes (pools, cache, tables); ``restore`` puts them back. Tables
-        are copied list by list, since allocations append to them."""
-        return (self.device.checkpoint(), self.host.checkpoint(),
-                self.cache.checkpoint() if self.cache is not None else None,
-                {r: list(t) for r, t in self.block_tables.items()},
-                {r: list(t) for r, t in self.host_tables.items()}, dict(self._num_hashed))
-
-    def restore(self, cp: tuple) -> None:
-        device, host, cache, tables, host_tables, hashed = cp
-        self.device.restore(device)
-        self.host.restore(host)
-        if self.cache is not None:
-            self.cache.restore(cache)
-        self.block_tables = {r: list(t) for r, t in tables.items()}
-        self.host_tables = {r: list(t) for r, t in host_tables.items()}
-        self._num_hashed = dict(hashed)
-
     def check_integrity(self) -> None:
         both = set(self.block_tables) & set(self.host_tables)
         assert not both, f"requests with both a device and a host table: {sorted(both)}"

@@ -108,13 +108,6 @@ class BlockPool:
             heapq.heappush(self._free, block)
         return len(moved)
 
-    def checkpoint(self) -> tuple:
-        return list(self.ref_counts), list(self._free), OrderedDict(self._lru)
-
-    def restore(self, cp: tuple) -> None:
-        refs, free, lru = cp
-        self.ref_counts, self._free, self._lru = list(refs), list(free), OrderedDict(lru)
-
     def check_integrity(self, tables: dict[str, list[int]], name: str) -> None:
         free = set(self._free) | set(self._lru)
         named = Counter(b for table in tables.values() for b in table)

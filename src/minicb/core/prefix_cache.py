@@ -125,15 +125,6 @@ class PrefixCache:
             added += self.insert(table[i], table[i - 1] if i else None, tokens)
         return added
 
-    def checkpoint(self) -> tuple:
-        return dict(self.by_hash), dict(self.blocks), Counter(self.num_children)
-
-    def restore(self, cp: tuple) -> None:
-        # in place, not new objects: the device pool holds a reference to this cache
-        for mine, saved in zip((self.by_hash, self.blocks, self.num_children), cp):
-            mine.clear()
-            mine.update(saved)
-
     def clear(self) -> None:
         """Forget every cached block."""
         self.by_hash.clear()
