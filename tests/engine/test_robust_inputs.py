@@ -231,6 +231,10 @@ def test_text_too_long_to_fit_is_refused_before_the_tokenizer_library_sees_it(mo
             seen.append(len(text))
             return self.tk.encode(text, **kw)
 
+        def encode_batch(self, texts, **kw):     # what Tokenizer.encode calls (it releases the GIL)
+            seen.extend(len(t) for t in texts)
+            return self.tk.encode_batch(texts, **kw)
+
         def __getattr__(self, name):
             return getattr(self.tk, name)
 
