@@ -54,16 +54,11 @@ def test_the_page_names_chapters_and_tests_that_exist(name):
     assert parts
 
 
-# Pages whose source is being reorganised (core/scheduler.py is splitting into per-policy modules):
-# their missing comments are added after the move, so the move and the comments do not collide.
-AWAITING_COMMENTS = {"continuous_schedule"}
-
-
 def test_every_section_has_prose():
     """Each shown piece of code is explained: a section without a comment or docstring is a gap to fill
     in the source (comments only)."""
     gaps = [(name, qualname, start)
-            for name, _, _, _, parts in gen_pages.ANNOTATED if name not in AWAITING_COMMENTS
+            for name, _, _, _, parts in gen_pages.ANNOTATED
             for rel, names in parts
             for qualname in names
             for prose, ((start, _), *_) in gen_pages.source_sections((ROOT / "src/minicb" / rel).read_text(),
@@ -82,12 +77,12 @@ class A:
         # then check it
         # (twice)
         assert y == 2 * x
-        return y  # a trailing comment stays with its code
+        return y  # a trailing comment stays
 '''
     got = gen_pages.source_sections(source, "A.f")
     assert got == [("Double x.", [(3, ["    def f(self, x):"]), (5, ["        y = x + x"])]),
                    ("then check it\n(twice)", [(9, ["        assert y == 2 * x",
-                                                   "        return y  # a trailing comment stays with its code"])])]
+                                                   "        return y  # a trailing comment stays"])])]
     with pytest.raises(ValueError):
         gen_pages.source_sections(source, "A.g")
     # no docstring: the signature is shown with the first comment's section

@@ -30,9 +30,8 @@ from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.outputs import RequestOutput
-from minicb.model import cpu_fused
+from minicb.model import cpu_fused, cpu_linear
 from minicb.model.backends import check_device
-from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute, pack_lm_head
 from minicb.model.llama import LlamaForCausalLM, as_dtype
 from minicb.runtime.runner import engine_for
 
@@ -139,30 +138,34 @@ class LLM:
 
 
 def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
-    """What ``LLM`` does to a model it loads itself, on the CPU: bfloat16 linears computed in float32
-    where the CPU has no bfloat16 matmul and the LM head packed once for oneDNN (``cpu_linear``), and
-    the fused norms and rotary embedding in float32 and bfloat16 (``cpu_fused``; one logged line when
-    they cannot be built). The names of what was applied. Benchmarks that build their model by hand
-    call it to run what ``LLM()`` runs."""
+    """What ``LLM`` does to a model it loads itself, on the CPU: the fused norms and rotary embedding in
+    float32 and bfloat16 (``cpu_fused``; one logged line when they cannot be built), then every linear
+    layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (one logged line saying which and
+    why; ``MINICB_LINEAR`` pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32
+    ``F.linear`` with the LM head alone packed. The names of what was applied. Benchmarks that build
+    their model by hand call it to run what ``LLM()`` runs."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
-    if needs_float32_compute(model.dtype, device):
-        compute_linears_in_float32(model)              # bfloat16 matmuls at float32 speed
-        applied.append("float32-linears")
-    if pack_lm_head(model):                            # the LM head's weight reordered once for oneDNN
-        applied.append("packed-lm-head")
     if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
         reason = cpu_fused.unavailable_reason()
         if reason is None:
-            cpu_fused.fuse_elementwise(model)
+            cpu_fused.fuse_elementwise(model)          # before packing: it knows the modules by class
             applied.append("fused-ops")
         elif reason not in _FUSED_FALLBACK_LOGGED:
             _FUSED_FALLBACK_LOGGED.add(reason)
             _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
-    return applied
+    qkv = model.config.hidden_size, (model.config.num_attention_heads
+                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
+    path, why = cpu_linear.choose_path(model.dtype, *qkv)
+    linears = cpu_linear.apply_path(model, path)
+    if (model.dtype, path, why) not in _PATH_LOGGED and model.dtype in cpu_fused.DTYPES:
+        _PATH_LOGGED.add((model.dtype, path, why))
+        _log.info("minicb: %s linear layers on %s: %s", str(model.dtype).removeprefix("torch."), path, why)
+    return linears + applied
 
 
+_PATH_LOGGED: set[tuple] = set()
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
