@@ -341,7 +341,7 @@ SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
     "screenshot-home-table.png": ("", "article table"),        # the seed's table and its caveats
     "screenshot-chapter.png": ("tutorials/01_static_batching/", None),
     "screenshot-replay.png": ("replay/#step=6", "[data-minicb-replay]"),
-    "screenshot-annotated.png": ("annotated/block_manager/", ".annotated .section:nth-of-type(9)"),
+    "screenshot-annotated.png": ("annotated/continuous_schedule/", "h2:nth-of-type(2)"),
     "screenshot-roofline.png": ("tutorials/00_why_batch/", "img[src$='roofline.svg']"),
 }
 
