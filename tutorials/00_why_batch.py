@@ -237,6 +237,10 @@ for b in (1, 8, 32, 128):
 # for the whole batch. Chapter 01 measures that padding with minicb's padded
 # baseline; chapters 03 and 05 fix it by refilling a finished request's slot
 # at the very next step: continuous batching.
+#
+# The roofline is Williams, Waterman and Patterson's model (CACM, 2009); the
+# [reading list](../reading.md) has it beside the serving papers, each with
+# the chapter that builds it.
 
 # %%
 EXERCISES = [
