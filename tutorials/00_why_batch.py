@@ -149,7 +149,9 @@ for b in BATCHES:
 # weights are read once either way. On a CPU the ridge is far lower (a few
 # cores do less arithmetic per byte of memory bandwidth), so time grows
 # sooner, but still much less than 64-fold. Either way, tokens per second grow
-# with the batch.
+# with the batch. (The CPU column is measured on whatever machine runs the
+# chapter, shared or not: expect its small batches to move by tens of percent
+# from run to run; the page's run is the one its picture shows.)
 #
 # ## 4. The roofline
 #
