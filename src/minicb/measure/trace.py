@@ -1,7 +1,8 @@
 """The slot timeline: who held which batch slot at every step, drawn as the seed's space-time diagram.
 
 A *trace* is a grid, one row per slot and one column per step. Each cell says what that slot computed
-in that step: a request's prompt (or a chunk of it), one decode token, padding (the throw-away tokens
+in that step: a request's prompt (or a chunk of it, even a one-token one), one decode token (a row that
+starts past the prompt: ``minicb.core.plan.row_kind``, the rule every picture and the replay share), padding (the throw-away tokens
 of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
 budget ran out), or nothing at all (idle)::
 
@@ -50,8 +51,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minicb.core.errors import InvalidArgument, MinicbError, check_int
+from minicb.core.plan import DECODE, PREFILL, row_kind
 
-PREFILL, DECODE, PADDING, STALL, IDLE = "prefill", "decode", "padding", "stall", "idle"
+PADDING, STALL, IDLE = "padding", "stall", "idle"
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -148,6 +150,42 @@ class SlotTrace:
         )
 
 
+class PromptLengths:
+    """Each request's prompt length, which ``row_kind`` needs to tell a prefill row from a decode.
+
+    Told by the engine (``note``, from the scheduler's sequences) or learned from the plans alone: a
+    request's first sampled row ends its prompt, since nothing has been generated before it, so its
+    prompt is ``start_pos + num_tokens`` of that row, and every row before it is a prefill.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[str, int] = {}
+
+    def note(self, request_id: str, num_prompt_tokens: int) -> None:
+        self._known.setdefault(request_id, num_prompt_tokens)
+
+    def note_engine(self, engine, plan) -> None:
+        """Note the prompt length of every row of ``plan`` from ``engine``'s scheduler (if it has one)."""
+        get = getattr(getattr(engine, "scheduler", None), "get", None)
+        for s in plan.seqs if get is not None else ():
+            seq = get(s.request_id)
+            if seq is not None:
+                self.note(s.request_id, seq.num_prompt_tokens)
+
+    def known(self, request_id: str) -> int | None:
+        """The request's prompt length, or None while it is not known yet."""
+        return self._known.get(request_id)
+
+    def kind(self, seq) -> str:
+        """``"prefill"`` or ``"decode"`` for the ``ScheduledSeq`` ``seq`` (``row_kind``)."""
+        n = self._known.get(seq.request_id)
+        if n is None:
+            if seq.sample:                       # the first sampled row: the prompt ends here
+                self._known[seq.request_id] = seq.start_pos + seq.num_tokens
+            return PREFILL                       # nothing sampled yet: still inside the prompt
+        return row_kind(seq.start_pos, seq.num_tokens, n)
+
+
 class TraceRecorder:
     """Builds a ``SlotTrace`` from the plans of a run, one ``record`` call per step.
 
@@ -160,10 +198,13 @@ class TraceRecorder:
         self.trace = SlotTrace(num_slots, policy)
         self.skip_empty = skip_empty
         self._members: dict[int, str] = {}     # padded batch members by slot (fallback without held)
+        self.prompts = PromptLengths()
+        self._engine = None
 
     def attach(self, engine) -> TraceRecorder:
         """Record every plan ``engine`` runs, from its plan events (``engine.listen``)."""
         self.trace.policy = self.trace.policy or engine.config.policy
+        self._engine = engine
         engine.listen(on_plan=self.on_plan)
         return self
 
@@ -174,10 +215,15 @@ class TraceRecorder:
         column = len(self.trace.cells)
         for rid in (*st.waiting, *st.running, *st.swapped, *(r for r in st.slots if r is not None)):
             self.trace.arrivals.setdefault(rid, column)
+        self.prompts.note_engine(self._engine, event.plan)
         self.record(event.plan, {i: r for i, r in enumerate(st.slots) if r is not None})
 
-    def record(self, plan, held: Mapping[int, str] | None = None) -> None:
-        """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made."""
+    def record(self, plan, held: Mapping[int, str] | None = None,
+               prompt_lens: Mapping[str, int] | None = None) -> None:
+        """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made;
+        ``prompt_lens``: ``{request_id: prompt tokens}`` where known (else learned, ``PromptLengths``)."""
+        for rid, n in (prompt_lens or {}).items():
+            self.prompts.note(rid, n)
         if self.skip_empty and not plan.seqs and not plan.padding:
             return
         n = self.trace.num_slots
@@ -186,7 +232,7 @@ class TraceRecorder:
         for s in plan.seqs:
             if not 0 <= s.slot_id < n:
                 raise InvalidArgument(f"plan step {plan.step}: slot_id {s.slot_id} outside [0, {n - 1}]")
-            kind = PREFILL if s.num_tokens > 1 or s.start_pos == 0 else DECODE
+            kind = self.prompts.kind(s)
             real[s.slot_id] = (s.request_id, s.num_tokens, kind)
             self._see(s.request_id)
         padding = self._attribute_padding(plan, real, held)
@@ -342,6 +388,27 @@ REQUEST_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#17becf", "#bcbd
 PADDING_FACE = "#f3c1c1"
 HELD_FACE = "#dddddd"
 PREEMPT_COLOUR = "#c00000"
+
+
+def _luminance(colour: str) -> float:
+    """WCAG relative luminance of ``#rrggbb``."""
+    def channel(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b)
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG contrast ratio of two ``#rrggbb`` colours, from 1 (the same) to 21 (black on white)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_colour(background: str) -> str:
+    """Black or white, whichever reads better on ``background`` (every ``REQUEST_COLOURS`` entry
+    reaches 4.5:1 with it: tests/measure/test_trace.py measures it)."""
+    return "#000000" if contrast_ratio(background, "#000000") >= contrast_ratio(background, "#ffffff") \
+        else "#ffffff"
 
 
 def request_colour(index: int) -> str:
@@ -520,18 +587,25 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
     return Workload(prompts, outs, tuple(i * arrival_gap for i in range(num_requests)))
 
 
+def build_engine_from(model, config, seed: int | None = 0, **kwargs):
+    """An ``LLMEngine`` running ``model`` (a ``LlamaForCausalLM``) under ``config``; ``kwargs``: the
+    engine's (``clock``, ``tokenizer``...)."""
+    from minicb.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, config, seed=seed, **kwargs)
+
+
 def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
     from minicb.core.config import TINY_MODEL, SchedulerConfig
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.entrypoints.llm import LLM
     from minicb.model.llama import LlamaForCausalLM, as_dtype
 
     if model == "tiny":
         m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3)
         config.setdefault("max_model_len", 4096)
-        return LLMEngine(m, SchedulerConfig(**config), seed=seed)
+        return build_engine_from(m, SchedulerConfig(**config), seed=seed)
     return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine
 
 
