@@ -634,6 +634,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write a .png or .svg (matplotlib) besides the ASCII")
+    p.add_argument("--replay", default=None, metavar="OUT.html",
+                   help="also record the run step by step into one self-contained HTML page (the docs' "
+                        "replay player, offline: no network)")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
     p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
@@ -657,6 +660,9 @@ def cmd_trace(args) -> int:
     if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
         raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
     check_out_file("--out", args.out)                    # before the run, not after it
+    if args.replay is not None and os.path.splitext(args.replay)[1].lower() not in (".html", ".htm"):
+        raise InvalidArgument(f"--replay must end in .html, got {args.replay!r}")
+    check_out_file("--replay", args.replay)
     check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
     if args.width is not None:
         check_int("--width", args.width, lo=20, hi=100_000)
@@ -672,10 +678,23 @@ def cmd_trace(args) -> int:
                           num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
                           preemption_mode=args.preemption_mode)
     workload = make_workload(args.num_requests, args.seed, engine.model.config.vocab_size, **wl_kwargs)
+    recorder = None
+    if args.replay is not None:
+        from minicb.measure.replay import ReplayRecorder
+
+        recorder = ReplayRecorder().attach(engine)
     trace = run_trace(engine, workload)
     colour = {"auto": None, "always": True, "never": False}[args.color]
     print(render_ascii(trace, width=args.width, colour=colour))
     if args.out is not None:
         render_image(trace, args.out)
         print(f"wrote {args.out}")
+    if recorder is not None:
+        from minicb.measure.replay import write_html
+
+        data = recorder.to_json()
+        data["arrivals"] = {f"r{i}": t for i, t in enumerate(workload.arrivals)}
+        write_html(data, args.replay, title=f"minicb trace --policy {args.policy}: {args.num_requests} "
+                                            f"requests, {args.max_num_seqs} slots, {args.num_blocks} blocks")
+        print(f"wrote {args.replay} ({len(data['frames'])} steps; open it in a browser)")
     return 0
