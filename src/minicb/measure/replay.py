@@ -263,7 +263,8 @@ def to_html(data: dict, title: str = "minicb replay") -> str:
             f"<title>{html.escape(title)}</title>\n"
             "<style>body { font-family: system-ui, sans-serif; font-size: 16px; margin: 0.8em; "
             "color: #111; }</style>\n"
-            f"<style>\n{css}</style>\n</head><body>\n<h1 style=\"font-size: 1.2em\">{html.escape(title)}</h1>\n"
+            f"<style>\n{css}</style>\n</head><body>\n"
+            f"<h1 style=\"font-size: 1.2em\">{html.escape(title)}</h1>\n"
             "<div data-minicb-replay=\"page\"></div>\n"
             f"<script>\n{script}</script>\n<script>\n{js}</script>\n</body></html>\n")
 

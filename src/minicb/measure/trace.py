@@ -1,9 +1,9 @@
 """The slot timeline: who held which batch slot at every step, drawn as the seed's space-time diagram.
 
 A *trace* is a grid, one row per slot and one column per step. Each cell says what that slot computed
-in that step: a request's prompt (or a chunk of it, even a one-token one), one decode token (a row that
-starts past the prompt: ``minicb.core.plan.row_kind``, the rule every picture and the replay share), padding (the throw-away tokens
-of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
+in that step: a request's prompt (or a chunk of it, even a one-token one), one decode token (a row
+that starts past the prompt: ``minicb.core.plan.row_kind``, the rule every picture and the replay
+share), padding (the throw-away tokens of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
 budget ran out), or nothing at all (idle)::
 
     static: the batch runs until its longest member ends; A's row keeps computing padding
@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minicb.core.errors import InvalidArgument, MinicbError, check_int
-from minicb.core.plan import DECODE, PREFILL, row_kind
+from minicb.core.plan import DECODE, PREFILL, row_kind  # noqa: F401  (DECODE: re-exported)
 
 PADDING, STALL, IDLE = "padding", "stall", "idle"
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -171,6 +171,13 @@ class PromptLengths:
             seq = get(s.request_id)
             if seq is not None:
                 self.note(s.request_id, seq.num_prompt_tokens)
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def keep(self, request_ids) -> None:
+        """Forget every request but ``request_ids`` (a long-lived listener's memory stays bounded)."""
+        self._known = {r: n for r, n in self._known.items() if r in request_ids}
 
     def known(self, request_id: str) -> int | None:
         """The request's prompt length, or None while it is not known yet."""
