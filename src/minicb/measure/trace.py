@@ -1,10 +1,10 @@
-"""The slot timeline: who held which batch slot at every step, drawn as the seed's space-time diagram.
+"""The slot timeline: who held which batch slot at every step, drawn as a space-time diagram.
 
 A *trace* is a grid, one row per slot and one column per step. Each cell says what that slot computed
 in that step: a request's prompt (or a chunk of it, even a one-token one), one decode token (a row
 that starts past the prompt: ``minicb.core.plan.row_kind``, the rule every picture and the replay
-share), padding (the throw-away tokens of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
-budget ran out), or nothing at all (idle)::
+share), padding (the throw-away tokens of the padded policies), nothing while holding the slot (a
+"stall": the slot is held but the step's budget ran out), or nothing at all (idle)::
 
     static: the batch runs until its longest member ends; A's row keeps computing padding
     slot 0 |Aaa.........Cccccc|          A..D  requests (UPPER = prefill step, lower = decode)
