@@ -83,8 +83,42 @@ def test_checker_fails_on_a_wrong_answer_and_says_why(wrong):
     assert words in " ".join(r.stdout.split()), r.stdout[-4000:]
 
 
+SAMPLE = ROOT / "docs" / "images" / "exercise-checker-output.txt"
+_MACHINE = ("platform ", "benchmark:", "rootdir:", "configfile:", "plugins:", "cachedir:")
+
+
+def sample_output() -> str:
+    """What ``check_victim.py`` prints for a wrong answer (``my_victim.py``: newest arrival instead of
+    newest admission), with the lines that name this machine left out: the docs page shows it."""
+    import re
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(ANSWERS / "wrong_victim_newest_arrival.py", pathlib.Path(tmp) / "my_victim.py")
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), NO_COLOR="1", COLUMNS="80")
+        env.pop("CI", None)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--tb=short",
+                            str(EXERCISES / "check_victim.py"), "--solution", "my_victim.py"],
+                           cwd=tmp, capture_output=True, text=True, env=env, timeout=300)
+    text = r.stdout.replace(os.path.relpath(ROOT, tmp) + "/", "").replace(str(ROOT) + "/", "")
+    lines = [ln for ln in text.splitlines() if not ln.startswith(_MACHINE)]
+    return re.sub(r" in [0-9.]+s ", " in 0.00s ", "\n".join(lines)).strip() + "\n"
+
+
+def test_the_docs_show_what_a_checker_prints_now():
+    got = sample_output()
+    assert "2 failed, 4 passed" in got and "fcfs preempts the newest ADMISSION" in got
+    assert SAMPLE.read_text() == got, "python tests/docs/test_exercises.py writes it again"
+
+
 def test_the_reference_answers_are_minicbs_code():
     text = (EXERCISES / "_reference.py").read_text()
     for piece in ("minicb.core.slot_table import SlotTable", "bm.can_allocate(", "budget.chunk(",
                   "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)"):
         assert piece in text, piece
+
+
+if __name__ == "__main__":
+    SAMPLE.write_text(sample_output())
+    print(f"wrote {SAMPLE}")

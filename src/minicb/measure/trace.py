@@ -44,6 +44,8 @@ The recorder and the renderers import no torch; ``run_trace`` does (it runs the 
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import shutil
 import sys
 import textwrap
@@ -397,8 +399,13 @@ HELD_FACE = "#dddddd"
 PREEMPT_COLOUR = "#c00000"
 
 
+_NAMED = {"white": "#ffffff", "black": "#000000"}
+
+
 def _luminance(colour: str) -> float:
-    """WCAG relative luminance of ``#rrggbb``."""
+    """WCAG relative luminance of ``#rrggbb`` (or ``white``, ``black``)."""
+    colour = _NAMED.get(colour, colour)
+
     def channel(c: float) -> float:
         return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
     r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
@@ -433,7 +440,40 @@ def _pyplot():
         raise MinicbError("drawing a PNG or SVG needs matplotlib, which is not installed: "
                           "pip install 'minicb[plots]' (or leave out --out for the ASCII diagram)") from None
     matplotlib.rcParams["svg.hashsalt"] = "minicb"     # stable ids: the same trace gives the same SVG
+    matplotlib.rcParams.update(READABLE_RC)
     return plt
+
+
+# Pictures that read at the size they are shown: SVG text stays text (the browser draws it, a test can
+# measure it), and no text is smaller than MIN_FONT_PX once the SVG is shown at its own size (the docs
+# show every SVG at its native size: docs/assets/pictures.css). 1 pt = 4/3 px.
+MIN_FONT_PX = 11.0
+READABLE_RC = {"svg.fonttype": "none", "font.size": 9, "axes.titlesize": 9.5, "axes.labelsize": 9,
+               "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 9}
+_SVG_FONT = re.compile(r"font(?:-size)?:\s*(?:[a-z]+\s+)*([0-9.]+)px")
+
+
+def svg_font_sizes(svg: str) -> list[float]:
+    """The font sizes of an SVG's text, in its own units (matplotlib: points)."""
+    return [float(m) for m in _SVG_FONT.findall(svg)]
+
+
+def save_readable(fig, path: str, **savefig) -> str:
+    """``fig.savefig(path)``; for an SVG, then enlarge its declared size (never its drawing) until its
+    smallest text is ``MIN_FONT_PX`` at that size."""
+    fig.savefig(path, **savefig)
+    if str(path).lower().endswith(".svg"):
+        text = pathlib.Path(path).read_text()
+        sizes = svg_font_sizes(text)
+        scale = max(1.0, 1.01 * MIN_FONT_PX / (min(sizes) * 4 / 3)) if sizes else 1.0   # 1%: rounding
+        if scale > 1.0:
+            def grow(m: re.Match) -> str:
+                return f'{m.group(1)}="{float(m.group(2)) * scale:.2f}pt"'
+            head, rest = text.split("<svg", 1)
+            tag, body = rest.split(">", 1)
+            tag = re.sub(r'(width|height)="([0-9.]+)pt"', grow, tag)
+            pathlib.Path(path).write_text(f"{head}<svg{tag}>{body}")
+    return str(path)
 
 
 def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = None,
@@ -459,8 +499,10 @@ def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = No
             ax.broken_barh([(t0, t1 - t0)], (slot - 0.4, 0.8), facecolors=face, edgecolor="white",
                            linewidth=0.6, hatch=hatch)
         for start, rid in _runs(trace.row(slot)):
-            ax.text(start + 0.15, slot, label_of(rid), va="center", ha="left", fontsize=8,
-                    color="white", fontweight="bold")
+            face = colour_of(rid)     # on its own colour, even where the letter is wider than the bar
+            ax.text(start + 0.15, slot, label_of(rid), va="center", ha="left", fontsize=9,
+                    color=text_colour(face), fontweight="bold",
+                    bbox={"boxstyle": "square,pad=0.08", "facecolor": face, "edgecolor": "none"})
     for t, victims in enumerate(trace.preempted):
         for rid in victims:
             slot = _last_slot(trace, rid, t)
@@ -475,7 +517,7 @@ def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = No
         text = "".join(letters) if len(rids) <= 3 else f"{letters[0]}..{letters[-1]} ({len(rids)})"
         colour = colour_of(rids[0]) if len(rids) == 1 else "#444444"
         ax.plot([t + 0.5], [y], marker="^", color=colour, markersize=6, clip_on=False)
-        ax.text(t + 0.9, y, text, va="center", ha="left", fontsize=7, clip_on=False)
+        ax.text(t + 0.9, y, text, va="center", ha="left", fontsize=8.5, clip_on=False)
     ax.set_ylim(n_slots + 0.2, -0.5)
     ax.set_xlim(0, n_steps)
     ax.set_yticks([*range(n_slots), n_slots - 0.1], [*(f"slot {i}" for i in range(n_slots)), "arrives"])
@@ -494,20 +536,24 @@ def render_image(trace: SlotTrace, path: str, title: str | None = None) -> str:
         raise InvalidArgument(f"out must end in .png or .svg, got {path!r}")
     plt = _pyplot()
     n_steps, n_slots = max(trace.num_steps, 1), trace.num_slots
-    fig_w = min(16.0, max(7.0, 3.5 + n_steps * 0.12))
-    fig, ax = plt.subplots(figsize=(fig_w, 1.6 + 0.45 * n_slots))
+    # 7 inches: the docs' 688 px content column at native size; longer runs grow (and scroll there)
+    fig_w = min(16.0, max(7.0, 0.7 + n_steps * 0.1))
+    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
+    handles = legend_handles(plt, [(_LABELS[i % len(_LABELS)], rid, request_colour(i))
+                                   for i, rid in enumerate(order)])
+    legend_rows = -(-len(handles) // 4)
+    fig, ax = plt.subplots(figsize=(fig_w, 1.5 + 0.42 * n_slots + 0.24 * legend_rows))
     draw_trace(ax, trace)
     s = trace.summary()
     ax.set_xlabel("step")
     ax.set_title(title or f"{trace.policy or 'trace'}: slot utilisation {100 * s.slot_utilisation:.0f}%, "
                  f"padding waste {100 * s.padding_waste:.0f}%", fontsize=10)
-    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
-    ax.legend(handles=legend_handles(plt, [(_LABELS[i % len(_LABELS)], rid, request_colour(i))
-                                           for i, rid in enumerate(order)]),
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.07 + 0.2 * legend_rows / (1.5 + 0.42 * n_slots + 0.24 * legend_rows),
+                           1, 1))
     metadata = {"Date": None} if ext == ".svg" else {"Software": None}
-    fig.savefig(path, metadata=metadata, dpi=110)
+    save_readable(fig, path, metadata=metadata, dpi=110)
     plt.close(fig)
     return str(path)
 

@@ -3,7 +3,7 @@
 
 def slot_mapping(rows, block_size):
     out = []
-    for start, n, table in rows:
+    for _start, n, table in rows:
         for i in range(n):
             out.append(table[i // block_size] * block_size + i % block_size)
     return out
