@@ -454,7 +454,8 @@ def draw_prefix_tree(data: dict):
 def draw_policies(data: dict, width: float = 7.2):
     """The timelines stacked on one step axis, one colour and letter per request in all of them."""
     plt = _pyplot()
-    traces = {p: trace_from_json(t) for p, t in data["traces"].items()}
+    traces = {p: trace_from_json(data["traces"][p]) for p in ("static", "dynamic", "continuous")
+              if p in data["traces"]}                   # this order, whatever order the JSON keeps
     n = data["workload"]["num_requests"]
     ids = [f"r{i}" for i in range(n)]
     colour, label = _colour_by_order(ids), (lambda rid: _LABELS[ids.index(rid) % len(_LABELS)])
