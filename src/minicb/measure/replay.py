@@ -230,11 +230,11 @@ def demo() -> dict:
     from minicb.core.config import TINY_MODEL, SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival
-    from minicb.measure.trace import build_engine_from
     from minicb.model.llama import LlamaForCausalLM
+    from minicb.runtime.runner import engine_for
 
     model = LlamaForCausalLM.random(TINY_MODEL, seed=0, dtype=torch.float32, std=0.3)
-    engine = build_engine_from(model, SchedulerConfig(**DEMO_CONFIG), seed=0, clock=lambda: 0.0)
+    engine = engine_for(model, SchedulerConfig(**DEMO_CONFIG), seed=0, clock=lambda: 0.0)
     return record(engine, [Arrival(t, f"r{i}", demo_prompt(i, p, shared),
                                    SamplingParams(max_tokens=o, ignore_eos=True))
                            for i, (t, p, o, shared) in enumerate(DEMO_REQUESTS)])
