@@ -23,8 +23,9 @@ Why it is cheap for the engine, which is what matters (the engine thread is the 
 ``listener_seconds`` (engine thread) and ``frame_seconds`` (event loop) add up what the feed costs;
 ``bench/serve.py --watch-overhead`` measures the throughput with and without a page watching.
 
-A column says nothing that the plan does not: the kind of a row is "prefill" unless the request has
-already sampled a token and the row computes one token (a decode). The feed never reads the scheduler.
+A column says nothing that the plan does not: the kind of a row is ``minicb.core.plan.row_kind`` (a
+decode starts past its prompt; a one-token last chunk is a prefill), the prompt's end learned from the
+plans (``measure.trace.PromptLengths``). The feed never reads the scheduler.
 """
 
 from __future__ import annotations
