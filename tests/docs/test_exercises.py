@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -102,7 +103,12 @@ def sample_output() -> str:
                             str(EXERCISES / "check_victim.py"), "--solution", "my_victim.py"],
                            cwd=tmp, capture_output=True, text=True, env=env, timeout=300)
     text = r.stdout.replace(os.path.relpath(ROOT, tmp) + "/", "").replace(str(ROOT) + "/", "")
-    lines = [ln for ln in text.splitlines() if not ln.startswith(_MACHINE)]
+    lines = []
+    for ln in text.splitlines():
+        if not ln.startswith(_MACHINE):        # wrapped to the docs' 80-column code block
+            indent = "E     " if ln.startswith("E ") else "    "
+            lines += textwrap.wrap(ln, 80, subsequent_indent=indent, break_on_hyphens=False,
+                                   drop_whitespace=True) or [""]
     return re.sub(r" in [0-9.]+s ", " in 0.00s ", "\n".join(lines)).strip() + "\n"
 
 
