@@ -407,7 +407,7 @@ def _prose_html(prose: str) -> str:
 
 def annotated_page(name: str) -> str:
     """The Markdown of one annotated page (``ANNOTATED``): a two-column table of sections, prose left
-    and the code it explains right (``docs/assets/annotated.css`` stacks them on a narrow screen)."""
+    and the code it explains right (``docs/assets/css/annotated.css`` stacks them on a narrow screen)."""
     spec = next(s for s in ANNOTATED if s[0] == name)
     _, title, chapters, tests, parts = spec
     links = ", ".join(f"[chapter {c[:2]}](../tutorials/{c}.md)" for c in chapters)

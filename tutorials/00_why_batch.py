@@ -182,9 +182,12 @@ if args.figure:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
+    # text stays text (svg.fonttype none), plain tick labels (no mathtext
+    # superscripts), at most 680 px wide: shown at its own size on the page
     plt.rcParams.update({"font.size": 12, "svg.fonttype": "none"})
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 4.2))
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(6.6, 7.4))
     xs = [2 ** (i / 4) for i in range(-4, 60)]
     ax.plot(xs, [min(A100.peak_flops, A100.mem_bw * x) / 1e12 for x in xs],
             color="#333", label="roof: min(peak, bandwidth x intensity)")
@@ -210,6 +213,10 @@ if args.figure:
            title="decode step time")
     bx.set_xticks(BATCHES, [str(b) for b in BATCHES])
     bx.legend(loc="upper left", fontsize=11, frameon=False)
+    for axis in (ax.xaxis, ax.yaxis, bx.xaxis, bx.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    bx.set_xticks(BATCHES, [str(b) for b in BATCHES])
     fig.tight_layout()
     fig.savefig(args.figure, metadata={"Date": None} if
                 args.figure.endswith(".svg") else None)
