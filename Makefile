@@ -43,6 +43,12 @@ test: setup
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The tests marked `timing` (they measure time or wait on a deadline), twice in a row, while one spinning
+# process per core competes for the CPU (tests/under_hog.py): a test must not depend on the machine's load.
+# Any other selection: python tests/under_hog.py --times 2 -- -q tests/serve
+test-hog: setup
+	$(PYTHON) tests/under_hog.py --times 2
+
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests
 

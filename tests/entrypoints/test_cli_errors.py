@@ -133,6 +133,7 @@ def test_the_real_command_exits_2_with_one_line(args, needle):
     assert_one_line(err.decode(), needle)
 
 
+@pytest.mark.timing
 def test_ctrl_c_during_generation_exits_130_without_a_traceback(tmp_path):
     model = write_gguf(tmp_path / "never_eos.gguf", tiny_weights(never_eos=True), quantize=False)
     p = cli("generate", "hello", "--model", str(model), "--max-tokens", "2000")
@@ -342,6 +343,7 @@ sys.exit(rc)
 
 @pytest.mark.parametrize("moment", ["argparse", "minicb.measure", "torch", "minicb.entrypoints.llm",
                                     "teardown"])
+@pytest.mark.timing
 def test_ctrl_c_at_any_moment_exits_130_with_one_line(moment, tiny_gguf):
     """A Ctrl-C during the command line's own imports, the parser's, the engine's (torch), or after the
     work is done used to print a KeyboardInterrupt traceback or kill the process by the signal (-2)."""
