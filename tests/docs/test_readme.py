@@ -103,9 +103,10 @@ def _cases():
     for cmd, line in bash_commands():
         if cmd[0] == "curl" or cmd[:2] == ["minicb", "serve"]:
             continue                                   # test_the_serving_examples
-        marks = [pytest.mark.slow] if (_is_real_model(cmd) or cmd[0] == "torchrun"
-                                       or cmd[:2] == ["minicb", "simulate"] or "tutorials/" in " ".join(cmd)) \
-            else []
+        slow = (_is_real_model(cmd) or cmd[0] == "torchrun" or cmd[:2] in (["minicb", "simulate"],
+                                                                            ["minicb", "bench"])
+                or "tutorials/" in " ".join(cmd))
+        marks = [pytest.mark.slow] if slow else []
         yield pytest.param(cmd, id=f"L{line}: {' '.join(cmd)[:70]}", marks=marks)
 
 
@@ -125,7 +126,7 @@ def test_a_readme_command_runs(cmd, tmp_path):
         p = run([sys.executable, "-m", "minicb", *cmd[1:]])
         assert p.returncode == 0, p.stderr[-3000:]
         assert p.stdout.strip(), "printed nothing"
-        if cmd[1:2] == ["generate"] and sum(not w.startswith("-") for w in cmd[2:]) >= 2 and "--file" not in cmd:
+        if cmd[1:2] == ["generate"] and len(_parsed(cmd).prompts) >= 2:
             labels = [ln[:3] for ln in p.stdout.splitlines() if re.match(r"\[\d+\] ", ln)]
             assert labels == sorted(labels) and labels[0] == "[1]", p.stdout    # in prompt order
     elif head == "python" and cmd[1].startswith("bench/"):
@@ -148,6 +149,12 @@ def test_a_readme_command_runs(cmd, tmp_path):
         assert p.stdout.strip(), "rank 0 printed nothing"
     else:
         pytest.fail(f"README line with no runner here: {' '.join(cmd)} (teach tests/docs/test_readme.py)")
+
+
+def _parsed(cmd: list[str]):
+    from minicb.entrypoints.cli import build_parser
+
+    return build_parser().parse_args(cmd[1:])
 
 
 def _two_ranks_here(cmd: list[str]) -> list[str]:
@@ -189,7 +196,7 @@ def test_the_serving_examples(tmp_path):
     assert serves and curls and openai_blocks
     for k, cmd in enumerate(serves):
         port = free_port()
-        argv = [w for w in cmd[2:]]
+        argv = list(cmd[2:])
         if "--port" in argv:
             argv[argv.index("--port") + 1] = str(port)
         else:
