@@ -55,10 +55,10 @@ if (__name__ == "__main__" or _AS_PROGRAM) \
 import argparse  # noqa: E402 - after the handler, on purpose
 import difflib  # noqa: E402
 import errno  # noqa: E402
-import math  # noqa: E402
 import re  # noqa: E402
 
 from minicb.core.errors import InvalidArgument, MinicbError  # noqa: E402
+from minicb.entrypoints.checks import check_generate_flags, check_model_flag, model_name  # noqa: E402
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -276,56 +276,6 @@ def _read_prompt_file(path: str) -> list[str]:
     if not lines:
         raise MinicbError(f"--file {path} contains no prompts")
     return lines
-
-
-# --- checks before torch: every number named by its flag ------------------------------------------
-MAX_SEED = 2**63 - 1              # torch.Generator.manual_seed takes a signed 64-bit integer
-
-
-def _at_least(flag: str, value, lo: int) -> None:
-    if value is not None and value < lo:
-        raise InvalidArgument(f"{flag} must be >= {lo}, got {value}")
-
-
-def _number(flag: str, value, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
-    bad = (not math.isfinite(value) or (value <= lo if lo_open else value < lo)
-           or (hi is not None and value > hi))
-    if bad:
-        rng = f"{'(' if lo_open else '['}{lo:g}, {'inf' if hi is None else f'{hi:g}'}]"
-        raise InvalidArgument(f"{flag} must be a finite number in {rng}, got {value}")
-
-
-def check_engine_flags(args) -> None:
-    """The flags ``_add_engine_args`` adds, before torch: ranges and a model path that exists."""
-    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-blocks", "--tp"):
-        _at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
-    if args.kv_cache_memory is not None:
-        _number("--kv-cache-memory", args.kv_cache_memory, 0.0, lo_open=True)
-    check_model_flag(args.model)
-
-
-def check_model_flag(model: str | None, flag: str = "--model") -> None:
-    """A model that is not here fails now, in a fraction of a second, and a Hub id is told that minicb
-    never downloads (``minicb.model.weights.paths``)."""
-    if model is not None:
-        from minicb.model.weights.paths import check_model_path
-
-        check_model_path(model, flag)
-
-
-def check_generate_flags(args) -> None:
-    _at_least("--max-tokens", args.max_tokens, 1)
-    _number("--temperature", args.temperature, 0.0)
-    _at_least("--top-k", args.top_k, 0)
-    _number("--top-p", args.top_p, 0.0, 1.0, lo_open=True)
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise InvalidArgument(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
-    check_engine_flags(args)
-
-
-def model_name(model: str | None) -> str:
-    """How a progress line names the model: the file or directory name, or the default's."""
-    return "SmolLM2-135M-Instruct" if model is None else os.path.basename(os.path.normpath(model))
 
 
 def cmd_generate(args) -> int:

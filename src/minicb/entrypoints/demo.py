@@ -89,9 +89,9 @@ def diagrams(traces: dict, colour: bool | None = None) -> list[str]:
 
 
 def cmd_demo(args) -> int:
-    from minicb.entrypoints.cli import _at_least, check_model_flag
+    from minicb.entrypoints.checks import at_least, check_model_flag
 
-    _at_least("--max-tokens", args.max_tokens, 1)
+    at_least("--max-tokens", args.max_tokens, 1)
     check_model_flag(args.model)
     colour = {"auto": None, "always": True, "never": False}[args.color]
     say = print
@@ -123,7 +123,7 @@ def cmd_demo(args) -> int:
 
 
 def _real_model(args, colour) -> None:
-    from minicb.entrypoints.cli import model_name
+    from minicb.entrypoints.checks import model_name
     from minicb.measure.progress import Progress
 
     name = model_name(args.model)

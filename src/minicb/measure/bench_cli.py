@@ -224,9 +224,9 @@ def cmd_bench(args) -> int:
     if args.replay and args.trace == "sharegpt":
         raise InvalidArgument("--replay needs timestamps: use --trace azure-conv or azure-code (or --rate)")
     if args.model not in ("tiny", "default"):
-        from minicb.entrypoints.cli import check_model_flag
+        from minicb.model.weights.paths import check_model_path
 
-        check_model_flag(args.model)
+        check_model_path(args.model, "--model")       # before torch; "never downloads" for hub ids
     from minicb.measure.progress import Progress
 
     quiet = False if args.no_progress else None

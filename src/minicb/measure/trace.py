@@ -595,6 +595,10 @@ def cmd_trace(args) -> int:
     check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
     if args.width is not None:
         check_int("--width", args.width, lo=20, hi=100_000)
+    if args.model not in ("tiny", "default"):
+        from minicb.model.weights.paths import check_model_path
+
+        check_model_path(args.model, "--model")           # before torch; "never downloads" for hub ids
     if args.model == "tiny":
         import torch
 
