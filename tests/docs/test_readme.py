@@ -241,3 +241,16 @@ def test_the_extraction_sees_every_block_and_command():
     assert "-m minicb.entrypoints.cli generate" in torchrun                 # the continued line
     assert not any("#" in c for c in cmds if not c.startswith("curl"))
     assert block_commands('a "b c" \\\n   d  # e\n# f\n') == [["a", "b c", "d"]]
+
+
+def test_setup_changes_nothing_outside_the_python_environment_and_ci_installs_the_browser():
+    """``make setup`` (which ``make demo`` and ``make test`` run) installs with pip into $(PYTHON)'s
+    environment only; the system package (Chromium, for the docs' browser test) is ``make browser``'s,
+    which says what it does, and CI runs it before ``make test`` so that test cannot skip there."""
+    setup = run(["make", "-n", "-B", "setup"]).stdout
+    assert "pip install" in setup and "apt-get" not in setup and "sudo" not in setup
+    browser = run(["make", "-n", "browser"]).stdout
+    assert "apt-get install" in browser and "echo \"make browser: installing" in browser
+    ci = [ln.strip() for ln in (ROOT / ".ci/run").read_text().splitlines()
+          if ln.strip() and not ln.lstrip().startswith("#")]
+    assert ci.index("make browser") < ci.index("make test")
