@@ -253,3 +253,17 @@ def test_the_demo_with_smollm2_refills_the_first_free_slot(smollm2_path, capsys)
             for slot, r in enumerate(rows)}
     d_slot = next(s for s, r in enumerate(rows) if "D" in r)
     assert ends[d_slot] == min(ends.values()) and rows[d_slot].index("D") == ends[d_slot] + 1
+
+
+def test_simulate_is_small_by_default_and_full_is_the_15000_request_run():
+    from minicb.simulate.cli import build
+
+    def simulated(*argv) -> int:
+        args = build_parser().parse_args(["simulate", *argv])
+        _, _, rates, policies = build(args)
+        return args.num_requests * len(rates) * len(policies)
+
+    assert simulated() == 200 * 3 * 3                  # about 10 s on two cores
+    assert simulated("--full") == 15_000
+    assert simulated("--full", "--rates", "12", "--policy", "continuous") == 1000
+    assert simulated("--num-requests", "50") == 50 * 3 * 3
