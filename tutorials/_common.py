@@ -38,12 +38,14 @@ def _heartbeat() -> None:
     took at the end, so a piped or quiet run never looks stuck. Output stays
     on stdout, untouched; ``MINICB_PROGRESS=0`` turns this off."""
     import atexit
+    import multiprocessing
     import os
 
     from minicb.measure.progress import Progress
 
     script = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not script or "ipykernel" in sys.modules:
+    rank = multiprocessing.parent_process() is not None   # a TP rank: quiet
+    if not script or rank or "ipykernel" in sys.modules:
         return
     name = f"tutorials/{os.path.basename(script)}"
     beat = Progress(name, after=5.0, every=5.0, tty=False)

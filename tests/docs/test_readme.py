@@ -172,12 +172,16 @@ def _two_ranks_here(cmd: list[str]) -> list[str]:
     return out
 
 
+def _standalone_python_blocks() -> list[tuple[str, int]]:
+    """The python blocks that run on their own (the openai one needs a server:
+    test_the_serving_examples runs it)."""
+    return [(text, line) for text, line in python_blocks() if "OpenAI(" not in text]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_a_readme_python_block_runs(index, tmp_path):
-    text, line = python_blocks()[index]
-    if "OpenAI(" in text:
-        pytest.skip("the openai block runs against minicb serve in test_the_serving_examples")
+@pytest.mark.parametrize("block", _standalone_python_blocks(), ids=lambda b: f"L{b[1]}")
+def test_a_readme_python_block_runs(block, tmp_path):
+    text, line = block
     script = tmp_path / f"readme_block_{line}.py"
     script.write_text(text)
     p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True, text=True,
@@ -207,6 +211,7 @@ def test_the_serving_examples(tmp_path):
             first = proc.stdout.readline()              # blocks until it listens (or dies)
             assert first.startswith("minicb serve: "), (first, proc.stderr.read() if proc.poll() else "")
             url = re.search(r"on (http://\S+)", first).group(1)
+            _wait_until_healthy(url, proc)
             if k == 0:
                 for curl in curls:
                     c = run([w.replace("localhost:8000", url.removeprefix("http://")) for w in curl],
@@ -222,6 +227,22 @@ def test_the_serving_examples(tmp_path):
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
+
+
+def _wait_until_healthy(url: str, proc: subprocess.Popen) -> None:
+    """/health answers 200 (the server's signal handlers are in place from then on). No time limit
+    but the test's own: how long start-up takes on a busy machine is not what is tested."""
+    import time
+    import urllib.request
+
+    while proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"minicb serve exited with {proc.returncode} before /health answered")
 
 
 def test_the_readme_diagrams_are_what_the_demo_draws():
