@@ -63,7 +63,7 @@ def batching_traces(num_requests: int = 6, num_slots: int = 3, prompt_len=(4, 12
     for policy in ("static", "continuous"):
         engine = build_engine("tiny", seed=0, policy=policy, max_num_seqs=num_slots,
                               max_num_batched_tokens=64, block_size=4, num_blocks=256)
-        wl = make_workload(num_requests, seed, engine.model.config.vocab_size, prompt_len=prompt_len,
+        wl = make_workload(num_requests, seed, engine.runner.vocab_size, prompt_len=prompt_len,
                            output_len=output_len)
         out[policy] = run_trace(engine, wl)
     return out
