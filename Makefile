@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 
-.PHONY: setup browser demo test test-fast test-hog lint docs docs-pages serve-docs bench clean
+.PHONY: setup browser demo test test-fast test-core test-hog lint docs docs-pages serve-docs bench clean
 
 # Idempotent set-up, into the Python environment $(PYTHON) belongs to (nothing else on the system changes).
 # A fresh venv first:  python3 -m venv .venv && make demo PYTHON=.venv/bin/python
@@ -42,6 +42,13 @@ demo: setup
 test: setup
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The torch-free core (tests/core) in seconds, with torch made unimportable (tests/no_torch.py): passing
+# proves the core needs no torch. Hypothesis runs its quick profile unless HYPOTHESIS_PROFILE says otherwise.
+test-core:
+	@PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-quick} \
+		$(PYTHON) -m pytest -q -p no_torch tests/core; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-core: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The tests marked `timing` (they measure time or wait on a deadline), twice in a row, while one spinning
 # process per core competes for the CPU (tests/under_hog.py): a test must not depend on the machine's load.
