@@ -209,7 +209,8 @@ def test_the_serving_examples(tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             first = proc.stdout.readline()              # blocks until it listens (or dies)
-            assert first.startswith("minicb serve: "), (first, proc.stderr.read() if proc.poll() else "")
+            if not first.startswith("minicb serve: "):         # it died: say why
+                pytest.fail(f"minicb serve printed {first!r}; stderr: {proc.communicate(timeout=120)[1][-2000:]}")
             url = re.search(r"on (http://\S+)", first).group(1)
             _wait_until_healthy(url, proc)
             if k == 0:
