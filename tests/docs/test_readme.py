@@ -4,7 +4,8 @@ are collected, never copied here, so an edited README is tested as written.
 How each line of a ``bash`` block runs (from the repository's top, ``minicb`` as ``python -m minicb``,
 any ``--out X`` redirected into a temporary directory):
 
-* ``minicb ...``: run; exit 0 (the real model's lines are ``slow``). A line with ``--device cuda`` on
+* ``minicb ...``: run; exit 0 (the real model's lines are ``slow``); ``--out`` and ``--replay`` files
+  go to a temporary directory. A line with ``--device cuda`` on
   a machine without CUDA must exit 2 with one line saying CUDA is needed.
 * ``minicb serve``: started on a free port (8000 may be taken on a shared machine) until it says where
   it listens; the ``curl`` line and the ``openai`` block after it run against it, 8000 replaced by
@@ -84,7 +85,7 @@ def cuda_available() -> bool:
 def redirect_out(cmd: list[str], tmp: pathlib.Path) -> list[str]:
     cmd = list(cmd)
     for i, word in enumerate(cmd[:-1]):
-        if word == "--out":
+        if word in ("--out", "--replay"):
             cmd[i + 1] = str(tmp / pathlib.Path(cmd[i + 1]).name)
     return cmd
 
@@ -210,7 +211,8 @@ def test_the_serving_examples(tmp_path):
         try:
             first = proc.stdout.readline()              # blocks until it listens (or dies)
             if not first.startswith("minicb serve: "):         # it died: say why
-                pytest.fail(f"minicb serve printed {first!r}; stderr: {proc.communicate(timeout=120)[1][-2000:]}")
+                err = proc.communicate(timeout=120)[1]
+                pytest.fail(f"minicb serve printed {first!r}; stderr: {err[-2000:]}")
             url = re.search(r"on (http://\S+)", first).group(1)
             _wait_until_healthy(url, proc)
             if k == 0:
