@@ -135,6 +135,7 @@ def test_nothing_cites_design_md_or_the_seed():
 
 # --- the design page -----------------------------------------------------------------------------
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
 
 
 @pytest.mark.parametrize("page", ["design.md", "origins.md"])
@@ -149,10 +150,10 @@ def test_every_relative_link_of_the_design_pages_resolves(page):
         dest = (DOCS / page).parent / path if path else DOCS / page
         if not dest.is_file():
             bad.append(f"{target}: no such page")
-        elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", dest.read_text(), re.M)}:
+        elif anchor and anchor not in {_slug(h) for h in HEADING.findall(dest.read_text())}:
             bad.append(f"{target}: no such heading")
     assert not bad, bad
-    assert f"{page}" in (ROOT / "mkdocs.yml").read_text()
+    assert page in (ROOT / "mkdocs.yml").read_text(), f"{page} is not in the nav"
 
 
 def test_the_design_page_names_every_package():
