@@ -22,13 +22,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from workloads import w2  # noqa: E402
 
-try:
+try:                                    # the layout since the core moved into subpackages
+    from minicb.core.sampling_params import SamplingParams  # noqa: E402
     from minicb.entrypoints.llm import LLM  # noqa: E402
-except ImportError:                     # commits before LLM had its own module
-    from minicb.engine.llm_engine import LLM  # noqa: E402
-from minicb.core.sampling_params import SamplingParams  # noqa: E402
+    from minicb.model.weights.loader import load_model  # noqa: E402
+except ImportError:                     # commits before it: flat modules
+    from minicb.llm import LLM  # noqa: E402
+    from minicb.model.loader import load_model  # noqa: E402
+    from minicb.sampling_params import SamplingParams  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
-from minicb.model.weights.loader import load_model  # noqa: E402
 
 
 def main() -> None:

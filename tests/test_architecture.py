@@ -1,15 +1,16 @@
-"""The architecture, checked: the public API, import directions, and who may touch scheduler internals.
+"""The architecture, checked: which package may import which, the torch-free core and engine, the
+public API, and who may touch the scheduler's insides.
 
-DESIGN.md section 2b: the engine talks to the scheduler through ``schedule()`` / ``update()`` and to
-everything else through its methods and step events; dependencies point one way (faces -> engine ->
-runner -> packer -> model, scheduling beside them); the model side never imports plans. These tests
-read the source with ``ast`` (not grep), so a comment or a string naming an attribute does not count
-and an aliased import is still seen.
+``docs/design.md`` draws the layers; this file is that drawing as a test. Every rule is on *folders*
+(packages), not on lists of module names, so a new module is covered the moment it exists. The source
+is read with ``ast`` (not grep): a comment or a string naming an import does not count, and an
+aliased or lazy (in-function) import is still seen.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,104 +19,105 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "minicb"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}     # this checkout's minicb, in subprocesses
 
-# attributes that are the scheduler's insides, seen from outside
+# package -> the packages it may import (itself always). The top-level facade (minicb/__init__.py,
+# __main__.py) names everything lazily and is left out.
+MAY_IMPORT = {
+    "core": set(),
+    "engine": {"core"},
+    "model": {"core"},
+    "runtime": {"core", "model"},
+    "distributed": {"core", "engine", "model", "runtime"},
+    "measure": {"core", "engine", "model", "runtime"},
+    "simulate": {"core", "engine", "measure"},
+    "entrypoints": {"core", "engine", "model", "runtime", "distributed", "measure", "simulate"},
+}
+TORCH_FREE = ("core", "engine")
+# attributes that are the scheduler's insides, seen from outside; only the engine and the core use them
 INTERNALS = {"scheduler", "slot_table", "block_manager", "_scheduler"}
-# the modules allowed to use them: the engine, the runner, and the scheduling side itself (a
-# scheduler reads its own slot table and block manager; preemption is handed the block manager)
-ALLOWED = {"engine.py", "runner.py", "scheduler.py", "preemption.py", "planner.py", "block_manager.py",
-           "slot_table.py", "sequence.py", "plan.py"}
-SCHEDULING = ("sequence", "slot_table", "block_manager", "planner", "preemption", "plan", "scheduler")
 
 
 def _py_files(*roots: Path) -> list[Path]:
     return sorted(p for r in roots for p in r.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def _package(path: Path) -> str | None:
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else None
 
 
 def _imports(path: Path) -> set[str]:
-    """Every minicb module ``path`` imports (at any depth of the file, lazily or not)."""
+    """Every module name ``path`` imports, at any depth of the file (lazily or not)."""
     tree = ast.parse(path.read_text(), str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("minicb")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minicb"):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
-            for a in node.names:                              # from minicb.model import llama
-                out.add(f"{node.module}.{a.name}")
+            out |= {f"{node.module}.{a.name}" for a in node.names}     # from minicb.model import llama
     return out
 
 
-def _internal_accesses(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    return [f"{path.name}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and n.attr in INTERNALS]
+def _minicb_packages(names: set[str]) -> set[str]:
+    return {n.split(".")[1] for n in names if n.startswith("minicb.") and (SRC / n.split(".")[1]).is_dir()}
 
 
-def test_from_minicb_import_star_works_and_every_name_resolves():
-    code = ("import minicb; ns = {}; exec('from minicb import *', ns); "
-            "missing = [n for n in minicb.__all__ if n not in ns]; assert not missing, missing; "
-            "print(sorted(minicb.__all__))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
-    import minicb
-
-    for name in minicb.__all__:
-        assert getattr(minicb, name) is not None
-    assert {"LLM", "LLMEngine", "SamplingParams", "RequestOutput"} <= set(minicb.__all__)
+def test_every_package_is_in_the_layer_table():
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(MAY_IMPORT), f"packages not in MAY_IMPORT (or gone): {packages ^ set(MAY_IMPORT)}"
 
 
-def test_import_minicb_does_not_import_torch():
-    code = ("import sys, minicb, minicb.engine.arrivals, minicb.engine.events; "
-            "assert 'torch' not in sys.modules")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
+def test_each_package_imports_only_the_layers_below_it():
+    bad = []
+    for path in _py_files(SRC):
+        pkg = _package(path)
+        if pkg is None:
+            continue
+        for other in sorted(_minicb_packages(_imports(path)) - MAY_IMPORT[pkg] - {pkg}):
+            bad.append(f"{path.relative_to(SRC)} ({pkg}) imports minicb.{other}")
+    assert not bad, "\n".join(bad)
 
 
-def test_nothing_outside_the_engine_and_the_runner_reaches_into_the_scheduler():
-    """``engine.scheduler``, ``.slot_table``, ``.block_manager`` are read only by the engines (LLMEngine,
-    the simulator's SimulatedEngine), the runner and the scheduling modules; tools, faces, benchmarks
-    and tutorials use the engine's API and events."""
-    # the simulator's SimulatedEngine is an engine too: LLMEngine's loop with a clock for a runner
-    files = [p for p in _py_files(SRC) if not (p.parent == SRC and p.name in ALLOWED)
-             and p != SRC / "simulate" / "simulator.py"]
-    files += _py_files(ROOT / "bench", ROOT / "tutorials")
-    offenders = [hit for p in files for hit in _internal_accesses(p)]
-    assert not offenders, "\n".join(offenders)
+def test_the_layer_table_has_no_circle():
+    state: dict[str, int] = {}
+
+    def visit(p: str, stack: list[str]) -> None:
+        state[p] = 1
+        for q in sorted(MAY_IMPORT[p]):
+            if state.get(q) == 1:
+                pytest.fail("import circle: " + " -> ".join(stack + [q]))
+            if q not in state:
+                visit(q, stack + [q])
+        state[p] = 2
+
+    for p in MAY_IMPORT:
+        if p not in state:
+            visit(p, [p])
 
 
-def test_the_checker_sees_an_access(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("def f(engine):\n    # engine.scheduler in a comment does not count\n"
-                   "    return engine.scheduler.slot_table.held()\n")
-    assert [h.split(": ")[1] for h in _internal_accesses(bad.resolve())] in ([".slot_table", ".scheduler"],
-                                                                            [".scheduler", ".slot_table"])
-
-
-def _graph() -> dict[str, set[str]]:
-    mods = {_module_name(p): p for p in _py_files(SRC)}
+def _module_graph() -> dict[str, set[str]]:
+    mods = {}
+    for p in _py_files(SRC):
+        parts = list(p.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = p
     graph = {}
     for name, path in mods.items():
         deps = set()
         for imp in _imports(path):
             while imp and imp not in mods:        # "minicb.model.llama.X" -> the module it names
                 imp = imp.rpartition(".")[0]
-            if imp and imp != name:
+            if imp and imp != name and imp != "minicb":
                 deps.add(imp)
         graph[name] = deps
     return graph
 
 
-def test_no_import_cycle_in_src():
-    graph = _graph()
+def test_no_import_circle_between_modules():
+    graph = _module_graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -123,11 +125,8 @@ def test_no_import_cycle_in_src():
         state[m] = 1
         stack.append(m)
         for d in sorted(graph[m]):
-            if d.endswith("__init__") or d == "minicb":
-                continue                          # the package's lazy facade names everything
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
+                pytest.fail("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
             if d not in state:
                 visit(d)
         stack.pop()
@@ -138,40 +137,63 @@ def test_no_import_cycle_in_src():
             visit(m)
 
 
-def test_the_model_side_imports_nothing_from_scheduling_or_above():
-    graph = _graph()
-    forbidden = {f"minicb.{m}" for m in SCHEDULING} | {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm",
-                                                       "minicb.engine.events", "minicb.engine.arrivals", "minicb.runtime.packer"}
-    bad = {m: sorted(graph[m] & forbidden) for m in graph if m.startswith("minicb.model")}
-    assert not {m: d for m, d in bad.items() if d}, bad
+@pytest.mark.parametrize("package", TORCH_FREE)
+def test_the_core_and_the_engine_import_no_torch(package):
+    """No ``import torch`` anywhere in the package's source, and importing every module of it (in a
+    fresh interpreter) loads no torch, not even through another minicb module."""
+    files = _py_files(SRC / package)
+    assert not [p for p in files if {"torch", "numpy"} & {n.split(".")[0] for n in _imports(p)}]
+    mods = [".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+            for p in files]
+    code = (f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('minicb'))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert p.returncode == 0, p.stderr
 
 
-def test_the_scheduling_side_imports_no_torch_and_nothing_above_it():
-    graph = _graph()
-    above = {"minicb.engine.llm_engine", "minicb.runtime.runner", "minicb.entrypoints.llm", "minicb.runtime.packer", "minicb.model.kv_cache",
-             "minicb.runtime.sampling", "minicb.distributed.tensor_parallel", "minicb.entrypoints.cli"}
-    for m in SCHEDULING:
-        name = f"minicb.{m}"
-        assert not graph[name] & above, (name, graph[name] & above)
-        assert not any(m.startswith("minicb.model") for m in graph[name]), name
-        text = (SRC / f"{m}.py").read_text()
-        assert "import torch" not in text, name
+def test_import_minicb_does_not_import_torch():
+    code = "import sys, minicb; assert 'torch' not in sys.modules"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert p.returncode == 0, p.stderr
 
 
-def test_engine_and_distributed_do_not_import_each_other_and_workers_hold_a_runner():
-    graph = _graph()
-    assert "minicb.distributed.tensor_parallel" not in graph["minicb.engine.llm_engine"]
-    assert "minicb.entrypoints.llm" not in graph["minicb.engine.llm_engine"]
-    tree = ast.parse((SRC / "distributed.py").read_text())
-    serve = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
-    calls = [n.func.attr for n in ast.walk(serve)
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
-    assert "run" in calls, "the worker loop calls ModelRunner.run"
-    assert not any(isinstance(n, ast.Name) and n.id == "LLMEngine" for n in ast.walk(serve))
+def test_from_minicb_import_star_works_and_every_name_resolves():
+    code = ("import minicb; ns = {}; exec('from minicb import *', ns); "
+            "missing = [n for n in minicb.__all__ if n not in ns]; assert not missing, missing")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert p.returncode == 0, p.stderr
+    import minicb
+
+    assert {"LLM", "LLMEngine", "SamplingParams", "RequestOutput"} <= set(minicb.__all__)
+
+
+def _internal_accesses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in INTERNALS]
+
+
+def test_nothing_outside_the_engine_reads_scheduler_internals():
+    """``engine.scheduler``, ``.slot_table``, ``.block_manager`` are read by the engine and the core
+    only; runners, tools, entry points, benchmarks and tutorials use the engine's API and events."""
+    files = [p for p in _py_files(SRC) if _package(p) not in ("core", "engine")]
+    files += _py_files(ROOT / "bench", ROOT / "tutorials")
+    offenders = [hit for p in files for hit in _internal_accesses(p)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_checkers_see_what_they_look_for(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(engine):\n    # engine.scheduler in a comment does not count\n"
+                   "    import torch as t\n    from minicb.engine import llm_engine\n"
+                   "    return engine.scheduler.slot_table.held()\n")
+    assert sorted(h.split(": ")[1] for h in _internal_accesses(bad)) == [".scheduler", ".slot_table"]
+    assert {"torch", "minicb.engine", "minicb.engine.llm_engine"} <= _imports(bad)
+    assert _minicb_packages(_imports(bad)) == {"engine"}
 
 
 def test_core_classes_have_a_docstring():
-    from minicb.core.block_manager import BlockManager, BlockPool
+    from minicb.core.block_manager import BlockManager
     from minicb.core.plan import ScheduledSeq, StepPlan
     from minicb.core.scheduler import Scheduler
     from minicb.core.sequence import Sequence
@@ -181,17 +203,17 @@ def test_core_classes_have_a_docstring():
     from minicb.model.kv_cache import KVCache
     from minicb.runtime.runner import ModelRunner
 
-    for cls in (BlockManager, BlockPool, LLMEngine, KVCache, LLM, ScheduledSeq, StepPlan, ModelRunner,
+    for cls in (BlockManager, LLMEngine, KVCache, LLM, ScheduledSeq, StepPlan, ModelRunner,
                 Scheduler, Sequence, SlotTable):
         doc = cls.__doc__ or ""
         assert doc.strip() and not doc.startswith(cls.__name__ + "("), cls.__name__
 
 
-def test_only_the_runner_calls_the_model_during_a_step():
-    """The step's tensor work is in one method: ``ModelRunner.run``. The engine and the TP worker
-    loop call it; neither packs or runs the model itself."""
-    for name in ("engine.py", "distributed.py"):
-        tree = ast.parse((SRC / name).read_text())
+def test_only_a_runner_packs_or_runs_the_model():
+    """The step's tensor work is behind the runner interface: nothing in the engine or the
+    distributed package packs a plan or calls the model itself."""
+    for path in _py_files(SRC / "engine", SRC / "distributed"):
+        tree = ast.parse(path.read_text())
         called = {n.func.id for n in ast.walk(tree)
                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-        assert "pack" not in called, name
+        assert "pack" not in called, path

@@ -85,7 +85,7 @@ def test_generate_returns_only_its_own_requests_and_leaves_streams_to_step():
     assert streamed == final.token_ids            # nothing of "s" was swallowed by generate
 
 
-def test_generate_or_step_from_a_listener_is_a_clear_error_and_the_step_is_undone():
+def test_generate_or_step_from_a_listener_is_a_clear_error_and_fails_only_that_step():
     llm = LLM(tiny_model(), max_num_seqs=4, block_size=4, num_blocks=64)
     eng = llm.engine
     errors = []
@@ -103,9 +103,12 @@ def test_generate_or_step_from_a_listener_is_a_clear_error_and_the_step_is_undon
         eng.step()
     assert errors and "inside a step" in errors[0]
     eng.scheduler.check_integrity()
-    assert eng.stats.num_steps == 0               # rolled back: the step never happened
     remove()
-    (out,) = eng.run(["a"])
+    (failed,) = eng.step()                        # the failed step's output comes out of the next one
+    assert failed.request_id == "a" and failed.finish_reason == "error" and "inside a step" in failed.error
+    assert eng.dead is None and not eng.has_unfinished_requests()
+    eng.add_request("b", PROMPTS[0], greedy(3, ignore_eos=True))
+    (out,) = eng.run(["b"])
     assert out.token_ids == want([PROMPTS[0]], greedy(3, ignore_eos=True))[0]
 
 

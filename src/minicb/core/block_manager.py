@@ -140,15 +140,6 @@ class PrefixCache:
             self.num_children[parent] += 1
         return True
 
-    def checkpoint(self) -> tuple:
-        return dict(self.by_hash), dict(self.blocks), Counter(self.num_children)
-
-    def restore(self, cp: tuple) -> None:
-        # in place, not new objects: the device pool holds a reference to this cache
-        for mine, saved in zip((self.by_hash, self.blocks, self.num_children), cp):
-            mine.clear()
-            mine.update(saved)
-
     def clear(self) -> None:
         """Forget every cached block."""
         self.by_hash.clear()
@@ -241,13 +232,6 @@ class BlockPool:
         for block in moved:
             heapq.heappush(self._free, block)
         return len(moved)
-
-    def checkpoint(self) -> tuple:
-        return list(self.ref_counts), list(self._free), OrderedDict(self._lru)
-
-    def restore(self, cp: tuple) -> None:
-        refs, free, lru = cp
-        self.ref_counts, self._free, self._lru = list(refs), list(free), OrderedDict(lru)
 
     def check_integrity(self, tables: dict[str, list[int]], name: str) -> None:
         free = set(self._free) | set(self._lru)
@@ -493,24 +477,6 @@ class BlockManager:
         src.drop_table(table)
         dst_tables[request_id] = [d for _, d in copies]
         return copies
-
-    def checkpoint(self) -> tuple:
-        """Copies of everything that changes (pools, cache, tables); ``restore`` puts them back. Tables
-        are copied list by list, since allocations append to them."""
-        return (self.device.checkpoint(), self.host.checkpoint(),
-                self.cache.checkpoint() if self.cache is not None else None,
-                {r: list(t) for r, t in self.block_tables.items()},
-                {r: list(t) for r, t in self.host_tables.items()}, dict(self._num_hashed))
-
-    def restore(self, cp: tuple) -> None:
-        device, host, cache, tables, host_tables, hashed = cp
-        self.device.restore(device)
-        self.host.restore(host)
-        if self.cache is not None:
-            self.cache.restore(cache)
-        self.block_tables = {r: list(t) for r, t in tables.items()}
-        self.host_tables = {r: list(t) for r, t in host_tables.items()}
-        self._num_hashed = dict(hashed)
 
     def check_integrity(self) -> None:
         both = set(self.block_tables) & set(self.host_tables)

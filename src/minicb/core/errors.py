@@ -30,6 +30,11 @@ class DistributedError(MinicbError, RuntimeError):
     """Tensor-parallel ranks disagree, or a rank died: raised on every rank instead of hanging."""
 
 
+class EngineDeadError(MinicbError, RuntimeError):
+    """The engine's own bookkeeping failed (a bug, not a request's fault): every request it held has
+    ended with ``finish_reason == "error"`` and the reason, and it refuses further work (vLLM V1's name)."""
+
+
 def describe(value) -> str:
     """A short, always printable rendering of ``value`` for an error message.
 

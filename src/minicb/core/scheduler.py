@@ -62,7 +62,6 @@ sequences and (continuous) at most ``max_num_batched_tokens`` tokens. This modul
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections import deque
 from collections.abc import Mapping
@@ -321,32 +320,6 @@ class Scheduler:
         for rid in plan.preempted:
             self._swapped_to_recompute(self._seqs.get(rid))
         return failed
-
-    # --- transactions ------------------------------------------------------------------------------
-    def checkpoint(self) -> tuple:
-        """Everything ``schedule`` / ``update`` / ``fail_step`` may change, copied: the slot table, the
-        block manager (pools, prefix cache, tables), the queues, the counters, and each live sequence's
-        fields (token lists only grow, so their lengths). ``restore(cp)`` puts the scheduler back
-        exactly, so the engine can undo a step whose tensor work did not happen (DESIGN.md: a step is
-        a transaction). Costs O(blocks + requests) list copies, no token lists."""
-        seqs = {s.request_id: s for s in self._batch} | self._seqs
-        return (dataclasses.replace(self.stats), self.slot_table.checkpoint(),
-                self.block_manager.checkpoint(), dict(self._seqs), list(self._waiting),
-                dict(self._running), list(self._swapped), list(self._batch), self._arrivals_open,
-                self._next_arrival, self._next_admission,
-                [(seq, seq.checkpoint()) for seq in seqs.values()])
-
-    def restore(self, cp: tuple) -> None:
-        """Undo everything since ``cp = checkpoint()`` (see there)."""
-        (stats, slots, blocks, seqs, waiting, running, swapped, batch, self._arrivals_open,
-         self._next_arrival, self._next_admission, seq_states) = cp
-        self.stats = dataclasses.replace(stats)
-        self.slot_table.restore(slots)
-        self.block_manager.restore(blocks)
-        self._seqs, self._running = dict(seqs), dict(running)
-        self._waiting, self._swapped, self._batch = deque(waiting), deque(swapped), list(batch)
-        for seq, state in seq_states:
-            seq.restore(state)
 
     # --- continuous policy -------------------------------------------------------------------------
     def _schedule_continuous(self) -> _StepWork:

@@ -25,7 +25,6 @@ always computed in the step that feeds it). This module imports no torch.
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
 
 from minicb.core.sampling_params import SamplingParams
@@ -125,22 +124,6 @@ class Sequence:
             self.finish(FinishReason.LENGTH, now)
         return self.is_finished
 
-    # fields a step may change; token lists only grow, so their lengths are enough to undo a step
-    _STATE = ("status", "num_computed_tokens", "slot_id", "admitted_index", "arrival_index", "finish_reason",
-              "error", "num_preemptions", "num_cached_tokens", "first_scheduled_time", "first_token_time",
-              "finish_time")
-
-    def checkpoint(self) -> tuple:
-        """This sequence's changeable state; ``restore`` undoes everything a step did to it."""
-        return _get_state(self), len(self.output_token_ids), len(self.token_times)
-
-    def restore(self, cp: tuple) -> None:
-        fields, n_out, n_times = cp
-        for f, v in zip(self._STATE, fields):
-            setattr(self, f, v)
-        del self.output_token_ids[n_out:]
-        del self.token_times[n_times:]
-
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
@@ -148,5 +131,3 @@ class Sequence:
         self.error = error
         self.slot_id = None
 
-
-_get_state = operator.attrgetter(*Sequence._STATE)     # one C call for the fields of a checkpoint

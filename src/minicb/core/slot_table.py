@@ -88,15 +88,6 @@ class SlotTable:
         heapq.heappush(self._free, slot_id)
         return request_id
 
-    # --- transactions (the engine rolls back a step that did not happen) -------------------------
-    def checkpoint(self) -> tuple:
-        """The table's state as copies; ``restore`` puts it back (see ``Scheduler.checkpoint``)."""
-        return list(self._owners), dict(self._slot_of), list(self._free)
-
-    def restore(self, cp: tuple) -> None:
-        owners, slot_of, free = cp
-        self._owners, self._slot_of, self._free = list(owners), dict(slot_of), list(free)
-
     # --- checks ----------------------------------------------------------------------------
     def _check_slot(self, slot_id: int) -> int:
         return check_int("slot_id", slot_id, lo=0, hi=self.num_slots - 1)

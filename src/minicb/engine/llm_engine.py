@@ -15,10 +15,18 @@ block manager. Streaming is vLLM's shape: ``add_request`` queues, each ``step`` 
 that changed (new tokens, or finished). ``run(request_ids)`` steps until given requests finish and
 keeps the outputs of any others for the next ``step`` (``LLM.generate`` is built on it).
 
-If the model raises inside a step, the requests of that step end with ``finish_reason == "error"``
-(their blocks and slots are freed by the scheduler) and the engine keeps serving the others. A
-``KeyboardInterrupt`` inside a step does the same to that step's requests (their outputs come out of
-the next ``step()``) and is then re-raised, so an interrupted engine is still consistent.
+What can go wrong, and what happens then (the consistency contract, ``docs/errors.md``):
+
+* the tensor work raises (``runner.run``, or a plan listener): that step's requests end with
+  ``finish_reason == "error"`` and the reason; everybody else is served on;
+* Ctrl-C: the bookkeeping (planning, recording, finishing, aborting) runs with it *deferred*
+  (``engine.interrupts``), so it lands inside the forward (the step's requests fail as above) or at
+  the step boundary (nobody is harmed), never half way through moving a request;
+* the bookkeeping itself raises: that is a bug, and nobody can vouch for the state it left. The
+  engine ends every request with ``finish_reason == "error"`` and the reason, hands those outputs
+  out, and is dead from then on (``EngineDeadError``, as in vLLM V1);
+* an output is made all or nothing (``outputs.OutputTracker``), so whatever fails, the tokens a
+  request streamed concatenate to its final ``token_ids`` and its text is their decode.
 
 The error contract (which argument, which range, which exception) is the table in ``docs/errors.md``.
 """
@@ -26,24 +34,36 @@ The error contract (which argument, which range, which exception) is the table i
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 from minicb.core.config import SchedulerConfig
-from minicb.core.errors import InvalidArgument, as_int, check_float, check_int, describe
+from minicb.core.errors import (
+    EngineDeadError,
+    InvalidArgument,
+    MinicbError,
+    as_int,
+    check_float,
+    check_int,
+    describe,
+)
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler, SchedulerStats
-from minicb.core.sequence import Sequence
+from minicb.core.sequence import FinishReason, Sequence
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
+from minicb.engine.interrupts import DeferredInterrupts
 from minicb.engine.outputs import OutputTracker, RequestOutput
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.runner import ModelRunner
 
 __all__ = ["LLMEngine", "RequestOutput"]
 
+log = logging.getLogger("minicb.engine")
 _GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
 
 
@@ -73,7 +93,8 @@ class LLMEngine:
         self._lock = threading.Lock()             # one step (or request change) at a time
         self._step_thread: int | None = None      # the thread running a step now
         self._deferred_aborts: deque[str] = deque()
-        self._needs_reconcile = False
+        self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
+        self.dead: str | None = None              # why the engine died (EngineDeadError), or None
 
     # --- what the outside may read --------------------------------------------------------------
     @property
@@ -90,7 +111,9 @@ class LLMEngine:
         return len(self._live)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._needs_reconcile
+        if self.dead is not None:
+            return bool(self._pending or self._ready)     # the final outputs still to hand out
+        return self.scheduler.has_unfinished() or bool(self._pending or self._ready)
 
     def snapshot(self):
         """The scheduler's state now (``minicb.core.scheduler.SchedulerSnapshot``: immutable)."""
@@ -156,14 +179,16 @@ class LLMEngine:
         self._not_inside_a_step("add_request()")
         if seq.request_id in self._live:
             raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
-        with self._lock:
+        with self._lock, self._bookkeeping():
+            self._check_alive()
             self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.runner.sampler.register(seq.request_id, seq.params)
-        dec = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
-        self._live[seq.request_id] = OutputTracker(seq, dec)
+        tok = self.tokenizer
+        dec = tok.incremental_decoder() if tok is not None else None
+        self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
@@ -177,24 +202,30 @@ class LLMEngine:
         if self._step_thread == threading.get_ident():
             self._deferred_aborts.append(request_id)
             return None
+        out = None
         with self._lock:
-            return self._abort(request_id, deliver=False)
+            try:
+                with self._bookkeeping():
+                    out = self._abort(request_id, deliver=False)
+            except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
+                if out is not None:       # its output comes out of the next step()
+                    self._ready.append(out)
+                raise
+        return out
 
     def _abort(self, request_id: str, deliver: bool) -> RequestOutput | None:
-        seq = self.scheduler.abort(request_id, self.clock())
-        if seq is None or request_id not in self._live:
+        if self.dead is not None or request_id not in self._live:
             return None
-        out = self._finish(request_id)
-        if deliver:
-            self._pending.append(out)
-        return out
+        self.scheduler.abort(request_id, self.clock())
+        return self._finish(request_id, deliver)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so that the next requests compute their prompts in full
         (vLLM's ``reset_prefix_cache``: for benchmarks that rerun the same prompts). Returns False and
         changes nothing while any request holds blocks."""
         self._not_inside_a_step("reset_prefix_cache()")
-        with self._lock:
+        with self._lock, self._bookkeeping():
+            self._check_alive()
             return self.scheduler.reset_prefix_cache()
 
     def close_arrivals(self) -> None:
@@ -206,72 +237,109 @@ class LLMEngine:
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of the requests that got a token or finished."""
+        """Run one iteration; return the outputs of the requests that got a token or finished.
+
+        A dead engine (``self.dead``) first hands out the final outputs of the requests it ended, then
+        raises ``EngineDeadError``."""
         self._not_inside_a_step("step() / run() / generate()")
         with self._lock:
             self._step_thread = threading.get_ident()
             try:
-                if self._needs_reconcile:
-                    self._reconcile()
-                return self._step()
-            except BaseException:
-                self._needs_reconcile = True       # an output may be half made: check at the next step
-                raise
+                with DeferredInterrupts() as ctrl_c:
+                    try:
+                        if self.dead is None:
+                            self._step(ctrl_c)
+                        elif not (self._pending or self._ready):
+                            raise EngineDeadError(f"the engine is dead: {self.dead}")
+                    except _Passthrough as p:   # the forward's Ctrl-C, a step listener's exception
+                        raise p.exc from None
+                    except EngineDeadError:
+                        raise
+                    except BaseException as exc:                # a bug in the bookkeeping
+                        self._die(exc)
+                        if not isinstance(exc, Exception):
+                            raise
+                    self._ready += self._pending
+                    self._pending = []
             finally:
                 self._step_thread = None
-                while self._deferred_aborts:       # aborts asked for by a listener of this step
-                    self._abort(self._deferred_aborts.popleft(), deliver=True)
+            outs, self._ready = self._ready, []       # a Ctrl-C at the boundary keeps them for later
+            return outs
+
+    def _step(self, ctrl_c: DeferredInterrupts) -> None:
+        """One step: plan, compute, record (see the module docstring for what each failure does)."""
+        sched = self.scheduler
+        start = self.clock()
+        plan = sched.schedule(start)
+        self.last_plan = plan
+        error = None
+        try:
+            with ctrl_c.allowed():                     # a listener is user code: Ctrl-C acts at once
+                before = self._listeners.emit_plan(plan, sched, start)
+        except BaseException as exc:                   # the step's requests fail, the caller hears it
+            self._fail_step(plan, _describe(exc))
+            raise _Passthrough(exc) from None
+        try:
+            with ctrl_c.allowed():                     # Ctrl-C acts here, in the tensor work
+                sampled = self.execute(plan) if not plan.is_empty else {}
+        except BaseException as exc:                   # the step's requests fail; the rest go on
+            error = _describe(exc)
+            self._fail_step(plan, error)
+            if not isinstance(exc, Exception):
+                raise _Passthrough(exc) from None
+        else:
+            self._record(plan, sampled)
+        while self._deferred_aborts:                  # aborts asked for by a listener of this step
+            self._abort(self._deferred_aborts.popleft(), deliver=True)
+        try:
+            self._listeners.emit_step(plan, sched, before, start, self.clock(), self._pending, error)
+        except BaseException as exc:                  # the step is recorded: its outputs stay ours
+            self._ready += self._pending
+            self._pending = []
+            raise _Passthrough(exc) from None
 
     def _not_inside_a_step(self, what: str) -> None:
         if self._step_thread == threading.get_ident():
             raise InvalidArgument(f"{what} called from inside a step (an event listener): the engine "
                                   "runs one step at a time; call it after step() returns")
 
-    def _reconcile(self) -> None:
-        """After an interrupted step: hand out the final output of any request that finished but whose
-        output was not made yet (the scheduler had recorded it when the interrupt landed)."""
-        for rid, tracker in list(self._live.items()):
-            if tracker.seq.is_finished:
-                self._pending.append(self._finish(rid))
-        self._needs_reconcile = False
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
 
-    def _step(self) -> list[RequestOutput]:
-        """One step as a transaction (DESIGN.md 2b): plan, compute, record, each phase all or nothing.
-
-        * plan (``schedule`` and the PlanEvent listeners): nothing has touched a tensor yet, so an
-          exception or Ctrl-C here restores the scheduler's checkpoint: the step never happened.
-        * compute (``runner.run``: swaps, forward, sampling): KV blocks may be half written, so the
-          step's requests end with ``finish_reason == "error"`` and the reason; everybody else is
-          untouched (a victim swapped out by this plan falls back to recompute).
-        * record (``update``): restored to the checkpoint and then failed the same way if it raises.
-        Outputs go to ``_pending`` as they are made, so an interrupt never loses one: the next
-        ``step()`` hands it out. A KeyboardInterrupt is re-raised after the engine is consistent.
-        """
-        sched = self.scheduler
-        start = self.clock()
-        cp = sched.checkpoint()
-        try:
-            plan = sched.schedule(start)
-            before = self._listeners.emit_plan(plan, sched, start)
-        except BaseException:
-            sched.restore(cp)                      # the step never happened
-            raise
-        self.last_plan = plan
-        error = None
-        if not plan.is_empty:
+    @contextmanager
+    def _bookkeeping(self):
+        """Changes to the engine's state outside ``step``: Ctrl-C deferred; an exception other than a
+        deliberate ``MinicbError`` is a bug that kills the engine (see ``_die``)."""
+        with DeferredInterrupts():
             try:
-                sampled = self.execute(plan)
-            except BaseException as exc:           # Ctrl-C included: fail the step, stay consistent
-                error = _describe(exc)
-                self._pending += self._fail_step(plan, error)
+                yield
+            except MinicbError:
+                raise
+            except BaseException as exc:
+                self._die(exc)
                 if not isinstance(exc, Exception):
                     raise
-            else:
-                error = self._record(plan, sampled)
-        outs = list(self._pending)                 # stay pending until every step listener has seen them
-        self._listeners.emit_step(plan, sched, before, start, self.clock(), outs, error)
-        self._pending = []
-        return outs
+                raise EngineDeadError(f"the engine is dead: {self.dead}") from exc
+
+    def _die(self, exc: BaseException) -> None:
+        """The bookkeeping raised: end every request with ``finish_reason == "error"`` and hand out
+        its final output; from now on the engine refuses work. The scheduler's state is not trusted
+        (nor touched) any more: only each request's own sequence and output tracker are read."""
+        self.dead = f"internal error: {_describe(exc)}"
+        log.error("minicb: the engine's bookkeeping failed; every request ends with an error",
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        now = self.clock()
+        for tracker in list(self._live.values()):
+            if tracker.final is None:
+                if not tracker.seq.is_finished:
+                    tracker.seq.finish(FinishReason.ERROR, now, self.dead)
+                tracker.last_resort()
+            if not tracker.handed_out:
+                tracker.handed_out = True
+                self._pending.append(tracker.final)
+        self._live.clear()
+        self._deferred_aborts.clear()
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first).
@@ -283,28 +351,23 @@ class LLMEngine:
                 params[s.request_id] = tracker.seq.params if tracker is not None else _GREEDY
         return self.runner.run(plan, params)
 
-    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> str | None:
-        """Record the step in the scheduler (all or nothing) and queue the outputs; returns an error."""
-        cp = self.scheduler.checkpoint()
-        try:
-            finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
-        except BaseException as exc:
-            self.scheduler.restore(cp)
-            error = _describe(exc)
-            self._pending += self._fail_step(plan, error)
-            if not isinstance(exc, Exception):
-                raise
-            return error
+    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> None:
+        """Record the step in the scheduler and make the outputs of the requests it touched."""
+        finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
         for rid in list(sampled) + sorted(finished - sampled.keys()):
             tracker = self._live.get(rid)
-            if tracker is not None:
-                self._pending.append(self._finish(rid) if rid in finished else tracker.output())
-        return None
+            if tracker is None:
+                continue
+            if rid in finished:
+                self._finish(rid)
+            else:
+                self._pending.append(tracker.output())
 
-    def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+    def _fail_step(self, plan: StepPlan, error: str) -> None:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
-        failed = self.scheduler.fail_step(plan, error, self.clock())
-        return [self._finish(s.request_id) for s in failed if s.request_id in self._live]
+        for s in self.scheduler.fail_step(plan, error, self.clock()):
+            if s.request_id in self._live:
+                self._finish(s.request_id)
 
     def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
         """Step until the given requests (default: all) have finished; return their final outputs in
@@ -323,22 +386,37 @@ class LLMEngine:
                         if progress is not None:
                             progress(out)
         finally:
-            self._pending = others + self._pending
+            self._ready = others + self._ready        # handed out by the next step()
         return done
 
     def _pending_has(self, wanted: set[str]) -> bool:
-        return any(o.request_id in wanted for o in self._pending)
+        return any(o.request_id in wanted for o in self._pending + self._ready)
 
     def run_until_done(self, progress=None) -> list[RequestOutput]:
         """Step until every request has finished; their final outputs in the order they finished."""
         return self.run(None, progress)
 
     # --- outputs --------------------------------------------------------------------------------
-    def _finish(self, rid: str) -> RequestOutput:
-        out = self._live[rid].output()              # made before it is forgotten: never lost
-        del self._live[rid]
+    def _finish(self, rid: str, deliver: bool = True) -> RequestOutput:
+        """Make a finished request's final output (into the step's outputs if ``deliver``), then
+        forget the request. In this order, so that if anything here fails the output is not lost:
+        ``_die`` hands out a final output that was made but not yet handed out."""
+        tracker = self._live[rid]
+        out = tracker.final if tracker.final is not None else tracker.output()
+        if deliver:
+            tracker.handed_out = True
+            self._pending.append(out)
         self.runner.sampler.release(rid)
+        del self._live[rid]
         return out
+
+
+class _Passthrough(Exception):
+    """Carries an exception that must leave ``step()`` as it is (not be taken for a bookkeeping bug)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(exc)
+        self.exc = exc
 
 
 def _describe(exc: BaseException) -> str:

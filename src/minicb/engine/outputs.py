@@ -42,27 +42,57 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class OutputTracker:
-    """One live request's output state: its sequence, incremental decoder, text and tokens handed out."""
+    """One live request's output state: its sequence, incremental decoder, text and tokens handed out.
+
+    ``output()`` is all or nothing: it computes the new tokens and text first and changes the tracker
+    only when nothing can fail any more, and the decoder's ``push_many`` is all or nothing too. So an
+    exception while an output is made (in the detokenizer, say) leaves the tracker as it was, and the
+    tokens it would have handed out go into the next output made: none is lost or handed out twice.
+    """
 
     seq: Sequence
     decoder: object | None            # the tokenizer's incremental decoder, or None (token ids only)
+    decode: object | None = None      # the tokenizer's full ``decode``: the text of a last resort output
     text: str = ""
     emitted: int = 0
+    final: RequestOutput | None = None   # the finished request's last output, once made
+    handed_out: bool = False             # ... and whether it went to the engine's outputs
 
     def output(self) -> RequestOutput:
         """The request's output now; advances what counts as already handed out."""
         s = self.seq
-        new = s.output_token_ids[self.emitted:]
-        self.emitted = s.num_output_tokens
+        n = s.num_output_tokens
+        new = s.output_token_ids[self.emitted:n]
         new_text = ""
-        if self.decoder is not None:
-            new_text = "".join(self.decoder.push(t) for t in new)
-            if s.is_finished:
-                new_text += self.decoder.flush()        # a trailing partial character is not lost
-            self.text += new_text
+        if self.decoder is not None:          # a trailing partial character is flushed at the end
+            new_text = self.decoder.push_many(new, final=s.is_finished)
+        out = self._make(new, new_text, self.text + new_text)
+        self.emitted, self.text = n, out.text          # commit: nothing below can fail
+        if s.is_finished:
+            self.final = out
+        return out
+
+    def last_resort(self) -> RequestOutput:
+        """The final output of a request whose engine died: every token, and the text decoded in one
+        piece (the incremental decoder may be what failed)."""
+        s = self.seq
+        new = s.output_token_ids[self.emitted:]
+        text = self.text
+        if self.decode is not None:
+            try:
+                text = self.decode(list(s.output_token_ids))
+            except Exception:                # once more: a transient failure must not cost the text
+                text = self.decode(list(s.output_token_ids))
+        new_text = text[len(self.text):] if text.startswith(self.text) else text
+        out = self._make(new, new_text, text)
+        self.emitted, self.text, self.final = s.num_output_tokens, text, out
+        return out
+
+    def _make(self, new: list[int], new_text: str, text: str) -> RequestOutput:
+        s = self.seq
         return RequestOutput(
             request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
-            token_ids=list(s.output_token_ids), text=self.text, finished=s.is_finished,
+            token_ids=list(s.output_token_ids), text=text, finished=s.is_finished,
             finish_reason=s.finish_reason.value if s.finish_reason else None, new_token_ids=list(new),
             new_text=new_text, error=s.error, arrival_time=s.arrival_time,
             first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,

@@ -33,7 +33,7 @@ from minicb.engine.outputs import RequestOutput
 from minicb.model import cpu_fused
 from minicb.model.backends import check_device
 from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute, pack_lm_head
-from minicb.model.llama import DTYPES, LlamaForCausalLM
+from minicb.model.llama import LlamaForCausalLM, as_dtype
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -62,7 +62,7 @@ class LLM:
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
                  kv_cache_memory_bytes: int | None = None, **config) -> None:
-        torch_dtype = _dtype(dtype)
+        torch_dtype = as_dtype(dtype)
         device = check_device(device)
         check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
         _check_config_names(config)
@@ -164,13 +164,6 @@ def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
 
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
-
-def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 def _is_int(x) -> bool:

@@ -133,15 +133,14 @@ def build_model(name: str, dtype: str, seed: int = 0):
     import torch
 
     from minicb.core.config import TINY_MODEL
-    from minicb.entrypoints.llm import _dtype
-    from minicb.model.llama import LlamaForCausalLM
+    from minicb.model.llama import LlamaForCausalLM, as_dtype
 
     if name == "tiny":
-        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3), None
+        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3), None
     from minicb.model.weights.loader import load_model
 
-    loaded = load_model(None if name == "default" else name, dtype=_dtype(dtype))
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, _dtype(dtype),
+    loaded = load_model(None if name == "default" else name, dtype=as_dtype(dtype))
+    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, as_dtype(dtype),
                                              torch.device("cpu"))
     return model, loaded.tokenizer
 

@@ -525,11 +525,11 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
     from minicb.core.config import TINY_MODEL, SchedulerConfig
     from minicb.engine.llm_engine import LLMEngine
-    from minicb.entrypoints.llm import LLM, _dtype
-    from minicb.model.llama import LlamaForCausalLM
+    from minicb.entrypoints.llm import LLM
+    from minicb.model.llama import LlamaForCausalLM, as_dtype
 
     if model == "tiny":
-        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=_dtype(dtype), std=0.3)
+        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3)
         config.setdefault("max_model_len", 4096)
         return LLMEngine(m, SchedulerConfig(**config), seed=seed)
     return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine

@@ -31,10 +31,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from minicb.core.config import ModelConfig
+from minicb.core.errors import InvalidArgument
 from minicb.model.attention import AttentionBackend
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+def as_dtype(dtype) -> torch.dtype:
+    """A ``torch.dtype`` from itself or its name in ``DTYPES`` ("float32", ...); anything else is an
+    ``InvalidArgument`` naming the choices."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidArgument(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 class RMSNorm(nn.Module):

@@ -389,6 +389,21 @@ class IncrementalDecoder:
         self.text += out
         return out
 
+    def push_many(self, token_ids, final: bool = False) -> str:
+        """``push`` each token (and ``flush`` if ``final``), all or nothing: if any of it raises, the
+        decoder is put back as it was before the call, so the same tokens can be pushed again."""
+        state = (self._utf8.getstate(), len(self._ids), self._prefix, self._read, self.text)
+        try:
+            out = "".join([self.push(t) for t in token_ids])
+            if final:
+                out += self.flush()
+        except BaseException:
+            utf8, n, self._prefix, self._read, self.text = state
+            self._utf8.setstate(utf8)
+            del self._ids[n:]
+            raise
+        return out
+
     def _push_generic(self, token_id: int) -> str:
         self._ids.append(token_id)
         prefix = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
