@@ -2,6 +2,7 @@
 
     python bench/agreement.py                      # float32 + bfloat16, reference + cpu-paged (~3 min)
     python bench/agreement.py --dtypes bfloat16 --backends cpu-paged --new-tokens 64
+    python bench/agreement.py --backends cpu-paged --linear auto,mkl   # each linear path (MINICB_LINEAR)
 
 The 16 SmolLM2 check prompts (``minicb.measure.workloads.SMOLLM2_PROMPTS``, chat template applied) are
 generated greedily, 32 new tokens each, by the engine with its defaults (continuous batching, chunked
@@ -18,6 +19,7 @@ first divergence; after it, the two continuations are different texts and are no
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -26,11 +28,13 @@ import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import cpu_header  # noqa: E402
 from gpu_check import first_divergence_margin  # noqa: E402
 
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
+from minicb.model.cpu_linear import linear_path  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
 from minicb.model.weights.loader import load_model  # noqa: E402
 
@@ -47,8 +51,10 @@ def main() -> None:
     ap.add_argument("--backends", default="reference,cpu-paged")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--linear", default="auto", help="linear paths to compare (cpu_linear.PATHS or auto)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(cpu_header())
     loaded = load_model(None, dtype=torch.float64)
     prompts = smollm2_prompt_ids(loaded.tokenizer)
     assert len(prompts) == len(SMOLLM2_PROMPTS)
@@ -57,17 +63,22 @@ def main() -> None:
     ref = generate(model64, prompts, args.new_tokens, "reference")
     print(f"float64 reference: {sum(map(len, ref))} tokens in {time.perf_counter() - t0:.0f} s "
           f"({len(prompts)} prompts, {args.new_tokens} new tokens each, greedy, EOS honoured)")
-    print(f"{'dtype':<10}{'backend':<11}{'identical':>10}   first divergences (token index, float64 margin)")
+    print(f"{'dtype':<10}{'linear':<13}{'backend':<11}{'identical':>10}   "
+          "first divergences (token index, float64 margin)")
     for dname in args.dtypes.split(","):
-        model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
-        cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
-        for backend in args.backends.split(","):
-            got = generate(model, prompts, args.new_tokens, backend)
-            same = sum(a == b for a, b in zip(got, ref))
-            margins = [m for p, a, b in zip(prompts, ref, got)
-                       if (m := first_divergence_margin(model64, p, a, b)) is not None]
-            where = ", ".join(f"({i}, {gap:.2f})" for i, gap in sorted(margins, key=lambda m: m[1])) or "-"
-            print(f"{dname:<10}{backend:<11}{same:>6}/{len(prompts):<3}   {where}", flush=True)
+        for path in args.linear.split(","):
+            os.environ["MINICB_LINEAR"] = path
+            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
+            cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
+            for backend in args.backends.split(","):
+                got = generate(model, prompts, args.new_tokens, backend)
+                same = sum(a == b for a, b in zip(got, ref))
+                margins = [m for p, a, b in zip(prompts, ref, got)
+                           if (m := first_divergence_margin(model64, p, a, b)) is not None]
+                where = ", ".join(f"({i}, {gap:.2f})"
+                                  for i, gap in sorted(margins, key=lambda m: m[1])) or "-"
+                print(f"{dname:<10}{linear_path(model):<13}{backend:<11}{same:>6}/{len(prompts):<3}"
+                      f"   {where}", flush=True)
 
 
 if __name__ == "__main__":

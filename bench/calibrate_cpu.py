@@ -142,13 +142,13 @@ def engine_overhead(repeats: int = 30) -> list[tuple[int, float]]:
     """(sequences, seconds outside the forward) of decode steps of the engine with the tiny model."""
     from minicb.core.config import SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.measure.bench_cli import build_model
+    from minicb.runtime.runner import engine_for
 
     model, _ = build_model("tiny", "float32")
     out = []
     for n in (1, 4, 8, 16):
-        eng = LLMEngine(model, SchedulerConfig(max_num_seqs=n, num_blocks=256, max_model_len=512), seed=0)
+        eng = engine_for(model, SchedulerConfig(max_num_seqs=n, num_blocks=256, max_model_len=512), seed=0)
         for i in range(n):
             eng.add_request(f"r{i}", [5 + i] * 8, SamplingParams(max_tokens=repeats + 4, ignore_eos=True))
         eng.step()                                   # the prefill

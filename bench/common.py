@@ -36,6 +36,33 @@ def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def cpu_model() -> str:
+    """``lscpu``'s model name (from ``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_header() -> str:
+    """The CPU a figure was measured on: its model and the matrix-relevant flags (every figure names it)."""
+    from minicb.model.cpu_linear import cpu_flags, fast_bf16_matmul
+
+    flags = " ".join(cpu_flags()) or "none of avx2/avx512/bf16/amx"
+    return f"CPU: {cpu_model()}; flags: {flags}; oneDNN bfloat16 matmul native: {fast_bf16_matmul()}"
+
+
 def machine_description() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
+    return (f"{cpu_model()} ({' '.join(_flags()) or 'no avx512/bf16/amx flags'}), "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def _flags() -> list[str]:
+    from minicb.model.cpu_linear import cpu_flags
+
+    return cpu_flags()

@@ -41,7 +41,8 @@ def main() -> None:
              ("_schedule_continuous", "_schedule_running", "_make_room", "_schedule_swapped",
               "_schedule_waiting")
              or (w.split(":")[1] == "schedule" and "continuous" in w)]
-    print("continuous schedule:", ", ".join(f"{w} {n}" for n, w in sched), f"= {sum(n for n, _ in sched)} lines")
+    total = sum(n for n, _ in sched)
+    print("continuous schedule:", ", ".join(f"{w} {n}" for n, w in sched), f"= {total} lines")
 
 
 if __name__ == "__main__":

@@ -247,7 +247,9 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "src"))
     import torch
-    from common import machine_description
+    from common import cpu_header, machine_description
+
+    print(cpu_header(), flush=True)     # first: every figure below is this CPU's (lscpu's model name, flags)
     from workloads import w1, w2
 
     from minicb.entrypoints.llm import LLM

@@ -107,7 +107,7 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine_description()}")
     base = LLM(dtype="float32", block_size=args.block_size)          # loads SmolLM2 once
-    model, tok = base.engine.model, base.tokenizer
+    model, tok = base.engine.runner.model, base.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(m)) for m in messages]
     lens = [len(p) for p in prompts]
     common = next(i for i in range(min(lens)) if len({p[i] for p in prompts}) > 1)

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from minicb.core.config import SchedulerConfig  # noqa: E402
 from minicb.core.plan import ScheduledSeq, StepPlan  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
-from minicb.distributed.tensor_parallel import launch  # noqa: E402
-from minicb.engine.llm_engine import LLMEngine  # noqa: E402
+from minicb.distributed.launch import launch  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.model.weights.loader import load_model  # noqa: E402
+from minicb.runtime.runner import engine_for  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Tensor parallelism"
@@ -68,7 +68,7 @@ def run(eng, prompts, max_tokens: int) -> list[dict]:
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
     eng.close_arrivals()
-    stats = getattr(eng, "comm_stats", None)
+    stats = getattr(eng.runner, "comm_stats", None)
     steps = []
     while eng.has_unfinished_requests():
         ar0, n0 = (stats.all_reduce_s, stats.all_reduce_calls) if stats else (0.0, 0)
@@ -174,9 +174,9 @@ def main() -> None:
     results = {}
     for label, threads in (("TP 1, 1 thread", 1), ("TP 1, 2 threads", 2)):
         torch.set_num_threads(threads)
-        eng = LLMEngine(model, cfg, loaded.tokenizer)
+        eng = engine_for(model, cfg, loaded.tokenizer)
         run(eng, prompts[:2], 2)                                  # warm-up
-        eng = LLMEngine(model, cfg, loaded.tokenizer)
+        eng = engine_for(model, cfg, loaded.tokenizer)
         steps = run(eng, prompts, args.max_tokens)
         results[label] = steps
         print(label, "done", flush=True)

@@ -42,8 +42,8 @@ API_MODULES = [
     ("Measurement and teaching", ["measure.trace", "measure.metrics", "measure.workloads", "measure.plots",
                                   "measure.bench_cli", "measure.pictures", "measure.replay",
                                   "simulate.simulator", "simulate.cli"]),
-    ("Serving", ["serve.engine_thread", "serve.app", "serve.protocol", "serve.stops", "serve.metrics",
-                 "serve.live", "serve.server"]),
+    ("Serving", ["serve.engine_thread", "serve.app", "serve.frontend", "serve.protocol", "serve.limits",
+                 "serve.stops", "serve.guard", "serve.metrics", "serve.live", "serve.server"]),
 ]
 
 # The trace images: one workload, three policies (``minicb trace`` with these flags draws them).

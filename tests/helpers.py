@@ -9,6 +9,7 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.baseline import generate_padded
+from minicb.runtime.runner import engine_for
 
 TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
@@ -33,7 +34,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 def run_engine(model, config: SchedulerConfig, prompts, params, arrivals=None, check=True,
                attn_backend: str = "auto"):
     """Drive an engine: request i is added at step ``arrivals[i]``. Returns outputs in input order."""
-    eng = LLMEngine(model, config, attn_backend=attn_backend)
+    eng = engine_for(model, config, attn_backend=attn_backend)
     arrivals = arrivals or [0] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -16,16 +16,21 @@ from minicb.entrypoints.llm import LLM
 from minicb.entrypoints.serve.server import Server, listen
 
 MODEL = "tiny"
+SERVER_OPTIONS = ("limits", "allowed_hosts", "allowed_origins", "api_key", "allow_control_text",
+                  "frontend_workers", "exit_on_engine_death")
 
 
 @contextlib.contextmanager
 def running_server(gguf, *, max_waiting: int = 256, shutdown_timeout: float = 5.0, engine_hook=None,
                    **config):
-    """The tiny GGUF in float64 behind a real server (uvicorn in a thread); yields (server, url)."""
+    """The tiny GGUF in float64 behind a real server (uvicorn in a thread); yields (server, url).
+    ``config`` holds the engine's settings and any of ``SERVER_OPTIONS`` (``Server``'s)."""
+    options = {k: config.pop(k) for k in SERVER_OPTIONS if k in config}
     llm = LLM(str(gguf), dtype="float64", **config)
     if engine_hook is not None:
         engine_hook(llm.engine)
-    server = Server(llm.engine, model_name=MODEL, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout)
+    server = Server(llm.engine, model_name=MODEL, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout,
+                    **options)
     url = server.start_in_thread(listen("127.0.0.1", 0))
     try:
         yield server, url

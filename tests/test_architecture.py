@@ -27,7 +27,7 @@ MAY_IMPORT = {
     "core": set(),
     "engine": {"core"},
     "model": {"core"},
-    "runtime": {"core", "model"},
+    "runtime": {"core", "engine", "model"},     # a runner serves the engine's interface; engine_for
     "distributed": {"core", "engine", "model", "runtime"},
     "measure": {"core", "engine", "model", "runtime"},
     "simulate": {"core", "engine", "measure"},
@@ -217,3 +217,14 @@ def test_only_a_runner_packs_or_runs_the_model():
         called = {n.func.id for n in ast.walk(tree)
                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         assert "pack" not in called, path
+
+
+def test_the_tensor_parallel_workers_run_the_same_runner_method():
+    """Ranks 1..N-1 (``minicb.distributed.runner.serve``) call ``ModelRunner.run`` on every plan rank 0
+    sends, and build no engine: rank 0's loop is the engine's, its runner a ``TPRunner``."""
+    tree = ast.parse((SRC / "distributed" / "runner.py").read_text())
+    serve = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "serve")
+    calls = [n.func.attr for n in ast.walk(serve)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert "run" in calls, "the worker loop calls ModelRunner.run"
+    assert not any(isinstance(n, ast.Name) and n.id == "LLMEngine" for n in ast.walk(serve))

@@ -27,9 +27,9 @@ from _common import Exercise, flags, prompt_ids, tiny_model
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
 from minicb.model.attention import ReferenceAttention
 from minicb.runtime.packer import pack, pack_prompts
+from minicb.runtime.runner import engine_for
 
 args = flags(__doc__, b_prompt=(37, "B's prompt length"),
              block_size=(4, "token positions per KV block"))
@@ -39,7 +39,7 @@ model = tiny_model()
 cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128,
                       block_size=BLOCK_SIZE, num_blocks=64,
                       enable_prefix_caching=False)
-eng = LLMEngine(model, cfg)
+eng = engine_for(model, cfg)
 plans = []
 eng.listen(on_plan=lambda event: plans.append(event.plan))
 params = SamplingParams(max_tokens=4, ignore_eos=True)

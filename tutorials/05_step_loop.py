@@ -28,9 +28,9 @@ from _common import Exercise, flags, prompt_ids, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import ModelLoadError
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
 from minicb.runtime.baseline import generate_padded
+from minicb.runtime.runner import engine_for
 
 args = flags(__doc__, slots=(2, "batch slots (max_num_seqs)"),
              budget=(64, "tokens per step (max_num_batched_tokens)"))
@@ -48,7 +48,7 @@ try:
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
 except ModelLoadError as e:
     print(f"(the real model is not available: {e}; using the tiny model)")
-    eng, MODEL = LLMEngine(tiny_model(), SchedulerConfig(**CONFIG)), "tiny"
+    eng, MODEL = engine_for(tiny_model(), SchedulerConfig(**CONFIG)), "tiny"
     prompts = [prompt_ids(n, i) for i, n in enumerate((6, 9, 5))]
 cfg = eng.config
 print(f"model: {MODEL}; slots: {cfg.max_num_seqs}, token budget: "
@@ -105,7 +105,7 @@ print(f"tokens generated: {made}")
 shown = PROMPTS if MODEL != "tiny" else [str(p) for p in prompts]
 for i, p in enumerate(shown):
     print(f"r{i}: {p!r} -> {texts[f'r{i}']!r}")
-base = generate_padded(eng.model, prompts, params,
+base = generate_padded(eng.runner.model, prompts, params,
                        eos_token_id=eng.eos_token_id)
 same = all(tokens[f"r{i}"] == base.token_ids[i] for i in range(len(prompts)))
 print(f"padded baseline: {base.steps} steps, padding waste "

@@ -15,9 +15,9 @@ of a plan that ranks can compare before the forward pass.
 
 Sections 1 and 2 use two scheduler replicas in one process, driven in lockstep
 with a fake model: the condition any tensor-parallel runtime must check. Section
-3 runs the real one, ``minicb.distributed.tensor_parallel`` (two CPU processes
-over ``torch.distributed``), where rank 0 schedules, sends each plan to the
-other rank and the ranks compare plan digests before every forward pass.
+3 runs the real one, ``minicb.distributed`` (two CPU processes over
+``torch.distributed``), where rank 0 schedules, sends each plan to the other
+rank and the ranks compare plan digests before every forward pass.
 """
 
 # %% [markdown]
@@ -44,7 +44,7 @@ from minicb.core.errors import DistributedError
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import Sequence
-from minicb.engine.llm_engine import LLMEngine
+from minicb.runtime.runner import engine_for
 
 args = flags(__doc__,
              blocks_1=(8, "KV blocks of rank 1 in section 2 (rank 0: 9)"))
@@ -152,7 +152,7 @@ except DistributedError as e:
 # capacity (the minimum over the workers) and why minicb's scheduler never
 # consults anything rank-local.
 #
-# ## 3. The real thing: `distributed.tensor_parallel`, two processes on this CPU
+# ## 3. The real thing: `minicb.distributed`, two processes on this CPU
 #
 # minicb's tensor parallelism avoids the replica problem altogether: only rank 0
 # runs the scheduler; it sends each plan to the other ranks, and all ranks
@@ -175,21 +175,21 @@ def generate(engine) -> dict[str, list[int]]:
 
 
 try:
-    from minicb.distributed.tensor_parallel import Fault, launch
+    from minicb.distributed import Fault, launch
 except ImportError as e:         # a torch built without torch.distributed
-    print(f"(minicb.distributed.tensor_parallel is not available here: {e})")
+    print(f"(minicb.distributed is not available here: {e})")
     launch = None
 if launch is not None:
     model = tiny_model()
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16,
                           block_size=4, num_blocks=32,
                           enable_prefix_caching=False)
-    single = generate(LLMEngine(model, cfg))
+    single = generate(engine_for(model, cfg))
     with ranks_skip_this_script():     # rank 1 is a new process (see _common)
         engine = launch(model, cfg, tensor_parallel_size=2)
     try:
         both = generate(engine)
-        stats = engine.comm_stats
+        stats = engine.runner.comm_stats
     finally:
         engine.shutdown()
     print(f"2 ranks: {stats.plans} plans sent and checked, "

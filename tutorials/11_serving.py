@@ -33,9 +33,9 @@ from _common import Exercise, flags, tiny_model
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import ModelLoadError
-from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
 from minicb.entrypoints.serve.server import Server, listen
+from minicb.runtime.runner import engine_for
 
 args = flags(__doc__, clients=(6, "concurrent clients, one request each"),
              slots=(4, "batch slots (max_num_seqs)"))
@@ -48,7 +48,7 @@ try:
 except ModelLoadError as e:
     print(f"(the real model is not available: {e}; using the tiny model)")
     cfg = SchedulerConfig(**CONFIG, max_model_len=512)
-    engine, CHAT = LLMEngine(tiny_model(), cfg), False
+    engine, CHAT = engine_for(tiny_model(), cfg), False
 server = Server(engine, model_name="smollm2")
 url = server.start_in_thread(listen("127.0.0.1", 0))
 print(f"serving on a free port of 127.0.0.1: {args.slots} slots, "

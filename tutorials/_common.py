@@ -102,7 +102,8 @@ def run_scheduler(config: SchedulerConfig, requests, arrivals=None,
 
     def finished(outs) -> None:
         for o in outs:
-            finish_step[o.request_id] = engine.last_plan.step
+            if o.finished:
+                finish_step[o.request_id] = engine.last_plan.step
 
     arrivals = arrivals or [0] * len(requests)
     drive(engine, [Arrival(arrivals[k], rid,
@@ -123,11 +124,11 @@ def run_engine(model, config: SchedulerConfig, prompts, max_tokens,
     The slot trace keeps idle steps: one column per engine step. Returns
     (outputs by request id, slot trace, engine).
     """
-    from minicb.engine.llm_engine import LLMEngine
+    from minicb.runtime.runner import engine_for
 
     now = [0.0]
     cost = step_cost or (lambda plan: 1.0)
-    eng = LLMEngine(model, config, clock=lambda: now[0])
+    eng = engine_for(model, config, clock=lambda: now[0])
 
     def tick(event) -> None:   # between schedule() and update(): the step runs
         now[0] += cost(event.plan)

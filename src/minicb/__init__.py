@@ -7,25 +7,25 @@ The public API mirrors vLLM's names so a reader can move on to vLLM::
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     print(outs[0].text)
 
-The modules at the top of the package are the concepts, in the order the tutorials teach them:
+The packages, from the bottom up (``docs/design.md`` draws them; ``tests/test_architecture.py``
+checks that each imports only those below it):
 
-====================  =================================================================  ======
-scheduling (no torch)  ``sequence`` (a request's states), ``slot_table`` (batch rows),     no
-                       ``block_manager`` (paged KV blocks, prefix cache), ``planner``
-                       (chunked prefill under a token budget), ``preemption``,
-                       ``plan`` (``StepPlan``), ``scheduler``
-packing and model      ``packer`` (a plan as flat tensors), ``kv_cache``, ``model/``,      torch
-                       ``sampling``
-one step               ``runner`` (the tensor half of a step), ``engine`` (the step loop),  torch
-                       ``events`` (what listeners see), ``arrivals`` (requests over time)
-faces                  ``llm`` (``LLM.generate``), ``cli``, ``distributed`` (tensor         torch
-                       parallelism), ``baseline`` (the padded static batch: the oracle)
-====================  =================================================================  ======
+===============  ===================================================================  =====
+``core``         what continuous batching decides: a request's states, the slot table,  no
+                 paged KV blocks and the prefix cache, the chunk rule, preemption, the
+                 plan of a step and the policies that make it
+``engine``       the one step loop (``LLMEngine``), outputs, step events, arrivals      no
+``model``        the LLaMA forward on flat tokens, attention backends, the KV pool,     torch
+                 weights (``weights/``) and text (``text/``: tokenizer, chat template)
+``runtime``      a runner: a plan packed into tensors, run, sampled; the padded         torch
+                 static-batch baseline that every schedule must match
+``distributed``  tensor parallelism: rank 0's runner sends each plan to the others     torch
+``measure``      workloads, metrics, slot traces, pictures, ``minicb bench``            some
+``simulate``     the cost-model simulator (``minicb simulate``): the engine on a clock  no
+``entrypoints``  ``LLM.generate``, the ``minicb`` command line, ``minicb serve``         torch
+===============  ===================================================================  =====
 
-Tooling lives in subpackages: ``measure`` (workloads, metrics, slot traces, plots, ``minicb bench``)
-and ``simulate`` (the cost-model simulator, ``minicb simulate``). Dependencies point one way: faces ->
-engine -> runner -> packer -> model, with scheduling beside them importing none of them. Heavy
-names load lazily, so ``import minicb`` stays cheap (no torch).
+Heavy names load lazily, so ``import minicb`` stays cheap (no torch).
 """
 
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected

@@ -1,4 +1,4 @@
-"""Tensor parallelism (``minicb.distributed.tensor_parallel``): N gloo processes on the CPU give TP 1's
+"""Tensor parallelism (``minicb.distributed``): N gloo processes on the CPU give TP 1's
 tokens, and a broken group (a rank that diverges, dies or hangs) raises ``DistributedError`` everywhere, never
 hangs.
 
@@ -22,12 +22,14 @@ from helpers import TINY, random_prompts, tiny_model
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import DistributedError, InvalidArgument
 from minicb.core.sampling_params import SamplingParams
-from minicb.distributed.tensor_parallel import Fault, launch, local_config, shard_layout, shard_state_dict
-from minicb.engine.llm_engine import LLMEngine
+from minicb.distributed.group import Fault
+from minicb.distributed.launch import launch
+from minicb.distributed.sharding import local_config, shard_layout, shard_state_dict
 from minicb.entrypoints.llm import LLM
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
+from minicb.runtime.runner import engine_for
 
 TIMEOUT_S = 20.0          # collective deadline in these tests (a healthy step takes milliseconds)
 
@@ -142,7 +144,7 @@ def test_tp_tokens_equal_tp1_tiny(kv_heads, world, mode):
     cfg = dataclasses.replace(TINY, num_key_value_heads=kv_heads)
     model = tiny_model(cfg)
     prompts, params, sched, arrivals = _tiny_workload(mode)
-    want = drive(LLMEngine(model, sched), prompts, params, arrivals)
+    want = drive(engine_for(model, sched), prompts, params, arrivals)
     eng = launch(model, sched, world, timeout_s=TIMEOUT_S)
     plans = []
     try:
@@ -159,8 +161,8 @@ def test_tp_tokens_equal_tp1_tiny(kv_heads, world, mode):
     # rank 0 holds only its KV shard; 2 all-reduces per layer per forward; every rank ended cleanly
     assert eng.runner.kv_cache.data.shape[-2] == len(shard_layout(cfg, world)[0].kv_heads)
     forwards = sum(1 for p in plans if p.seqs or p.padding)
-    assert eng.comm_stats.all_reduce_calls == 2 * cfg.num_hidden_layers * forwards
-    assert eng.workers.reports == {r: "ok" for r in range(1, world)}
+    assert eng.runner.comm_stats.all_reduce_calls == 2 * cfg.num_hidden_layers * forwards
+    assert eng.runner.workers.reports == {r: "ok" for r in range(1, world)}
 
 
 @pytest.mark.slow
@@ -182,7 +184,7 @@ def test_tp3_smollm2_equals_tp1(smollm2):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.text for o in got] == [o.text for o in want]
     assert stats.num_preemptions > 0
-    assert llm.engine.workers.reports == {1: "ok", 2: "ok"}
+    assert llm.engine.runner.workers.reports == {1: "ok", 2: "ok"}
 
 
 def _run_until_error(eng, prompts, params):
@@ -202,8 +204,8 @@ def test_injected_divergence_raises_on_every_rank():
         assert "different plans for plan 3" in str(err) and "rank 2:" in str(err)
         assert elapsed < TIMEOUT_S                      # found by comparing digests, not by a timeout
         for r in (1, 2):
-            assert eng.workers.reports[r].startswith("DistributedError: tensor-parallel rank"), r
-            assert "different plans for plan 3" in eng.workers.reports[r]
+            assert eng.runner.workers.reports[r].startswith("DistributedError: tensor-parallel rank"), r
+            assert "different plans for plan 3" in eng.runner.workers.reports[r]
         with pytest.raises(DistributedError):           # the group is gone: no further steps
             eng.step()
     finally:
@@ -225,8 +227,8 @@ def test_a_worker_that_dies_or_hangs_stops_the_others(kind):
             assert "rank 1: exited with code 1" in str(err)
         else:
             assert elapsed < timeout + 10
-        assert eng.workers.reports[2].startswith("DistributedError: tensor-parallel rank 2")
-        assert all(not p.is_alive() for p in eng.workers.processes)
+        assert eng.runner.workers.reports[2].startswith("DistributedError: tensor-parallel rank 2")
+        assert all(not p.is_alive() for p in eng.runner.workers.processes)
     finally:
         eng.shutdown()
 
@@ -236,14 +238,14 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from minicb.core.config import SchedulerConfig
-from minicb.distributed.tensor_parallel import Fault, launch
+from minicb.distributed import Fault, launch
 from minicb.core.sampling_params import SamplingParams
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     eng = launch(tiny_model(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), 3,
                  timeout_s=60, fault=Fault(rank=0, at=2, kind="exit"))
-    print("pids", *[p.pid for p in eng.workers.processes], flush=True)
+    print("pids", *[p.pid for p in eng.runner.workers.processes], flush=True)
     for i in range(4):
         eng.add_request(str(i), [5, 6, 7, 8, 9], SamplingParams(max_tokens=8))
     while eng.has_unfinished_requests():

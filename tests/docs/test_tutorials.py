@@ -587,7 +587,7 @@ def test_08_tensor_parallel_consistency():
     assert value(text, rf"ranks with 9 and {blocks_1} KV blocks first disagree at step (\d+)") == \
         first_disagreement(9, blocks_1)
     assert "DistributedError: step" in text
-    # section 3: the real minicb.distributed.tensor_parallel with 2 processes
+    # section 3: the real minicb.distributed with 2 processes
     assert value(text, r"2 ranks: (\d+) plans sent and checked") == steps        # one plan per step
     assert value(text, r"tensor-parallel tokens equal to a single process: (\w+)") is True
     assert "the ranks hold different plans for plan 3" in " ".join(text.split())  # Fault(rank=1, at=3)

@@ -37,8 +37,7 @@ from helpers import assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import EngineDeadError
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
-from minicb.runtime.runner import ModelRunner
+from minicb.runtime.runner import ModelRunner, engine_for
 
 SRC = Path(__import__("minicb").__file__).resolve().parent
 # A vocabulary past 0x80 bytes, so that tokens end inside multi-byte characters and the decoder holds.
@@ -63,7 +62,7 @@ def expected() -> tuple[list[int], ...]:
 
 
 def make_engine(model, cfg, tok):
-    return LLMEngine(model, cfg, tokenizer=tok)
+    return engine_for(model, cfg, tokenizer=tok)
 
 
 class _RunnerFault(RuntimeError):

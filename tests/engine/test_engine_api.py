@@ -15,8 +15,8 @@ from minicb.core.errors import InvalidArgument
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.arrivals import Arrival, NoProgress, drive
 from minicb.engine.events import PlanEvent, StepEvent
-from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
+from minicb.runtime.runner import engine_for
 
 PROMPTS = [[5, 9, 11, 4], [7, 7, 8], [12, 30, 41, 5, 6, 7], [9]]
 
@@ -32,7 +32,7 @@ def want(prompts, params):
 
 # --- events -----------------------------------------------------------------------------------------
 def test_step_events_carry_the_plan_and_immutable_snapshots():
-    eng = LLMEngine(tiny_model(), cfg(max_num_seqs=2))
+    eng = engine_for(tiny_model(), cfg(max_num_seqs=2))
     plans, steps = [], []
     remove = eng.listen(on_plan=plans.append, on_step=steps.append)
     for i, p in enumerate(PROMPTS[:3]):
@@ -61,7 +61,7 @@ def test_no_snapshot_is_made_when_nobody_listens(monkeypatch):
     calls = []
     real = Scheduler.snapshot
     monkeypatch.setattr(Scheduler, "snapshot", lambda self: calls.append(1) or real(self))
-    eng = LLMEngine(tiny_model(), cfg())
+    eng = engine_for(tiny_model(), cfg())
     eng.add_request("a", PROMPTS[0], greedy(4, ignore_eos=True))
     eng.run()
     assert calls == []
@@ -114,7 +114,7 @@ def test_generate_or_step_from_a_listener_is_a_clear_error_and_fails_only_that_s
 
 # --- aborts at any moment (item 4) ---------------------------------------------------------------------
 def test_abort_from_a_plan_listener_ends_only_that_request():
-    eng = LLMEngine(tiny_model(), cfg())
+    eng = engine_for(tiny_model(), cfg())
     params = greedy(6, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, params)
@@ -135,7 +135,7 @@ def test_abort_from_a_plan_listener_ends_only_that_request():
 
 
 def test_abort_from_another_thread_waits_for_the_running_step():
-    eng = LLMEngine(tiny_model(), cfg())
+    eng = engine_for(tiny_model(), cfg())
     params = greedy(8, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, params)
@@ -161,7 +161,7 @@ def test_abort_from_another_thread_waits_for_the_running_step():
 
 
 def test_abort_request_checks_its_argument():
-    eng = LLMEngine(tiny_model(), cfg())
+    eng = engine_for(tiny_model(), cfg())
     with pytest.raises(InvalidArgument, match="request_id must be a str"):
         eng.abort_request(["a"])
     assert eng.abort_request("never-added") is None
@@ -204,7 +204,7 @@ def test_generated_ids_never_collide_with_user_ids():
 
 # --- priority (item 18) --------------------------------------------------------------------------------
 def _first_token_step(policy: str, aging: int = 32) -> dict[str, int]:
-    eng = LLMEngine(tiny_model(), cfg(max_num_seqs=4, scheduling_policy=policy, priority_aging=aging))
+    eng = engine_for(tiny_model(), cfg(max_num_seqs=4, scheduling_policy=policy, priority_aging=aging))
     for i in range(40):
         eng.add_request(f"low{i}", [4 + i % 50, 5], greedy(4, ignore_eos=True), priority=5)
     eng.add_request("urgent", [6, 7], greedy(4, ignore_eos=True), priority=0)
@@ -229,7 +229,8 @@ def test_priority_aging_prevents_starvation():
     priority it never gets a slot; with aging (one level per 4 later arrivals) it overtakes every
     request that arrived more than 9 x 4 = 36 after it, so it is served after a bounded delay."""
     def run(aging: int) -> tuple[int, list[int]]:
-        eng = LLMEngine(tiny_model(), cfg(max_num_seqs=2, scheduling_policy="priority", priority_aging=aging))
+        eng = engine_for(tiny_model(), cfg(max_num_seqs=2, scheduling_policy="priority",
+                                           priority_aging=aging))
         eng.add_request("patient", [8, 9], greedy(2, ignore_eos=True), priority=9)
         arrivals, served_before = 0, []
         for step in range(150):
@@ -251,7 +252,7 @@ def test_priority_aging_prevents_starvation():
 
 # --- drive, close_arrivals ----------------------------------------------------------------------------
 def test_drive_adds_requests_at_their_step_and_closes_arrivals():
-    eng = LLMEngine(tiny_model(), cfg(policy="static", max_num_seqs=4))
+    eng = engine_for(tiny_model(), cfg(policy="static", max_num_seqs=4))
     params = greedy(2, ignore_eos=True)
     seen = []
     eng.listen(on_plan=lambda ev: seen.append((ev.plan.step, ev.state.waiting, ev.state.arrivals_open)))
@@ -264,7 +265,7 @@ def test_drive_adds_requests_at_their_step_and_closes_arrivals():
 
 def test_drive_on_a_clock_waits_for_arrivals_and_rejects_bad_times():
     now = [0.0]
-    eng = LLMEngine(tiny_model(), cfg(), clock=lambda: now[0])
+    eng = engine_for(tiny_model(), cfg(), clock=lambda: now[0])
     waits = []
 
     def wait(until: float) -> None:
@@ -284,7 +285,7 @@ def test_drive_on_a_clock_waits_for_arrivals_and_rejects_bad_times():
 def test_drive_raises_instead_of_spinning_when_nothing_can_progress(monkeypatch):
     from minicb.core.scheduler import Scheduler
 
-    eng = LLMEngine(tiny_model(), cfg())
+    eng = engine_for(tiny_model(), cfg())
     monkeypatch.setattr(Scheduler, "_schedule_waiting", lambda self, work, budget: None)   # admits nobody
     with pytest.raises(NoProgress):
         drive(eng, [Arrival(0, "a", PROMPTS[0], greedy(2))])
@@ -293,7 +294,7 @@ def test_drive_raises_instead_of_spinning_when_nothing_can_progress(monkeypatch)
 # --- tensor parallelism after shutdown (item 22) ----------------------------------------------------------
 @pytest.mark.slow
 def test_a_tensor_parallel_engine_after_shutdown_says_so_and_keeps_nothing_queued():
-    from minicb.distributed.tensor_parallel import launch
+    from minicb.distributed import launch
 
     eng = launch(tiny_model(), cfg(), tensor_parallel_size=2)
     eng.add_request("a", PROMPTS[0], greedy(3, ignore_eos=True))

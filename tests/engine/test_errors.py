@@ -23,6 +23,7 @@ from minicb.core.errors import InvalidArgument, ModelLoadError, RequestRejected
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
+from minicb.runtime.runner import engine_for
 
 V = TINY.vocab_size   # 61
 
@@ -265,7 +266,7 @@ ADD_ROWS = [
 def test_add_request_rejects_only_that_request(rid, prompt, sp, priority, exc, needles):
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_blocks=16,
                           max_model_len=128)
-    eng = LLMEngine(tiny_model(), cfg)
+    eng = engine_for(tiny_model(), cfg)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     eng.add_request("a", GOOD[0], params)
     eng.step()                                                        # "a" is mid-flight
@@ -288,7 +289,7 @@ def test_add_request_rejects_only_that_request(rid, prompt, sp, priority, exc, n
 
 
 def test_a_request_id_is_free_again_once_its_request_ended():
-    eng = LLMEngine(tiny_model(), SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4))
+    eng = engine_for(tiny_model(), SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4))
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=1))
     while eng.has_unfinished_requests():
         eng.step()

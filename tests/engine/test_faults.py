@@ -17,6 +17,7 @@ from helpers import TINY, assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
+from minicb.runtime.runner import engine_for
 from robust_helpers import drive, random_workload
 
 PROMPTS, PARAMS, ARRIVALS = random_workload(24, seed=3, prompt_len=(1, 30), max_tokens=(1, 20),
@@ -82,7 +83,7 @@ def check_outcome(d, plans, failed_steps: set[int], want) -> set[str]:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("fail_at, layer", [({0}, 0), ({5}, 1), ({9, 10, 30}, 1), ({38}, 0)])
 def test_exception_inside_the_forward_fails_only_that_steps_requests(mode, fail_at, layer):
-    eng = LLMEngine(tiny_model(), config(mode))
+    eng = engine_for(tiny_model(), config(mode))
     eng.runner.backend = FaultyAttention(eng.runner.backend, fail_at, layer)
     plans = record_plans(eng)
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS)
@@ -103,7 +104,7 @@ def test_exception_inside_the_forward_fails_only_that_steps_requests(mode, fail_
 
 
 def test_the_failed_steps_slots_and_blocks_are_freed_at_once():
-    eng = LLMEngine(tiny_model(), config("recompute"))
+    eng = engine_for(tiny_model(), config("recompute"))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for i in range(3):
         eng.add_request(f"a{i}", PROMPTS[i], params)
@@ -125,7 +126,7 @@ def test_the_failed_steps_slots_and_blocks_are_freed_at_once():
 
 
 def test_a_fault_in_a_swap_copy_turns_the_steps_victims_into_recomputes():
-    eng = LLMEngine(tiny_model(), config("swap"))
+    eng = engine_for(tiny_model(), config("swap"))
     plans = record_plans(eng)
     real_swap_out = eng.runner.kv_cache.swap_out
     failed_steps: set[int] = set()
@@ -147,7 +148,7 @@ def test_a_fault_in_a_swap_copy_turns_the_steps_victims_into_recomputes():
 
 
 def test_a_fault_in_the_sampler_is_a_failed_step_too():
-    eng = LLMEngine(tiny_model(), config("recompute"))
+    eng = engine_for(tiny_model(), config("recompute"))
     plans = record_plans(eng)
     real = eng.runner.sampler.sample
     calls = {"n": 0}
@@ -167,7 +168,7 @@ def test_a_fault_in_the_sampler_is_a_failed_step_too():
 
 
 def test_every_step_failing_ends_every_request_and_never_hangs():
-    eng = LLMEngine(tiny_model(), config("swap"))
+    eng = engine_for(tiny_model(), config("swap"))
     eng.runner.backend = FaultyAttention(eng.runner.backend, set(range(10_000)), layer=0)
     d = drive(eng, PROMPTS, PARAMS, ARRIVALS, max_steps=500)
     assert {o.finish_reason for o in d.outputs.values()} == {"error"}
@@ -177,7 +178,7 @@ def test_every_step_failing_ends_every_request_and_never_hangs():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_keyboard_interrupt_in_the_forward_leaves_the_engine_consistent(mode):
-    eng = LLMEngine(tiny_model(), config(mode))
+    eng = engine_for(tiny_model(), config(mode))
     plans = record_plans(eng)
     for i in range(12):
         eng.add_request(f"r{i}", PROMPTS[i], PARAMS[i])

@@ -8,7 +8,7 @@ of every dtype (bool included), arrays and tensors with a shape, complex numbers
 ``Fraction``, containers and plain objects. The targets:
 
 * ``SamplingParams(**kwargs)``;
-* ``LLM(tiny_model, **kwargs)`` and ``LLMEngine(tiny_model, SchedulerConfig(**kwargs))``;
+* ``LLM(tiny_model, **kwargs)`` and ``engine_for(tiny_model, SchedulerConfig(**kwargs))``;
 * ``add_request`` / ``abort_request`` / ``step`` on a live engine (every request it accepts must then
   finish), ``generate`` with any prompts and parameters (text included, through a tiny tokenizer);
 * ``minicb.entrypoints.cli.main(argv)`` in-process with argv lists built from every subcommand's flags
@@ -44,6 +44,7 @@ from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.cli import main
 from minicb.entrypoints.llm import LLM
 from minicb.model.text.tokenizer import Tokenizer
+from minicb.runtime.runner import engine_for
 from robust_helpers import finishes as finishes_within
 from tiny_files import write_gguf
 
@@ -129,7 +130,7 @@ def test_an_llm_of_any_configuration_is_built_or_refused(kwargs, tp):
 @fuzz(80)
 @given(st.dictionaries(st.sampled_from(CONFIG_NAMES), st.one_of(ANY, TEXT_VALUES), max_size=4), ANY)
 def test_an_engine_of_any_configuration_is_built_or_refused(kwargs, seed):
-    result = finishes(lambda: LLMEngine(tiny_model(), SchedulerConfig(**kwargs), seed=seed))
+    result = finishes(lambda: engine_for(tiny_model(), SchedulerConfig(**kwargs), seed=seed))
     only_minicb_errors(result)
 
 
@@ -146,7 +147,7 @@ def text_engine() -> LLMEngine:
 
     tok = tokenizer()
     cfg = SchedulerConfig(**SMALL)
-    return LLMEngine(tiny_model(dataclasses.replace(TINY, vocab_size=tok.vocab_size)), cfg, tok)
+    return engine_for(tiny_model(dataclasses.replace(TINY, vocab_size=tok.vocab_size)), cfg, tok)
 
 
 PROMPTS = st.one_of(
@@ -209,7 +210,7 @@ def test_any_sequence_of_requests_and_aborts_ends_cleanly(calls):
 def test_generate_takes_anything(prompts, params):
     llm = _TEXT_LLM.get("llm")
     if llm is None:
-        llm = _TEXT_LLM["llm"] = LLM(text_engine().model, tokenizer=tokenizer(), **SMALL)
+        llm = _TEXT_LLM["llm"] = LLM(text_engine().runner.model, tokenizer=tokenizer(), **SMALL)
     result = finishes(lambda: llm.generate(prompts, params))
     only_minicb_errors(result)
     if isinstance(result, list):

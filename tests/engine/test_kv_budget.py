@@ -9,7 +9,7 @@ from minicb.core.config import ModelConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.kv_budget import DEFAULT_MAX_BYTES, GIB, bytes_per_block, default_budget, num_blocks_for
 from minicb.entrypoints.llm import FAST_DEFAULTS, LLM
-from minicb.model.cpu_linear import Float32ComputeLinear, needs_float32_compute
+from minicb.model.cpu_linear import Float32ComputeLinear, PackedLinear, needs_float32_compute
 
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, head_dim=64)
@@ -71,11 +71,13 @@ def test_bfloat16_model_loaded_by_llm_computes_linears_in_float32(tmp_path):
     from tiny_files import write_gguf
 
     llm = LLM(str(write_gguf(tmp_path / "m.gguf")), dtype="bfloat16")
-    model = llm.engine.model
+    model = llm.engine.runner.model
     assert model.dtype == torch.bfloat16
-    swapped = isinstance(model.model.layers[0].mlp.down_proj, Float32ComputeLinear)
+    down = model.model.layers[0].mlp.down_proj       # float32 products: MKL's, or oneDNN's packed ones
+    swapped = isinstance(down, Float32ComputeLinear) or (
+        isinstance(down, PackedLinear) and down.compute_dtype == torch.float32)
     assert swapped == needs_float32_compute(torch.bfloat16, "cpu")
-    assert not isinstance(LLM(str(tmp_path / "m.gguf")).engine.model.lm_head, Float32ComputeLinear)
+    assert not isinstance(LLM(str(tmp_path / "m.gguf")).engine.runner.model.lm_head, Float32ComputeLinear)
 
 
 def test_cli_kv_cache_memory_must_be_positive(capsys):

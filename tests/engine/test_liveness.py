@@ -31,7 +31,7 @@ from test_scheduler import drive as drive_scheduler
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
+from minicb.runtime.runner import engine_for
 from robust_helpers import drive, random_workload
 
 
@@ -99,7 +99,7 @@ def test_engine_under_tight_memory_and_continuous_arrivals(mode, scheduling_poli
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, long_prefill_chunk=8, block_size=4,
                              num_blocks=need + 1, num_host_blocks=need if mode == "swap" else 0,
                              preemption_mode=mode, scheduling_policy=scheduling_policy)
-    eng = LLMEngine(tiny_model(), config)
+    eng = engine_for(tiny_model(), config)
     bound = wait_bound([len(p) for p in prompts], [sp.max_tokens for sp in params], arrivals)
     d = drive(eng, prompts, params, arrivals, max_steps=bound + 1)
     want = baseline_tokens(tiny_model(), prompts, params, TINY.eos_token_id)
@@ -115,7 +115,7 @@ def test_engine_two_requests_that_each_need_the_whole_pool_take_turns(mode):
     # 4 blocks of 4 = 16 token positions; each request grows to 8 + 8 = 16: they cannot both run.
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, block_size=4, num_blocks=4,
                              num_host_blocks=8 if mode == "swap" else 0, preemption_mode=mode)
-    eng = LLMEngine(tiny_model(), config)
+    eng = engine_for(tiny_model(), config)
     plans = []
     eng.listen(on_plan=lambda ev: plans.append(ev.plan))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
@@ -133,7 +133,7 @@ def test_engine_two_requests_that_each_need_the_whole_pool_take_turns(mode):
 def test_engine_a_crowd_of_pool_sized_requests_finishes_one_by_one():
     """Six requests that each need the whole pool, arriving together: no livelock, oldest first."""
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=2, num_blocks=10)
-    eng = LLMEngine(tiny_model(), config)
+    eng = engine_for(tiny_model(), config)
     prompts = [[4 + i + j for j in range(12)] for i in range(6)]
     params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 6
     d = drive(eng, prompts, params, [0] * 6, max_steps=wait_bound([12] * 6, [8] * 6, [0] * 6))

@@ -36,6 +36,7 @@ from minicb.core.sampling_params import MIN_TEMPERATURE, SamplingParams
 from minicb.engine.llm_engine import LLMEngine
 from minicb.entrypoints.llm import LLM
 from minicb.model.text.tokenizer import MAX_TEXT_CHARS, Tokenizer
+from minicb.runtime.runner import engine_for
 from minicb.runtime.sampling import Sampler
 
 V = TINY.vocab_size
@@ -43,7 +44,7 @@ V = TINY.vocab_size
 
 def engine(**config) -> LLMEngine:
     base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64, max_model_len=256)
-    return LLMEngine(tiny_model(), SchedulerConfig(**{**base, **config}))
+    return engine_for(tiny_model(), SchedulerConfig(**{**base, **config}))
 
 
 # --- SamplingParams: meaningless values refused, every scalar type accepted ---------------------------------
@@ -205,7 +206,7 @@ def test_a_broken_row_in_the_engine_fails_no_one(monkeypatch):
 def text_engine(**config) -> LLMEngine:
     cfg = SchedulerConfig(**{**dict(max_num_seqs=2, num_blocks=64, block_size=4, max_model_len=64), **config})
     tok = Tokenizer.from_gguf_metadata(tiny_gguf_tokenizer_metadata())
-    return LLMEngine(tiny_model(dataclasses.replace(TINY, vocab_size=tok.vocab_size)), cfg, tok)
+    return engine_for(tiny_model(dataclasses.replace(TINY, vocab_size=tok.vocab_size)), cfg, tok)
 
 
 @pytest.mark.parametrize("text", ["caf\udce9", "\ud800", "ok \udfff end"])

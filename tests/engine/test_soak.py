@@ -25,7 +25,7 @@ import pytest
 from helpers import assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
+from minicb.runtime.runner import engine_for
 from robust_helpers import MICRO, drive
 
 N = 2000
@@ -64,7 +64,7 @@ def test_soak(mode):
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=96, long_prefill_chunk=32,
                              block_size=4, num_blocks=40, num_host_blocks=16 if mode == "swap" else 0,
                              preemption_mode=mode, max_model_len=128, enable_prefix_caching=True)
-    eng = LLMEngine(model, config)
+    eng = engine_for(model, config)
     rng = random.Random(7)
 
     def abort(step: int, live: list[str]) -> list[str]:

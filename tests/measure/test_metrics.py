@@ -214,9 +214,9 @@ def test_engine_static_batch_padding_waste_and_records():
 def test_step_recorder_listens_beside_other_listeners():
     from minicb.core.config import SchedulerConfig as SC
     from minicb.core.sampling_params import SamplingParams
-    from minicb.engine.llm_engine import LLMEngine
+    from minicb.runtime.runner import engine_for
 
-    eng = LLMEngine(_tiny_model(), SC(max_num_seqs=2, num_blocks=8, block_size=4, max_model_len=16))
+    eng = engine_for(_tiny_model(), SC(max_num_seqs=2, num_blocks=8, block_size=4, max_model_len=16))
     seen = []
     eng.listen(on_plan=lambda ev: seen.append(ev.plan))
     rec = StepRecorder(TINY).attach(eng)

@@ -38,12 +38,50 @@ def _cfg(policy="continuous", **kw):
 
 # --- the same scheduler ---------------------------------------------------------------------------
 def test_the_simulator_drives_the_engines_scheduler_class():
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.measure.bench_cli import build_model
+    from minicb.runtime.runner import engine_for
 
-    engine = LLMEngine(build_model("tiny", "float32")[0], _cfg())
+    engine = engine_for(build_model("tiny", "float32")[0], _cfg())
     sim = SimulatedEngine(_cfg(), lambda plan: 1.0)
-    assert type(sim._scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
+    assert type(sim.scheduler) is type(engine.scheduler) is scheduler_module.Scheduler
+
+
+def test_the_simulator_is_the_engines_loop_with_aborts_outputs_and_failures():
+    """SimulatedEngine is an LLMEngine over a clock-driven runner: it streams outputs stamped on the
+    simulated clock, aborts, and fails a step whose "tensor work" (here: the cost model) raises."""
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.engine.llm_engine import LLMEngine
+
+    fail_at = {3}
+    steps = []
+
+    def step_time(plan):
+        steps.append(plan.step)
+        if len(steps) in fail_at:
+            raise RuntimeError("cost model broke")
+        return 0.5
+
+    sim = SimulatedEngine(_cfg(max_num_seqs=2), step_time, token=7, start=10.0)
+    assert isinstance(sim, LLMEngine)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sim.add_request("a", [5, 6, 7], params)
+    sim.add_request("b", [8, 9], params)
+    first = sim.step()                                  # both prompts, one step: 10.0 -> 10.5
+    assert sim.now == 10.5
+    assert [(o.request_id, o.new_token_ids, o.token_times) for o in first] == [("a", [7], [10.5]),
+                                                                                ("b", [7], [10.5])]
+    assert sim.abort_request("b").finish_reason == "abort"
+    sim.step()                                          # a's 2nd token at 11.0
+    failed = sim.step()                                 # the 3rd step_time call raises
+    assert [(o.request_id, o.finish_reason, o.error) for o in failed] == [
+        ("a", "error", "RuntimeError: cost model broke")]
+    assert failed[0].token_ids == [7, 7] and not sim.has_unfinished_requests()
+    sim.add_request("c", [1], params)                   # the engine serves on
+    outs = []
+    while sim.has_unfinished_requests():
+        outs += sim.step()
+    assert outs[-1].finished and outs[-1].token_ids == [7] * 4
+    assert outs[-1].token_times == [11.5, 12.0, 12.5, 13.0]
 
 
 def test_simulate_calls_scheduler_schedule_and_update(monkeypatch):

@@ -238,7 +238,7 @@ def test_arrivals_are_recorded_from_events_and_drawn(tmp_path):
     from minicb.measure.trace import build_engine, run_trace
 
     engine = build_engine("tiny", policy="static", max_num_seqs=2, block_size=4, num_blocks=64)
-    wl = make_workload(3, 1, engine.model.config.vocab_size, prompt_len=(2, 4), output_len=(2, 3),
+    wl = make_workload(3, 1, engine.runner.vocab_size, prompt_len=(2, 4), output_len=(2, 3),
                        arrival_gap=4)
     trace = run_trace(engine, wl)
     assert trace.arrivals == {"r0": 0, "r1": 4, "r2": 8}      # drive(): request i joins before step 4i

@@ -127,7 +127,8 @@ def test_pack_lm_head_when_it_applies(packing, monkeypatch):
     assert not pack_lm_head(LlamaForCausalLM.random(TINY, dtype=torch.float32))
 
 
-def test_llm_packs_the_head_of_a_float32_model_and_keeps_its_tokens(packing):
+def test_llm_packs_the_head_of_a_float32_model_and_keeps_its_tokens(packing, monkeypatch):
+    monkeypatch.setenv("MINICB_LINEAR", "mkl")          # the head alone (every layer: test_cpu_packed.py)
     prompts = random_prompts(10, 3, 30, TINY.vocab_size, seed=2)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = LlamaForCausalLM.random(TINY, seed=7, dtype=torch.float32, std=0.3)

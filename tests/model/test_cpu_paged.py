@@ -215,13 +215,34 @@ def _small_cache():
     return KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 8)])
-def test_bfloat16_kernel_is_the_float32_kernel_rounded(shape):
-    """The bfloat16 kernel widens to float32, computes as the float32 kernel does and rounds once at the
-    end: its output is the float32 kernel's on the widened inputs, rounded by torch (nearest-even)."""
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 8), (6, 2, 48)])
+def test_bfloat16_kernel_is_the_float32_kernel_rounded(shape, monkeypatch):
+    """The widening bfloat16 kernel widens to float32, computes as the float32 kernel does and rounds once
+    at the end: its output is the float32 kernel's on the widened inputs, rounded by torch (nearest-even)."""
+    monkeypatch.setenv("MINICB_BF16_DECODE", "widen")
     hq, hkv, d = shape
     q, kc, vc, tables, ctx = random_case(11, hq, hkv, d, 16, 90, torch.bfloat16, seed=d)
     got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
     want = cpu_paged.paged_decode(q.float(), kc.float(), vc.float(), tables, ctx, 16).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 8), (6, 2, 48)])
+def test_native_bfloat16_kernel_is_a_rounding_from_float64(shape, monkeypatch):
+    """The default bfloat16 kernel (native bfloat16 dot products where the CPU has them: the scores are
+    summed in another order) is within one bfloat16 rounding of the float64 kernel on the same values,
+    as the widening one is."""
+    monkeypatch.delenv("MINICB_BF16_DECODE", raising=False)
+    hq, hkv, d = shape
+    q, kc, vc, tables, ctx = random_case(12, hq, hkv, d, 16, 90, torch.bfloat16, seed=d + 1)
+    exact = cpu_paged.paged_decode(q.double(), kc.double(), vc.double(), tables, ctx, 16)
+    for mode in ("native", "widen"):
+        monkeypatch.setenv("MINICB_BF16_DECODE", mode)
+        got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16).double()
+        # one rounding of the output (2^-8 relative) plus float32 sums of scores and weights (far smaller)
+        assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all(), mode
+    assert cpu_paged.kernel_name(torch.bfloat16) == cpu_paged.WIDEN_BF16
+    from minicb.model.cpu_linear import cpu_flags
+
+    assert not cpu_paged.bf16_native() or "avx512_bf16" in cpu_flags()    # native only on such a CPU

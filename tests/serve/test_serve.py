@@ -292,6 +292,9 @@ def test_unknown_model_route_and_method_are_404_and_405(url):
 
 
 def test_past_max_waiting_requests_get_503_with_retry_after(gguf):
+    """Nine requests reach an idle engine at once: 4 slots are free, so 4 start at the next step and
+    --max-waiting 2 lets two more wait; the last three are refused. ``max_waiting`` counts requests
+    that actually wait: a burst is never refused while slots are free."""
     with running_server(gguf, max_waiting=2, **SMALL) as (server, url):
         gate = threading.Event()
         server.engine_thread.call(lambda engine: gate.wait(30))       # the engine thread is busy...
@@ -301,19 +304,45 @@ def test_past_max_waiting_requests_get_503_with_retry_after(gguf):
             results.append(http("POST", url + "/v1/completions",
                                 {"model": MODEL, "prompt": [5, i + 6], "max_tokens": 2, "temperature": 0}))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(9)]
         for t in threads:
             t.start()
-        wait_for(lambda: server.engine_thread.num_pending == 5, what="5 requests in the inbox")
-        gate.set()                                                     # ...and sees all five at once
+        wait_for(lambda: server.engine_thread.num_pending == 9, timeout=60, what="9 requests in the inbox")
+        gate.set()                                                     # ...and sees all nine at once
         for t in threads:
             t.join()
         ok = [r for r in results if r[0] == 200]
         busy = [r for r in results if r[0] == 503]
-        assert len(ok) == 2 and len(busy) == 3, [r[0] for r in results]
+        assert len(ok) == SMALL["max_num_seqs"] + 2 and len(busy) == 3, [r[0] for r in results]
         for s, headers, b in busy:
             assert_error(s, b, 503, "service_unavailable_error", "--max-waiting 2")
             assert int(headers["retry-after"]) >= 1 and b["error"]["code"] == "server_overloaded"
+
+
+def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
+    """Two slots busy, two free, --max-waiting 3: of 8 new requests 2 start and 3 wait; 3 refused.
+    (A pool of 800 tokens: the two long ones are still running, and nobody is preempted.)"""
+    with running_server(gguf, max_waiting=3, **(SMALL | {"num_blocks": 200})) as (server, url):
+        c = client(url)
+        busy = [c.completions.create(model=MODEL, prompt=[5, 6 + i], max_tokens=300, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True}) for i in range(2)]
+        for s in busy:
+            next(iter(s))
+        gate = threading.Event()
+        server.engine_thread.call(lambda engine: gate.wait(30))
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(http(
+            "POST", url + "/v1/completions", {"model": MODEL, "prompt": [7, i + 6], "max_tokens": 2})[0]))
+            for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.engine_thread.num_pending == 8, timeout=60, what="8 requests in the inbox")
+        gate.set()
+        for t in threads:
+            t.join()
+        for s in busy:
+            s.close()
+        assert sorted(results) == [200] * 5 + [503] * 3, results
 
 
 class FailingAttention:

@@ -158,3 +158,112 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(capsys):
     err = capsys.readouterr().err
     assert err == f"minicb: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert time.monotonic() - t0 < 5
+
+
+def _sse_ends(url: str, body: dict, out: list, go) -> None:
+    """Read one stream to its end: append (last data event, saw [DONE])."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    last, done = None, False
+    try:
+        for line in r:
+            if line.startswith(b"data: [DONE]"):
+                done = True
+            elif line.startswith(b"data: "):
+                last = json.loads(line[6:])
+                go.set()
+    except OSError:
+        pass
+    out.append((last, done))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_every_stream_with_a_final_chunk_and_exits_130(serve):
+    """Ctrl-C twice while three streams and one non-stream request run: the second aborts them all
+    at once, yet every stream still ends with a final chunk (finish_reason "abort") and [DONE], the
+    non-stream client gets OpenAI's error object (503), no traceback, exit code 130, and the process
+    is gone right after it says "stopped" (no interpreter teardown)."""
+    p = serve("--shutdown-timeout", "30")
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    ends: list = []
+    started = [threading.Event() for _ in range(3)]
+    threads = [threading.Thread(target=_sse_ends, args=(p.url, body, ends, e)) for e in started]
+    whole: list = []
+    threads.append(threading.Thread(target=lambda: whole.append(http(
+        "POST", p.url + "/v1/completions", {**body, "stream": False}, timeout=60))))
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(30)
+    p.proc.send_signal(signal.SIGINT)
+    wait_for(lambda: _refused(p.url), timeout=10, what="the drain begun")
+    p.proc.send_signal(signal.SIGINT)
+    for t in threads:
+        t.join(30)
+    rc, out, err = p.finish(timeout=30)
+    assert rc == 130, (rc, err)
+    assert "minicb serve: stopped (interrupted again" in out and "Traceback" not in err, (out, err)
+    assert len(ends) == 3 and all(done for _, done in ends), ends
+    assert all(last["choices"][0]["finish_reason"] == "abort" for last, _ in ends), ends
+    status, _, got = whole[0]
+    assert status == 503 and got["error"]["code"] == "server_shutting_down", got
+
+
+@pytest.mark.slow
+def test_an_abuse_replay_leaves_the_server_small_and_responsive(serve):
+    """The issue's probes replayed against a real process (loopback, a few seconds): 4 stop strings
+    of 30,000 characters, a 100 MB body, 2M token ids, JSON 100,000 deep, 100K messages, silent and
+    slowloris connections. Each is refused; the server's RSS (/proc/<pid>/status) grows by less than
+    64 MiB (the stop strings alone took 1.6 GB before), and it still answers exactly afterwards."""
+    import json
+
+    if not os.path.exists("/proc/self/status"):
+        unavailable("the RSS check reads /proc/<pid>/status (Linux)")
+    p = serve("--header-timeout", "1", "--body-timeout", "1")
+
+    def rss() -> int:
+        with open(f"/proc/{p.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+    first = client(p.url).completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, temperature=0)
+    before = rss()
+    probes = [
+        ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stop": ["ab" * 15_000] * 4}).encode(),
+         400),
+        ("/v1/completions", b'{"prompt": "' + b"a" * 100_000_000 + b'"}', 413),
+        ("/v1/completions", json.dumps({"prompt": [1] * 2_000_000}).encode(), 413),
+        ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 100_000})
+         .encode(), 413),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}] * 5_000})
+         .encode(), 400),
+    ]
+    for path, raw, want in probes:
+        try:
+            status, _, got = http("POST", p.url + path, raw=raw, timeout=60)
+        except OSError:                     # the server closed while a huge body was still being sent
+            status, got = 413, {"error": {"message": "(closed)"}}
+        assert status == want, (path, status, got)
+    conns = [socket.create_connection(p.url.removeprefix("http://").rsplit(":", 1)) for _ in range(20)]
+    for s in conns[10:]:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999\r\n\r\n{")
+    for s in conns:
+        s.settimeout(20)
+        try:
+            while s.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        s.close()                            # each closed by the server (a timeout here would raise)
+    grew = rss() - before
+    assert grew < 64 * 2**20, f"RSS grew by {grew / 2**20:.0f} MiB"
+    again = client(p.url).completions.create(model=MODEL, prompt=[5, 6], max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    p.proc.send_signal(signal.SIGTERM)
+    rc, out, err = p.finish(timeout=30)
+    assert rc == 0 and "Traceback" not in err, err

@@ -73,3 +73,33 @@ def test_any_chunking_gives_the_text_before_the_first_stop(stops, chunks):
     assert (text, stopped) == expected(stops, chunks)
     for s in stops:          # no prefix of the sent text ever showed a stop string
         assert s not in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=10), min_size=1, max_size=4),
+       chunks=st.lists(st.text(alphabet="ab", max_size=6), max_size=16))
+def test_self_overlapping_stops_on_a_two_letter_alphabet(stops, chunks):
+    """Stops like "aab" on "aaab" are where a matcher must fall back on its failure table."""
+    text, stopped, sent = run(stops, chunks)
+    assert (text, stopped) == expected(stops, chunks)
+
+
+def test_long_stop_strings_cost_memory_in_their_length_not_its_square():
+    """4 stop strings of 30,000 characters (a 120 KB request): the old matcher made every prefix (1.8
+    billion characters). Now the peak is a few bytes per stop character, and the held text never
+    outgrows the longest stop string."""
+    import tracemalloc
+
+    stops = tuple(("ab" * 15_000)[:-1] + c for c in "abcd")
+    tracemalloc.start()
+    try:
+        m = StopMatcher(stops)
+        for _ in range(200):
+            m.push("ab" * 50)
+            assert len(m.held) < 30_000
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not m.stopped
+    assert peak < 100 * sum(map(len, stops)), peak          # linear: 12 MB, against gigabytes before
+    assert m.push("ab" * 5_000) == "" and m.stopped      # 30,000 characters: "abab...ab" appeared at 0

@@ -20,8 +20,8 @@ What "time" is depends on the caller, through ``now`` and ``wait``:
 * ``now=engine.now, wait=engine.advance_to``: a **simulated** clock (``minicb simulate``), which jumps.
 
 The engine is anything with ``add_request(request_id, prompt, params, arrival_time=...)``, ``step()``,
-``has_unfinished_requests()``, ``close_arrivals()`` and ``last_plan``: ``LLMEngine`` and the
-simulator's ``SimulatedEngine`` both are. This module imports no torch.
+``has_unfinished_requests()``, ``close_arrivals()`` and ``last_plan``: ``LLMEngine`` is, whatever its
+runner (the simulator's ``SimulatedEngine`` is an ``LLMEngine`` too). This module imports no torch.
 """
 
 from __future__ import annotations

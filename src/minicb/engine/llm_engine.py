@@ -28,6 +28,12 @@ What can go wrong, and what happens then (the consistency contract, ``docs/error
 * an output is made all or nothing (``outputs.OutputTracker``), so whatever fails, the tokens a
   request streamed concatenate to its final ``token_ids`` and its text is their decode.
 
+The engine is handed its runner (``minicb.engine.interface.Runner``) and never builds one, so this
+module imports no torch: the same loop drives a model (``minicb.runtime.runner.engine_for(model,
+config)`` makes both), rank 0 of a tensor-parallel group, and the simulator's clock. A runner that
+breaks for good (``runner.failure``: a tensor-parallel rank died) makes that step and every later
+one raise its failure; ``shutdown()`` ends every request and closes the runner.
+
 The error contract (which argument, which range, which exception) is the table in ``docs/errors.md``.
 """
 
@@ -56,35 +62,32 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler, SchedulerStats
 from minicb.core.sequence import FinishReason, Sequence
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
+from minicb.engine.interface import Runner
 from minicb.engine.interrupts import DeferredInterrupts
 from minicb.engine.outputs import OutputTracker, RequestOutput
-from minicb.model.llama import LlamaForCausalLM
-from minicb.runtime.runner import ModelRunner
 
 __all__ = ["LLMEngine", "RequestOutput"]
 
 log = logging.getLogger("minicb.engine")
 _GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
+_SHUT_DOWN = ("this engine was shut down (its runner is closed): create a new engine (or LLM) to serve more "
+              "requests")
 
 
 class LLMEngine:
-    """Owns a scheduler and a model runner; ``step()`` runs one iteration of the loop."""
+    """Owns a scheduler and drives a runner; ``step()`` runs one iteration of the loop.
 
-    def __init__(self, model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None,
-                 seed: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 attn_backend: str = "auto", runner: ModelRunner | None = None) -> None:
-        if seed is not None:
-            seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
+    ``runner`` does the tensor half of every step (``minicb.engine.interface.Runner``); its KV pool
+    must have the shape ``config`` schedules. ``clock`` stamps arrivals, tokens and finishes."""
+
+    def __init__(self, runner: Runner, config: SchedulerConfig, tokenizer=None, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.clock = clock
-        self.runner = runner or ModelRunner(model, num_blocks=config.num_blocks,
-                                            block_size=config.block_size,
-                                            num_host_blocks=config.num_host_blocks,
-                                            attn_backend=attn_backend, seed=seed)
+        self.runner = runner
         self.scheduler = Scheduler(config)
-        cfg = model.config
-        self.eos_token_id = cfg.eos_token_id if tokenizer is None else tokenizer.eos_token_id
+        self.eos_token_id = runner.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.last_plan: StepPlan | None = None
         self._live: dict[str, OutputTracker] = {}
         self._ids = itertools.count()
@@ -95,12 +98,9 @@ class LLMEngine:
         self._deferred_aborts: deque[str] = deque()
         self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
         self.dead: str | None = None              # why the engine died (EngineDeadError), or None
+        self._closed = False                      # shutdown() was called
 
     # --- what the outside may read --------------------------------------------------------------
-    @property
-    def model(self) -> LlamaForCausalLM:
-        return self.runner.model
-
     @property
     def stats(self) -> SchedulerStats:
         """Running totals of the scheduler (steps, preemptions, tokens); a live object, read it."""
@@ -129,7 +129,7 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
         """Validate a prompt (text or token ids) and return its token ids."""
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
@@ -181,11 +181,12 @@ class LLMEngine:
             raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
         with self._lock, self._bookkeeping():
             self._check_alive()
+            self._check_open()
             self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
-        self.runner.sampler.register(seq.request_id, seq.params)
+        self.runner.register(seq.request_id, seq.params)
         tok = self.tokenizer
         dec = tok.incremental_decoder() if tok is not None else None
         self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
@@ -243,6 +244,10 @@ class LLMEngine:
         raises ``EngineDeadError``."""
         self._not_inside_a_step("step() / run() / generate()")
         with self._lock:
+            if self._closed and self._ready:        # the final outputs of requests ended by shutdown()
+                outs, self._ready = self._ready, []
+                return outs
+            self._check_usable()
             self._step_thread = threading.get_ident()
             try:
                 with DeferredInterrupts() as ctrl_c:
@@ -263,6 +268,8 @@ class LLMEngine:
                     self._pending = []
             finally:
                 self._step_thread = None
+            if self.runner.failure is not None:       # the runner broke in this step: say so now (the
+                raise self.runner.failure.with_traceback(None)     # outputs stay; nobody is dropped)
             outs, self._ready = self._ready, []       # a Ctrl-C at the boundary keeps them for later
             return outs
 
@@ -307,6 +314,30 @@ class LLMEngine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument(_SHUT_DOWN)
+
+    def _check_usable(self) -> None:
+        """Refuse to step a shut-down engine or one whose runner broke for good (``runner.failure``)."""
+        if self._closed:
+            raise InvalidArgument(_SHUT_DOWN)
+        failure = self.runner.failure
+        if failure is not None:
+            raise failure.with_traceback(None)
+
+    def shutdown(self) -> None:
+        """End every unfinished request (``finish_reason == "abort"``) and close the runner (a
+        tensor-parallel group's other ranks stop). The next ``step()`` hands out those final outputs;
+        after that every ``step()`` / ``add_request()`` raises ``InvalidArgument``. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for rid in list(self._live):
+                out = self.abort_request(rid)
+                if out is not None:
+                    self._ready.append(out)
+        self.runner.close()
+
     @contextmanager
     def _bookkeeping(self):
         """Changes to the engine's state outside ``step``: Ctrl-C deferred; an exception other than a
@@ -342,8 +373,9 @@ class LLMEngine:
         self._deferred_aborts.clear()
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """The tensor half of a step: the runner's ``run`` (tensor-parallel rank 0 shares the plan first).
-        A row whose request was aborted since planning is computed but samples with default params."""
+        """The tensor half of a step: the runner's ``run`` (whatever the runner is: a model, rank 0 of a
+        tensor-parallel group, a simulated clock). A row whose request was aborted since planning is
+        computed but samples with default params."""
         params = {}
         for s in plan.seqs:
             if s.sample:
@@ -406,7 +438,7 @@ class LLMEngine:
         if deliver:
             tracker.handed_out = True
             self._pending.append(out)
-        self.runner.sampler.release(rid)
+        self.runner.release(rid)
         del self._live[rid]
         return out
 

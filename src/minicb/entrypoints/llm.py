@@ -7,10 +7,11 @@
     outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
 
 ``LLM`` loads the model (GGUF file, Hugging Face directory, or an already built model), builds the scheduler
-configuration, and makes one engine: ``LLMEngine`` in this process, or rank 0's engine of a tensor-parallel
-group (``minicb.distributed.tensor_parallel``). ``generate`` validates every prompt before any work, queues
-them, and runs the engine until *its* requests have finished; requests that a caller added to ``llm.engine``
-for streaming are left to that caller's ``step()``.
+configuration, and makes one engine: ``LLMEngine`` over a ``ModelRunner`` in this process
+(``minicb.runtime.runner.engine_for``), or over rank 0's ``TPRunner`` of a tensor-parallel group
+(``minicb.distributed``). ``generate`` validates every prompt before any work, queues them, and runs the
+engine until *its* requests have finished; requests that a caller added to ``llm.engine`` for streaming are
+left to that caller's ``step()``.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.outputs import RequestOutput
-from minicb.model import cpu_fused
+from minicb.model import cpu_fused, cpu_linear
 from minicb.model.backends import check_device
-from minicb.model.cpu_linear import compute_linears_in_float32, needs_float32_compute, pack_lm_head
 from minicb.model.llama import LlamaForCausalLM, as_dtype
+from minicb.runtime.runner import engine_for
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -53,7 +53,7 @@ class LLM:
     not given get fast defaults (``FAST_DEFAULTS``) and a KV pool sized from memory, or from
     ``kv_cache_memory_bytes`` (``minicb.core.kv_budget``).
 
-    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed.tensor_parallel``:
+    ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``:
     this process is rank 0, the others are started here, or it joins a ``torchrun`` job); call ``shutdown()``
     (or use ``with LLM(...) as llm:``) to stop them.
     """
@@ -80,18 +80,18 @@ class LLM:
                 cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
-            from minicb.distributed.tensor_parallel import launch
+            from minicb.distributed.launch import launch
 
             self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
                                  clock=clock, attn_backend=attn_backend, device=device)
         else:
-            self.engine = LLMEngine(model, sched, tokenizer, seed=seed, clock=clock,
-                                    attn_backend=attn_backend)
+            self.engine = engine_for(model, sched, tokenizer, seed=seed, clock=clock,
+                                     attn_backend=attn_backend)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent)."""
-        if hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        """End the engine (``LLMEngine.shutdown``): unfinished requests are aborted and the runner is
+        closed, which stops the tensor-parallel ranks, if any. Idempotent."""
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -138,30 +138,34 @@ class LLM:
 
 
 def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
-    """What ``LLM`` does to a model it loads itself, on the CPU: bfloat16 linears computed in float32
-    where the CPU has no bfloat16 matmul and the LM head packed once for oneDNN (``cpu_linear``), and
-    the fused norms and rotary embedding in float32 and bfloat16 (``cpu_fused``; one logged line when
-    they cannot be built). The names of what was applied. Benchmarks that build their model by hand
-    call it to run what ``LLM()`` runs."""
+    """What ``LLM`` does to a model it loads itself, on the CPU: the fused norms and rotary embedding in
+    float32 and bfloat16 (``cpu_fused``; one logged line when they cannot be built), then every linear
+    layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (one logged line saying which and
+    why; ``MINICB_LINEAR`` pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32
+    ``F.linear`` with the LM head alone packed. The names of what was applied. Benchmarks that build
+    their model by hand call it to run what ``LLM()`` runs."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
-    if needs_float32_compute(model.dtype, device):
-        compute_linears_in_float32(model)              # bfloat16 matmuls at float32 speed
-        applied.append("float32-linears")
-    if pack_lm_head(model):                            # the LM head's weight reordered once for oneDNN
-        applied.append("packed-lm-head")
     if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
         reason = cpu_fused.unavailable_reason()
         if reason is None:
-            cpu_fused.fuse_elementwise(model)
+            cpu_fused.fuse_elementwise(model)          # before packing: it knows the modules by class
             applied.append("fused-ops")
         elif reason not in _FUSED_FALLBACK_LOGGED:
             _FUSED_FALLBACK_LOGGED.add(reason)
             _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
-    return applied
+    qkv = model.config.hidden_size, (model.config.num_attention_heads
+                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
+    path, why = cpu_linear.choose_path(model.dtype, *qkv)
+    linears = cpu_linear.apply_path(model, path)
+    if (model.dtype, path, why) not in _PATH_LOGGED and model.dtype in cpu_fused.DTYPES:
+        _PATH_LOGGED.add((model.dtype, path, why))
+        _log.info("minicb: %s linear layers on %s: %s", str(model.dtype).removeprefix("torch."), path, why)
+    return linears + applied
 
 
+_PATH_LOGGED: set[tuple] = set()
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
 

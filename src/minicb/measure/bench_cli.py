@@ -157,10 +157,10 @@ def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, l
     from minicb.core.config import SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
-    from minicb.engine.llm_engine import LLMEngine
+    from minicb.runtime.runner import engine_for
 
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
-    engine = LLMEngine(model, cfg, None, seed=0, clock=clock)
+    engine = engine_for(model, cfg, None, seed=0, clock=clock)
     shapes: list = []
     engine.listen(on_plan=lambda ev: shapes.append(plan_shape(ev.plan)) if (ev.plan.seqs or ev.plan.padding)
                   else None)

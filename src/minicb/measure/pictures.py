@@ -71,13 +71,13 @@ def mixed_step():
     from minicb.core.config import TINY_MODEL, SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.model.llama import LlamaForCausalLM
+    from minicb.runtime.runner import engine_for
 
     model = LlamaForCausalLM.random(TINY_MODEL, seed=0, dtype=torch.float32, std=0.3)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, long_prefill_chunk=4,
                              block_size=4, num_blocks=16, enable_prefix_caching=False)
-    engine = LLMEngine(model, config, seed=0, clock=lambda: 0.0)
+    engine = engine_for(model, config, seed=0, clock=lambda: 0.0)
     found = []
 
     def on_plan(event) -> None:
@@ -193,7 +193,7 @@ def policies_data() -> dict:
     for policy in ("static", "dynamic", "continuous"):
         engine = build_engine("tiny", policy=policy, **POLICY_CONFIG)
         w = POLICY_WORKLOAD
-        wl = make_workload(w["num_requests"], w["seed"], engine.model.config.vocab_size, w["prompt_len"],
+        wl = make_workload(w["num_requests"], w["seed"], engine.runner.vocab_size, w["prompt_len"],
                            w["output_len"], w["arrival_gap"])
         out["traces"][policy] = trace_to_json(run_trace(engine, wl))
     return out

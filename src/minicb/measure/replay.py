@@ -112,11 +112,11 @@ def demo() -> dict:
     from minicb.core.config import TINY_MODEL, SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
-    from minicb.engine.llm_engine import LLMEngine
     from minicb.model.llama import LlamaForCausalLM
+    from minicb.runtime.runner import engine_for
 
     model = LlamaForCausalLM.random(TINY_MODEL, seed=0, dtype=torch.float32, std=0.3)
-    engine = LLMEngine(model, SchedulerConfig(**DEMO_CONFIG), seed=0, clock=lambda: 0.0)
+    engine = engine_for(model, SchedulerConfig(**DEMO_CONFIG), seed=0, clock=lambda: 0.0)
     rec = ReplayRecorder().attach(engine)
     drive(engine, [Arrival(t, f"r{i}", [10 + (i * 7 + j) % 200 for j in range(p)],
                            SamplingParams(max_tokens=o, ignore_eos=True))

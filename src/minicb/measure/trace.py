@@ -523,16 +523,13 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
 def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
-    from minicb.core.config import TINY_MODEL, SchedulerConfig
-    from minicb.engine.llm_engine import LLMEngine
-    from minicb.entrypoints.llm import LLM
-    from minicb.model.llama import LlamaForCausalLM, as_dtype
+    from minicb.core.config import SchedulerConfig
+    from minicb.measure.bench_cli import build_model
+    from minicb.runtime.runner import engine_for
 
-    if model == "tiny":
-        m = LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3)
-        config.setdefault("max_model_len", 4096)
-        return LLMEngine(m, SchedulerConfig(**config), seed=seed)
-    return LLM(None if model == "default" else model, dtype=dtype, seed=seed, **config).engine
+    m, _ = build_model(model, dtype, seed)
+    config.setdefault("max_model_len", min(4096, m.config.max_position_embeddings))
+    return engine_for(m, SchedulerConfig(**config), seed=seed)
 
 
 def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
@@ -597,7 +594,7 @@ def cmd_trace(args) -> int:
                           long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
                           num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
                           preemption_mode=args.preemption_mode)
-    workload = make_workload(args.num_requests, args.seed, engine.model.config.vocab_size, **wl_kwargs)
+    workload = make_workload(args.num_requests, args.seed, engine.runner.vocab_size, **wl_kwargs)
     trace = run_trace(engine, workload)
     colour = {"auto": None, "always": True, "never": False}[args.color]
     print(render_ascii(trace, width=args.width, colour=colour))

@@ -21,29 +21,54 @@ weights' trip from memory at float32 size; the model's dtype, its activations, i
 other operation stay bfloat16. ``LLM`` applies it to models it loads itself when
 ``needs_float32_compute(dtype, device)`` says so; a model built by hand is left as it is.
 
-**The LM head, packed once.** ``F.linear`` goes to MKL's sgemm, which copies the weight into its own
-blocked panels on every call. For the seven matrices of a layer that copy is small beside the
-arithmetic; for the LM head (SmolLM2: ``[49152, 576]``, 113 MB in float32) it is not, because a decode
-step asks it for few rows (one per running sequence) and the copy of 113 MB is most of the call: at 36
-rows it ran at about 50 GFLOP/s here, where one core's float32 matmuls reach about 95. vLLM's CPU
-build reorders every weight once at load for oneDNN (``onednn_mm``); ``PackedLinear`` does that for the
-LM head alone, through the same torch ops inductor uses when it freezes a CPU model::
+**Every linear layer, packed once for oneDNN.** ``F.linear`` goes to MKL's sgemm, which copies the
+weight into its own blocked panels on every call, and which takes slow paths on CPUs that are not
+Intel's. vLLM's CPU build reorders every weight once at load for oneDNN
+(``dispatch_cpu_unquantized_gemm``, ``onednn_mm``); ``PackedLinear`` does the same, through the torch
+ops inductor uses when it freezes a CPU model::
 
     load:   packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)       # once: oneDNN's layout
     step:   y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-The same products, summed in float32 in oneDNN's order instead of MKL's (results agree to float32
-rounding, not bit for bit). On the machine of ``bench/RESULTS.md`` the head is 1.2-1.9x faster at the
-8 to 64 rows of decode steps, about as fast at 1 row and at 512 (``python bench/step_parts.py
---lm-head``); for the layers' matrices oneDNN's packed path was slower than MKL above a handful of
-rows, so they stay on ``F.linear``. The price is memory: the packed copy beside the weight the
-embedding still reads (tied weights). float64 has no oneDNN GEMM and keeps ``F.linear``;
-``MINICB_PACKED_LM_HEAD=0`` keeps it for every dtype.
+``pack_linears`` packs the whole model: the q, k and v projections as ONE matrix (their weights
+stacked, one GEMM, its output split), the MLP's gate and up projections as one, o_proj, down_proj and
+the LM head each as one. The original parameters stay where they were, so ``state_dict`` and the tied
+embedding are unchanged; the packed copies are non-persistent buffers beside them (the price: the
+weights twice in memory, though a step reads only the packed copy).
+
+**Which GEMM: the paths.** ``choose_path`` picks one per model dtype at load, ``LLM`` logs one line
+saying which and why, and ``MINICB_LINEAR`` pins it, so every path runs (and is tested) on any CPU:
+correctness everywhere, speed where the hardware has it.
+
+- ``torch``: ``F.linear`` on the weights as they are, the reference (what the tutorials read).
+- ``mkl``: MKL's float32 ``F.linear`` for the layers (a bfloat16 layer through ``Float32ComputeLinear``)
+  and the LM head alone packed in float32: what minicb did before, and the fallback.
+- ``onednn-f32``: every layer packed, float32 products (a bfloat16 model widens the input and rounds
+  the output back).
+- ``onednn-bf16``: every layer packed in bfloat16, on the CPU's bfloat16 dot-product instructions
+  (AVX-512 BF16, AMX) where it has them (oneDNN emulates them elsewhere, slowly); a float32 model keeps
+  float32 products (``onednn-f32``).
+
+``auto`` (the default): a bfloat16 model on a CPU whose oneDNN multiplies bfloat16 natively
+(``fast_bf16_matmul``) gets ``onednn-bf16``; otherwise a micro-check (``onednn_speedup``) times one
+layer-shaped float32 product (16 rows, the model's q/k/v shape) through MKL and packed oneDNN,
+alternately, and keeps oneDNN only if it is at least ``ONEDNN_MARGIN`` faster. On the AMD EPYC of
+``bench/RESULTS.md`` (avx512_bf16) packed oneDNN was 1.5-3x MKL in float32 (W2: 1.5-1.6x per CPU
+second) and packed bfloat16 1.1-1.2x torch's own unpacked bfloat16 on W2; on the AVX2-only machine of
+its earlier sections MKL's float32 was faster than packed oneDNN for the layers' matrices above a
+handful of rows. float64 has no oneDNN GEMM and keeps ``F.linear``; ``MINICB_PACKED_LM_HEAD=0`` (the
+older switch) means no packing at all.
+
+Numerics: every path sums bfloat16 or float32 products in float32, each library in its own order, so
+the paths agree to float32 rounding (float32 models) or to one bfloat16 rounding of each output
+(bfloat16 models), not bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -102,34 +127,132 @@ def can_pack() -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` (no bias) computed by oneDNN from a float32 weight it reordered once (module
-    docstring). ``weight`` stays the original parameter (tied embeddings and ``state_dict`` unchanged);
-    ``weight_packed`` is oneDNN's copy, in float32 also for a bfloat16 layer, whose input is widened and
-    output rounded back as ``Float32ComputeLinear`` does."""
+def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight [out, in]`` in ``dtype``, reordered once into oneDNN's blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 64)
 
-    def __init__(self, linear: nn.Module) -> None:
+
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, dtype: torch.dtype):
+    """``x @ W.T`` with oneDNN's packed ``W``, computed in ``dtype``, returned in ``x``'s dtype."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if flat.dtype != dtype:                    # each skipped no-op is a dispatch saved, 200 calls a step
+        flat = flat.to(dtype)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], out_features)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _compute_dtype(weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a packed product runs in: bfloat16 only for a bfloat16 weight that asks for it."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("oneDNN packing takes float32 or bfloat16 CPU layers, got "
+                         f"{weight.dtype} on {weight.device.type}")
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"a packed product is computed in float32 or bfloat16, not {compute_dtype}")
+    return torch.bfloat16 if weight.dtype == compute_dtype == torch.bfloat16 else torch.float32
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` (no bias) computed by oneDNN from a weight it reordered once (module docstring).
+
+    ``weight`` stays the original parameter (tied embeddings and ``state_dict`` unchanged);
+    ``weight_packed`` is oneDNN's copy in ``compute_dtype``: float32 (a bfloat16 layer's input is widened
+    and its output rounded back, as ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on
+    the CPU's bfloat16 instructions (a float32 layer always keeps float32 products)."""
+
+    def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("PackedLinear takes linear layers without bias (LLaMA has none)")
-        if linear.weight.device.type != "cpu" or linear.weight.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("PackedLinear takes float32 or bfloat16 CPU layers, got "
-                             f"{linear.weight.dtype} on {linear.weight.device.type}")
+        self.compute_dtype = _compute_dtype(linear.weight, compute_dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
-        w32 = getattr(linear, "weight_f32", None)           # a Float32ComputeLinear's copy, if any
-        w32 = (linear.weight.detach().float() if w32 is None else w32).contiguous()
-        self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(w32, 64),
-                             persistent=False)
+        w = getattr(linear, "weight_f32", None)          # a Float32ComputeLinear's copy, if any
+        w = linear.weight if w is None or self.compute_dtype != torch.float32 else w
+        self.register_buffer("weight_packed", _pack(w, self.compute_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight_packed, None, "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
+
+
+class PackedProjections(nn.Module):
+    """Linear layers that read the same input (q, k, v; gate, up) as ONE packed product: their weights
+    stacked ``[sum(sizes), in]``, so one GEMM streams the input once. ``forward`` returns the stacked
+    output ``[..., sum(sizes)]``; ``sizes`` says where to split it. It holds no parameter (the layers keep
+    theirs), so a model's ``state_dict`` does not change."""
+
+    def __init__(self, linears: list[nn.Module], compute_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if any(getattr(lin, "bias", None) is not None for lin in linears):
+            raise ValueError("PackedProjections takes linear layers without bias (LLaMA has none)")
+        if len({lin.in_features for lin in linears}) != 1:
+            raise ValueError("PackedProjections stacks layers of one input size")
+        self.compute_dtype = _compute_dtype(linears[0].weight, compute_dtype)
+        self.in_features = linears[0].in_features
+        self.sizes = [lin.out_features for lin in linears]
+        stacked = torch.cat([lin.weight.detach().to(self.compute_dtype) for lin in linears])
+        self.register_buffer("weight_packed", _pack(stacked, self.compute_dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _packed_matmul(x, self.weight_packed, sum(self.sizes), self.compute_dtype)
+
+
+class PackedQKV:
+    """Mixed into a ``LlamaAttention`` (or ``FusedAttention``): q, k and v from one packed product."""
+
+    def project(self, x):
+        q, k, v = self.qkv_packed(x).split(self.qkv_packed.sizes, dim=-1)
+        return q.contiguous(), k.contiguous(), v.contiguous()     # the rotary kernel wants rows whole
+
+
+class PackedGateUp:
+    """Mixed into a ``LlamaMLP`` (or ``FusedMLP``): gate and up from one packed product, SiLU and the
+    product in place on the gate's half (what ``FusedMLP`` computes)."""
+
+    def forward(self, x):
+        g, u = self.gate_up_packed(x).split(self.gate_up_packed.sizes, dim=-1)
+        return self.down_proj(F.silu(g).mul_(u))
+
+
+@functools.cache
+def _packed_class(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s methods first: the module keeps its other behaviour (fused rotary, ...)."""
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+
+
+def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> int:
+    """Pack every linear layer of a float32 or bfloat16 LLaMA for oneDNN, in place: q/k/v as one
+    product, gate/up as one, o_proj, down_proj and the LM head each as one (module docstring). Returns
+    how many products were packed (0 the second time: idempotent). Call it after
+    ``cpu_fused.fuse_elementwise``, which recognises the modules by their class."""
+    from minicb.model.llama import LlamaAttention, LlamaMLP
+
+    if not can_pack():
+        raise RuntimeError("this torch has no oneDNN packed linear ops (torch.ops.mkldnn)")
+    count = 0
+    for m in list(model.modules()):
+        if isinstance(m, LlamaAttention) and not isinstance(m, PackedQKV):
+            m.qkv_packed = PackedProjections([m.q_proj, m.k_proj, m.v_proj], compute_dtype)
+            m.o_proj = PackedLinear(m.o_proj, compute_dtype)
+            m.__class__ = _packed_class(PackedQKV, type(m))
+            count += 2
+        elif isinstance(m, LlamaMLP) and not isinstance(m, PackedGateUp):
+            m.gate_up_packed = PackedProjections([m.gate_proj, m.up_proj], compute_dtype)
+            m.down_proj = PackedLinear(m.down_proj, compute_dtype)
+            m.__class__ = _packed_class(PackedGateUp, type(m))
+            count += 2
+    head = getattr(model, "lm_head", None)
+    if head is not None and not isinstance(head, PackedLinear):
+        model.lm_head = PackedLinear(head, compute_dtype)
+        count += 1
+    return count
 
 
 def packed_lm_head_enabled() -> bool:
-    """False when ``MINICB_PACKED_LM_HEAD=0`` asks for ``F.linear``."""
+    """False when ``MINICB_PACKED_LM_HEAD=0`` asks for ``F.linear`` (no packing at all)."""
     return os.environ.get("MINICB_PACKED_LM_HEAD", "1") != "0"
 
 
@@ -145,3 +268,91 @@ def pack_lm_head(model: nn.Module) -> bool:
         return False
     model.lm_head = PackedLinear(head)
     return True
+
+
+# --- choosing the path at load -----------------------------------------------------------------------
+
+PATHS = ("torch", "mkl", "onednn-f32", "onednn-bf16")
+ONEDNN_MARGIN = 1.1        # the micro-check keeps MKL unless packed oneDNN is at least this much faster
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's matrix-relevant feature flags (``/proc/cpuinfo``): what a speed figure must name."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [w for w in wanted if w in flags]
+
+
+@functools.cache
+def onednn_speedup(in_features: int, out_features: int, rows: int = 16, rounds: int = 15) -> float:
+    """The micro-check: MKL ``F.linear`` time over packed oneDNN time for one float32 ``[rows, in] x
+    [in, out]`` product, the median of ``rounds`` alternating pairs (a loaded machine slows both)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(out_features, in_features, generator=g), torch.randn(rows, in_features, generator=g)
+    packed = _pack(w, torch.float32)
+    paths = (lambda: F.linear(x, w), lambda: _packed_matmul(x, packed, out_features, torch.float32))
+    for run in paths:
+        run()
+    ratios = []
+    for _ in range(rounds):
+        t = []
+        for run in paths:
+            t0 = time.perf_counter()
+            for _ in range(3):
+                run()
+            t.append(time.perf_counter() - t0)
+        ratios.append(t[0] / t[1])
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 960) -> tuple[str, str]:
+    """``(path, why)`` for a model of ``dtype`` whose q/k/v product is ``[in, out]`` (module docstring)."""
+    env = os.environ.get("MINICB_LINEAR", "auto")
+    if env not in (*PATHS, "auto"):
+        raise ValueError(f"MINICB_LINEAR must be one of auto, {', '.join(PATHS)}; got {env!r}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "torch", f"{dtype} has no oneDNN GEMM"
+    if env != "auto":
+        return env, f"MINICB_LINEAR={env}"
+    if not packed_lm_head_enabled():
+        return "mkl", "MINICB_PACKED_LM_HEAD=0 (no packing)"
+    if not can_pack():
+        return "mkl", "this torch has no oneDNN packed linear ops"
+    flags = " ".join(cpu_flags()) or "none"
+    if dtype == torch.bfloat16 and fast_bf16_matmul():
+        return "onednn-bf16", f"oneDNN multiplies bfloat16 natively on this CPU (flags: {flags})"
+    ratio = onednn_speedup(in_features, out_features)
+    shape = f"16x{in_features}x{out_features} float32 product (flags: {flags})"
+    if ratio >= ONEDNN_MARGIN:
+        return "onednn-f32", f"packed oneDNN {ratio:.2f}x MKL on a {shape}"
+    return "mkl", f"packed oneDNN only {ratio:.2f}x MKL on a {shape}"
+
+
+def apply_path(model: nn.Module, path: str) -> list[str]:
+    """Put ``model``'s linear layers on ``path``, in place; the names of what was applied."""
+    if path not in PATHS:
+        raise ValueError(f"unknown linear path {path!r}; one of {', '.join(PATHS)}")
+    dtype = next(model.parameters()).dtype
+    if path == "torch" or dtype not in (torch.float32, torch.bfloat16):
+        return []
+    if path == "mkl":
+        applied = ["float32-linears"] if dtype == torch.bfloat16 and compute_linears_in_float32(model) else []
+        return applied + (["packed-lm-head"] if pack_lm_head(model) else [])
+    compute = torch.bfloat16 if path == "onednn-bf16" and dtype == torch.bfloat16 else torch.float32
+    pack_linears(model, compute)
+    return ["packed-linears-bf16" if compute == torch.bfloat16 else "packed-linears-f32"]
+
+
+def linear_path(model: nn.Module) -> str:
+    """Which path ``model``'s linear layers are on now (what ``apply_path`` left)."""
+    head = getattr(model, "lm_head", None)
+    mlps = [m for m in model.modules() if isinstance(m, PackedGateUp)]
+    if mlps:
+        return "onednn-bf16" if mlps[0].gate_up_packed.compute_dtype == torch.bfloat16 else "onednn-f32"
+    if isinstance(head, PackedLinear) or any(isinstance(m, Float32ComputeLinear) for m in model.modules()):
+        return "mkl"
+    return "torch"

@@ -65,6 +65,10 @@ class KVCache:
         self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.data = lazy_zeros(shape, dtype, device)
+        # each layer's K and V as flat [slots, kv_heads, head_dim] views, made once: a step asks for
+        # them twice per layer (write, then attend), and making them is five small torch ops each time
+        self._layers = [(self.data[i, 0].flatten(0, 1), self.data[i, 1].flatten(0, 1))
+                        for i in range(num_layers)]
         host_shape = (num_layers, 2, num_host_blocks, block_size, kv_heads, head_dim)
         self.host = torch.zeros(host_shape, dtype=dtype, device="cpu")
 
@@ -73,9 +77,8 @@ class KVCache:
         return self.data.shape[0]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as flat ``[slots, kv_heads, head_dim]`` views."""
-        kv = self.data[layer]
-        return kv[0].flatten(0, 1), kv[1].flatten(0, 1)
+        """K and V of one layer as flat ``[slots, kv_heads, head_dim]`` views (of ``data``)."""
+        return self._layers[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               valid: torch.Tensor | None = None) -> None:

@@ -90,11 +90,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, backend: AttentionBackend, state) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
-        q, k = self.rotate(self.q_proj(x).view(n, self.num_heads, d),
-                           self.k_proj(x).view(n, self.num_kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, d)
-        out = backend.attend(layer, q, k, v, state)
+        q, k, v = self.project(x)
+        q, k = self.rotate(q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d), cos, sin)
+        out = backend.attend(layer, q, k, v.view(n, self.num_kv_heads, d), state)
         return self.o_proj(out.reshape(n, self.num_heads * d))
+
+    def project(self, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of ``x``: three matmuls (``cpu_linear`` makes them one, packed for oneDNN)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by their tokens' positions (``cpu_fused`` does it in place, in C)."""

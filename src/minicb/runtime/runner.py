@@ -14,21 +14,35 @@ The runner owns the model, the paged KV cache, the attention backend and the sam
 generators. It knows nothing about slots, queues or policies: it gets a frozen plan and returns the
 sampled tokens, so the scheduler's state never depends on it.
 
-**One runner, every rank.** With tensor parallelism (``minicb.distributed.tensor_parallel``) every rank holds
-a runner over its own shard and calls this same ``run`` with the same plan; rank 0 (the engine) passes the
+**One runner, every rank.** With tensor parallelism (``minicb.distributed``) every rank holds
+a runner over its own shard and calls this same ``run`` with the same plan; rank 0 (its ``TPRunner``, a
+``ModelRunner`` that sends the plan first) passes the
 requests' sampling parameters and gets tokens back, the other ranks pass none: they skip the LM head and
 sampling, but swap, pack and run every layer (and so every all-reduce) exactly as rank 0 does. Nothing else in
 minicb calls the model during serving.
+
+**A runner for the engine.** ``ModelRunner`` is one implementation of the engine's ``Runner`` interface
+(``minicb.engine.interface``): ``run``, per-request ``register`` / ``release`` (the sampler's generators),
+``vocab_size``, ``eos_token_id``, ``failure``, ``close``. The engine is handed a runner and never builds one,
+so it imports no torch. ``engine_for(model, config)`` is the one call that makes both: a runner whose KV pool
+has the shape ``config`` schedules (``num_blocks`` x ``block_size``, ``num_host_blocks``), and the engine
+that drives it::
+
+    engine = engine_for(model, SchedulerConfig(max_num_seqs=8), tokenizer)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 
+from minicb.core.config import SchedulerConfig
+from minicb.core.errors import check_int
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.llm_engine import LLMEngine
 from minicb.model.backends import make_backend
 from minicb.model.kv_cache import KVCache
 from minicb.model.llama import LlamaForCausalLM
@@ -42,6 +56,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, attn_backend: str = "auto", seed: int | None = None,
                  pad_token_id: int = 0) -> None:
+        if seed is not None:
+            seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
         cfg = model.config
         self.model = model
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
@@ -51,9 +67,35 @@ class ModelRunner:
         self.pad_token_id = pad_token_id
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)
 
+    @classmethod
+    def for_config(cls, model: LlamaForCausalLM, config: SchedulerConfig, **kwargs) -> ModelRunner:
+        """A runner whose KV pool is the one ``config`` schedules (blocks, block size, host blocks)."""
+        return cls(model, num_blocks=config.num_blocks, block_size=config.block_size,
+                   num_host_blocks=config.num_host_blocks, **kwargs)
+
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    # --- the engine's Runner interface (minicb.engine.interface) --------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model.config.eos_token_id
+
+    failure: BaseException | None = None      # one process: a failed step never breaks the runner
+
+    def register(self, request_id: str, params: SamplingParams) -> None:
+        self.sampler.register(request_id, params)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    def close(self) -> None:
+        """Nothing to release: the model and the KV cache go with the runner."""
 
     def run(self, plan: StepPlan, params: Mapping[str, SamplingParams] | None = None) -> dict[str, int]:
         """Swap, pack, forward, sample. ``params`` maps each request of the plan to its sampling
@@ -70,3 +112,12 @@ class ModelRunner:
         ids = batch.sample_request_ids
         tokens = self.sampler.sample(logits, ids, [params[r] for r in ids])
         return dict(zip(ids, tokens))
+
+
+def engine_for(model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None, *, seed: int | None = None,
+               clock: Callable[[], float] = time.perf_counter, attn_backend: str = "auto") -> LLMEngine:
+    """An ``LLMEngine`` that runs ``model``: a ``ModelRunner`` with ``config``'s KV pool, driven by the
+    engine's one step loop. ``seed`` seeds the sampler of requests without their own seed;
+    ``attn_backend`` picks the attention implementation (``minicb.model.backends``)."""
+    runner = ModelRunner.for_config(model, config, attn_backend=attn_backend, seed=seed)
+    return LLMEngine(runner, config, tokenizer, clock=clock)

@@ -99,6 +99,8 @@ class Sampler:
                params: list[SamplingParams]) -> list[int]:
         """One token per row; row ``i`` belongs to ``request_ids[i]``."""
         if all(p.greedy for p in params):
-            return torch.argmax(logits, dim=-1).tolist()
+            # widening bfloat16 is exact (the same argmax) and torch's float argmax is ~3x faster on the CPU
+            wide = logits.float() if logits.dtype == torch.bfloat16 else logits
+            return torch.argmax(wide, dim=-1).tolist()
         return [sample_token(logits[i], p, self._generators.get(rid))
                 for i, (rid, p) in enumerate(zip(request_ids, params))]

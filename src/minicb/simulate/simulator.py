@@ -1,15 +1,17 @@
-"""A cost-model simulator: the real ``Scheduler``, a clock, and a step time computed from the plan.
+"""A cost-model simulator: the real engine, a clock, and a step time computed from the plan.
 
-Nothing here runs a model. The very same ``Scheduler`` class the engine uses plans every step; a
-``CostModel`` says how long the plan would take on a given machine; the clock jumps by that much; the
-scheduler records the (dummy) sampled tokens at the new time. So every policy decision (admission,
-chunking, preemption, padding) is minicb's own, at any scale::
+Nothing here runs a model. The simulator is the engine's own ``LLMEngine`` (its scheduler, its step
+loop, its aborts, outputs and failure handling) driving a ``SimRunner`` instead of a model: a
+``CostModel`` says how long the plan would take on a given machine, the simulated clock jumps by that
+much, and every sampled row gets a dummy token, recorded at the new time. So every policy decision
+(admission, chunking, preemption, padding) is minicb's own, at any scale::
 
-    while requests remain:
+    while requests remain:                                   # minicb.engine.arrivals.drive
         add the requests whose (simulated) arrival time has passed
-        plan = scheduler.schedule(now)                       # the engine's scheduler, unchanged
-        now += cost.step_time(plan)                          # FLOPs and bytes -> seconds
-        scheduler.update(plan, {rid: token for sampled rows}, now)
+        engine.step():
+            plan = scheduler.schedule(now)                   # the engine's loop, unchanged
+            SimRunner.run(plan): now += cost.step_time(plan) # FLOPs and bytes -> seconds
+            scheduler.update(plan, {rid: token for sampled rows}, now)
 
 The cost of one step (``CostModel.breakdown``), per device of a ``tp``-way tensor-parallel group, for
 ``M`` computed tokens (real + padding) and ``S`` sampled rows::
@@ -46,6 +48,7 @@ import bisect
 import csv
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -54,10 +57,8 @@ from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
-from minicb.core.scheduler import Scheduler
-from minicb.core.sequence import Sequence as Seq
 from minicb.engine.arrivals import Arrival, NoProgress, drive
-from minicb.engine.events import Listeners
+from minicb.engine.llm_engine import LLMEngine
 from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
 from minicb.measure.workloads import Request, data_path
 
@@ -468,74 +469,62 @@ class SimResult:
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per cost component, summed
 
 
-@dataclass(slots=True, frozen=True)
-class SimOutput:
-    """What ``SimulatedEngine.step`` returns for a request that finished (``drive`` reads ``finished``)."""
+class SimRunner:
+    """The engine's runner with a clock instead of a model (``minicb.engine.interface.Runner``).
 
-    request_id: str
-    sequence: Seq
-    finished: bool = True
+    ``run(plan)`` advances the simulated clock ``now`` by ``step_time(plan)`` and gives every row
+    that samples the dummy token ``token``. The engine reads the same clock (``clock``), so arrivals,
+    token times and finishes are stamped in simulated seconds. Any token id is a valid prompt token
+    and no token ends a request by itself (``eos_token_id`` is None): requests end at ``max_tokens``.
+    """
+
+    eos_token_id = None
+    failure = None
+
+    def __init__(self, step_time: Callable[[StepPlan], float], *, token: int = 1, start: float = 0.0,
+                 vocab_size: int = sys.maxsize) -> None:
+        self.now = start
+        self.vocab_size = vocab_size
+        self._step_time = step_time
+        self._token = token
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, plan: StepPlan, params=None) -> dict[str, int]:
+        self.now += self._step_time(plan)
+        return {s.request_id: self._token for s in plan.seqs if s.sample}
+
+    def register(self, request_id: str, params: SamplingParams) -> None:
+        """Nothing to keep: every sampled token is the dummy one."""
+
+    def release(self, request_id: str) -> None:
+        """Nothing to forget."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
-class SimulatedEngine:
-    """The engine's loop with a clock instead of a model: the engine's own ``Scheduler`` plans every
-    step, ``step_time(plan)`` says how long it takes, the clock jumps by that much, and every sampled
-    row gets the dummy token ``token``. It has the engine's request API and step events (``listen``),
-    so ``minicb.engine.arrivals.drive`` serves it like an ``LLMEngine``; no torch anywhere."""
+class SimulatedEngine(LLMEngine):
+    """``LLMEngine`` over a ``SimRunner``: the engine's own loop, scheduler, request API and step events
+    (``listen``), with a simulated clock that jumps by ``step_time(plan)`` every step and the dummy token
+    ``token`` for every sampled row. ``advance_to(t)`` idles until ``t``, so
+    ``minicb.engine.arrivals.drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to)``
+    serves it on simulated time; no torch anywhere."""
 
     def __init__(self, config: SchedulerConfig, step_time: Callable[[StepPlan], float], *,
                  token: int = 1, start: float = 0.0) -> None:
-        self.config = config
-        self.now = start
-        self.last_plan: StepPlan | None = None
-        self.sequences: list[Seq] = []                 # every request added, in order
-        self._step_time = step_time
-        self._token = token
-        self._scheduler = Scheduler(config)
-        self._listeners = Listeners()
+        runner = SimRunner(step_time, token=token, start=start)
+        super().__init__(runner, config, clock=runner.clock)
 
     @property
-    def stats(self):
-        return self._scheduler.stats
-
-    def listen(self, on_plan=None, on_step=None):
-        """As ``LLMEngine.listen``: ``PlanEvent`` / ``StepEvent`` listeners (``minicb.engine.events``)."""
-        return self._listeners.add(on_plan, on_step)
-
-    def snapshot(self):
-        return self._scheduler.snapshot()
-
-    def add_request(self, request_id: str, prompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
-        seq = Seq(request_id, list(prompt), params, arrival_time=self.now if arrival_time is None
-                  else arrival_time)
-        self._scheduler.add(seq)
-        self.sequences.append(seq)
-        return request_id
-
-    def has_unfinished_requests(self) -> bool:
-        return self._scheduler.has_unfinished()
-
-    def close_arrivals(self) -> None:
-        self._scheduler.close_arrivals()
+    def now(self) -> float:
+        """The simulated clock (seconds, or whatever unit ``step_time`` returns)."""
+        return self.runner.now
 
     def advance_to(self, t: float) -> None:
-        """Idle until ``t`` (the simulated clock jumps)."""
-        self.now = max(self.now, t)
-
-    def step(self) -> list[SimOutput]:
-        sched, start = self._scheduler, self.now
-        plan = sched.schedule(start)
-        self.last_plan = plan
-        state = self._listeners.emit_plan(plan, sched, start)
-        finished = []
-        if not plan.is_empty:
-            self.now = start + self._step_time(plan)
-            sampled = {s.request_id: self._token for s in plan.seqs if s.sample}
-            finished = sched.update(plan, sampled, self.now)
-        outs = [SimOutput(seq.request_id, seq) for seq in finished]
-        self._listeners.emit_step(plan, sched, state, start, self.now, outs, None)
-        return outs
+        """Idle until ``t`` (the simulated clock jumps; it never goes back)."""
+        self.runner.now = max(self.runner.now, t)
 
 
 def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostModel, *, label: str = "",
@@ -561,7 +550,7 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
 
     def after_step(outs) -> None:
         nonlocal n_done
-        n_done += len(outs)
+        n_done += sum(1 for o in outs if o.finished)
         if engine.stats.num_steps > max_steps:
             raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
         if on_step is not None and not engine.last_plan.is_empty:
@@ -574,11 +563,11 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
                         SamplingParams(max_tokens=r.output_len, ignore_eos=True))
                 for k, r in enumerate(order)]
     try:
-        drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to, on_step=after_step)
+        done = drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to, on_step=after_step)
     except NoProgress as exc:
         raise RuntimeError(f"{label or config.policy}: {exc}") from None
-    seqs = engine.sequences
-    records = [RequestRecord.from_sequence(s) for s in seqs]
+    final = {o.request_id: o for o in done}
+    records = [RequestRecord.from_output(final[a.request_id]) for a in arrivals]    # in arrival order
     summary = summarize(records, rec.steps, label=label or config.policy, num_slots=config.max_num_seqs,
                         num_blocks=config.num_blocks, peak_flops=cost.peak_flops,
                         num_preemptions=engine.stats.num_preemptions)

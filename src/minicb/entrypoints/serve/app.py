@@ -5,9 +5,17 @@
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
-A generation request goes: parse and check the body (``protocol``; 400 / 404 here) -> hand a
-``RequestHandle`` to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503) -> stream
-its ``Delta``s as SSE chunks, or gather them into one response. The handlers never call the engine.
+A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
+``--body-timeout``: 408) -> prepare it in the worker pool (``frontend``: JSON, fields, chat template,
+token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
+its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s as SSE chunks, or gather them into
+one response. The handlers never call the engine, and nothing on this loop grows with a request
+beyond copying its bytes.
+
+How a request that cannot be answered ends: a stream always ends with a last event and
+``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
+error object when its step failed (500) or the engine died (503, with the reason); a non-streaming
+client gets that error object as the response (503 ``server_shutting_down`` / ``engine_dead``, 500).
 
 A client that goes away is noticed in both modes: a stream's response is wrapped so that however it
 ends (finished, client gone, server cancelled) the request is aborted if still running; a non-stream
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.resources
 import json
 import logging
@@ -33,16 +42,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from minicb.core.errors import describe
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
+from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
-from minicb.entrypoints.serve.protocol import (
-    ApiError,
-    ParsedRequest,
-    bad_request,
-    parse_chat,
-    parse_completion,
-)
+from minicb.entrypoints.serve.protocol import ApiError
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -58,12 +65,14 @@ def build_app(server: Server) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        server.frontend.start()
         server.engine_thread.start(asyncio.get_running_loop())
         try:
             yield
         finally:
             server.live.close()
             await asyncio.to_thread(server.engine_thread.stop)
+            server.frontend.close()
 
     app = FastAPI(title="minicb serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     page = (importlib.resources.files("minicb.entrypoints.serve").joinpath("static/live.html")
@@ -90,10 +99,17 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/live/events")
     async def live_events():
-        return EventStream(server.live.frames())
+        if not server.live.reserve():
+            raise ApiError(503, f"{server.live.max_watchers} live pages are open already "
+                                f"({flag('max_live_watchers')} {server.live.max_watchers}); close one",
+                           "service_unavailable_error", code="too_many_watchers", retry_after=5)
+        return EventStream(server.live.frames(), server.live.release)
 
     @app.get("/health")
     async def health():
+        if server.engine_thread.dead is not None:
+            raise ApiError(503, f"the engine is dead: {server.engine_thread.dead}",
+                           "service_unavailable_error", code="engine_dead")
         if server.draining:
             raise ApiError(503, "the server is shutting down", "service_unavailable_error",
                            code="server_shutting_down")
@@ -119,12 +135,13 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(server, request, parse_completion(await _json(request)))
+        raw = await read_body(request, server.limits)
+        return await generate(server, request, await server.frontend.prepare("completion", raw))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        render = server.render_chat
-        return await generate(server, request, parse_chat(await _json(request), render))
+        raw = await read_body(request, server.limits)
+        return await generate(server, request, await server.frontend.prepare("chat", raw))
 
     return app
 
@@ -138,26 +155,55 @@ def _health(engine) -> dict:
             "num_slots": len(s.slots), "num_steps": s.step}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message that quotes a client's lone
+    surrogate (``"\\ud800"``) still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after is not None else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return AsciiJSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def _json(request: Request):
-    raw = await request.body()
+async def read_body(request: Request, limits: ServeLimits) -> bytes:
+    """The body, if it is JSON (415), fits ``--max-body-bytes`` (413: by its Content-Length before a
+    byte is read, else as it arrives) and arrives within ``--body-timeout`` seconds (408)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != "application/json":
+        raise ApiError(415, f"the request body must be JSON sent with Content-Type: application/json "
+                            f"(got {describe(ctype) if ctype else 'no Content-Type'})",
+                       "invalid_request_error", code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise body_limit_error(int(declared), limits)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise body_limit_error(size, limits)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+        return await asyncio.wait_for(read(), limits.body_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} s "
+                            f"({flag('body_timeout')})", "invalid_request_error",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before sending its body") from None
 
 
-async def generate(server: Server, request: Request, parsed: ParsedRequest):
-    if parsed.model is not None and parsed.model != server.model_name:
-        raise ApiError(404, f"the model `{parsed.model}` does not exist; this server serves "
-                            f"`{server.model_name}` (GET /v1/models)", "invalid_request_error", "model",
-                       "model_not_found")
+async def generate(server: Server, request: Request, prepared: Prepared):
+    parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", parsed.generate, server.clock())
+    gen = dataclasses.replace(parsed.generate, prompt=prepared.prompt_token_ids)
+    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", gen, server.clock(), prepared.stops)
     server.engine_thread.submit(handle)
     try:
         verdict = await handle.queue.get()
@@ -204,7 +250,7 @@ class EventStream(StreamingResponse):
 class _Answer:
     """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s."""
 
-    def __init__(self, server: Server, parsed: ParsedRequest, handle: RequestHandle, accepted: Accepted):
+    def __init__(self, server: Server, parsed, handle: RequestHandle, accepted: Accepted):
         self.server, self.parsed, self.handle, self.accepted = server, parsed, handle, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
@@ -246,9 +292,8 @@ class _Answer:
             yield chunk("", [], None)
         while True:
             d: Delta = await self.handle.queue.get()
-            if d.finish_reason == "error":
-                yield _sse(ApiError(500, f"the engine step serving this request failed: {d.error}",
-                                    "server_error").body())
+            if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
+                yield _sse(d.failure.body(), ascii_only=True)
                 break
             if d.finished:
                 yield chunk(d.text, d.token_ids, d.finish_reason)
@@ -282,11 +327,8 @@ class _Answer:
             raise
         finally:
             disconnected.cancel()
-        if d.finish_reason == "error":
-            raise ApiError(500, f"the engine step serving this request failed: {d.error}", "server_error")
-        if d.finish_reason == "abort":
-            raise ApiError(503, f"the request was aborted: {d.error or 'aborted'}",
-                           "service_unavailable_error", code="aborted", retry_after=5)
+        if d.failure is not None:
+            raise d.failure
         out = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if self.chat
                   else {"index": 0, "text": out})
@@ -308,5 +350,5 @@ async def _disconnect(request: Request) -> None:
             return
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _sse(obj: dict, ascii_only: bool = False) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=ascii_only, separators=(',', ':'))}\n\n"

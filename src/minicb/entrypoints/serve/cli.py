@@ -3,6 +3,12 @@
     minicb serve                                   # SmolLM2 on http://127.0.0.1:8000, live page at /
     minicb serve --port 0 --max-num-seqs 8         # any free port (the first line says which)
     minicb serve --model tiny.gguf --dtype float64 --max-waiting 32 --shutdown-timeout 5
+    minicb serve --host 0.0.0.0 --allowed-hosts myhost.lan --api-key "$KEY"     # on a network
+
+The limits of one request and one connection (``--max-body-bytes`` ... ``--max-live-watchers``) are
+``limits.py``'s table; the security flags are ``guard.py``'s. Exit codes: 0 stopped, 130 a second
+SIGTERM / Ctrl-C cut the drain short, 1 the engine died, 2 a bad flag; the process exits as soon as
+"minicb serve: stopped" is printed (no interpreter teardown: everything was shut down in order).
 
 The engine flags are ``minicb generate``'s. Importing this module is cheap (argparse only): FastAPI,
 uvicorn and torch are imported when the command runs.
@@ -10,10 +16,12 @@ uvicorn and torch are imported when the command runs.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
 from minicb.core.errors import InvalidArgument, MinicbError, check_int
+from minicb.entrypoints.serve.limits import ServeLimits, flag
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
@@ -39,7 +47,51 @@ def add_parser(sub, add_engine_args) -> None:
                         "model on a busy machine)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
+    d = ServeLimits()
+    lim = p.add_argument_group("limits of one request and one connection "
+                               "(refused with 400 / 408 / 413 / 503)")
+    for field, kind, unit, default in [
+            ("max_body_bytes", int, "bytes of a request body", d.max_body_bytes),
+            ("max_prompt_chars", int, "characters of a text prompt, or of all messages", d.max_prompt_chars),
+            ("max_prompt_tokens", int, "token ids of a prompt", "max_model_len"),
+            ("max_messages", int, "messages of a chat request", d.max_messages),
+            ("max_stop", int, "stop strings of a request", d.max_stop),
+            ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
+            ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
+            ("header_timeout", float, "seconds for a request line and headers", d.header_timeout),
+            ("body_timeout", float, "seconds for a request body", d.body_timeout),
+            ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),
+            ("max_connections", int, "open connections", d.max_connections),
+            ("max_live_watchers", int, "open live pages (/live/events)", d.max_live_watchers)]:
+        lim.add_argument(flag(field), type=kind, default=None, metavar="N",
+                         help=f"at most N {unit} (default {default:,})" if isinstance(default, int)
+                         else f"at most N {unit} (default {default})")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                     help="Host header names the server answers to (default: the --host address, localhost, "
+                          "127.0.0.1, ::1; '*' = any). Others get 400: DNS rebinding")
+    sec.add_argument("--allowed-origins", default="", metavar="O1,O2",
+                     help="CORS: origins whose pages may call the API ('*' = any; default none, as vLLM)")
+    sec.add_argument("--api-key", default=os.environ.get("MINICB_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); default "
+                          "$MINICB_API_KEY, else none")
+    sec.add_argument("--allow-control-text", action="store_true",
+                     help="pass chat message text that contains control tokens (<|im_start|>) to the "
+                          "template; default: refuse it with 400 (a user could forge a system turn)")
+    p.add_argument("--frontend-workers", type=int, default=None, metavar="N",
+                   help="threads that parse, render and tokenize requests (default min(4, CPUs))")
     p.set_defaults(run=cmd_serve)
+
+
+def limits_from(args) -> ServeLimits:
+    """The ``ServeLimits`` the flags ask for (a bad value: ``InvalidArgument`` naming the flag)."""
+    given = {f: getattr(args, f) for f in ServeLimits.__dataclass_fields__
+             if getattr(args, f, None) is not None}
+    return ServeLimits(**given)
+
+
+def _hosts(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(h.strip() for h in text.split(",") if h.strip())
 
 
 def _check_args(args) -> None:
@@ -51,6 +103,9 @@ def _check_args(args) -> None:
     check_int("--threads", args.threads, lo=0)
     if not args.shutdown_timeout >= 0:
         raise InvalidArgument(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.frontend_workers is not None:
+        check_int("--frontend-workers", args.frontend_workers, lo=1)
+    limits_from(args)
 
 
 def model_name(path: str | None) -> str:
@@ -72,9 +127,18 @@ def cmd_serve(args) -> int:
 
     sock = listen(args.host, args.port)          # first: a port in use fails before the model loads
     try:
-        return _serve(args, sock)
+        code = _serve(args, sock)
     finally:
         sock.close()
+    if _as_program():
+        exit_now(code)
+    return code
+
+
+def _as_program() -> bool:
+    """This process *is* ``minicb serve`` (not a test calling ``main([...])``): the command line,
+    which imported this module, says so (read from ``sys.modules``, not imported: it imports us)."""
+    return bool(getattr(sys.modules.get("minicb.entrypoints.cli"), "_AS_PROGRAM", False))
 
 
 def _serve(args, sock) -> int:
@@ -82,7 +146,7 @@ def _serve(args, sock) -> int:
 
     from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
     from minicb.entrypoints.llm import LLM
-    from minicb.entrypoints.serve.server import Server, base_url
+    from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,7 +158,10 @@ def _serve(args, sock) -> int:
     try:
         name = args.served_model_name or model_name(args.model)
         server = Server(llm.engine, model_name=name, max_waiting=args.max_waiting,
-                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                        limits=limits_from(args), allowed_hosts=_hosts(args.allowed_hosts),
+                        allowed_origins=_hosts(args.allowed_origins) or (), api_key=args.api_key or None,
+                        allow_control_text=args.allow_control_text, frontend_workers=args.frontend_workers)
         url = base_url(sock)
         print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
               flush=True)
@@ -102,11 +169,33 @@ def _serve(args, sock) -> int:
             print(f"minicb serve: policy static: a batch starts once {llm.engine.config.max_num_seqs} "
                   "requests wait",
                   file=sys.stderr, flush=True)
-        server.run(sock)
-        print("minicb serve: stopped", flush=True)
+        code = server.run(sock)
+        if server.failure is not None:
+            print(f"minicb serve: the engine failed: {server.failure}", file=sys.stderr, flush=True)
+        aborted = server.engine_thread.aborted_at_shutdown
+        why = {EXIT_FORCED: " (interrupted again: every request was aborted)",
+               EXIT_ENGINE_DEAD: " (the engine died)"}.get(code, "")
+        if code == 0 and aborted:
+            why = f" ({aborted} request{'s' * (aborted != 1)} aborted at --shutdown-timeout)"
+        print(f"minicb serve: stopped{why}", flush=True)
     finally:
         llm.shutdown()
-    return 0
+    return code
+
+
+def exit_now(code: int) -> None:
+    """Leave at once with ``code``: the server, its threads and the engine are already shut down in
+    order and the output is flushed, so the interpreter's teardown (seconds, for torch's and the
+    tokenizer's threads and finalisers) has nothing left to do."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def _missing(module: str) -> bool:

@@ -14,12 +14,20 @@ thread-safe doors, never anywhere else::
 * A request that arrives while the engine runs waits in the inbox for at most the current step and
   joins the batch at the next one: that *is* continuous batching, seen from a client.
 * The inbox is drained completely before every step, so a burst of requests is admitted (or refused
-  with 503 past ``max_waiting``) together, in arrival order.
+  with 503) together, in arrival order. ``max_waiting`` counts the requests that would actually
+  *wait*: a burst that finds free slots has those many accepted on top (they start at the next step).
+* Requests arrive prepared (``frontend.py``, in a worker pool): token ids and a stop-string matcher.
+  This thread adds them and steps; nothing here grows faster than a request.
 * Stop strings are matched here, on the text of each step's output (``StopMatcher``): a match aborts
   the request at once (no wasted step) and reports ``finish_reason == "stop"``.
+* If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
+  engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
+  the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
+  tells the server, which shuts down (exit code 1). The thread keeps answering until it is stopped.
 * Everything the event loop learns about a request comes through its ``RequestHandle.queue``: first
   ``Accepted`` (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait),
-  then ``Delta``s, the last one ``finished``.
+  then ``Delta``s, the last one ``finished``; a last ``Delta`` that ends a request without its answer
+  (shutdown, a failed step, a dead engine) carries the ``ApiError`` a non-streaming client receives.
 * ``drain(timeout)`` (graceful shutdown): refuse new requests, let the accepted ones run, abort what
   is left when the time is up. ``stop()`` ends the thread (aborting anything still there).
 
@@ -39,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from minicb.core.errors import InvalidArgument, RequestRejected
+from minicb.core.errors import EngineDeadError, InvalidArgument, RequestRejected
 from minicb.engine.outputs import RequestOutput
 from minicb.entrypoints.serve.protocol import ApiError, GenerateRequest, bad_request
 from minicb.entrypoints.serve.stops import StopMatcher
@@ -68,6 +76,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    failure: ApiError | None = None       # the request ended without its answer: what a client is told
 
 
 @dataclass(slots=True, eq=False)
@@ -75,8 +84,9 @@ class RequestHandle:
     """The event loop's side of one request. Made on the loop; its queue is fed by the engine thread."""
 
     request_id: str
-    request: GenerateRequest
+    request: GenerateRequest              # its prompt: token ids (the frontend tokenized it)
     arrival_time: float
+    stops: StopMatcher = field(default_factory=StopMatcher)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -94,11 +104,17 @@ class EngineThread:
     """Owns the engine in a thread; see the module docstring for the picture."""
 
     def __init__(self, engine, *, max_waiting: int, metrics=None,
-                 on_start: Callable[[Any], None] | None = None) -> None:
+                 on_start: Callable[[Any], None] | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._on_start = on_start                    # runs on the thread first (listeners attach here)
+        self._on_dead = on_dead                      # runs on the thread when the engine dies
+        self.dead: str | None = None                 # why the engine died (None: it is alive)
+        self.aborted_at_shutdown = 0                 # requests cut short by the drain's deadline
+        self._closed = False                         # the thread has ended: nobody takes messages
+        self._admit: list[int] | None = None         # [waiting, free slots] for this inbox batch
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
         self._live: dict[str, _Live] = {}
@@ -116,7 +132,8 @@ class EngineThread:
         self._thread.start()
 
     def submit(self, handle: RequestHandle) -> None:
-        self._post(("add", handle))
+        if not self._post(("add", handle)):          # the thread has ended: answer here (on the loop)
+            handle.queue.put_nowait(self._refusal())
 
     def abort(self, request_id: str) -> None:
         """Abort if still running (a finished or unknown id is ignored): a client went away."""
@@ -125,11 +142,13 @@ class EngineThread:
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between two steps; its result (or exception)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, fut))
+        if not self._post(("call", fn, fut)):
+            fut.set_exception(RuntimeError("the engine thread has stopped"))
         return fut
 
     def drain(self, timeout: float) -> None:
-        """Refuse new requests from now on; abort the accepted ones still running after ``timeout`` s."""
+        """Refuse new requests from now on; abort the accepted ones still running after ``timeout`` s
+        (``timeout=0``: now; a second drain can only bring the deadline closer)."""
         self._post(("drain", time.monotonic() + timeout))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -148,18 +167,48 @@ class EngineThread:
         with self._cond:
             return len(self._inbox)
 
-    def _post(self, msg: tuple) -> None:
+    def _post(self, msg: tuple) -> bool:
         with self._cond:
+            if self._closed:
+                return False
             self._inbox.append(msg)
             self._cond.notify()
+        return True
+
+    def _refusal(self) -> ApiError:
+        if self.dead is not None:
+            return ApiError(503, f"the engine failed and the server is shutting down: {self.dead}",
+                            "service_unavailable_error", code="engine_dead")
+        return ApiError(503, "the server is shutting down and takes no new requests",
+                        "service_unavailable_error", code="server_shutting_down", retry_after=5)
 
     # --- the engine thread -----------------------------------------------------------------------
     def _main(self) -> None:
-        if self._on_start is not None:
-            self._on_start(self.engine)
+        try:
+            if self._on_start is not None:
+                self._on_start(self.engine)
+            self._loop_until_stopped()
+        except BaseException as e:   # noqa: BLE001 - whatever it was, clients must hear of it
+            log.exception("the engine thread failed")
+            self._die(_reason(e))
+            self._loop_until_stopped()
+        finally:
+            with self._cond:
+                self._closed = True
+                late, self._inbox = self._inbox, []
+            for msg in late:                  # posted while the thread was ending
+                if msg[0] == "add":
+                    self._send(msg[1], self._refusal())
+                elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():
+                    msg[2].set_exception(RuntimeError("the engine thread has stopped"))
+            self._abort_all("the server stopped")
+            self._flush()
+
+    def _loop_until_stopped(self) -> None:
         stalled = False
         while not self._stop:
             msgs, handled = self._wait(stalled), []
+            self._admit = None
             while msgs:                       # what arrives while we handle these joins this step too
                 for msg in msgs:
                     try:
@@ -168,22 +217,25 @@ class EngineThread:
                         log.exception("engine thread: handling %s failed", msg[0])
                 handled += msgs
                 msgs = self._take()
+            if self.dead is not None:         # nothing to step: answer messages until stopped
+                self._deadline = None
+                self._flush()
+                continue
             if self.metrics is not None and any(m[0] in ("add", "abort") for m in handled):
                 self.metrics.observe_state(self.engine.snapshot())   # the gauges, between steps too
             if self._deadline is not None and time.monotonic() >= self._deadline:
-                self._abort_all("the server is shutting down")
+                self.aborted_at_shutdown += self._abort_all("the server is shutting down")
                 self._deadline = None
             stalled = False
             if not self._stop and self.engine.has_unfinished_requests():
                 stalled = not self._step()
             self._flush()
-        self._abort_all("the server stopped")
-        self._flush()
 
     def _wait(self, stalled: bool) -> list[tuple]:
         """Take the inbox; block (no timeout, so no CPU) while there is nothing to do."""
         with self._cond:
-            while not self._inbox and (stalled or not self.engine.has_unfinished_requests()):
+            while not self._inbox and (stalled or self.dead is not None
+                                       or not self.engine.has_unfinished_requests()):
                 timeout = STALL_RECHECK_S if stalled else None
                 if self._deadline is not None:
                     left = max(0.0, self._deadline - time.monotonic())
@@ -219,27 +271,31 @@ class EngineThread:
                     fut.set_exception(e)
         elif kind == "drain":
             self._draining = True
-            self._deadline = msg[1]
-            self.engine.close_arrivals()          # a static batch need not wait for more requests
+            self._deadline = msg[1] if self._deadline is None else min(self._deadline, msg[1])
+            if self.dead is None:
+                self.engine.close_arrivals()      # a static batch need not wait for more requests
         elif kind == "stop":
             self._stop = True
 
     def _add(self, handle: RequestHandle) -> None:
         req = handle.request
         try:
-            if self._draining:
-                raise ApiError(503, "the server is shutting down and takes no new requests",
-                               "service_unavailable_error", code="server_shutting_down", retry_after=5)
-            waiting = len(self.engine.snapshot().waiting)
-            if waiting >= self.max_waiting:
-                raise ApiError(503, f"too many requests are waiting ({waiting}, --max-waiting "
-                               f"{self.max_waiting}); retry later", "service_unavailable_error",
-                               code="server_overloaded", retry_after=1)
-            ids = self.engine.tokenize(req.prompt)
+            if self._draining or self.dead is not None:
+                raise self._refusal()
+            if self._admit is None:           # once per inbox batch: the scheduler's counts
+                snap = self.engine.snapshot()
+                self._admit = [len(snap.waiting) + len(snap.swapped), sum(r is None for r in snap.slots)]
+            waiting, free = self._admit
+            if waiting - free >= self.max_waiting:     # this one would be the (max_waiting + 1)-th to wait
+                raise ApiError(503, f"too many requests are waiting ({max(0, waiting - free)} beyond the "
+                               f"{free} free slots, --max-waiting {self.max_waiting}); retry later",
+                               "service_unavailable_error", code="server_overloaded", retry_after=1)
+            ids = req.prompt
             params = req.params
             if req.max_tokens_from_room:
                 params = dataclasses.replace(params, max_tokens=self._room(len(ids)))
             self.engine.add_request(handle.request_id, ids, params, arrival_time=handle.arrival_time)
+            self._admit[0] += 1
         except ApiError as e:
             self._send(handle, e)
             return
@@ -253,7 +309,7 @@ class EngineThread:
             log.exception("adding request %s failed", handle.request_id)
             self._send(handle, ApiError(500, "internal error while adding the request", "server_error"))
             return
-        self._live[handle.request_id] = _Live(handle, StopMatcher(req.stops), len(ids))
+        self._live[handle.request_id] = _Live(handle, handle.stops, len(ids))
         self._send(handle, Accepted(ids, params.max_tokens))
 
     def _room(self, prompt_len: int) -> int:
@@ -272,9 +328,10 @@ class EngineThread:
         t0 = time.perf_counter()
         try:
             outs = self.engine.step()
-        except Exception:   # noqa: BLE001 - the engine fails a bad step itself; this is a bug elsewhere
-            log.exception("engine step raised; ending every request in flight")
-            self._abort_all("internal error in the engine step")
+        except Exception as e:   # noqa: BLE001 - the engine fails a bad step itself: this one is dead
+            log.error("the engine step raised %s; the engine is dead, the server shuts down", _reason(e),
+                      exc_info=not isinstance(e, EngineDeadError))
+            self._die(_reason(e))
             return True
         finally:
             self.busy_seconds += time.perf_counter() - t0
@@ -303,25 +360,51 @@ class EngineThread:
                                           len(out.token_ids)))
 
     def _finish(self, live: _Live, out: RequestOutput, reason: str | None, text: str,
-                new_ids: list[int] | None = None) -> None:
+                new_ids: list[int] | None = None, failure: ApiError | None = None) -> None:
         del self._live[live.handle.request_id]
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
+        if failure is None and reason == "error":
+            failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
+                               "server_error")
         self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
-                                      live.num_prompt_tokens, len(out.token_ids), True, reason, out.error))
+                                      live.num_prompt_tokens, len(out.token_ids), True, reason,
+                                      out.error if failure is None else failure.message, failure))
 
-    def _abort_all(self, why: str) -> None:
+    def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
+        """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
+        "the server is shutting down" carrying ``why``); returns how many there were."""
+        if failure is None:
+            failure = ApiError(503, f"{why}: the request was aborted", "service_unavailable_error",
+                               code="server_shutting_down")
+        n = len(self._live)
         for rid, live in list(self._live.items()):
-            try:
-                out = self.engine.abort_request(rid)
-            except Exception:   # noqa: BLE001 - a broken engine must still let clients go
-                log.exception("abort of %s failed", rid)
-                out = None
+            out = None
+            if self.dead is None:
+                try:
+                    out = self.engine.abort_request(rid)
+                except Exception:   # noqa: BLE001 - a broken engine must still let clients go
+                    log.exception("abort of %s failed", rid)
             if out is None:
                 del self._live[rid]
-                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, "abort", why))
+                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
+                                              failure.message, failure))
             else:
-                self._finish(live, out, "abort", live.stops.push(out.new_text))
+                self._finish(live, out, reason, live.stops.push(out.new_text), failure=failure)
+        return n
+
+    def _die(self, reason: str) -> None:
+        """The engine failed: end every request with a 503 that says why, refuse new ones, tell the server."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        self._abort_all(reason, self._refusal(), "error")
+        self._flush()
+        if self._on_dead is not None:
+            try:
+                self._on_dead(reason)
+            except Exception:   # noqa: BLE001
+                log.exception("on_dead failed")
 
     # --- delivery to the event loop --------------------------------------------------------------
     def _send(self, handle: RequestHandle, item) -> None:
@@ -336,6 +419,12 @@ class EngineThread:
             self._loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:          # the loop is closed: nobody is listening any more
             pass
+
+
+def _reason(e: BaseException) -> str:
+    """One line naming an exception: ``EngineDeadError: the runner process exited``."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _deliver(batch: list[tuple[RequestHandle, Any]]) -> None:

@@ -67,9 +67,12 @@ class _Watcher:
 class LiveFeed:
     """Turns step events into throttled frames for every open page (see the module docstring)."""
 
-    def __init__(self, info: dict, history: int = HISTORY, min_interval: float = 0.1) -> None:
+    def __init__(self, info: dict, history: int = HISTORY, min_interval: float = 0.1,
+                 max_watchers: int = 8) -> None:
         self.info = info                          # the page's static facts: model, slots, blocks, policy
         self.min_interval = min_interval
+        self.max_watchers = max_watchers          # open pages at most (each costs a frame per 0.1 s)
+        self._reserved = 0                        # pages admitted by reserve() and not yet released
         self._lock = threading.Lock()
         self._columns: deque[Column] = deque(maxlen=history)
         self._count = 0                           # columns ever appended
@@ -122,6 +125,17 @@ class LiveFeed:
     def _wake(self) -> None:
         for w in self._watchers:
             w.wake.set()
+
+    def reserve(self) -> bool:
+        """Admit one more page if fewer than ``max_watchers`` are open (event loop; pair with
+        ``release``, which the response calls however it ends)."""
+        if self._reserved >= self.max_watchers:
+            return False
+        self._reserved += 1
+        return True
+
+    def release(self) -> None:
+        self._reserved -= 1
 
     def close(self) -> None:
         """End every page's stream (the server is shutting down)."""

@@ -19,8 +19,17 @@ Field by field (vLLM's choices where OpenAI leaves room):
   prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
 * ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
   ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
-* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, tools: a clear 400
-  rather than a silently ignored field. Unknown fields are ignored (clients send extras).
+* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, tools, and vLLM's
+  ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
+  ``structured_outputs`` / ``guided_*`` and ``stream_options.continuous_usage_stats``: a clear 400
+  naming the field rather than a silently different answer. Unknown fields are ignored (clients
+  send extras).
+* Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
+  1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
+* The cost bounds of ``limits.py`` (prompt characters and ids, messages, stop strings) are checked
+  here, before the chat template or the tokenizer runs; ``chat`` refuses message text that contains
+  the model's control tokens (``<|im_start|>``) unless the server allows it (``--allow-control-text``):
+  rendered by the template, such text would become real control tokens (a user forging a system turn).
 * ``return_token_ids`` (vLLM's extension): the response carries ``prompt_token_ids`` and each
   choice its ``token_ids``; the tests use it to compare with ``LLM.generate`` token for token.
 """
@@ -31,10 +40,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from minicb.core.errors import InvalidArgument, check_float, check_int
-from minicb.core.sampling_params import SamplingParams
+import numpy as np
 
-MAX_STOP_STRINGS = 16
+from minicb.core.errors import InvalidArgument, check_float, check_int, describe
+from minicb.core.sampling_params import MAX_INT, SamplingParams
+from minicb.entrypoints.serve.limits import ServeLimits, flag
+
+DEFAULT_LIMITS = ServeLimits()
+MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
 
 
 @dataclass(slots=True)
@@ -89,20 +102,34 @@ _UNSUPPORTED = {
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
+    # vLLM's extensions that minicb does not implement (yet)
+    "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "prompt_logprobs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
 }
+_UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
 
 
-def parse_completion(body: Any) -> ParsedRequest:
+def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
     body = _object(body)
     if "prompt" not in body:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
-    return _parse(body, "completion", _prompt(body["prompt"]), default_max_tokens=16)
+    check_model(body)
+    prompt = _prompt(body["prompt"], limits)
+    return _parse(body, "completion", prompt, default_max_tokens=16, limits=limits)
 
 
-def parse_chat(body: Any, render) -> ParsedRequest:
-    """``render(messages) -> str`` applies the model's chat template (``Tokenizer.apply_chat_template``)."""
+def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
+               control_texts: tuple[str, ...] = ()) -> ParsedRequest:
+    """``render(messages) -> str`` applies the model's chat template (``Tokenizer.apply_chat_template``).
+    A message whose text contains one of ``control_texts`` (the model's control tokens) is refused."""
     body = _object(body)
-    messages = _messages(body.get("messages"))
+    check_model(body)
+    messages = _messages(body.get("messages"), limits)
+    _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
     except InvalidArgument as e:
@@ -111,7 +138,13 @@ def parse_chat(body: Any, render) -> ParsedRequest:
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", prompt, default_max_tokens=None)
+    return _parse(body, "chat", prompt, default_max_tokens=None, limits=limits)
+
+
+def check_model(body: dict) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
 
 
 def _object(body: Any) -> dict:
@@ -120,16 +153,20 @@ def _object(body: Any) -> dict:
     return body
 
 
-def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None) -> ParsedRequest:
-    for name, defaults in _UNSUPPORTED.items():
+def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
+    for name, defaults in table.items():
         if name in body and not _is_default(body[name], defaults):
-            raise bad_request(f"{name} is not supported by minicb serve (leave it unset)", name)
+            raise bad_request(f"{prefix}{name} is not supported by minicb serve (leave it unset)",
+                              prefix + name)
+
+
+def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
+           limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    _unsupported(body, _UNSUPPORTED)
     n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad_request(f"n must be 1 (one choice per request), got {n!r}", "n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise bad_request(f"n must be 1 (one choice per request), got {describe(n)}", "n")
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -138,12 +175,13 @@ def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None) -> Par
             raise bad_request("stream_options must be an object", "stream_options")
         if not stream:
             raise bad_request("stream_options is allowed only with stream: true", "stream_options")
+        _unsupported(opts, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
         include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
     max_tokens = body.get("max_tokens")
     from_room = max_tokens is None and default_max_tokens is None
     max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
-    stops = _stops(body.get("stop"))
-    params = _sampling_params(body, max_tokens)
+    stops = _stops(body.get("stop"), limits)
+    params = _sampling_params(body, max_tokens, limits)
     return ParsedRequest(kind, model, GenerateRequest(prompt, params, stops, from_room), stream,
                          include_usage, _bool(body, "return_token_ids", False))
 
@@ -153,22 +191,29 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS) -> SamplingParams:
     def get(name, default):
         v = body.get(name)
         return default if v is None else v
 
+    def stop_token_ids():
+        ids = _list(body, "stop_token_ids")
+        if len(ids) > limits.max_stop_token_ids:
+            raise InvalidArgument(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids "
+                                  f"({flag('max_stop_token_ids')}), got {len(ids)}")
+        return tuple(check_int("stop_token_ids[i]", t, lo=0, hi=MAX_INT) for t in ids)
+
     top_k = get("top_k", 0)
     args: dict[str, Any] = {}
     checks = [
-        ("max_tokens", lambda: check_int("max_tokens", max_tokens, lo=1)),
+        ("max_tokens", lambda: check_int("max_tokens", max_tokens, lo=1, hi=MAX_INT)),
         ("temperature", lambda: check_float("temperature", get("temperature", 1.0), lo=0.0, hi=2.0)),
         ("top_p", lambda: check_float("top_p", get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True)),
-        ("top_k", lambda: 0 if top_k == -1 else check_int("top_k", top_k, lo=-1)),
+        ("top_k", lambda: 0 if (type(top_k) is int and top_k == -1) else check_int("top_k", top_k, lo=-1,
+                                                                                  hi=MAX_INT)),
         ("seed", lambda: None if body.get("seed") is None
          else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
-        ("stop_token_ids", lambda: tuple(check_int("stop_token_ids[i]", t, lo=0)
-                                         for t in _list(body, "stop_token_ids"))),
+        ("stop_token_ids", stop_token_ids),
         ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
     ]
     for name, check in checks:
@@ -178,7 +223,12 @@ def _sampling_params(body: dict, max_tokens) -> SamplingParams:
             raise bad_request(str(e), name) from None
     if not math.isfinite(args["temperature"]):
         raise bad_request("temperature must be finite", "temperature")
-    return SamplingParams(**args)
+    try:
+        return SamplingParams(**args)
+    except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400
+        message = str(e)
+        param = next((name for name in args if message.startswith(name)), None)
+        raise bad_request(message, param) from None
 
 
 def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
@@ -186,7 +236,7 @@ def _bool(body: dict, name: str, default: bool, param: str | None = None) -> boo
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_request(f"{param or name} must be true or false, got {v!r}", param or name)
+        raise bad_request(f"{param or name} must be true or false, got {describe(v)}", param or name)
     return v
 
 
@@ -199,40 +249,92 @@ def _list(body: dict, name: str) -> list:
     return v
 
 
-def _stops(stop) -> tuple[str, ...]:
+def _stops(stop, limits: ServeLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
+    """The stop strings, bounded in number and in total length before anything is built from them."""
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, list):
         raise bad_request("stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if len(stops) > limits.max_stop:
+        raise bad_request(f"stop may hold at most {limits.max_stop} strings ({flag('max_stop')}), "
+                          f"got {len(stops)}", "stop")
+    if not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    total = sum(map(len, stops))
+    if total > limits.max_stop_chars:
+        raise bad_request(f"the stop strings hold {total:,} characters; at most {limits.max_stop_chars:,} "
+                          f"are allowed ({flag('max_stop_chars')})", "stop")
     return tuple(s for s in stops if s)
 
 
-def _prompt(prompt):
-    """A completion prompt: text or token ids; a list holding exactly one of them is unwrapped."""
+def _prompt(prompt, limits: ServeLimits = DEFAULT_LIMITS):
+    """A completion prompt: text or token ids; a list holding exactly one of them is unwrapped.
+    Its length is checked first, then (ids) its types and range all at once."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request(f"prompt holds {len(prompt)} prompts; minicb serve takes one prompt per "
                               "request (send several requests: they are batched anyway)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if len(prompt) > limits.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(prompt):,} characters; at most "
+                              f"{limits.max_prompt_chars:,} are allowed ({flag('max_prompt_chars')})",
+                              "prompt")
         return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
+    if isinstance(prompt, list):
+        return token_ids(prompt, limits)
     raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
 
 
-def _messages(messages) -> list[dict]:
+def token_ids(prompt: list, limits: ServeLimits = DEFAULT_LIMITS) -> list[int]:
+    """A token-id prompt checked length first, then vectorised: a plain ``int`` each (no bools, no
+    floats), all in [0, 2**63 - 1]. The vocabulary is the frontend's check (it knows the model)."""
+    cap = limits.max_prompt_tokens
+    if cap is not None and len(prompt) > cap:
+        raise bad_request(f"the prompt has {len(prompt):,} token ids; at most {cap:,} are allowed "
+                          f"({flag('max_prompt_tokens')}, at most max_model_len)", "prompt",
+                          "context_length_exceeded")
+    if set(map(type, prompt)) - {int}:
+        raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
+    try:
+        arr = np.asarray(prompt, dtype=np.int64)
+    except OverflowError:
+        raise bad_request("prompt token ids must be at most 2**63 - 1", "prompt") from None
+    if arr.size and int(arr.min()) < 0:
+        raise bad_request(f"prompt token ids must be >= 0, got {int(arr.min())} at index "
+                          f"{int(arr.argmin())}", "prompt")
+    return prompt
+
+
+def _messages(messages, limits: ServeLimits = DEFAULT_LIMITS) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
+    if len(messages) > limits.max_messages:
+        raise bad_request(f"messages holds {len(messages):,} messages; at most {limits.max_messages:,} are "
+                          f"allowed ({flag('max_messages')})", "messages")
+    out, chars = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        msg = {"role": m["role"], "content": _content(m.get("content"), i)}
+        chars += len(msg["role"]) + len(msg["content"])
+        if chars > limits.max_prompt_chars:
+            raise bad_request(f"the messages hold more than {limits.max_prompt_chars:,} characters "
+                              f"({flag('max_prompt_chars')})", "messages")
+        out.append(msg)
     return out
+
+
+def _no_control_text(messages: list[dict], control_texts: tuple[str, ...]) -> None:
+    """Refuse message text that the tokenizer would read as a control token (``<|im_start|>``)."""
+    for i, m in enumerate(messages):
+        for field in ("role", "content"):
+            hit = next((t for t in control_texts if t in m[field]), None)
+            if hit is not None:
+                raise bad_request(f"messages[{i}].{field} contains the control token {hit!r}: the chat "
+                                  "template would make it a real one (start the server with "
+                                  "--allow-control-text to pass it through)", f"messages[{i}].{field}")
 
 
 def _content(content, i: int) -> str:

@@ -15,9 +15,24 @@
 
 **Shutdown** (SIGTERM, Ctrl-C, or ``stop()``): the engine thread refuses new requests (503) and closes
 arrivals; uvicorn stops accepting connections and waits for the open ones; the accepted requests
-run on, and those still unfinished after ``shutdown_timeout`` seconds are aborted (their clients get
-``finish_reason: "abort"``); live pages are ended; the engine thread stops; ``run`` returns and the
-command exits 0. A second Ctrl-C skips the wait.
+run on, and those still unfinished after ``shutdown_timeout`` seconds are aborted (their streams end
+with ``finish_reason: "abort"`` and ``[DONE]``, a non-streaming client gets a 503 error object);
+live pages are ended; the engine thread stops; ``run`` returns the exit code:
+
+==== ==========================================================================================
+0    stopped on SIGTERM / Ctrl-C / ``stop()`` (requests past ``--shutdown-timeout`` were aborted)
+130  a second SIGTERM / Ctrl-C during the drain: every request was aborted at once, each client
+     still got its last chunk and ``[DONE]`` (or a 503 error object)
+1    the engine died (``EngineDeadError`` or any exception out of a step): every client got a 503
+     with the reason, ``/health`` said 503, and the server shut down
+==== ==========================================================================================
+
+**Connections** get deadlines (``limits.py``): the request line and headers within
+``header_timeout`` seconds of connecting or of the previous response (a silent or slowloris
+connection is closed), the body within ``body_timeout`` (408), an idle keep-alive
+``keep_alive_timeout``; at most ``max_connections`` open (uvicorn answers 503 past it), and h11's
+16 KiB limit on a request's head. ``guard.py`` puts the Host allow-list, CORS and the API key in
+front of the app.
 """
 
 from __future__ import annotations
@@ -29,16 +44,27 @@ import socket
 import threading
 import time
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minicb.core.errors import MinicbError
+from minicb.entrypoints.serve import guard
 from minicb.entrypoints.serve.app import build_app
 from minicb.entrypoints.serve.engine_thread import EngineThread
+from minicb.entrypoints.serve.frontend import Frontend
+from minicb.entrypoints.serve.limits import ServeLimits
 from minicb.entrypoints.serve.live import LiveFeed
 from minicb.entrypoints.serve.metrics import ServerMetrics
 
 DEFAULT_MAX_WAITING = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+LINGER_S = 2.0                # a refused body: read and dropped this long, so its client sees the 413
+FORCE_GRACE_S = 2.0           # after a second signal: the aborted requests' last chunks get this long
+
+EXIT_STOPPED = 0
+EXIT_ENGINE_DEAD = 1
+EXIT_FORCED = 130
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -68,22 +94,75 @@ def base_url(sock: socket.socket) -> str:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, telling ours when a signal asks it to exit (the drain starts right then)."""
+    """uvicorn's server, telling ours when a signal asks it to exit (the drain starts right then).
 
-    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+    A second signal does not drop the connections as uvicorn's own ``force_exit`` would (streams cut
+    at a ``finish_reason: null`` chunk): it aborts every request at once, so each client gets its last
+    chunk and ``[DONE]`` (or an error object), and forces the exit only ``FORCE_GRACE_S`` later."""
+
+    def __init__(self, config: uvicorn.Config, on_exit, on_force) -> None:
         super().__init__(config)
-        self._on_exit = on_exit
+        self._on_exit, self._on_force = on_exit, on_force
 
     def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self._on_force()
+            return
         self._on_exit()
         super().handle_exit(sig, frame)
+
+
+class _DeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
+    that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
+    or of its previous response, is closed; so is one whose response is done while its body is still
+    arriving (a 413 or a 408), after ``LINGER_S`` seconds of reading and dropping what still comes."""
+
+    header_timeout = 10.0
+    _discarding = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_deadline, self.cycle)
+
+    def _head_deadline(self, cycle_then) -> None:
+        if self.cycle is cycle_then and (cycle_then is None or cycle_then.response_complete):
+            self.transport.close()            # no new request's head since the timer was armed
+
+    def on_response_complete(self) -> None:
+        body_left = self.conn.their_state is h11.SEND_BODY       # before uvicorn starts the next cycle
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if body_left:                         # the body was refused half way (413, 408): read and drop
+            self._discarding = True           # the rest for a moment, so that the client, still
+            self._unset_keepalive_if_required()   # sending, gets to read the answer; then close
+            self.loop.call_later(LINGER_S, self.transport.close)
+            return
+        self._head_timer.cancel()
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._discarding:
+            super().data_received(data)
+
+    def connection_lost(self, exc) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
 
 
 class Server:
     """One model served over HTTP (see the module docstring)."""
 
     def __init__(self, engine, *, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning") -> None:
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning",
+                 limits: ServeLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
+                 allowed_origins: tuple[str, ...] = (), api_key: str | None = None,
+                 allow_control_text: bool = False, frontend_workers: int | None = None,
+                 exit_on_engine_death: bool = True) -> None:
         if max_waiting < 0:
             raise MinicbError(f"max_waiting must be >= 0, got {max_waiting}")
         if not shutdown_timeout >= 0:
@@ -91,40 +170,57 @@ class Server:
         cfg = engine.config
         self.model_name = model_name
         self.shutdown_timeout = shutdown_timeout
+        self.log_level = log_level
         self.created = int(time.time())
         self.max_model_len = cfg.max_model_len
         self.clock = engine.clock                 # the engine's clock: arrival times must be on it
         self.tokenizer = engine.tokenizer
+        self.limits = (limits or ServeLimits()).with_model_len(cfg.max_model_len)
+        self.allowed_hosts, self.allowed_origins, self.api_key = allowed_hosts, allowed_origins, api_key
+        self.exit_on_engine_death = exit_on_engine_death
+        self.exit_code = EXIT_STOPPED
+        self.frontend = Frontend(model_name=model_name, tokenizer=engine.tokenizer,
+                                 vocab_size=engine.model.config.vocab_size, max_model_len=cfg.max_model_len,
+                                 limits=self.limits, allow_control_text=allow_control_text,
+                                 workers=frontend_workers)
         self.metrics = ServerMetrics(model_name)
         self.live = LiveFeed({"model": model_name, "policy": cfg.policy, "max_num_seqs": cfg.max_num_seqs,
                               "num_blocks": cfg.num_blocks, "block_size": cfg.block_size,
-                              "max_num_batched_tokens": cfg.max_num_batched_tokens, "history": 96})
+                              "max_num_batched_tokens": cfg.max_num_batched_tokens, "history": 96},
+                             max_watchers=self.limits.max_live_watchers)
         self.engine_thread = EngineThread(engine, max_waiting=max_waiting, metrics=self.metrics,
-                                          on_start=self._attach)
+                                          on_start=self._attach, on_dead=self._on_engine_dead)
         self.draining = False
         self.app = build_app(self)
-        self._uvicorn = _Uvicorn(uvicorn.Config(self.app, log_level=log_level, access_log=False,
-                                                timeout_graceful_shutdown=shutdown_timeout + 2.0,
-                                                lifespan="on"), self.begin_shutdown)
+        self._uvicorn: _Uvicorn | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _make_uvicorn(self, sock: socket.socket) -> _Uvicorn:
+        hosts = self.allowed_hosts
+        if hosts is None:
+            hosts = guard.default_allowed_hosts(sock.getsockname()[0])
+        asgi = guard.wrap(self.app, allowed_hosts=hosts, api_key=self.api_key,
+                          allowed_origins=self.allowed_origins)
+        lim = self.limits
+        protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout})
+        config = uvicorn.Config(asgi, log_level=self.log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=self.shutdown_timeout + 2.0, http=protocol,
+                                timeout_keep_alive=lim.keep_alive_timeout,
+                                limit_concurrency=lim.max_connections)
+        return _Uvicorn(config, self.begin_shutdown, self.force_shutdown)
 
     def _attach(self, engine) -> None:
         """On the engine thread, before its first step: metrics and the live feed listen to steps."""
         engine.listen(on_step=self.metrics.on_step)
         engine.listen(on_step=self.live.on_step)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        if self.tokenizer is None:
-            from minicb.core.errors import InvalidArgument
-
-            raise InvalidArgument("the model has no tokenizer, so no chat template: use /v1/completions "
-                                  "with token ids")
-        return self.tokenizer.apply_chat_template(messages)
-
     # --- running ----------------------------------------------------------------------------------
-    def run(self, sock: socket.socket) -> None:
-        """Serve on ``sock`` until SIGTERM / Ctrl-C (main thread) or ``stop()``; then shut down cleanly."""
+    def run(self, sock: socket.socket) -> int:
+        """Serve on ``sock`` until SIGTERM / Ctrl-C (main thread) or ``stop()``; then shut down cleanly.
+        Returns the exit code (module docstring)."""
+        if self._uvicorn is None:
+            self._uvicorn = self._make_uvicorn(sock)
         quiet = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
@@ -136,9 +232,11 @@ class Server:
             asyncio.run(self._serve(sock))
         finally:
             self.engine_thread.stop()
+            self.frontend.close()
             if in_main:
                 for sig, handler in quiet.items():
                     signal.signal(sig, handler)
+        return self.exit_code
 
     async def _serve(self, sock: socket.socket) -> None:
         self._loop = asyncio.get_running_loop()
@@ -146,6 +244,7 @@ class Server:
 
     def start_in_thread(self, sock: socket.socket, timeout: float = 30.0) -> str:
         """Serve from a background thread; return the base URL once the server answers."""
+        self._uvicorn = self._make_uvicorn(sock)
         self._thread = threading.Thread(target=self.run, args=(sock,), name="minicb-serve", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -164,6 +263,32 @@ class Server:
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self.live.close)
+
+    def force_shutdown(self) -> None:
+        """A second signal: abort every request now (each client still gets its last chunk / an error
+        object), exit ``FORCE_GRACE_S`` later at the latest, with code 130."""
+        if self.exit_code == EXIT_STOPPED:
+            self.exit_code = EXIT_FORCED
+        self.begin_shutdown()
+        self.engine_thread.drain(0.0)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._loop.call_later, FORCE_GRACE_S, self._force_exit)
+
+    def _force_exit(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.force_exit = True
+
+    def _on_engine_dead(self, reason: str) -> None:
+        """On the engine thread: the engine died. Every client has its 503 already; shut down."""
+        self.exit_code = EXIT_ENGINE_DEAD
+        self.failure = reason
+        if self.exit_on_engine_death:
+            self.begin_shutdown()
+            if self._uvicorn is not None:
+                self._uvicorn.should_exit = True
+
+    failure: str | None = None
 
     def stop(self, timeout: float | None = None) -> None:
         """Shut down as a signal would, and wait for it (from another thread than the server's)."""

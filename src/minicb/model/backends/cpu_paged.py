@@ -24,7 +24,10 @@ compiler's reason (``backends/__init__.py``).
 
 Dtypes: float32 and float64 are computed in their own precision; bfloat16 K/V and queries are widened
 to float32 as they are read, and the output rounded back once (``paged_decode.c``), so a bfloat16
-cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic.
+cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic. On a
+CPU with AVX-512 BF16 the scores' dot products use its bfloat16 instruction on the stored values
+instead (``bf16_native()``; exact products summed in float32, as before); ``MINICB_BF16_DECODE=widen``
+keeps the widening kernel there, so both run and are tested on such a CPU.
 
 The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
 the reference backend's to rounding (``tests/model/test_cpu_paged.py`` checks both, and token-exactness
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +51,7 @@ from minicb.model.ckernels import KernelUnavailable, cache_dir, compiler  # noqa
 SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64",
           torch.bfloat16: "minicb_paged_decode_bf16"}     # bfloat16: stored so, computed in float32
+WIDEN_BF16 = "minicb_paged_decode_bf16_widen"             # bfloat16 widened element by element, always
 # Multiply-adds fused into one instruction (an FMA, rounded once): ISO C (-std=c11) leaves them apart,
 # and the dot products and the weighted sum of values are nothing but multiply-adds. No trapping math:
 # the kernel never reads floating-point exception flags, and without the flag GCC keeps the clamp in
@@ -64,11 +69,25 @@ def load() -> ctypes.CDLL:
     """The compiled kernel library (built on the first call); ``KernelUnavailable`` if it cannot be."""
     lib = ckernels.open_library(build(), "the compiled kernel")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in DTYPES.values():
+    for name in (*DTYPES.values(), WIDEN_BF16):
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
+    native = lib.minicb_paged_decode_bf16_native
+    native.argtypes, native.restype = [], ctypes.c_int
     return lib
+
+
+def bf16_native() -> bool:
+    """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions."""
+    return bool(load().minicb_paged_decode_bf16_native())
+
+
+def kernel_name(dtype: torch.dtype) -> str:
+    """The C function for ``dtype``: ``MINICB_BF16_DECODE=widen`` picks the widening bfloat16 one."""
+    if dtype == torch.bfloat16 and os.environ.get("MINICB_BF16_DECODE", "native") == "widen":
+        return WIDEN_BF16
+    return DTYPES[dtype]
 
 
 def unavailable_reason() -> str | None:
@@ -136,7 +155,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     passed: no checks here, one C call."""
     rows, q_heads, head_dim = q.shape
     scale = head_dim ** -0.5 if scale is None else scale
-    failed = getattr(load(), DTYPES[q.dtype])(
+    failed = getattr(load(), kernel_name(q.dtype))(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), rows, q_heads, k_cache.shape[1], head_dim,
         block_tables.shape[1], block_size, max_context, scale, torch.get_num_threads())

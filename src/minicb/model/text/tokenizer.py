@@ -262,7 +262,9 @@ class Tokenizer:
         except UnicodeEncodeError as e:
             raise InvalidArgument(f"text is not valid Unicode: {describe(text[e.start])} at index {e.start} "
                                   "(a lone surrogate; bytes that were not UTF-8?)") from None
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but it releases the GIL while the Rust code runs, so a
+        # long text tokenized in one thread (``minicb serve``'s frontend) does not stall the others
+        return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @property
     def max_token_chars(self) -> int:

@@ -1,0 +1,166 @@
+"""A decode step of 1, 4 and 16 sequences, part by part, beside its floor: reading the weights once.
+
+    python bench/decode_floor.py                              # float32 and bfloat16, LLM()'s paths
+    python bench/decode_floor.py --dtypes bfloat16 --batches 1,4,16,64 --steps 30
+    MINICB_LINEAR=mkl python bench/decode_floor.py            # another linear path (cpu_linear.PATHS)
+
+A decode step at a small batch does little arithmetic: each weight is read from memory once and used
+for a handful of rows. So its time cannot go below ``bytes of the weights the step reads / one core's
+read bandwidth``. This script measures both on this machine and prints that floor:
+
+* the bytes: every linear layer's weight in the dtype its product reads (packed bfloat16 weights are
+  half the size of float32 ones; a bfloat16 model on the ``mkl`` path reads float32 copies), plus the
+  LM head, which is most of SmolLM2's small matrices' total;
+* the bandwidth: ``torch.sum`` over a 256 MB float32 tensor on one thread, best of five (a read-only
+  pass: what streaming a weight costs).
+
+Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine until every prompt is
+in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
+with timers around its parts (``time.perf_counter``, about a microsecond per call, so the ``timed``
+step is a little longer, and its parts add up to it): the linear products (q/k/v, o, gate/up, down:
+``linears``), the LM head, the decode kernel, the rest of the forward (``fwd oth``: norms, rotary,
+residual adds, the backend's glue, the Python of the layers), the runner's packing of the batch
+(``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
+scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
+parts are means; the header names the CPU. On a shared machine read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import cpu_header, load_smollm2  # noqa: E402
+
+import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
+import minicb.model.cpu_linear as cl  # noqa: E402
+import minicb.runtime.runner as runner_module  # noqa: E402
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.model.llama import LlamaForCausalLM  # noqa: E402
+from minicb.runtime.sampling import Sampler  # noqa: E402
+
+SECONDS: collections.Counter = collections.Counter()
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """One thread's read bandwidth in GB/s: ``torch.sum`` over a float32 tensor, best of ``repeats``."""
+    x = torch.ones(megabytes * 2 ** 20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.sum(x)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """The bytes of linear-layer weight one forward reads, in the dtype each product reads them."""
+    cfg = model.config
+    per_layer = cfg.hidden_size * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                                   + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+    params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size      # the LM head too
+    native = model.dtype == torch.bfloat16 and cl.linear_path(model) in ("torch", "onednn-bf16")
+    return params * (2 if native else 4)        # the other paths multiply float32 copies
+
+
+def timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            SECONDS[name] += time.perf_counter() - t
+    return wrapper
+
+
+def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
+    for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
+        cls.forward = timed("linears", cls.forward)
+    model.lm_head.forward = timed("lm head", model.lm_head.forward)     # counted apart from "linears"
+    cpu_paged.decode_into = timed("decode kernel", cpu_paged.decode_into)
+    runner_module.pack = timed("pack", runner_module.pack)
+    Sampler.sample = timed("sample", Sampler.sample)
+    model.forward = timed("forward", model.forward)
+    llm.engine.step = timed("step", llm.engine.step)
+
+
+def decode_steps(llm: LLM, batch: int, steps: int, vocab: int) -> tuple[list[float], dict[str, float]]:
+    """Start ``batch`` requests and prefill them; then the wall time of each of ``steps`` decode steps and
+    the seconds the timers (if installed) counted in them."""
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    ids = {f"r{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)}
+    for rid in sorted(ids):
+        eng.add_request(rid, torch.randint(10, vocab, (64,), generator=g).tolist(),
+                        SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    started: set[str] = set()
+    while started != ids:                              # until every prompt is in the cache
+        started |= {o.request_id for o in eng.step() if o.token_ids}
+    eng.step()
+    before, times = collections.Counter(SECONDS), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    parts = {k: SECONDS[k] - before[k] for k in SECONDS}
+    while eng.has_unfinished_requests():
+        eng.step()
+    return times, parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(cpu_header())
+    bw = read_bandwidth()
+    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {bw:.1f} GB/s")
+    for dname in args.dtypes.split(","):
+        dtype = getattr(torch, dname)
+        model = load_smollm2(dtype)
+        applied = cpu_fast_paths(model, "cpu")
+        nbytes = weight_bytes(model)
+        print(f"\n{dname}: linear path {cl.linear_path(model)} ({', '.join(applied)}); weights read per "
+              f"step {nbytes / 1e6:.0f} MB -> floor {nbytes / bw / 1e6:.2f} ms at {bw:.1f} GB/s")
+        llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
+        batches = [int(b) for b in args.batches.split(",")]
+        floor = nbytes / (bw * 1e9) * 1e3             # ms
+        clean = {b: statistics.median(decode_steps(llm, b, args.steps, model.config.vocab_size)[0])
+                 for b in batches}
+        install_timers(model, llm)
+        print(f"  {'seqs':>5} {'step':>7} {'floor':>6} {'x floor':>7} | {'timed':>7} {'linears':>7} "
+              f"{'lm head':>7} {'kernel':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} {'sched+out':>9}"
+              "   (ms per step)")
+        for b in batches:
+            _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size)
+            s = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in parts.items()})
+            s["linears"] -= s["lm head"]                  # its class's timer counted the head too
+            other = s["forward"] - s["linears"] - s["lm head"] - s["decode kernel"]
+            # the rest of the (timed) step: the runner's swaps and glue, scheduling, making outputs
+            rest = s["step"] - s["forward"] - s["pack"] - s["sample"]
+            print(f"  {b:>5} {clean[b] * 1e3:7.2f} {floor:6.2f} {clean[b] * 1e3 / floor:7.2f} | "
+                  f"{s['step']:7.2f} {s['linears']:7.2f} {s['lm head']:7.2f} {s['decode kernel']:7.2f} "
+                  f"{other:7.2f} {s['pack']:6.2f} {s['sample']:6.2f} {rest:9.2f}")
+        for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
+            cls.forward = cls.forward.__wrapped__
+        cpu_paged.decode_into = cpu_paged.decode_into.__wrapped__
+        runner_module.pack = runner_module.pack.__wrapped__
+        Sampler.sample = Sampler.sample.__wrapped__
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""W2 through ``LLM()`` on each linear path (``cpu_linear.PATHS``), alternating round by round: the ratio.
+
+    python bench/linear_paths.py                                     # float32: onednn-f32 vs mkl, 3 rounds
+    python bench/linear_paths.py --dtype bfloat16 --paths onednn-bf16,onednn-f32,mkl --rounds 2
+    python bench/linear_paths.py --workload W1
+    python bench/linear_paths.py --micro      # one layer-shaped product per path, and greedy argmax in bf16
+
+``mkl`` is what minicb did before every layer was packed: MKL's float32 ``F.linear`` for the layers and
+the LM head alone packed for oneDNN; ``onednn-f32`` / ``onednn-bf16`` pack every layer. One model per
+path stays loaded (built as ``LLM()`` builds it: ``cpu_fast_paths`` with ``MINICB_LINEAR`` set), and each
+round runs W2 (``bench/workloads.py``, 64 requests, EOS ignored, ``LLM()``'s defaults, the prefix cache
+emptied first) once on every path in turn, so a slow spell of the shared machine hits all paths alike.
+Prints tokens/s per run (and per CPU second of this process: on a machine shared with other jobs the
+wall time counts the others' turns, the CPU time much less), the median per path, each path's ratio to
+the first one round by round, and whether the paths' first 8 tokens agree request by request.
+
+``--micro`` times the pieces instead, one thread, alternating, median of 7 rounds: the fused q/k/v
+product of SmolLM2 (``[rows, 576] x [576, 960]``) at 1-256 rows through MKL's float32 ``F.linear``,
+packed oneDNN float32, packed oneDNN bfloat16 and torch's own bfloat16 ``F.linear`` (GFLOP/s); and the
+sampler's greedy argmax over a ``[64, 49152]`` bfloat16 logits matrix, as it is and widened to float32
+first (what ``Sampler.sample`` does now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import cpu_header, load_smollm2  # noqa: E402
+from workloads import w1, w2  # noqa: E402
+
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.model.cpu_linear import linear_path  # noqa: E402
+
+
+def _median_ms(fns: dict, rounds: int = 7, calls: int = 20) -> dict[str, float]:
+    """Each function's median time per call (ms) over ``rounds`` rounds that run them in turn."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def micro() -> None:
+    import torch.nn.functional as F
+
+    from minicb.model.cpu_linear import _pack, _packed_matmul
+
+    k, n = 576, 960
+    w = torch.randn(n, k)
+    packed32, packed16, wb = _pack(w, torch.float32), _pack(w, torch.bfloat16), w.bfloat16()
+    print(f"q/k/v-shaped product [rows, {k}] x [{k}, {n}], GFLOP/s (median of 7 alternating rounds)")
+    print(f"{'rows':>5} {'MKL f32':>9} {'oneDNN f32':>11} {'oneDNN bf16':>12} {'torch bf16':>11}")
+    for rows in (1, 4, 16, 64, 256):
+        x = torch.randn(rows, k)
+        xb = x.bfloat16()
+        ms = _median_ms({"mkl": lambda x=x: F.linear(x, w),
+                         "f32": lambda x=x: _packed_matmul(x, packed32, n, torch.float32),
+                         "bf16": lambda xb=xb: _packed_matmul(xb, packed16, n, torch.bfloat16),
+                         "torch": lambda xb=xb: F.linear(xb, wb)})
+        gf = {name: 2 * rows * k * n / (t / 1e3) / 1e9 for name, t in ms.items()}
+        print(f"{rows:>5} {gf['mkl']:>9.0f} {gf['f32']:>11.0f} {gf['bf16']:>12.0f} {gf['torch']:>11.0f}")
+    logits = torch.randn(64, 49152).bfloat16()
+    ms = _median_ms({"bf16": lambda: torch.argmax(logits, dim=-1),
+                     "widened": lambda: torch.argmax(logits.float(), dim=-1)}, calls=5)
+    print(f"greedy argmax over [64, 49152] bfloat16 logits: {ms['bf16']:.2f} ms as bfloat16, "
+          f"{ms['widened']:.2f} ms widened to float32 first ({ms['bf16'] / ms['widened']:.1f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--paths", default="onednn-f32,mkl", help="cpu_linear.PATHS, the first is the baseline")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workload", default="W2", choices=["W1", "W2"])
+    ap.add_argument("--micro", action="store_true", help="time the pieces instead (see the docstring)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(cpu_header(), flush=True)
+    if args.micro:
+        return micro()
+    wl = w2() if args.workload == "W2" else w1()
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    paths = args.paths.split(",")
+    llms = {}
+    for path in paths:
+        os.environ["MINICB_LINEAR"] = path
+        model = load_smollm2(getattr(torch, args.dtype))
+        applied = cpu_fast_paths(model, "cpu")
+        print(f"{path}: {linear_path(model)} ({', '.join(applied)})", flush=True)
+        llms[path] = LLM(model)
+    runs: dict[str, list[float]] = {p: [] for p in paths}
+    per_cpu: dict[str, list[float]] = {p: [] for p in paths}   # tokens per CPU second: less hit by sharing
+    first8: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        for path in paths:
+            llm = llms[path]
+            llm.reset_prefix_cache()
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = llm.generate(wl.prompts, params)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            runs[path].append(sum(len(o.token_ids) for o in outs) / dt)
+            per_cpu[path].append(sum(len(o.token_ids) for o in outs) / dc)
+            first8[path] = [o.token_ids[:8] for o in outs]
+            print(f"  round {rnd + 1} {path:<12} {runs[path][-1]:7.1f} tokens/s, "
+                  f"{per_cpu[path][-1]:7.1f} per CPU s  "
+                  f"({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.1f})", flush=True)
+    base = paths[0]
+    print(f"\n{wl.name} {args.dtype}, {args.threads} thread(s), {args.rounds} rounds:")
+    for path in paths:
+        ratios = [b / a for a, b in zip(runs[path], runs[base])]
+        cpu_ratios = [b / a for a, b in zip(per_cpu[path], per_cpu[base])]
+        same = sum(a == b for a, b in zip(first8[path], first8[base]))
+        print(f"  {path:<12} median {statistics.median(runs[path]):7.1f} tokens/s "
+              f"({statistics.median(per_cpu[path]):.1f} per CPU s); {base} / {path} per round: wall "
+              f"{', '.join(f'{r:.2f}x' for r in ratios)}, CPU {', '.join(f'{r:.2f}x' for r in cpu_ratios)}; "
+              f"first 8 tokens as {base}'s in {same}/{len(wl.prompts)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The doors in front of the app: which ``Host`` may be named, which origins may read, who may generate.
+
+::
+
+    request ─► Host allow-list ─► CORS (only with --allowed-origins) ─► API key (/v1/*) ─► the app
+
+A server on a shared machine is reachable by more than its operator:
+
+* **DNS rebinding.** A web page on ``evil.example`` can make its own name resolve to 127.0.0.1; the
+  victim's browser then talks to the local server *as* ``evil.example``, same-origin, and may read
+  the answers. The browser still sends ``Host: evil.example``, so the server answers only requests
+  whose ``Host`` names it: by default the bound address and ``localhost`` / ``127.0.0.1`` / ``::1``
+  (``--allowed-hosts`` adds names; ``*`` turns the check off). Otherwise: 400.
+* **Cross-site requests.** Without CORS headers a browser lets no other origin read a response, and
+  a JSON body (``app.py`` requires ``Content-Type: application/json``, 415 otherwise) cannot be sent
+  cross-site without a preflight that this server does not grant. ``--allowed-origins`` opts in, as
+  ``vllm serve --allowed-origins`` does (Starlette's ``CORSMiddleware``).
+* **Other users.** ``--api-key KEY`` (or ``MINICB_API_KEY``) makes every ``/v1/*`` request need
+  ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time), as ``vllm serve
+  --api-key``; ``/health``, ``/metrics`` and the live page stay open, as vLLM's do.
+
+Every refusal is OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def default_allowed_hosts(bound_host: str) -> tuple[str, ...]:
+    """The names a client on this machine uses for the server: the bound address and localhost."""
+    return tuple(dict.fromkeys((bound_host.strip("[]").lower(), *LOCAL_HOSTS)))
+
+
+def host_name(header: str) -> str:
+    """``Host`` without its port, lower case: ``[::1]:8000`` -> ``::1``, ``A.com:80`` -> ``a.com``."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    if h.count(":") == 1:
+        return h.split(":", 1)[0]
+    try:                                     # a bare IPv6 address
+        ipaddress.IPv6Address(h)
+        return h
+    except ValueError:
+        return h
+
+
+class Guard:
+    """ASGI middleware: the Host allow-list, then (``/v1/*``) the API key, around ``app``."""
+
+    def __init__(self, app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None) -> None:
+        self.app = app
+        self.allowed = None if allowed_hosts is None or "*" in allowed_hosts else \
+            frozenset(host_name(h) for h in allowed_hosts)
+        self._key = None if not api_key else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.allowed is not None:
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed:
+                return await _refuse(send, 400, f"the Host header names {host or 'nothing'!r}, which this "
+                                                "server does not answer to (--allowed-hosts)",
+                                     "invalid_host")
+        guarded = scope.get("path", "").startswith("/v1/") and scope.get("method") != "OPTIONS"
+        if self._key is not None and guarded:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._key):
+                return await _refuse(send, 401, "a valid API key is required: send Authorization: Bearer "
+                                                "<key> (the server's --api-key)", "invalid_api_key",
+                                     {"www-authenticate": "Bearer"})
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(send, status: int, message: str, code: str, extra: dict | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}, ensure_ascii=True).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def wrap(app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None,
+         allowed_origins: tuple[str, ...] = ()):
+    """``app`` behind the Host check, CORS (when ``allowed_origins``) and the API key, in that order."""
+    inner = Guard(app, allowed_hosts=None, api_key=api_key)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        inner = CORSMiddleware(inner, allow_origins=list(allowed_origins), allow_methods=["*"],
+                               allow_headers=["*"], allow_credentials=False)
+    return Guard(inner, allowed_hosts=allowed_hosts, api_key=None)
