@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-fast lint docs docs-pages serve-docs bench clean
+.PHONY: setup demo test test-fast test-core lint docs docs-pages serve-docs bench clean
 
 # Idempotent set-up: reuse an installed torch, else take the CPU wheel torch==2.13.0 (never a CUDA build).
 setup: $(STAMP)
@@ -26,6 +26,13 @@ demo: setup
 test: setup
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The torch-free core (tests/core) in seconds, with torch made unimportable (tests/no_torch.py): passing
+# proves the core needs no torch. Hypothesis runs its quick profile unless HYPOTHESIS_PROFILE says otherwise.
+test-core:
+	@PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-quick} \
+		$(PYTHON) -m pytest -q -p no_torch tests/core; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-core: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests

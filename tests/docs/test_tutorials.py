@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from drain import drain
 from minicb.core.block_manager import ROOT_HASH, BlockManager, hash_block
 from minicb.core.config import TINY_MODEL, SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
@@ -79,25 +80,30 @@ class Drive:
         self.sched = sched = Scheduler(config)
         arrivals = arrivals or [0] * len(lengths)
         self.plans, self.finish, self.seqs, self.before, self.after = [], {}, {}, [], []
-        step = k = 0
-        while k < len(lengths) or sched.has_unfinished():
-            while k < len(lengths) and arrivals[k] <= step:
-                p, o = lengths[k]
-                tokens = list(ids[k]) if ids else prompt(p, k) if isinstance(p, int) else list(p)
-                seq = Sequence(f"r{k}", tokens, SamplingParams(max_tokens=o, ignore_eos=True))
-                sched.add(seq)
-                self.seqs[seq.request_id] = seq
-                k += 1
-            if k == len(lengths):
-                sched.close_arrivals()
-            self.before.append(sched.snapshot())
-            plan = sched.schedule()
-            self.after.append(sched.snapshot())
-            self.plans.append(plan)
-            for seq in sched.update(plan, {s.request_id: 5 for s in plan.seqs if s.sample}, 0.0):
-                self.finish[seq.request_id] = step
-            step += 1
+        drain(sched, lambda sched: self._step(lengths, arrivals, ids),
+              more=lambda: len(self.seqs) < len(lengths))
         self.stats = sched.stats
+
+    def _step(self, lengths, arrivals, ids) -> list:
+        sched, step = self.sched, len(self.plans)
+        for k in range(len(self.seqs), len(lengths)):
+            if arrivals[k] > step:
+                break
+            p, o = lengths[k]
+            tokens = list(ids[k]) if ids else prompt(p, k) if isinstance(p, int) else list(p)
+            seq = Sequence(f"r{k}", tokens, SamplingParams(max_tokens=o, ignore_eos=True))
+            sched.add(seq)
+            self.seqs[seq.request_id] = seq
+        if len(self.seqs) == len(lengths):
+            sched.close_arrivals()
+        self.before.append(sched.snapshot())
+        plan = sched.schedule()
+        self.after.append(sched.snapshot())
+        self.plans.append(plan)
+        done = sched.update(plan, {s.request_id: 5 for s in plan.seqs if s.sample}, 0.0)
+        for seq in done:
+            self.finish[seq.request_id] = step
+        return done
 
 
 def tables(state) -> str:

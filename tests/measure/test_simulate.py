@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from drain import drain
 from minicb.core import scheduler as scheduler_module
 from minicb.core.config import SchedulerConfig
 from minicb.core.plan import ScheduledSeq, StepPlan
@@ -77,9 +78,7 @@ def test_the_simulator_is_the_engines_loop_with_aborts_outputs_and_failures():
         ("a", "error", "RuntimeError: cost model broke")]
     assert failed[0].token_ids == [7, 7] and not sim.has_unfinished_requests()
     sim.add_request("c", [1], params)                   # the engine serves on
-    outs = []
-    while sim.has_unfinished_requests():
-        outs += sim.step()
+    outs = drain(sim)
     assert outs[-1].finished and outs[-1].token_ids == [7] * 4
     assert outs[-1].token_times == [11.5, 12.0, 12.5, 13.0]
 
