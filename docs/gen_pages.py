@@ -8,7 +8,8 @@
 * ``docs/tutorials/index.md``: the chapters with prerequisites and minutes, and a reading path;
 * ``docs/api/*.md``: one mkdocstrings page per module;
 * ``docs/images/trace-*.svg``: the slot timelines of the three policies, drawn by ``minicb trace``;
-* ``docs/images/{ragged-mask,block-tables,prefix-tree,policies}.{json,svg}`` (``minicb.measure.pictures``)
+* ``docs/images/{ragged-mask,block-tables,prefix-tree,policies,static-vs-continuous}.{json,svg}``
+  (``minicb.measure.pictures``)
   and ``docs/assets/replay/data.js``, the recorded run the replay page plays (``minicb.measure.replay``).
 
 ``--only tutorials|api|images`` regenerates one kind. The site is built by ``make docs``.

@@ -340,7 +340,8 @@ SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
     "screenshot-home.png": ("", None),
     "screenshot-home-table.png": ("", "article table"),        # the seed's table and its caveats
     "screenshot-chapter.png": ("tutorials/01_static_batching/", None),
-    "screenshot-replay.png": ("replay/#step=6", "[data-minicb-replay]"),
+    "screenshot-home-timeline.png": ("", "article img[src$='.svg']"),   # static vs continuous, one axis
+    "screenshot-replay.png": ("replay/#step=4", "[data-minicb-replay]"),  # r4 waits (no slot); 2, 3 shared
 }
 
 

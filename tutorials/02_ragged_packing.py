@@ -26,6 +26,7 @@ import torch
 from _common import Exercise, flags, prompt_ids, tiny_model
 
 from minicb.core.config import SchedulerConfig
+from minicb.core.plan import DECODE, row_kind
 from minicb.core.sampling_params import SamplingParams
 from minicb.model.attention import ReferenceAttention
 from minicb.runtime.packer import pack, pack_prompts
@@ -58,7 +59,10 @@ plan = plans[-1]
 
 # %%
 for s in plan.seqs:
-    kind = "decode" if s.num_tokens == 1 and s.start_pos > 0 else "prompt"
+    n_prompt = eng.scheduler.get(s.request_id).num_prompt_tokens
+    # a row is a decode when it starts past the prompt (core.plan.row_kind)
+    kind = row_kind(s.start_pos, s.num_tokens, n_prompt)
+    kind = "decode" if kind == DECODE else "prompt"
     last = s.start_pos + s.num_tokens - 1
     print(f"{s.request_id}: slot {s.slot_id}, {kind}, positions "
           f"{s.start_pos}..{last}, sample={s.sample}")

@@ -50,7 +50,7 @@ def drive(config: SchedulerConfig, lengths, held=True):
 
 def test_recorder_exact_cells_for_hand_made_plans():
     rec = TraceRecorder(3)
-    rec.record(StepPlan(0, (_seq("a", 0, 3, 0), _seq("b", 2, 1, 9))))
+    rec.record(StepPlan(0, (_seq("a", 0, 3, 0), _seq("b", 2, 1, 9))), prompt_lens={"b": 9})  # b: a decode
     rec.record(StepPlan(1, (_seq("a", 0, 1, 3),)), held={0: "a", 2: "b"})
     rec.record(StepPlan(2))                              # empty plans are skipped
     t = rec.trace

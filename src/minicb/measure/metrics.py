@@ -174,9 +174,15 @@ def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
 
 
 def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | None = None,
-                num_slots_held: int = 0, num_blocks_used: int = 0) -> StepRecord:
-    """The ``StepRecord`` of ``plan`` run from ``start`` to ``end``."""
-    decodes = sum(1 for s in plan.seqs if s.num_tokens == 1 and s.start_pos > 0)
+                num_slots_held: int = 0, num_blocks_used: int = 0, prompts=None) -> StepRecord:
+    """The ``StepRecord`` of ``plan`` run from ``start`` to ``end``. A decode is a row that starts past
+    its prompt (``minicb.core.plan.row_kind``); ``prompts``, a ``trace.PromptLengths`` that has seen
+    the run's earlier plans, knows where each prompt ends (without one, only this plan is seen)."""
+    from minicb.core.plan import DECODE
+    from minicb.measure.trace import PromptLengths
+
+    prompts = PromptLengths() if prompts is None else prompts
+    decodes = sum(1 for s in plan.seqs if prompts.kind(s) == DECODE)
     n = plan.num_batched_tokens
     return StepRecord(step=plan.step, start=start, end=end, num_seqs=len(plan.seqs), num_tokens=n,
                       num_padding_tokens=plan.num_padding_tokens, num_prefill_tokens=n - decodes,
@@ -198,6 +204,7 @@ class StepRecorder:
         self.model_config = model_config
         self.steps: list[StepRecord] = []
         self.on_record = on_record
+        self._prompts = None                 # trace.PromptLengths, made on the first record
 
     def attach(self, engine) -> StepRecorder:
         """Record every non-empty step of ``engine`` from its step events (``engine.listen``)."""
@@ -212,7 +219,12 @@ class StepRecorder:
 
     def record(self, plan: StepPlan, start: float, end: float, num_slots_held: int = 0,
                num_blocks_used: int = 0) -> StepRecord:
-        rec = step_record(plan, start, end, self.model_config, num_slots_held, num_blocks_used)
+        if self._prompts is None:
+            from minicb.measure.trace import PromptLengths
+
+            self._prompts = PromptLengths()
+        rec = step_record(plan, start, end, self.model_config, num_slots_held, num_blocks_used,
+                          self._prompts)
         self.steps.append(rec)
         if self.on_record is not None:
             self.on_record(rec)
