@@ -1,7 +1,7 @@
 """The words of the docs: the glossary defines what the issues asked for and every link into it lands on
 a heading; the README's module table is the layout of ``src/minicb``; the figures quoted on the home
 page and on top of the benchmarks page are the ones ``bench/RESULTS.md`` records; nothing repeats the
-seed's overstated tensor-parallel sentence."""
+static-batching note's overstated tensor-parallel sentence."""
 
 from __future__ import annotations
 
@@ -87,12 +87,12 @@ def test_quoted_figures_are_the_recorded_ones(page, start, end):
     assert not missing, missing
 
 
-def test_home_page_states_the_seeds_table_with_its_caveats():
+def test_home_page_states_the_benchmark_table_with_its_caveats():
     home = (DOCS / "index.md").read_text()
     assert "| continuous batching | 3,850 (4.53x) | 88.2% | 85 ms | 22.5 ms | < 0.1% |" in home
     assert "88.2% cannot be compute (FLOP) utilisation" in home
     assert "impossible" in RESULTS and "3,850 x 141 GFLOP/token = 0.54 PFLOP/s = 22% of peak" in RESULTS
-    assert "P99 inter-token latency: the opposite of the seed" in RESULTS
+    assert "P99 inter-token latency: the opposite of the note" in RESULTS
 
 
 # --- nothing cites a document the repository does not have ------------------------------------------

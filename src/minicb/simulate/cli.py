@@ -1,4 +1,4 @@
-"""``minicb simulate``: the seed's table at any scale, from the real scheduler and a cost model.
+"""``minicb simulate``: the benchmark table at any scale, from the real scheduler and a cost model.
 
     minicb simulate                                      # llama-3-70b on 8 x A100-80GB, rates 2,4,8,12,16
     minicb simulate --preset llama-3-8b --rates 5,10,20,40
@@ -30,9 +30,10 @@ from minicb.measure.metrics import format_table, records_to_json
 def add_parser(sub) -> None:
     from minicb.simulate.simulator import PRESETS
 
-    p = sub.add_parser("simulate", help="simulate the seed's table at scale (cost model, same scheduler)",
+    p = sub.add_parser("simulate", help="simulate the benchmark table at scale (cost model, same scheduler)",
                        description="Drive minicb's Scheduler with a cost-model executor on a simulated "
-                                   "clock: the seed's table per policy and arrival rate, and a "
+                                   "clock: the benchmark table of the static-batching note per "
+                                   "policy and arrival rate, and a "
                                    "throughput-latency curve.")
     add_workload_args(p, num_requests=1000)
     p.set_defaults(min_len=4, max_total=2048)     # the usual ShareGPT filter (SOURCES.md)
