@@ -19,6 +19,10 @@ def pytest_configure(config) -> None:
     except ImportError:
         return
     torch.set_num_threads(int(os.environ.get("MINICB_TEST_THREADS", "1")))
+    # No progress lines on stderr (minicb.measure.progress): whether a wait passes its 1 s threshold
+    # depends on the machine's load, and many tests check stderr exactly. tests/measure/test_progress.py
+    # turns it on where progress is what is tested.
+    os.environ.setdefault("MINICB_PROGRESS", "0")
 
 
 # --------------------------------------------------------------------------------------------------

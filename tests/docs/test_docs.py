@@ -68,7 +68,7 @@ def test_link_checker_catches_problems(tmp_path):
 def test_pages_in_headless_chromium(site):
     binary = site_check.find_chromium()
     if binary is None:
-        unavailable("chromium is not installed (make setup installs it with apt-get)")
+        unavailable("chromium is not installed: `make browser` installs it (apt-get, as root); CI does")
     with site_check.Chromium(binary) as browser, site_check.serve(site) as base:   # fork before threads
         home = browser.open(base)
         tutorial = browser.open(base + "tutorials/01_static_batching/")

@@ -348,16 +348,44 @@ def table_rows(summaries: Sequence[Summary], columns=COLUMNS) -> list[list[str]]
     return rows
 
 
-def format_table(summaries: Sequence[Summary], columns=COLUMNS, markdown: bool = False) -> str:
-    """The table as aligned text, or as a Markdown table."""
+def format_table(summaries: Sequence[Summary], columns=COLUMNS, markdown: bool = False,
+                 width: int | None = None) -> str:
+    """The table as aligned text, or as a Markdown table.
+
+    ``width`` (characters): the text table is made to fit it, as ``minicb bench`` and ``minicb
+    simulate`` print it (100 columns unless ``--wide``): headers go on two lines ("throughput" over
+    "tok/s"), and columns that still do not fit go into a second table under the first, each table
+    with the policy column. ``None``: one table, one header line, however wide."""
     rows = table_rows(summaries, columns)
     if markdown:
         head, *body = rows
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+    if width is None:
+        return _text_table(rows)
+    head, *body = rows
+    split = [h.rsplit(" ", 1) if " " in h else ["", h] for h in head]      # two header lines
+    cols = [[top, bottom, *(r[i] for r in body)] for i, (top, bottom) in enumerate(split)]
+    col_w = [max(map(len, c)) for c in cols]
+    groups, current, used = [], [], col_w[0]
+    for i in range(1, len(cols)):
+        if current and used + 2 + col_w[i] > width:
+            groups.append(current)
+            current, used = [], col_w[0]
+        current.append(i)
+        used += 2 + col_w[i]
+    groups.append(current)
+    tables = []
+    for group in groups:
+        idx = [0, *group]
+        tables.append(_text_table([[cols[i][r] for i in idx] for r in range(len(cols[0]))]))
+    return "\n\n".join(tables)
+
+
+def _text_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                               enumerate(zip(r, widths))) for r in rows)
+                               enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
 def records_to_json(summary: Summary, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],

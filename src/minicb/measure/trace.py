@@ -673,9 +673,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("trace", help="draw which request held which slot at every step (space-time diagram)",
                        description="Run a random workload and draw the slot timeline: ASCII in the "
                                    "terminal, or PNG/SVG with --out (needs matplotlib).")
-    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"],
+                   help="continuous (default), dynamic or static batching")
+    p.add_argument("--num-requests", type=int, default=8, help="requests in the random workload (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
     p.add_argument("--out", default=None, help="write a .png or .svg (matplotlib) besides the ASCII")
     p.add_argument("--replay", default=None, metavar="OUT.html",
                    help="also record the run step by step into one self-contained HTML page (the docs' "
@@ -683,17 +684,25 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="tiny",
                    help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
     p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
-    p.add_argument("--max-num-batched-tokens", type=int, default=64)
-    p.add_argument("--long-prefill-chunk", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--num-host-blocks", type=int, default=0)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=64,
+                   help="token budget of a step (default 64)")
+    p.add_argument("--long-prefill-chunk", type=int, default=None,
+                   help="prompt tokens one request may prefill in a step (default: no limit)")
+    p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default 4)")
+    p.add_argument("--num-blocks", type=int, default=256,
+                   help="KV blocks (default 256; fewer forces preemptions)")
+    p.add_argument("--num-host-blocks", type=int, default=0,
+                   help="host-memory blocks for --preemption-mode swap (default 0)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="a preempted request recomputes its KV (default) or swaps it to host blocks")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] tokens (default 4 24)")
+    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX] tokens (default 2 24)")
     p.add_argument("--arrival-gap", type=int, default=0, help="steps between arrivals (0: all at once)")
     p.add_argument("--width", type=int, default=None, help="characters per line (default: terminal)")
-    p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="colour the diagram (auto: on a terminal, unless NO_COLOR is set)")
 
 
 def cmd_trace(args) -> int:
@@ -709,6 +718,10 @@ def cmd_trace(args) -> int:
     check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
     if args.width is not None:
         check_int("--width", args.width, lo=20, hi=100_000)
+    if args.model not in ("tiny", "default"):
+        from minicb.model.weights.paths import check_model_path
+
+        check_model_path(args.model, "--model")           # before torch; "never downloads" for hub ids
     if args.model == "tiny":
         import torch
 
