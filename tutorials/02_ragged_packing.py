@@ -12,11 +12,11 @@ these tensors.
 """
 
 # %% [markdown]
-# The seed's example: the flat sequence `[TokenA_0, TokenB_37, TokenC_0,
-# TokenC_1, TokenC_2]` with `cu_seqlens` = `[0, 1, 2, 5]`. We make it happen
-# with the real engine: request B has a 37-token prompt and is decoding position
-# 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's planner
-# puts decodes first, so B's token leads, but the offsets are the seed's.
+# The static-batching note's example: the flat sequence `[TokenA_0, TokenB_37,
+# TokenC_0, TokenC_1, TokenC_2]` with `cu_seqlens` = `[0, 1, 2, 5]`. We make it
+# happen with the real engine: request B has a 37-token prompt and is decoding
+# position 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's
+# planner puts decodes first, so B's token leads; the offsets are the note's.
 #
 # Prefix caching (chapter 10) is off here: every request gets plain, private
 # block tables.

@@ -1,7 +1,7 @@
 """hypothesis ``RuleBasedStateMachine`` models of the slot table, the block manager and the scheduler.
 
 Each machine keeps a plain model of what the state must be, applies random operations (valid ones and
-invalid ones, which must raise and change nothing) and checks DESIGN.md section 3 after every rule:
+invalid ones, which must raise and change nothing) and checks docs/design.md's invariants after every rule:
 blocks conserved (device and host), ref counts, slot uniqueness, step limits, every request ending
 exactly once, and, for the scheduler, token-exactness against the fake model of ``scheduler_fixtures``.
 """

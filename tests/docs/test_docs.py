@@ -76,7 +76,7 @@ def test_pages_in_headless_chromium(site):
     assert home.title.startswith("minicb")
     assert ("h1", "minicb") in home.headings
     assert ("h2", "What continuous batching is, and why") in home.headings
-    assert ("h2", "The story, as the seed tells it") in home.headings
+    assert ("h2", "The story, as the static-batching note tells it") in home.headings
     assert home.images and all(ok for _, ok in home.images), home.images
     assert ("h1", "Chapter 01: static batching and its padding bubbles") in tutorial.headings
     assert ("h2", "1. One padded static batch of all four requests") in tutorial.headings   # literate

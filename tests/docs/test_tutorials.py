@@ -322,7 +322,7 @@ def packed_step(b_prompt: int, block_size: int) -> dict:
 def test_02_ragged_packing():
     text = out("02_ragged_packing.py")
     want = packed_step(37, 4)
-    assert value(text, r"cu_seqlens_q = (\[[^\]]*\])") == want["cu_q"] == [0, 1, 2, 5]    # the seed's
+    assert value(text, r"cu_seqlens_q = (\[[^\]]*\])") == want["cu_q"] == [0, 1, 2, 5]    # the note's example
     assert list(value(text, r"^positions\s+: \[([^\]]*)\]")) == want["positions"]
     assert value(text, r"cu_seqlens_k = (\[[^\]]*\])") == want["cu_k"]
     assert value(text, r"slot_mapping = (\[[^\]]*\])") == want["slots"]

@@ -228,7 +228,7 @@ def test_step_recorder_listens_beside_other_listeners():
     assert all(s.end >= s.start for s in rec.steps) and rec.steps[0].end <= rec.steps[1].start
 
 
-def test_format_table_has_the_seed_columns():
+def test_format_table_has_the_benchmark_table_columns():
     reqs, steps = _timeline()
     s = summarize(reqs, steps, label="continuous", num_slots=2, num_blocks=8, peak_flops=25.0)
     text = format_table([s])

@@ -1,5 +1,5 @@
 """The cost-model simulator: same Scheduler class as the engine, deterministic, calibrated, and the
-seed's qualitative result (continuous ahead of static) at LLaMA-3-70B scale. Also the workloads."""
+benchmark table's qualitative result (continuous ahead of static) at LLaMA-3-70B scale. Also the workloads."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_preemption_happens_in_simulation_when_kv_is_short():
     assert res.summary.num_preemptions > 0 and res.summary.num_finished == 60
 
 
-# --- the seed's shape at 70B ----------------------------------------------------------------------
+# --- the benchmark table's shape at 70B ----------------------------------------------------------
 def test_continuous_beats_static_at_70b_scale():
     # output lengths / 4 keep the test quick; 16 slots, 6 req/s: static's batches queue
     reqs = make_requests("sharegpt", 120, rate=6.0, seed=0, min_len=4, max_total=2048, output_div=4)

@@ -1,4 +1,4 @@
-"""``minicb bench``: the seed's table measured on this machine, with requests arriving over wall time.
+"""``minicb bench``: the benchmark table measured on this machine, with requests arriving over wall time.
 
     minicb bench --policy all --rate 2 --num-requests 24 --out bench/out/cpu
     minicb bench --model tiny --num-requests 8 --rate 50 --out /tmp/b      # seconds, random tiny model
@@ -54,7 +54,7 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests: int | None) -> N
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure the seed's table (throughput, latency, padding) here",
+    p = sub.add_parser("bench", help="measure the benchmark table (throughput, latency, padding) here",
                        description="Serve trace-shaped requests arriving over wall time with each policy; "
                                    "print the table, write JSON and PNG plots.")
     add_workload_args(p, num_requests=24)

@@ -1,4 +1,4 @@
-"""Serving metrics: the seed's table (throughput, utilisation, queueing, inter-token latency, padding).
+"""Serving metrics: the benchmark table (throughput, utilisation, queueing, inter-token latency, padding).
 
 Two kinds of record, both plain values (no torch), filled the same way by the real engine
 (``minicb bench``) and by the cost-model simulator (``minicb simulate``):
@@ -15,7 +15,7 @@ Two kinds of record, both plain values (no torch), filled the same way by the re
 
 ``summarize(requests, steps, ...)`` turns them into a ``Summary``. Definitions (``duration`` runs
 from the first arrival to the last finish, idle gaps included, so a lightly loaded server shows low
-utilisation, as the seed's static batch does):
+utilisation, as the static batch of the static-batching note does):
 
 =========================  =============================================================================
 output tokens/s            output tokens of finished requests / duration
@@ -273,7 +273,7 @@ class Summary:
 def summarize(requests: Iterable[RequestRecord], steps: Sequence[StepRecord] = (), *, label: str = "",
               num_slots: int | None = None, num_blocks: int | None = None, peak_flops: float | None = None,
               num_preemptions: int | None = None, duration: float | None = None) -> Summary:
-    """The seed's table row (and more) from request and step records; see the module docstring.
+    """The benchmark table's row (and more) from request and step records; see the module docstring.
 
     ``num_preemptions`` defaults to the sum over requests; ``duration`` to last finish - first arrival.
     """
@@ -318,7 +318,7 @@ def summarize(requests: Iterable[RequestRecord], steps: Sequence[StepRecord] = (
 
 
 # --- printing -----------------------------------------------------------------------------------------
-# (column title, Summary field, scale, format); the first five are the seed's columns
+# (column title, Summary field, scale, format); the first five are the benchmark table's columns
 COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("throughput tok/s", "output_tokens_per_s", 1.0, "{:,.1f}"),
     ("compute util", "compute_utilisation", 100.0, "{:.1f}%"),
@@ -333,7 +333,7 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("KV util", "kv_block_utilisation", 100.0, "{:.1f}%"),
     ("preempt", "num_preemptions", 1.0, "{:.0f}"),
 )
-SEED_COLUMNS = COLUMNS[:5]
+BENCHMARK_COLUMNS = COLUMNS[:5]
 
 
 def format_value(value, scale: float, fmt: str) -> str:

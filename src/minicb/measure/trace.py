@@ -79,7 +79,7 @@ IDLE_CELL = Cell(IDLE)
 
 @dataclass(slots=True)
 class TraceSummary:
-    """Totals over a trace; ``padding_waste`` is the seed's "padding bubble" ratio in tokens."""
+    """Totals over a trace; ``padding_waste`` is the benchmark table's "padding bubble" ratio in tokens."""
 
     num_steps: int
     num_slots: int

@@ -1,4 +1,4 @@
-"""``minicb simulate``: the seed's table at any scale, from the real scheduler and a cost model.
+"""``minicb simulate``: the benchmark table at any scale, from the real scheduler and a cost model.
 
     minicb simulate                  # llama-3-70b on 8 x A100-80GB: 200 requests at 2, 8 and 16 req/s
     minicb simulate --full           # the full table: 1,000 requests at 2, 4, 8, 12, 16 req/s (minutes)
@@ -37,9 +37,10 @@ FULL_REQUESTS, FULL_RATES = 1000, "2,4,8,12,16"        # --full: 15,000 simulate
 def add_parser(sub) -> None:
     from minicb.simulate.simulator import PRESETS
 
-    p = sub.add_parser("simulate", help="simulate the seed's table at scale (cost model, same scheduler)",
+    p = sub.add_parser("simulate", help="simulate the benchmark table at scale (cost model, same scheduler)",
                        description="Drive minicb's Scheduler with a cost-model executor on a simulated "
-                                   "clock: the seed's table per policy and arrival rate, and a "
+                                   "clock: the benchmark table of the static-batching note per "
+                                   "policy and arrival rate, and a "
                                    "throughput-latency curve.")
     add_workload_args(p, num_requests=None)
     p.set_defaults(min_len=4, max_total=2048)     # the usual ShareGPT filter (SOURCES.md)
