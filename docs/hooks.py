@@ -1,4 +1,6 @@
-"""mkdocs hooks: pull ``bench/RESULTS.md`` (written by the benchmarks, outside docs/) into the
+"""mkdocs hooks: add the replay player's script and style (``src/minicb/measure/replay_web/``: the
+package ships them, so ``minicb trace --replay`` can inline them) to the site under ``assets/replay/``;
+pull ``bench/RESULTS.md`` (written by the benchmarks, outside docs/) into the
 Benchmarks page at build time, so the page always shows the latest committed results.
 
 The page ``benchmarks.md`` holds the line ``<!-- include: bench/RESULTS.md -->``; this hook replaces
@@ -14,6 +16,7 @@ import re
 from mkdocs.structure.files import File
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPLAY_WEB = ROOT / "src" / "minicb" / "measure" / "replay_web"
 RESULTS = ROOT / "bench" / "RESULTS.md"
 MARKER = "<!-- include: bench/RESULTS.md -->"
 LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
@@ -31,6 +34,8 @@ def _local_targets(text: str) -> list[str]:
 
 
 def on_files(files, config):
+    for asset in sorted(REPLAY_WEB.glob("replay.*")):
+        files.append(File.generated(config, f"assets/replay/{asset.name}", abs_src_path=str(asset)))
     if RESULTS.exists():
         for target in set(_local_targets(RESULTS.read_text(encoding="utf-8"))):
             files.append(File.generated(config, f"bench-files/{target}",

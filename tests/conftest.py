@@ -5,16 +5,24 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
+import hypothesis_profiles  # noqa: E402, F401  (registers and loads the hypothesis profile: quick / thorough)
+
 
 def pytest_configure(config) -> None:
     """One intra-op thread: the tests' matmuls are tiny, and on a 2-core machine OpenMP's second
     thread costs ~1 ms of synchronisation per call (100x the work) whenever the other core is busy.
-    ``MINICB_TEST_THREADS`` overrides."""
+    ``MINICB_TEST_THREADS`` overrides. Without torch (``make test-core``) there is nothing to set."""
     import os
 
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        return
     torch.set_num_threads(int(os.environ.get("MINICB_TEST_THREADS", "1")))
+    # No progress lines on stderr (minicb.measure.progress): whether a wait passes its 1 s threshold
+    # depends on the machine's load, and many tests check stderr exactly. tests/measure/test_progress.py
+    # turns it on where progress is what is tested.
+    os.environ.setdefault("MINICB_PROGRESS", "0")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from drain import drain, finals
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
@@ -36,24 +37,20 @@ def run_engine(model, config: SchedulerConfig, prompts, params, arrivals=None, c
     """Drive an engine: request i is added at step ``arrivals[i]``. Returns outputs in input order."""
     eng = engine_for(model, config, attn_backend=attn_backend)
     arrivals = arrivals or [0] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    outs, step, k = {}, 0, 0
-    while k < len(order) or eng.has_unfinished_requests():
-        while k < len(order) and arrivals[order[k]] <= step:
-            i = order[k]
+    steps = [0]
+
+    def one_step(eng: LLMEngine) -> list:
+        while pending and arrivals[pending[0]] <= steps[0]:
+            i = pending.pop(0)
             eng.add_request(f"r{i}", prompts[i], plist[i])
-            k += 1
-        if k == len(order):
+        if not pending:
             eng.scheduler.close_arrivals()
-        for o in eng.step():
-            if o.finished:
-                assert o.request_id not in outs, "a request finished twice"
-                outs[o.request_id] = o
-        if check:
-            eng.scheduler.check_integrity()
-        step += 1
-        assert step < 100_000, "engine does not drain"
+        steps[0] += 1
+        return eng.step()
+
+    outs = finals(drain(eng, one_step, max_steps=100_000, more=lambda: bool(pending), check=check))
     assert_drained(eng)
     return [outs[f"r{i}"] for i in range(len(prompts))], eng
 

@@ -5,9 +5,11 @@ request ends exactly once; and an even tinier model than ``helpers.TINY`` for lo
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from drain import drain
 from minicb.core.config import ModelConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
@@ -35,18 +37,16 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
     """Request ``i`` (id ``r{i}``) is added before step ``arrivals[i]``; ``abort(step, live_ids)`` names
     requests to abort before that step. Asserts every request ends exactly once and the engine drains."""
     d = Drive()
-    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    pending = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
     live: dict[str, None] = {}          # insertion-ordered set of unfinished request ids
-    k = 0
-    while k < len(order) or eng.has_unfinished_requests():
-        assert d.steps < max_steps, f"not drained after {max_steps} steps"
-        while k < len(order) and arrivals[order[k]] <= d.steps:
-            rid = f"r{order[k]}"
-            eng.add_request(rid, prompts[order[k]], params[order[k]])
-            d.arrival_step[rid] = d.steps
-            live[rid] = None
-            k += 1
-        if k == len(order):
+
+    def one_step(eng: LLMEngine) -> None:
+        while pending and arrivals[pending[0]] <= d.steps:
+            i = pending.popleft()
+            eng.add_request(f"r{i}", prompts[i], params[i])
+            d.arrival_step[f"r{i}"] = d.steps
+            live[f"r{i}"] = None
+        if not pending:
             eng.scheduler.close_arrivals()
         if abort is not None and live:
             for rid in abort(d.steps, list(live)):
@@ -62,6 +62,8 @@ def drive(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
         if check_every and d.steps % check_every == 0:
             eng.scheduler.check_integrity()
         d.steps += 1
+
+    drain(eng, one_step, max_steps=max_steps, more=lambda: bool(pending))
     eng.scheduler.check_integrity()
     assert not live, f"requests never ended: {sorted(live)[:5]}"
     assert set(d.outputs) == {f"r{i}" for i in range(len(prompts))}, "a request was lost"

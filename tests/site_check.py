@@ -338,9 +338,12 @@ class Tab:
 # --- screenshots ------------------------------------------------------------------------------------
 SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
     "screenshot-home.png": ("", None),
-    "screenshot-home-table.png": ("", "article table"),        # the seed's table and its caveats
+    "screenshot-home-table.png": ("", "article table"),        # the benchmark table, caveats
     "screenshot-chapter.png": ("tutorials/01_static_batching/", None),
-    "screenshot-replay.png": ("replay/#step=6", "[data-minicb-replay]"),
+    "screenshot-home-timeline.png": ("", "article img[src$='.svg']"),   # static vs continuous, one axis
+    "screenshot-replay.png": ("replay/#step=4", "[data-minicb-replay]"),  # r4 waits (no slot); 2, 3 shared
+    "screenshot-annotated.png": ("annotated/continuous_schedule/", "h2:nth-of-type(2)"),
+    "screenshot-roofline.png": ("tutorials/00_why_batch/", "img[src$='roofline.svg']"),
 }
 
 

@@ -1,7 +1,7 @@
 """Tiny model *files* written by the tests themselves, without transformers: a GGUF (through
 ``gguf.GGUFWriter``) and a Hugging Face directory (``config.json`` + ``model.safetensors`` +
 ``tokenizer.json``), both around a random LLaMA of one layer and the 266-token BPE of
-``test_tokenizer``. Used by the loader fuzzing and the command-line tests."""
+``tokenizer_fixtures``. Used by the loader fuzzing and the command-line tests."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as VT
-from test_tokenizer import tiny_gguf_tokenizer_metadata
 
 from minicb.model.weights.gguf_loader import permute_qk
+from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
 TOKENIZER = tiny_gguf_tokenizer_metadata()
 VOCAB = len(TOKENIZER["tokenizer.ggml.tokens"])            # 266

@@ -7,9 +7,9 @@ the setting).
 A static batch runs a fixed group of requests together until the longest one
 ends. Requests that end early keep their row and compute padding; requests that
 arrive meanwhile wait outside. We measure that waste with minicb's padded
-baseline (``minicb.runtime.baseline.generate_padded``), then draw the seed's
-space-time picture for static versus continuous batching with
-``minicb.measure.trace``.
+baseline (``minicb.runtime.baseline.generate_padded``), then draw the
+space-time picture of the static-batching note (the text this project grew
+from) for static versus continuous batching with ``minicb.measure.trace``.
 """
 
 # %% [markdown]
@@ -20,7 +20,7 @@ space-time picture for static versus continuous batching with
 # padding until the longest member ends.
 #
 # Four requests, each a (prompt length, tokens to generate) pair. A is short and
-# B is long: the seed's A and B. The model is a 2-layer random LLaMA in float64,
+# B is long: the note's A and B. The model is a 2-layer random LLaMA in float64,
 # so everything runs in seconds and tokens can be compared exactly.
 
 # %%
@@ -69,11 +69,11 @@ print(f"token slots computed: {result.total_token_slots}, "
 print(f"padding waste of the static batch: {100 * result.padding_waste:.2f}%")
 
 # %% [markdown]
-# The seed quotes 68.5% padding waste for static batching on ShareGPT, where
+# The note quotes 68.5% padding waste for static batching on ShareGPT, where
 # lengths range from 100 to 2,000 tokens; four tiny requests already waste a
 # large share.
 #
-# ## 2. The seed's space-time picture: static versus continuous
+# ## 2. The note's space-time picture: static versus continuous
 #
 # Now the same four requests compete for a few slots (`max_num_seqs`, 2 by
 # default). Each character is one slot in one step: a letter is real work (UPPER
@@ -100,6 +100,15 @@ for policy in ("static", "continuous"):
           "padding tokens\n")
 
 # %% [markdown]
+# Why does the scheduler count 16 padding tokens when section 1 counted 36?
+# Section 1 padded *one* batch of all four: every prompt to C's 6 tokens
+# (1 + 3 + 0 + 2 = 6 padding tokens) and every row to B's 14 tokens (A, C and D
+# idle 11 + 9 + 10 = 30 steps): 36. With 2 slots the static policy forms two
+# batches of two, each padded only to its own members: A with B (B's prompt
+# padded to A's 5: 2 tokens; A idles 11 steps), then C with D (D's prompt to
+# C's 6: 2; D idles 1 step): 2 + 11 + 2 + 1 = 16. A `.` in the picture is
+# one of those idle steps. Smaller batches pad less, but C and D wait for B.
+#
 # Count the steps and the share of (slot, step) cells that did real work:
 
 # %%

@@ -12,11 +12,11 @@ these tensors.
 """
 
 # %% [markdown]
-# The seed's example: the flat sequence `[TokenA_0, TokenB_37, TokenC_0,
-# TokenC_1, TokenC_2]` with `cu_seqlens` = `[0, 1, 2, 5]`. We make it happen
-# with the real engine: request B has a 37-token prompt and is decoding position
-# 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's planner
-# puts decodes first, so B's token leads, but the offsets are the seed's.
+# The static-batching note's example: the flat sequence `[TokenA_0, TokenB_37,
+# TokenC_0, TokenC_1, TokenC_2]` with `cu_seqlens` = `[0, 1, 2, 5]`. We make it
+# happen with the real engine: request B has a 37-token prompt and is decoding
+# position 37; A (a 1-token prompt) and C (a 3-token prompt) arrive. minicb's
+# planner puts decodes first, so B's token leads; the offsets are the note's.
 #
 # Prefix caching (chapter 10) is off here: every request gets plain, private
 # block tables.
@@ -26,6 +26,7 @@ import torch
 from _common import Exercise, flags, prompt_ids, tiny_model
 
 from minicb.core.config import SchedulerConfig
+from minicb.core.plan import DECODE, row_kind
 from minicb.core.sampling_params import SamplingParams
 from minicb.model.attention import ReferenceAttention
 from minicb.runtime.packer import pack, pack_prompts
@@ -58,7 +59,10 @@ plan = plans[-1]
 
 # %%
 for s in plan.seqs:
-    kind = "decode" if s.num_tokens == 1 and s.start_pos > 0 else "prompt"
+    n_prompt = eng.scheduler.get(s.request_id).num_prompt_tokens
+    # a row is a decode when it starts past the prompt (core.plan.row_kind)
+    kind = row_kind(s.start_pos, s.num_tokens, n_prompt)
+    kind = "decode" if kind == DECODE else "prompt"
     last = s.start_pos + s.num_tokens - 1
     print(f"{s.request_id}: slot {s.slot_id}, {kind}, positions "
           f"{s.start_pos}..{last}, sample={s.sample}")
@@ -103,8 +107,23 @@ print(f"\nflat tokens computed: {batch.num_tokens}")
 print(f"a padded [batch={n_seqs}, max_len={longest}] tensor would compute "
       f"{n_seqs * longest} token rows,")
 print(f"{n_seqs * longest - batch.num_tokens} of them padding")
+# attention also reads keys: a padded batch gives every query row the
+# longest context's keys; the ragged one gives a row its own request's keys
+q_len = meta.cu_seqlens_q.diff().tolist()
+k_len = meta.cu_seqlens_k.diff().tolist()
+padded_pairs = n_seqs * longest * max(k_len)
+ragged_pairs = sum(q * k for q, k in zip(q_len, k_len, strict=True))
+print(f"query-key scores: padded [{n_seqs}, {longest}] x {max(k_len)} keys = "
+      f"{padded_pairs},")
+terms = " + ".join(f"{q}x{k}" for q, k in zip(q_len, k_len, strict=True))
+print(f"ragged {terms} = {ragged_pairs}")
 
 # %% [markdown]
+# Token rows are only half of padding's cost. The weights' matmuls cost per
+# row, but attention costs per query-key pair: padded, every one of the 9 rows
+# would score the longest context's keys (B's cached ones), so the short
+# prompts pay for B's history too. Ragged, each row scores its own keys.
+#
 # Every layer except attention works token by token, so it does not care which
 # request a row belongs to. Attention uses `cu_seqlens` to keep requests apart:
 # the query rows `cu_seqlens_q[i]:cu_seqlens_q[i+1]` attend only to request i's

@@ -6,13 +6,13 @@ Prerequisites: chapter 01.
 A batch has a fixed number of rows, "slots" (``max_num_seqs``). A request takes
 a slot when it is admitted and gives it back the moment it finishes, so the next
 step can hand it to a waiting request. ``minicb.core.slot_table.SlotTable`` is
-the seed's ``running_slots`` dict plus its ``_find_free_slot_id``: it always
-hands out the lowest free slot, which makes the assignment deterministic (every
-tensor-parallel rank computes the same one).
+the static-batching note's ``running_slots`` dict plus its
+``_find_free_slot_id``: it always hands out the lowest free slot, which makes
+the assignment deterministic (every tensor-parallel rank computes the same one).
 """
 
 # %% [markdown]
-# The seed's scheduler keeps `running_slots: Dict[int, SequenceContext]` and a
+# The note's scheduler keeps `running_slots: Dict[int, SequenceContext]` and a
 # `_find_free_slot_id()` helper. minicb's `SlotTable` is that dict with its
 # invariants checked: a slot holds at most one request, a request at most one
 # slot, and free + held = `num_slots`.
@@ -97,7 +97,7 @@ free = cfg.max_num_seqs - engine.snapshot().num_held_slots
 print(f"after the run: free slots {free} of {cfg.max_num_seqs}")
 
 # %% [markdown]
-# Admission follows the seed's loop: while a slot is free and the waiting queue
+# Admission follows the note's loop: while a slot is free and the waiting queue
 # is not empty, take the request at the front; if its KV blocks do not fit, it
 # goes back to the front and admission stops for this step (no overtaking).
 # Chapter 04 is about those blocks.

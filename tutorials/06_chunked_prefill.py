@@ -5,7 +5,7 @@ Prerequisites: chapters 02 (the attention mask) and 05.
 
 A step's time grows with the tokens it computes. When a long prompt joins a
 batch of decodes, the step that computes the whole prompt is long, and every
-running request's next token waits for it (the seed: "decode starvation").
+running request's next token waits for it ("decode starvation").
 Chunked prefill caps each step at ``max_num_batched_tokens`` tokens: decodes are
 scheduled first, then the prompt gets what is left of the budget, chunk after
 chunk (``minicb.core.planner``). A chunk after the first one attends to keys it
@@ -99,9 +99,10 @@ print(f"C's first token came at step: chunked {c_chunks[-1][0]}, "
 
 # %% [markdown]
 # The trade: C's first token comes a few steps later, but no step is ever longer
-# than the budget, so a and b keep a steady inter-token latency (the seed's P99
-# inter-token latency column). `long_prefill_chunk` additionally caps one
-# prompt's share, so two new prompts can share a step.
+# than the budget, so a and b keep a steady inter-token latency (the P99
+# inter-token latency column of the benchmark table, chapter 09).
+# `long_prefill_chunk` additionally caps one prompt's share, so two new
+# prompts can share a step.
 #
 # ## 2. Which keys may a chunk see? Bottom-right causal alignment
 #

@@ -5,8 +5,9 @@ Prerequisites: chapter 05; chapter 07 helps (a rank that runs out of blocks
 preempts).
 
 With tensor parallelism every rank holds a slice of every weight matrix and runs
-the *same* step on the *same* flat batch; each layer ends in an all-reduce that
-sums the ranks' partial results. So all ranks must agree, every step, on the
+the *same* step on the *same* flat batch; each layer does two all-reduces
+(after attention's output projection and after the MLP's down projection) that
+sum the ranks' partial results. So all ranks must agree, every step, on the
 slot state and on the flat batch. If rank 0 packs 9 tokens and rank 1 packs 8,
 their all-reduces do not match: depending on the library and the shapes, the
 collective hangs, fails with an error, or (when the shapes happen to agree)
@@ -158,7 +159,8 @@ except DistributedError as e:
 # runs the scheduler; it sends each plan to the other ranks, and all ranks
 # all-gather an 8-byte digest of (plan number, fingerprint) and compare before
 # the forward pass. The tiny model's 4 query / 2 KV heads are split over 2
-# ranks; the two all-reduces per layer sum their partial results.
+# ranks; the two all-reduces per layer sum their partial results (2 layers:
+# 4 all-reduces a step, one plan a step).
 
 # %%
 def generate(engine) -> dict[str, list[int]]:

@@ -3,14 +3,14 @@
 Run: python tutorials/09_benchmark.py
 Prerequisites: chapters 01, 05 and 06 (and 07 for the vocabulary).
 
-The seed's table compares static batching, naive dynamic batching and continuous
-batching on five numbers: throughput, compute utilisation, mean queueing delay,
-P99 inter-token latency and padding waste. This chapter runs one workload
-through minicb's three policies (and continuous batching with chunked prefill)
-with the real engine and a tiny random model, so it takes seconds on a CPU, and
-computes each number from what the engine records: the scheduler's counters and
-each request's timestamps. Then it checks the numbers against
-``minicb.measure.metrics`` (what ``minicb bench`` reports).
+The benchmark table of the static-batching note compares static batching, naive
+dynamic batching and continuous batching on five numbers: throughput, compute
+utilisation, mean queueing delay, P99 inter-token latency and padding waste.
+This chapter runs one workload through minicb's three policies (and continuous
+batching with chunked prefill) with the real engine and a tiny random model, so
+it takes seconds on a CPU, and computes each number from what the engine
+records: the scheduler's counters and each request's timestamps. Then it checks
+the numbers against ``minicb.measure.metrics`` (what ``minicb bench`` reports).
 """
 
 # %% [markdown]
@@ -54,7 +54,7 @@ for name, values in (("prompt lengths", [len(p) for p in workload.prompts]),
                      ("output lengths", list(workload.max_tokens))):
     print(textwrap.fill(f"{name}: {values}", WIDTH, subsequent_indent="  "))
 
-# %% helper: run one policy and compute the seed's five numbers by hand
+# %% helper: run one policy and compute the table's five numbers by hand
 def percentile(values, q: float) -> float:
     """Linear interpolation between order statistics (numpy's default)."""
     xs = sorted(values)
@@ -157,7 +157,7 @@ print(f"all four runs produced identical tokens: {same}")
 # **Throughput**: generated tokens over the time from the first arrival to the
 # last finish, in the cost model's units. **Slot utilisation** is the share of
 # (slot, step) cells that computed real tokens: the trace's picture of the
-# seed's "compute utilisation".
+# benchmark table's "compute utilisation".
 #
 # **Mean queueing delay**: from arrival to the first scheduled step. Static
 # batching waits for a full batch and then for the whole batch to finish;
@@ -173,11 +173,11 @@ print(f"all four runs produced identical tokens: {same}")
 #
 # **Padding waste**: padding tokens over all tokens computed. Static and dynamic
 # batches pad short prompts to the longest and keep finished rows computing;
-# continuous batching never pads (the seed: under 0.1%).
+# continuous batching never pads (the benchmark table: under 0.1%).
 #
 # ## Why dynamic batching comes out worse than static here
 #
-# The seed's table ranks naive dynamic batching between static and continuous.
+# The benchmark table puts naive dynamic batching between static and continuous.
 # Here it is last. Both padded policies run a batch until its longest member
 # ends; they differ only in *when* a batch starts. Dynamic starts as soon as
 # anything waits; static waits until a batch is full (or no more requests will

@@ -128,8 +128,9 @@ for k, r in sorted(results.items()):
 # ## What the page showed, in text
 #
 # Every column is a step and every row a slot. A letter names the client whose
-# request held the slot (`a` is c0, `b` is c1, ...): lowercase for a prompt
-# chunk, uppercase for a decode (one new token), `.` for an idle slot.
+# request held the slot (`a` is c0, `b` is c1, ...): UPPERCASE for a prompt
+# chunk, lowercase for a decode (one new token), `.` for an idle slot, the
+# convention of every other chapter's slot pictures.
 
 # %%
 letter = {r["id"]: chr(ord("a") + k) for k, r in results.items()}
@@ -144,7 +145,7 @@ joined, left, slot_of = {}, {}, {}
 for j, step in enumerate(steps):
     for slot, rid, kind, _ in columns[step]:
         ch = letter.get(rid, "?")
-        grid[slot][j] = ch if kind == "prefill" else ch.upper()
+        grid[slot][j] = ch.upper() if kind == "prefill" else ch
         joined.setdefault(ch, step)
         left[ch] = step
         slot_of[ch] = slot
@@ -171,6 +172,9 @@ fresh = sorted(ch for ch in joined if previous_holder(ch) is None)
 waited = sorted((ch for ch in joined if previous_holder(ch)), key=joined.get)
 print(f"took a free slot: {fresh} "
       f"(at steps {sorted({joined[c] for c in fresh})})")
+refilled = all(joined[c] == left[previous_holder(c)] + 1 for c in waited)
+print(f"{len(waited)} of {len(joined)} requests waited for a slot")
+print(f"each took its slot the step after the holder left: {refilled}")
 print(f"waited for a slot: {waited}")
 for ch in waited:
     prev = previous_holder(ch)
@@ -237,7 +241,10 @@ EXERCISES = [
     Exercise(
         "--clients 6 --slots 2",
         "With two slots, how many requests wait, and when does each start?",
-        r"^(waited for a slot|  \w took slot)",
+        r"^(\d+ of \d+ requests waited|each took its slot)",
         "Two requests run at a time; each of the others starts at the step "
-        "after a running one ends, in the slot it left."),
+        "after a running one ends, in the slot it left. Which clients wait, "
+        "and in which order, depends on which thread's request reaches the "
+        "server first; how many wait, and that each refills a slot at once, "
+        "does not."),
 ]

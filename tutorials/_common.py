@@ -32,6 +32,30 @@ WIDTH = 80
 TINY = TINY_MODEL   # the package's one tiny random model (minicb.core.config)
 
 
+def _heartbeat() -> None:
+    """A chapter that runs longer than a few seconds (loading SmolLM2, a
+    benchmark, starting ranks) says so on stderr every 5 s, and how long it
+    took at the end, so a piped or quiet run never looks stuck. Output stays
+    on stdout, untouched; ``MINICB_PROGRESS=0`` turns this off."""
+    import atexit
+    import multiprocessing
+    import os
+
+    from minicb.measure.progress import Progress
+
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    rank = multiprocessing.parent_process() is not None   # a TP rank: quiet
+    if not script or rank or "ipykernel" in sys.modules:
+        return
+    name = f"tutorials/{os.path.basename(script)}"
+    beat = Progress(name, after=5.0, every=5.0, tty=False)
+    beat.update(info="still running")
+    atexit.register(beat.start().stop)
+
+
+_heartbeat()
+
+
 @dataclass(slots=True, frozen=True)
 class Exercise:
     """A "try it" change at the end of a chapter: run the script with

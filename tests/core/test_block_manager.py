@@ -2,7 +2,8 @@
 
 import pytest
 
-from minicb.core.block_manager import BlockManager, BlockPool
+from minicb.core.block_manager import BlockManager
+from minicb.core.block_pool import BlockPool
 from minicb.core.errors import InvalidArgument
 
 

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunk_rule import ChunkPlan, plan_chunks
+from hypothesis_profiles import examples
 from minicb.core.errors import InvalidArgument
 from minicb.core.planner import TokenBudget
 
@@ -71,7 +72,7 @@ def test_token_budget_take_and_give_back():
         b.check_integrity()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     decodes=st.integers(0, 6),
     prefills=st.lists(st.integers(2, 40), max_size=5),
@@ -96,7 +97,7 @@ def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget,
             assert not any(got[i + 1:])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(decodes=st.integers(0, 4), prefills=st.lists(st.integers(2, 30), max_size=3),
        new=st.lists(st.integers(1, 30), max_size=4), budget=st.integers(1, 40),
        cap=st.one_of(st.none(), st.integers(1, 40)))

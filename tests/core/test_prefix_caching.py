@@ -4,11 +4,9 @@ Three levels, like the rest of the suite:
 
 * the block manager with exact state (hashes, tables, ref counts, LRU order, forced collisions);
 * the scheduler with exact plans, and token-exactness against the prefix-aware fake model of
-  ``test_scheduler`` (whose fake K/V depends on every earlier token, so a wrongly shared block shows);
-* the engine on a tiny float64 LLaMA: caching on gives the same tokens as caching off and as the
-  padded baseline, on workloads with heavy sharing (identical prompts, a common system prompt,
-  prompts that are prefixes of each other, prompts of whole blocks, prompts fully covered by cached
-  blocks), staggered so that later requests hit, with chunked prefill and forced preemption.
+  ``scheduler_fixtures`` (whose fake K/V depends on every earlier token, so a wrongly shared block
+  shows);
+* the engine on a tiny float64 LLaMA: ``tests/engine/test_prefix_caching_engine.py``.
 
 The real model (SmolLM2 against transformers) is in ``test_smollm2.py``; the state machines with
 sharing in ``test_scheduler_statemachine.py``.
@@ -19,16 +17,26 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import VOCAB, Req, assert_token_exact, drive, rows, seq, step, step_bound
 
-import minicb.core.block_manager as block_manager
-from helpers import TINY, baseline_tokens, run_engine, tiny_model
-from minicb.core.block_manager import ROOT_HASH, BlockManager, CachedBlock, hash_block
+import minicb.core.prefix_cache as prefix_cache
+from hypothesis_profiles import examples
+from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.prefix_cache import ROOT_HASH, CachedBlock, hash_block
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import SequenceStatus
+from scheduler_fixtures import (
+    VOCAB,
+    Req,
+    assert_token_exact,
+    drain_scheduler,
+    drive,
+    rows,
+    seq,
+    step,
+    step_bound,
+)
 
 A = list(range(10, 20))                        # 10 tokens: two full blocks of 4 and two more
 
@@ -162,7 +170,7 @@ def test_the_same_prefix_computed_twice_at_once_is_cached_once():
 
 
 def test_collision_guard_compares_token_ids(monkeypatch):
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent_hash, token_ids: 42)
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, token_ids: 42)
     bm = bm4()
     compute(bm, "a", A)
     assert bm.cache.by_hash == {42: 0}                     # block 1 collided with block 0: not cached
@@ -173,7 +181,7 @@ def test_collision_guard_compares_token_ids(monkeypatch):
 def test_collision_guard_compares_the_parent_block(monkeypatch):
     # A hash that forgets the parent: a block with the same tokens at another position (or after
     # another prefix) gets the same hash. Its K/V would be wrong for us: the parent check refuses it.
-    monkeypatch.setattr(block_manager, "hash_block", lambda parent_hash, token_ids: hash(token_ids))
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda parent_hash, token_ids: hash(token_ids))
     bm = bm4()
     compute(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert bm.computed_blocks([5, 6, 7, 8, 9]) == []       # finds block 1 by hash; its parent is 0
@@ -249,28 +257,6 @@ def test_reset_without_caching_is_a_no_op_that_succeeds():
     assert bm.reset_prefix_cache() is True and bm.block_table("a") == [0, 1, 2]
 
 
-def test_llm_reset_prefix_cache_makes_a_rerun_compute_its_prompts_again():
-    import torch
-
-    from minicb.entrypoints.llm import LLM
-
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, TINY.vocab_size, (n,), generator=g).tolist() for n in (9, 13, 17)]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    llm = LLM(tiny_model(), dtype="float64", block_size=4, num_blocks=64)
-    stats = llm.engine.stats
-    first = [o.token_ids for o in llm.generate(prompts, params)]
-    cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
-    assert cached == 0
-    assert [o.token_ids for o in llm.generate(prompts, params)] == first
-    assert stats.num_cached_prompt_tokens - cached == 4 * (2 + 3 + 4)      # full blocks, last token's aside
-    assert llm.reset_prefix_cache() is True
-    cached, computed = stats.num_cached_prompt_tokens, stats.num_batched_tokens
-    assert [o.token_ids for o in llm.generate(prompts, params)] == first
-    assert stats.num_cached_prompt_tokens == cached                        # nothing found: computed again
-    assert stats.num_batched_tokens - computed == sum(map(len, prompts)) + 3 * 4
-
-
 # --- scheduler: exact plans ----------------------------------------------------------------------
 def ccfg(**kw) -> SchedulerConfig:
     base = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=16)
@@ -305,8 +291,7 @@ def test_a_later_request_starts_at_its_cached_length():
     st = sched.stats
     assert (st.num_prompt_tokens, st.num_cached_prompt_tokens) == (19, 8)
     assert st.prefix_cache_hit_rate == pytest.approx(8 / 19)
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
     assert sched.stats.num_batched_tokens == 10 + 2 + 1 + 1   # b's 8 cached tokens were never computed
 
 
@@ -376,15 +361,13 @@ def test_swap_falls_back_to_recompute_for_a_victim_with_shared_blocks():
     plan, _ = step(sched)
     assert rows(plan) == [("b", 0, 6, 2, (0, 1, 2, 3), True)]
     assert sched.stats.num_cached_reprefill_tokens == 6
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
 
 
 def test_generated_token_blocks_are_cached_for_the_next_turn():
     sched = Scheduler(ccfg(block_size=2))
     sched.add(seq("a", 3, 6))
-    while sched.has_unfinished():
-        step(sched, {"a": 5})
+    drain_scheduler(sched, {"a": 5})
     a_tokens = seq("a", 3).prompt_token_ids + [5] * 6      # 9 tokens: 4 full blocks cached
     assert sched.block_manager.num_cached_blocks == 4
     turn = seq("t", 0, 2)
@@ -428,7 +411,7 @@ def assert_tables_only_grow(run) -> None:
             last[s.request_id] = s.block_table
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), reqs=sharing_requests())
 def test_shared_prefixes_stay_token_exact_under_pressure(data, reqs):
     block_size = data.draw(st.sampled_from([1, 2, 4, 8]))
@@ -458,51 +441,3 @@ def test_staggered_sharing_hits_and_saves_compute():
     assert on.outputs == off.outputs
     assert on.scheduler.stats.num_cached_prompt_tokens == 5 * 20
     assert off.scheduler.stats.num_batched_tokens - on.scheduler.stats.num_batched_tokens == 5 * 20
-
-
-# --- the engine: tiny float64 LLaMA, caching on == caching off == padded baseline ---------------------
-def _workloads():
-    import torch
-
-    g = torch.Generator().manual_seed(11)
-    rand = lambda n: torch.randint(4, TINY.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    system, long = rand(21), rand(40)
-    return {
-        "identical": [long[:13]] * 6,
-        "system prompt": [system + rand(int(n)) for n in torch.randint(1, 10, (8,), generator=g)],
-        "prefixes of each other": [long[:k] for k in (1, 4, 5, 8, 12, 16, 17, 23, 32, 40)],
-        "whole blocks, fully covered": [long[:16], long[:32], long[:16], long[:8], long[:32], long[:8]],
-    }
-
-
-WORKLOADS = _workloads()
-
-
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
-@pytest.mark.parametrize("block_size, budget, chunk, slack, mode", [
-    (4, 64, None, None, "recompute"),         # room for all: hits on blocks still held and freed
-    (4, 12, 5, None, "recompute"),            # chunked prefill after the cached prefix
-    (1, 33, None, 2, "swap"),                 # one token per block; forced preemption, swap
-    (8, 16, None, 1, "recompute"),            # forced preemption, recompute
-])
-def test_engine_with_caching_equals_without_and_the_baseline(name, block_size, budget, chunk, slack, mode):
-    model = tiny_model()
-    prompts = WORKLOADS[name]
-    params = [SamplingParams(max_tokens=3 + (5 * i) % 9, ignore_eos=True) for i in range(len(prompts))]
-    arrivals = [i // 2 * 3 for i in range(len(prompts))]     # pairs, three steps apart
-    need = max(-(-(len(p) + sp.max_tokens) // block_size) for p, sp in zip(prompts, params))
-    num_blocks = 64 if slack is None else max(need, 4) + slack
-    base = dict(max_num_seqs=4, max_num_batched_tokens=budget, long_prefill_chunk=chunk,
-                block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                num_host_blocks=num_blocks if mode == "swap" else 0, max_model_len=128)
-    on, eng_on = run_engine(model, SchedulerConfig(**base), prompts, params, arrivals)
-    off, _ = run_engine(model, SchedulerConfig(**base, enable_prefix_caching=False), prompts, params,
-                        arrivals)
-    expected = baseline_tokens(model, prompts, params, None)
-    assert [o.token_ids for o in on] == expected
-    assert [o.token_ids for o in off] == expected
-    stats = eng_on.scheduler.stats
-    assert stats.num_cached_prompt_tokens > 0, "the workload must actually hit the cache"
-    assert any(o.num_cached_tokens > 0 for o in on)
-    if slack is not None:
-        assert stats.num_preemptions > 0

@@ -4,193 +4,41 @@ The fake model (``FakeModel``) is a pure function of the token prefix, ``next = 
 that reads the prefix back out of a fake *paged* KV cache through the plan's block tables, after
 applying the plan's swap copies. So a request's tokens only come out right if every block table,
 swap copy, recompute and chunk boundary the scheduler produced was right: comparing with the request
-run alone (``alone``) checks the whole bookkeeping at the scheduler level, with no torch.
+run alone (``alone``) checks the whole bookkeeping at the scheduler level, with no torch. The kit
+(fake model, ``drive``, ``step``) is ``tests/scheduler_fixtures.py``.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, RequestRejected
-from minicb.core.plan import StepPlan
 from minicb.core.preemption import choose_victim, preempt, running_order
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import FinishReason, Sequence, SequenceStatus
-
-VOCAB = 23
-EOS = 0
-
-
-# --- the fake model and its paged KV cache -----------------------------------------------------------
-FNV_START = 0xCBF29CE484222325
-
-
-def fnv_step(h: int, t: int) -> int:
-    return ((h ^ t) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-
-
-def next_token(tokens) -> int:
-    """A pure function of the whole prefix (FNV-1a), like a greedy model; EOS comes up now and then."""
-    h = FNV_START
-    for t in tokens:
-        h = fnv_step(h, t)
-    return (h >> 17) % VOCAB
-
-
-def alone(prompt: list[int], max_tokens: int, eos: int | None = EOS) -> list[int]:
-    """The tokens a request gets when it is served by itself."""
-    tokens, out = list(prompt), []
-    while len(out) < max_tokens:
-        t = next_token(tokens)
-        out.append(t)
-        tokens.append(t)
-        if t == eos:
-            break
-    return out
-
-
-class FakeModel:
-    """A fake K/V per (block, offset), device and host pools, moved only as the plan says.
-
-    As in a transformer, a token's K/V depends on the token *and everything before it*: the value
-    stored for position p is the FNV-1a state of tokens 0..p, chained from the value the cache holds
-    for position p - 1. So a block reused from the prefix cache with the right token ids but the
-    wrong prefix (or at the wrong position) gives wrong tokens, as it would with a real model.
-    """
-
-    def __init__(self, config: SchedulerConfig):
-        self.bs = config.block_size
-        self.device = [[None] * self.bs for _ in range(config.num_blocks)]
-        self.host = [[None] * self.bs for _ in range(config.num_host_blocks)]
-
-    def run(self, plan: StepPlan) -> dict[str, int]:
-        # The engine's order: swap-out copies, then swap-in copies, then the forward, then sampling.
-        for d, h in plan.swap_out:
-            self.host[h] = list(self.device[d])
-        for h, d in plan.swap_in:
-            self.device[d] = list(self.host[h])
-        for s in plan.seqs:                                   # the forward writes every row's K/V ...
-            assert len(s.block_table) * self.bs >= s.context_len, "block table too short"
-            h = FNV_START if s.start_pos == 0 else self._read(s.block_table, s.start_pos - 1)
-            assert h is not None, f"{s.request_id} reads a position nobody wrote"
-            for i, t in enumerate(s.token_ids):
-                pos = s.start_pos + i
-                h = fnv_step(h, t)
-                self.device[s.block_table[pos // self.bs]][pos % self.bs] = h
-        out = {}
-        for s in plan.seqs:                                   # ... then every row reads its context
-            if s.sample:
-                ctx = [self._read(s.block_table, p) for p in range(s.context_len)]
-                assert None not in ctx, f"{s.request_id} reads a position nobody wrote"
-                out[s.request_id] = (ctx[-1] >> 17) % VOCAB
-        return out
-
-    def _read(self, table, pos):
-        return self.device[table[pos // self.bs]][pos % self.bs]
-
-
-# --- a driver: arrivals by step, check every plan, collect the outputs ---------------------------------
-@dataclass
-class Req:
-    rid: str
-    prompt: list[int]
-    max_tokens: int
-    arrival: int = 0          # step at which the request is added
-    priority: int = 0
-    ignore_eos: bool = False
-
-
-@dataclass
-class Run:
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    reasons: dict[str, FinishReason] = field(default_factory=dict)
-    plans: list[StepPlan] = field(default_factory=list)
-    seqs: dict[str, Sequence] = field(default_factory=dict)
-    scheduler: Scheduler | None = None
-
-
-def make_seq(r: Req) -> Sequence:
-    params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
-    return Sequence(r.rid, list(r.prompt), params, priority=r.priority, eos_token_id=EOS)
-
-
-def check_plan(sched: Scheduler, plan: StepPlan) -> None:
-    c = sched.config
-    assert len(plan.seqs) <= c.max_num_seqs and len(plan.padding) <= c.max_num_seqs
-    assert plan.step == sched.stats.num_steps - 1
-    if c.policy == "continuous":
-        assert plan.num_batched_tokens <= c.max_num_batched_tokens
-        assert not plan.padding
-        assert not (plan.swap_in and plan.swap_out), "a step never swaps both ways"
-    else:
-        assert not plan.preempted and not plan.swap_in and not plan.swap_out
-        assert 0 not in plan.padding
-    slots = [s.slot_id for s in plan.seqs]
-    assert len(set(slots)) == len(slots), "two rows share a slot"
-    bm, bs = sched.block_manager, c.block_size
-    written = [{s.block_table[p // bs] for p in range(s.start_pos, s.context_len)} for s in plan.seqs]
-    assert sum(map(len, written)) == len(set().union(*written)), "two rows write the same block"
-    assert not any(bm.is_cached(b) for w in written for b in w), \
-        "a step writes into a prefix-cached block (that another request may read)"
-    for s in plan.seqs:
-        seq = sched.get(s.request_id)
-        assert seq is not None and seq.status is SequenceStatus.RUNNING
-        assert s.num_tokens >= 1 and s.start_pos == seq.num_computed_tokens
-        assert s.token_ids == tuple(seq.all_token_ids[s.start_pos:s.context_len])
-        assert s.sample == (s.context_len == seq.num_tokens)
-        assert s.block_table == tuple(sched.block_manager.block_table(s.request_id))
-        assert s.slot_id == seq.slot_id
-
-
-def drive(config: SchedulerConfig, reqs: list[Req], max_steps: int = 10_000) -> Run:
-    sched, model, run = Scheduler(config), FakeModel(config), Run()
-    run.scheduler = sched
-    pending = sorted(reqs, key=lambda r: r.arrival)
-    step = 0
-    while pending or sched.has_unfinished():
-        assert step < max_steps, f"not drained after {max_steps} steps"
-        while pending and pending[0].arrival <= step:
-            s = make_seq(pending.pop(0))
-            run.seqs[s.request_id] = s
-            sched.add(s)
-        if not pending:
-            sched.close_arrivals()
-        plan = sched.schedule(now=float(step))
-        check_plan(sched, plan)
-        run.plans.append(plan)
-        for seq in sched.update(plan, model.run(plan), now=float(step)):
-            assert seq.request_id not in run.outputs, "a request ended twice"
-            run.outputs[seq.request_id] = list(seq.output_token_ids)
-            run.reasons[seq.request_id] = seq.finish_reason
-        sched.check_integrity()
-        step += 1
-    assert_drained(sched)
-    assert sum(s.num_preemptions for s in run.seqs.values()) == sched.stats.num_preemptions
-    assert all(s.is_finished and s.slot_id is None for s in run.seqs.values())
-    return run
-
-
-def assert_drained(sched: Scheduler) -> None:
-    c = sched.config
-    assert sched.slot_table.num_free == c.max_num_seqs
-    assert sched.block_manager.num_free_blocks == c.num_blocks
-    assert sched.block_manager.num_free_host_blocks == c.num_host_blocks
-    assert (sched.num_waiting, sched.num_running, sched.num_swapped) == (0, 0, 0)
-    sched.check_integrity()
-
-
-def assert_token_exact(run: Run, reqs: list[Req]) -> None:
-    assert set(run.outputs) == {r.rid for r in reqs}, "a request never ended"
-    for r in reqs:
-        assert run.outputs[r.rid] == alone(r.prompt, r.max_tokens, None if r.ignore_eos else EOS), r.rid
+from scheduler_fixtures import (
+    VOCAB,
+    FakeModel,
+    Req,
+    alone,
+    assert_drained,
+    assert_token_exact,
+    drain_scheduler,
+    drive,
+    make_seq,
+    rows,
+    seq,
+    step,
+    step_bound,
+)
 
 
 def cfg(**kw) -> SchedulerConfig:
@@ -202,24 +50,6 @@ def cfg(**kw) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-def seq(rid: str, n_prompt: int, max_tokens: int = 4, first: int = 1, **kw) -> Sequence:
-    prompt = [(first + i) % (VOCAB - 1) + 1 for i in range(n_prompt)]
-    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw)
-
-
-def step(sched: Scheduler, tokens: dict[str, int] | None = None, now: float = 0.0):
-    """schedule + update, sampling ``tokens[rid]`` (default 7) for every sampling row."""
-    plan = sched.schedule(now)
-    sampled = {s.request_id: (tokens or {}).get(s.request_id, 7) for s in plan.seqs if s.sample}
-    done = sched.update(plan, sampled, now)
-    sched.check_integrity()
-    return plan, done
-
-
-def rows(plan: StepPlan):
-    return [(s.request_id, s.slot_id, s.start_pos, s.num_tokens, s.block_table, s.sample) for s in plan.seqs]
-
-
 # --- the import boundary ---------------------------------------------------------------------------
 def test_scheduler_side_does_not_import_torch():
     code = ("import sys; sys.path.insert(0, 'src'); import minicb.core.scheduler, minicb.core.planner, "
@@ -229,6 +59,17 @@ def test_scheduler_side_does_not_import_torch():
     root = pathlib.Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_drain_fails_instead_of_spinning_when_nothing_can_progress(monkeypatch):
+    from minicb.core.continuous import ContinuousPolicy
+
+    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # no one in
+    sched = Scheduler(cfg())
+    sched.add(seq("a", 3))
+    with pytest.raises(AssertionError, match=r"not drained after 50 steps: waiting=\['a'\] running=\[\]"):
+        drain_scheduler(sched, max_steps=50)
+    assert sched.stats.num_steps == 50
 
 
 # --- continuous: exact plans ---------------------------------------------------------------------------
@@ -281,9 +122,8 @@ def test_long_prefill_chunk_caps_each_prompt():
     sched.add(seq("a", 10, 1))
     sched.add(seq("b", 6, 1))
     shapes = []
-    while sched.has_unfinished():
-        plan, _ = step(sched)
-        shapes.append([(s.request_id, s.start_pos, s.num_tokens, s.sample) for s in plan.seqs])
+    drain_scheduler(sched, on_plan=lambda plan: shapes.append(
+        [(s.request_id, s.start_pos, s.num_tokens, s.sample) for s in plan.seqs]))
     assert shapes == [
         [("a", 0, 4, False), ("b", 0, 4, False)],
         [("a", 4, 4, False), ("b", 4, 2, True)],
@@ -328,8 +168,7 @@ def test_recompute_preempts_the_newest_and_it_reprefills_everything():
     plan, _ = step(sched)
     assert rows(plan) == [("b", 0, 0, 5, (0, 1, 2), True)]                # prompt + its 2 tokens again
     assert plan.seqs[0].token_ids == tuple(b.prompt_token_ids) + (7, 7)
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
     assert b.output_token_ids == [7] * 5
     assert_drained(sched)
 
@@ -380,8 +219,7 @@ def test_swap_preemption_moves_blocks_to_host_and_back():
     assert plan.swap_in == ((0, 0), (1, 1)) and not plan.swap_out
     assert rows(plan) == [("b", 0, 4, 1, (0, 1, 2), True), ("c", 1, 0, 1, (3,), True)]  # b continues
     assert (sched.stats.num_swaps, sched.stats.num_swap_ins, sched.stats.num_recomputes) == (1, 1, 0)
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
     assert_drained(sched)
 
 
@@ -464,8 +302,7 @@ def test_requests_that_can_never_fit_are_rejected_without_changing_state():
     with pytest.raises(InvalidArgument, match="must be a Sequence"):
         sched.add("ok")
     assert sched.num_waiting == 1
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
     assert ok.output_token_ids == [7] * 6
 
 
@@ -523,9 +360,7 @@ def test_fail_step_finishes_the_plans_requests_and_keeps_serving_others():
     assert all(s.finish_reason is FinishReason.ERROR and s.error == "CUDA error: boom" for s in failed)
     assert sched.slot_table.num_free == 2 and sched.block_manager.num_free_blocks == 8
     sched.check_integrity()
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        sched.update(plan, model.run(plan), 0.0)
+    drain_scheduler(sched, model=model)
     assert c_seq.output_token_ids == alone(reqs[2].prompt, reqs[2].max_tokens)
     assert [s.finish_reason for s in failed] == [FinishReason.ERROR] * 2   # they stay failed
     assert sched.stats.num_finished == 3
@@ -540,8 +375,7 @@ def test_fail_step_turns_its_swapped_victims_into_recompute():
     assert (b.status, b.num_computed_tokens) == (SequenceStatus.WAITING, 0)
     assert sched.block_manager.num_free_host_blocks == 4
     sched.check_integrity()
-    while sched.has_unfinished():
-        step(sched)
+    drain_scheduler(sched)
     assert b.output_token_ids == [7] * 5
     assert_drained(sched)
 
@@ -683,14 +517,9 @@ def to_reqs(raw) -> list[Req]:
             for i, (p, m, a, pr, ig) in enumerate(raw)]
 
 
-def step_bound(reqs: list[Req]) -> int:
-    """Generous liveness bound: the scheduler must drain well within it."""
-    return 20 + max(r.arrival for r in reqs) + 8 * sum(len(r.prompt) + r.max_tokens for r in reqs)
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), raw=requests)
 def test_tokens_do_not_depend_on_the_schedule(policy, block_size, data, raw):
     reqs = to_reqs(raw)

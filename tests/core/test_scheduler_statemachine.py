@@ -1,9 +1,9 @@
 """hypothesis ``RuleBasedStateMachine`` models of the slot table, the block manager and the scheduler.
 
 Each machine keeps a plain model of what the state must be, applies random operations (valid ones and
-invalid ones, which must raise and change nothing) and checks DESIGN.md section 3 after every rule:
+invalid ones, which must raise and change nothing) and checks docs/design.md's invariants after every rule:
 blocks conserved (device and host), ref counts, slot uniqueness, step limits, every request ending
-exactly once, and, for the scheduler, token-exactness against the fake model of ``test_scheduler``.
+exactly once, and, for the scheduler, token-exactness against the fake model of ``scheduler_fixtures``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_scheduler import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
 
+from hypothesis_profiles import examples
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, RequestRejected
@@ -21,8 +21,9 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import FinishReason, Sequence
 from minicb.core.slot_table import SlotTable
+from scheduler_fixtures import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
 
-SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
+SETTINGS = settings(max_examples=examples(60), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 NAMES = st.sampled_from([f"q{i}" for i in range(8)])
 FEW_NAMES = st.sampled_from(["q0", "q1", "q2"])          # fewer names: longer tables, more swaps
@@ -355,16 +356,16 @@ class CollidingPrefixCacheMachine(PrefixCacheMachine):
     @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), host=st.integers(0, 8),
                 weak=st.sampled_from(sorted(WEAK_HASHES)))
     def setup(self, num_blocks, block_size, host, weak):
-        import minicb.core.block_manager as bm_module
+        import minicb.core.prefix_cache as hash_module
 
-        self._saved_hash = bm_module.hash_block
-        bm_module.hash_block = WEAK_HASHES[weak]
+        self._saved_hash = hash_module.hash_block
+        hash_module.hash_block = WEAK_HASHES[weak]
         PrefixCacheMachine.setup(self, num_blocks, block_size, host)
 
     def teardown(self):
-        import minicb.core.block_manager as bm_module
+        import minicb.core.prefix_cache as hash_module
 
-        bm_module.hash_block = self._saved_hash
+        hash_module.hash_block = self._saved_hash
 
 
 # --- scheduler -------------------------------------------------------------------------------------
@@ -518,13 +519,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSlotTable = SlotTableMachine.TestCase
-TestSlotTable.settings = settings(SETTINGS, max_examples=50)
+TestSlotTable.settings = settings(SETTINGS, max_examples=examples(50))
 TestBlockManager = BlockManagerMachine.TestCase
-TestBlockManager.settings = settings(SETTINGS, max_examples=80)
+TestBlockManager.settings = settings(SETTINGS, max_examples=examples(80))
 TestPrefixCache = PrefixCacheMachine.TestCase
-TestPrefixCache.settings = settings(SETTINGS, max_examples=100, stateful_step_count=40)
+TestPrefixCache.settings = settings(SETTINGS, max_examples=examples(100), stateful_step_count=40)
 TestPrefixCacheCollisions = CollidingPrefixCacheMachine.TestCase
-TestPrefixCacheCollisions.settings = settings(SETTINGS, max_examples=50, stateful_step_count=40)
+TestPrefixCacheCollisions.settings = settings(SETTINGS, max_examples=examples(50), stateful_step_count=40)
 
 
 class SwapMachine(SchedulerMachine):
@@ -540,10 +541,10 @@ class StaticMachine(SchedulerMachine):
 
 
 TestContinuousRecompute = SchedulerMachine.TestCase
-TestContinuousRecompute.settings = settings(SETTINGS, max_examples=60, stateful_step_count=30)
+TestContinuousRecompute.settings = settings(SETTINGS, max_examples=examples(60), stateful_step_count=30)
 TestContinuousSwap = SwapMachine.TestCase
-TestContinuousSwap.settings = settings(SETTINGS, max_examples=60, stateful_step_count=30)
+TestContinuousSwap.settings = settings(SETTINGS, max_examples=examples(60), stateful_step_count=30)
 TestDynamic = DynamicMachine.TestCase
-TestDynamic.settings = settings(SETTINGS, max_examples=30, stateful_step_count=30)
+TestDynamic.settings = settings(SETTINGS, max_examples=examples(30), stateful_step_count=30)
 TestStatic = StaticMachine.TestCase
-TestStatic.settings = settings(SETTINGS, max_examples=30, stateful_step_count=30)
+TestStatic.settings = settings(SETTINGS, max_examples=examples(30), stateful_step_count=30)

@@ -194,6 +194,7 @@ def _run_until_error(eng, prompts, params):
     return info.value, time.monotonic() - t0
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_injected_divergence_raises_on_every_rank():
     """Rank 2 runs an altered plan 3 (one sequence dropped): every rank raises before the forward."""
@@ -202,7 +203,9 @@ def test_injected_divergence_raises_on_every_rank():
     try:
         err, elapsed = _run_until_error(eng, prompts, params)
         assert "different plans for plan 3" in str(err) and "rank 2:" in str(err)
-        assert elapsed < TIMEOUT_S                      # found by comparing digests, not by a timeout
+        # found by comparing digests, not by a timeout: the error is the digest check's, never the
+        # deadline's (no wall-clock bound: how long the steps before took is the machine's business)
+        assert "timeout" not in str(err) and "hung" not in str(err)
         for r in (1, 2):
             assert eng.runner.workers.reports[r].startswith("DistributedError: tensor-parallel rank"), r
             assert "different plans for plan 3" in eng.runner.workers.reports[r]
@@ -212,11 +215,16 @@ def test_injected_divergence_raises_on_every_rank():
         eng.shutdown()
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["exit", "hang"])
 def test_a_worker_that_dies_or_hangs_stops_the_others(kind):
-    """Rank 1 calls os._exit(1) (or sleeps) at plan 3: rank 0 raises, rank 2 reports an error and exits."""
-    timeout = TIMEOUT_S if kind == "exit" else 3.0
+    """Rank 1 calls os._exit(1) (or sleeps) at plan 3: rank 0 raises, rank 2 reports an error and exits.
+
+    No bound here can be broken by a busy machine: a dead peer is found with a 600 s deadline (far past
+    any load: only waiting for the deadline takes that long), and a hung one is found *by* the 3 s
+    deadline, so it takes at least that (load only makes it longer)."""
+    timeout = 600.0 if kind == "exit" else 3.0
     prompts, params, sched, _ = _tiny_workload("recompute")
     eng = launch(tiny_model(), sched, 3, timeout_s=timeout, fault=Fault(rank=1, at=3, kind=kind))
     try:
@@ -226,7 +234,7 @@ def test_a_worker_that_dies_or_hangs_stops_the_others(kind):
             assert elapsed < timeout                    # a dead peer closes its sockets: no waiting
             assert "rank 1: exited with code 1" in str(err)
         else:
-            assert elapsed < timeout + 10
+            assert elapsed >= 0.9 * timeout             # the deadline, not a dead socket, ended it
         assert eng.runner.workers.reports[2].startswith("DistributedError: tensor-parallel rank 2")
         assert all(not p.is_alive() for p in eng.runner.workers.processes)
     finally:

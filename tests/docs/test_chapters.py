@@ -132,7 +132,9 @@ def test_chapter_pages_fit_the_column():
 
 def test_other_pages_fit_the_column():
     """The hand-written pages too, with the files they include (``EXEMPT`` aside)."""
-    pages = [p for p in DOCS.rglob("*.md") if not {"api", "tutorials"} & set(p.relative_to(DOCS).parts)]
+    # (api and annotated: generated from src/, whose lines are 110 wide; annotated pages scroll them)
+    pages = [p for p in DOCS.rglob("*.md")
+             if not {"api", "tutorials", "annotated"} & set(p.relative_to(DOCS).parts)]
     assert len(pages) > 10
     problems = {}
     for page in pages:

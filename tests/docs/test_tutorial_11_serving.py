@@ -53,11 +53,13 @@ def test_chapter_11(clients, slots):
         cells = [i for i, c in enumerate(row) if c.lower() == ch]
         assert cells == list(range(cells[0], cells[-1] + 1)), (ch, row)                 # contiguous
         kinds = "".join(row[i] for i in cells)
-        assert re.fullmatch(f"{ch}+{ch.upper()}+", kinds), kinds                        # prefill, decode
+        assert re.fullmatch(f"{ch.upper()}+{ch}+", kinds), kinds                        # prefill, decode
         span[ch] = (slot, cells[0], cells[-1])
     waited = re.search(r"^waited for a slot: \[(.*)\]$", out, re.M).group(1)
     waited = [w.strip(" '") for w in waited.split(",") if w.strip()]
     assert len(waited) >= clients - slots
+    assert f"{len(waited)} of {clients} requests waited for a slot" in out
+    assert "each took its slot the step after the holder left: True" in out
     for ch, slot, step, prev, left in re.findall(r"^  (\w) took slot (\d+) at step (\d+): (\w) left it at "
                                                  r"step (\d+)$", out, re.M):
         assert int(step) == int(left) + 1                           # refilled at the very next step

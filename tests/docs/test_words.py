@@ -1,7 +1,7 @@
 """The words of the docs: the glossary defines what the issues asked for and every link into it lands on
 a heading; the README's module table is the layout of ``src/minicb``; the figures quoted on the home
 page and on top of the benchmarks page are the ones ``bench/RESULTS.md`` records; nothing repeats the
-seed's overstated tensor-parallel sentence."""
+static-batching note's overstated tensor-parallel sentence."""
 
 from __future__ import annotations
 
@@ -87,9 +87,79 @@ def test_quoted_figures_are_the_recorded_ones(page, start, end):
     assert not missing, missing
 
 
-def test_home_page_states_the_seeds_table_with_its_caveats():
+def test_home_page_states_the_benchmark_table_with_its_caveats():
     home = (DOCS / "index.md").read_text()
     assert "| continuous batching | 3,850 (4.53x) | 88.2% | 85 ms | 22.5 ms | < 0.1% |" in home
     assert "88.2% cannot be compute (FLOP) utilisation" in home
     assert "impossible" in RESULTS and "3,850 x 141 GFLOP/token = 0.54 PFLOP/s = 22% of peak" in RESULTS
-    assert "P99 inter-token latency: the opposite of the seed" in RESULTS
+    assert "P99 inter-token latency: the opposite of the note" in RESULTS
+
+
+# --- nothing cites a document the repository does not have ------------------------------------------
+# The design notes and the note minicb grew from are in the docs (docs/design.md, docs/origins.md); a
+# citation of a file outside the repository, or "the seed" for that note, cannot be resolved by a reader.
+WORDS_ROOTS = ("src", "tests", "tutorials", "docs", "bench", "README.md")
+UNRESOLVABLE = re.compile(r"DESIGN\.md|(?i:\bthe seed\b)")     # design.md (lower case) is the page
+BINARY = {".png", ".jpg", ".gif", ".ico", ".woff", ".woff2", ".so", ".pyc"}
+
+
+def _text_files() -> list[pathlib.Path]:
+    files = []
+    for name in WORDS_ROOTS:
+        root = ROOT / name
+        paths = [root] if root.is_file() else sorted(root.rglob("*"))
+        files += [p for p in paths if p.is_file() and p.suffix not in BINARY
+                  and "__pycache__" not in p.parts and p.resolve() != pathlib.Path(__file__).resolve()]
+    return files
+
+
+def unresolvable_citations(text: str) -> list[str]:
+    return [m.group(0) for m in UNRESOLVABLE.finditer(text)]
+
+
+def test_the_citation_check_finds_what_it_should():
+    assert unresolvable_citations("as DESIGN.md says; The seed's table; beside the seed.") == \
+        ["DESIGN.md", "The seed", "the seed"]
+    assert unresolvable_citations("see docs/design.md; --seed 3; seeded; the seeds; a seed=1") == []
+
+
+def test_nothing_cites_design_md_or_the_seed():
+    files = _text_files()
+    assert len(files) > 100
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for p in files
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if unresolvable_citations(line)]
+    assert not found, "say 'docs/design.md' or 'the static-batching note' (docs/origins.md):\n" + \
+        "\n".join(found)
+
+
+# --- the design page -----------------------------------------------------------------------------
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+
+
+@pytest.mark.parametrize("page", ["design.md", "origins.md"])
+def test_every_relative_link_of_the_design_pages_resolves(page):
+    """Each link lands on a page of the site, and on a heading of it where it names one."""
+    text = (DOCS / page).read_text()
+    links = [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+    assert len(links) >= 5, links
+    bad = []
+    for target in links:
+        path, _, anchor = target.partition("#")
+        dest = (DOCS / page).parent / path if path else DOCS / page
+        if not dest.is_file():
+            bad.append(f"{target}: no such page")
+        elif anchor and anchor not in {_slug(h) for h in HEADING.findall(dest.read_text())}:
+            bad.append(f"{target}: no such heading")
+    assert not bad, bad
+    assert page in (ROOT / "mkdocs.yml").read_text(), f"{page} is not in the nav"
+
+
+def test_the_design_page_names_every_package():
+    """The package table of docs/design.md is the layout of src/minicb: no package left out, none stale."""
+    text = (DOCS / "design.md").read_text()
+    table = text[text.index("| package | what it is for"):].split("\n\n")[0]
+    named = {m for row in table.splitlines()[2:] for m in re.findall(r"^\| `minicb\.(\w+)`", row)}
+    present = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert named == present, (sorted(named - present), sorted(present - named))

@@ -31,13 +31,13 @@ import types
 from pathlib import Path
 
 import pytest
-from test_tokenizer import tiny_tokenizer
 
 from helpers import assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import EngineDeadError
 from minicb.core.sampling_params import SamplingParams
 from minicb.runtime.runner import ModelRunner, engine_for
+from tokenizer_fixtures import tiny_tokenizer
 
 SRC = Path(__import__("minicb").__file__).resolve().parent
 # A vocabulary past 0x80 bytes, so that tokens end inside multi-byte characters and the decoder holds.

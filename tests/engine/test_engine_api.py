@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from drain import drain
 from helpers import TINY, baseline_tokens, greedy, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
@@ -75,12 +76,9 @@ def test_generate_returns_only_its_own_requests_and_leaves_streams_to_step():
     outs = llm.generate([PROMPTS[0], PROMPTS[1]], greedy(3, ignore_eos=True))
     assert [o.prompt_token_ids for o in outs] == [PROMPTS[0], PROMPTS[1]]
     assert all(o.finished for o in outs)
-    streamed = []
-    while eng.has_unfinished_requests():          # "s" is still the streaming caller's
-        for o in eng.step():
-            assert o.request_id == "s"
-            streamed.extend(o.new_token_ids)
-            final = o
+    rest = drain(eng)                             # "s" is still the streaming caller's
+    assert {o.request_id for o in rest} == {"s"}
+    streamed, final = [t for o in rest for t in o.new_token_ids], rest[-1]
     assert final.finished and final.token_ids == want([PROMPTS[2]], greedy(12, ignore_eos=True))[0]
     assert streamed == final.token_ids            # nothing of "s" was swallowed by generate
 
@@ -208,12 +206,14 @@ def _first_token_step(policy: str, aging: int = 32) -> dict[str, int]:
     for i in range(40):
         eng.add_request(f"low{i}", [4 + i % 50, 5], greedy(4, ignore_eos=True), priority=5)
     eng.add_request("urgent", [6, 7], greedy(4, ignore_eos=True), priority=0)
-    first = {}
-    step = 0
-    while eng.has_unfinished_requests():
+    first, steps = {}, [0]
+
+    def one_step(eng) -> None:
         for o in eng.step():
-            first.setdefault(o.request_id, step)
-        step += 1
+            first.setdefault(o.request_id, steps[0])
+        steps[0] += 1
+
+    drain(eng, one_step)
     return first
 
 
@@ -283,10 +283,10 @@ def test_drive_on_a_clock_waits_for_arrivals_and_rejects_bad_times():
 
 
 def test_drive_raises_instead_of_spinning_when_nothing_can_progress(monkeypatch):
-    from minicb.core.scheduler import Scheduler
+    from minicb.core.continuous import ContinuousPolicy
 
     eng = engine_for(tiny_model(), cfg())
-    monkeypatch.setattr(Scheduler, "_schedule_waiting", lambda self, work, budget: None)   # admits nobody
+    monkeypatch.setattr(ContinuousPolicy, "_schedule_waiting", lambda self, work, budget: None)  # no one in
     with pytest.raises(NoProgress):
         drive(eng, [Arrival(0, "a", PROMPTS[0], greedy(2))])
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY, baseline_tokens, run_engine, tiny_model
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ def build(w):
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_engine_matches_padded_baseline(w):
     model = tiny_model()

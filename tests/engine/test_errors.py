@@ -17,6 +17,7 @@ import math
 
 import pytest
 
+from drain import drain, finals
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, ModelLoadError, RequestRejected
@@ -47,9 +48,8 @@ def tiny_llm(**config) -> LLM:
 
 def text_llm() -> LLM:
     """The tiny model with a (tiny, 266-token) tokenizer: only for rows about text prompts."""
-    from test_tokenizer import tiny_gguf_tokenizer_metadata
-
     from minicb.model.text.tokenizer import Tokenizer
+    from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
     return LLM(tiny_model(), tokenizer=Tokenizer.from_gguf_metadata(tiny_gguf_tokenizer_metadata()),
                max_num_seqs=2, num_blocks=32, block_size=4)
@@ -275,13 +275,7 @@ def test_add_request_rejects_only_that_request(rid, prompt, sp, priority, exc, n
     assert_contract(e, exc, *needles)
     eng.scheduler.check_integrity()
     eng.add_request("b", GOOD[1], params)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                assert o.request_id not in outs
-                outs[o.request_id] = o
-        eng.scheduler.check_integrity()
+    outs = finals(drain(eng, check=True))
     assert set(outs) == {"a", "b"}
     assert all(o.finish_reason == "length" and o.error is None for o in outs.values())
     assert [outs["a"].token_ids, outs["b"].token_ids] == baseline_tokens(tiny_model(), GOOD, params, None)
@@ -291,8 +285,7 @@ def test_add_request_rejects_only_that_request(rid, prompt, sp, priority, exc, n
 def test_a_request_id_is_free_again_once_its_request_ended():
     eng = engine_for(tiny_model(), SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4))
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=1))
-    while eng.has_unfinished_requests():
-        eng.step()
+    drain(eng)
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=1))     # reuse after the end is allowed
     assert eng.abort_request("a").finish_reason == "abort"
     assert eng.abort_request("a") is None                            # unknown ids: None, no error

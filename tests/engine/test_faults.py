@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from drain import drain, finals
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
@@ -195,15 +196,9 @@ def test_keyboard_interrupt_in_the_forward_leaves_the_engine_consistent(mode):
     eng.runner.backend = eng.runner.backend.inner
     first = eng.step()                                  # the interrupted step's outputs come first
     assert {o.request_id for o in first[:len(interrupted)]} == interrupted
-    for o in first:
-        if o.finished:
-            assert o.request_id not in outs
-            outs[o.request_id] = o
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                assert o.request_id not in outs
-                outs[o.request_id] = o
+    rest = finals(first + drain(eng))
+    assert not set(rest) & set(outs), "a request finished twice"
+    outs |= rest
     assert set(outs) == {f"r{i}" for i in range(12)}
     want = expected()
     for i in range(12):

@@ -34,9 +34,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tokenizer import tiny_gguf_tokenizer_metadata
 
 from helpers import TINY, tiny_model
+from hypothesis_profiles import examples as scaled
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import MinicbError
 from minicb.core.sampling_params import SamplingParams
@@ -47,6 +47,7 @@ from minicb.model.text.tokenizer import Tokenizer
 from minicb.runtime.runner import engine_for
 from robust_helpers import finishes as finishes_within
 from tiny_files import write_gguf
+from tokenizer_fixtures import tiny_gguf_tokenizer_metadata
 
 HANG_S = 60.0
 # A longer hunt than CI's, locally:
@@ -59,7 +60,7 @@ FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), derandom
 def fuzz(examples: int) -> settings:
     """Deterministic by default (the same examples in every run: CI reproduces a failure), no
     per-example deadline (``finishes`` bounds each call instead)."""
-    return settings(FUZZ, max_examples=max(1, int(examples * SCALE)))
+    return settings(FUZZ, max_examples=max(1, int(scaled(examples) * SCALE)))
 
 SCALARS = [np.int64(3), np.int32(-1), np.uint8(7), np.int64(2**62), np.float32(0.5), np.float64(math.nan),
            np.float16(2.0), np.bool_(True), np.array(3), np.array(0.5), np.array([1, 2]), torch.tensor(4),

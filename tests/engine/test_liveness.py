@@ -13,7 +13,7 @@ So every step is either idle (nothing has arrived yet) or some O makes progress,
     every request has finished by step  max(arrival) + sum over requests of (prompt + max_tokens)
 
 which bounds the steps any request waits (end step minus arrival step). The hypothesis test checks it
-on the scheduler with the token-exact fake model of ``test_scheduler``; the engine tests check the same
+on the scheduler with the token-exact fake model of ``scheduler_fixtures``; the engine tests check the same
 with the tiny LLaMA; the livelock tests show two requests that each need the whole pool take turns
 instead of preempting each other forever. (With ``scheduling_policy="priority"`` a stream of more
 important requests may starve a less important one; that is the policy, and only eventual completion
@@ -25,14 +25,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import VOCAB, Req, assert_token_exact
-from test_scheduler import drive as drive_scheduler
 
 from helpers import TINY, assert_drained, baseline_tokens, tiny_model
+from hypothesis_profiles import examples
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.runtime.runner import engine_for
 from robust_helpers import drive, random_workload
+from scheduler_fixtures import VOCAB, Req, assert_token_exact
+from scheduler_fixtures import drive as drive_scheduler
 
 
 def wait_bound(prompt_lens, max_tokens, arrivals) -> int:
@@ -60,7 +61,7 @@ def tight_workloads(draw):
     return reqs, config
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tight_workloads())
 def test_no_request_waits_longer_than_the_bound(w):
     reqs, config = w

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from drain import drain, finals
 from helpers import tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import DistributedError, InvalidArgument
@@ -82,13 +83,9 @@ def test_a_plain_python_runner_is_driven_like_the_model():
     eng = LLMEngine(runner, cfg())
     eng.add_request("a", [1, 2, 3], greedy(3))
     eng.add_request("b", [4, 5], greedy(2))
-    streamed: dict[str, list[int]] = {"a": [], "b": []}
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            streamed[out.request_id] += out.new_token_ids
-            if out.finished:
-                final[out.request_id] = out
+    outs = drain(eng)
+    streamed = {rid: [t for o in outs if o.request_id == rid for t in o.new_token_ids] for rid in "ab"}
+    final = finals(outs)
     # token k of a request of prompt length p is 100 + p + k (the row's context length)
     assert final["a"].token_ids == streamed["a"] == [103, 104, 105]
     assert final["b"].token_ids == streamed["b"] == [102, 103]

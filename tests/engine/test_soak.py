@@ -1,7 +1,7 @@
 """Soak: 2,000 requests through a very small LLaMA in a pool that forces preemption all the time, with
 random ``abort_request`` calls mid-flight, once per preemption mode.
 
-What must hold at the end (DESIGN.md section 3):
+What must hold at the end (docs/design.md, Invariants):
 
 * every request ended exactly once (the driver asserts it): none lost, none duplicated;
 * every request that was not aborted got exactly the padded baseline's tokens (float64; greedy, or

@@ -56,7 +56,8 @@ def assert_one_line(err: str, *needles) -> None:
     (["generate", "hi", "--policy", "fifo"], ["--policy", "invalid choice: 'fifo'"]),
     (["generate", "hi", "--preemption-mode", "drop"], ["--preemption-mode", "invalid choice"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
-    ([], ["the following arguments are required: command"]),
+    (["generate", "hi", "--max_tokens", "4"],
+     ["unrecognized arguments: --max_tokens", "did you mean --max-tokens?"]),
 ])
 def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
     rc, out, err = run_main(argv, capsys)
@@ -65,13 +66,13 @@ def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
 
 
 @pytest.mark.parametrize("extra, needles", [
-    (["--max-tokens", "0"], ["max_tokens", "[1, inf]", "got 0"]),
-    (["--temperature", "-1"], ["temperature", "[0.0, inf]"]),
-    (["--top-p", "0"], ["top_p", "(0.0, 1.0]"]),
-    (["--top-k", "-2"], ["top_k", "[0, inf]"]),
-    (["--seed", "-1"], ["seed", "[0,"]),
-    (["--block-size", "0"], ["block_size", "[1, inf]"]),
-    (["--max-num-batched-tokens", "0"], ["max_num_batched_tokens", "[1, inf]"]),
+    (["--max-tokens", "0"], ["--max-tokens must be >= 1, got 0"]),
+    (["--temperature", "-1"], ["--temperature", "[0, inf]"]),
+    (["--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["--top-k", "-2"], ["--top-k must be >= 0, got -2"]),
+    (["--seed", "-1"], ["--seed", "[0,"]),
+    (["--block-size", "0"], ["--block-size must be >= 1"]),
+    (["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens must be >= 1"]),
     (["--max-num-seqs", "8", "--num-blocks", "4"], ["num_blocks must be at least max_num_seqs"]),
     (["--max-tokens", "9000"], ["max_model_len=4096"]),
 ])
@@ -132,6 +133,7 @@ def test_the_real_command_exits_2_with_one_line(args, needle):
     assert_one_line(err.decode(), needle)
 
 
+@pytest.mark.timing
 def test_ctrl_c_during_generation_exits_130_without_a_traceback(tmp_path):
     model = write_gguf(tmp_path / "never_eos.gguf", tiny_weights(never_eos=True), quantize=False)
     p = cli("generate", "hello", "--model", str(model), "--max-tokens", "2000")
@@ -341,6 +343,7 @@ sys.exit(rc)
 
 @pytest.mark.parametrize("moment", ["argparse", "minicb.measure", "torch", "minicb.entrypoints.llm",
                                     "teardown"])
+@pytest.mark.timing
 def test_ctrl_c_at_any_moment_exits_130_with_one_line(moment, tiny_gguf):
     """A Ctrl-C during the command line's own imports, the parser's, the engine's (torch), or after the
     work is done used to print a KeyboardInterrupt traceback or kill the process by the signal (-2)."""

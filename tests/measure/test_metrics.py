@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from drain import drain
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.plan import ScheduledSeq, StepPlan
 from minicb.measure.metrics import (
@@ -221,14 +222,13 @@ def test_step_recorder_listens_beside_other_listeners():
     eng.listen(on_plan=lambda ev: seen.append(ev.plan))
     rec = StepRecorder(TINY).attach(eng)
     eng.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
+    drain(eng)
     assert len(rec.steps) == 2 and len(seen) >= 2
     assert [s.num_tokens for s in rec.steps] == [3, 1]
     assert all(s.end >= s.start for s in rec.steps) and rec.steps[0].end <= rec.steps[1].start
 
 
-def test_format_table_has_the_seed_columns():
+def test_format_table_has_the_benchmark_table_columns():
     reqs, steps = _timeline()
     s = summarize(reqs, steps, label="continuous", num_slots=2, num_blocks=8, peak_flops=25.0)
     text = format_table([s])

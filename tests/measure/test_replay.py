@@ -1,6 +1,9 @@
-"""The step-through replay: the recorder (``minicb.measure.replay``) keeps what the step events say, the
-committed recording is the one the code makes now, the replay page's claims hold for it, and the
-widget (``docs/assets/replay/replay.js``) shows in headless Chromium exactly the recorded occupancy."""
+"""The step-through replay: the recorder (``minicb.measure.replay``) keeps what the step events say, rows
+are classified by one rule (``minicb.core.plan.row_kind``) on its three edge cases, waiting requests get
+their reason, shared blocks their ref counts, victims their former blocks; the committed recording is
+the one the code makes now, the replay page's claims hold for it, and the player
+(``src/minicb/measure/replay_web/replay.js``) shows in headless Chromium exactly the recorded state,
+on the site and as the self-contained page ``minicb trace --replay`` writes."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import sys
 
 import pytest
 
+from minicb.core.plan import DECODE, PREFILL, row_kind
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.arrivals import Arrival, drive
+from minicb.entrypoints.cli import main
 from minicb.measure import replay
-from minicb.measure.trace import build_engine
+from minicb.measure.trace import TraceRecorder, build_engine, contrast_ratio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import site_check  # noqa: E402
@@ -50,8 +55,8 @@ def test_recorder_keeps_every_step_with_consistent_state():
             assert st["slots"][s["slot"]] == s["id"] and st["block_tables"][s["id"]] == s["table"]
             positions = range(s["start"], s["start"] + s["n"])
             assert s["kv_slots"] == [s["table"][p // bs] * bs + p % bs for p in positions]
-        held = [b for t in st["block_tables"].values() for b in t]
-        assert sorted(held + st["free_blocks"]) == list(range(cfg["num_blocks"]))   # blocks conserved
+        held = {b for t in st["block_tables"].values() for b in t}
+        assert sorted(held) + [] == sorted(set(range(cfg["num_blocks"])) - set(st["free_blocks"]))
         assert f["cu_seqlens_q"][-1] == sum(s["n"] for s in f["seqs"])
         for rid in f["finished"]:
             assert rid not in f["after"]["slots"] and rid not in f["after"]["block_tables"]
@@ -65,43 +70,156 @@ def test_recorder_sees_padding_of_the_padded_policies():
     assert data["config"]["policy"] == "static"
 
 
+# --- one rule for prefill vs decode -------------------------------------------------------------------
+def test_row_kind_is_decided_by_where_the_row_starts():
+    assert row_kind(0, 8, 9) == PREFILL and row_kind(8, 1, 9) == PREFILL     # a one-token last chunk
+    assert row_kind(9, 1, 9) == DECODE and row_kind(20, 1, 9) == DECODE
+    assert row_kind(0, 1, 5) == PREFILL and row_kind(3, 1, 5) == PREFILL     # one-token grants
+    assert row_kind(12, 3, 9) == PREFILL                                     # a recompute re-feed
+
+
+def _kinds(policy="continuous", prompts=((9, 0),), **config):
+    """Run ``prompts`` ((length, arrival step) per request, token ids per request i: 5 + i, or the
+    shared list when ``config`` says so) and return ``{request: [(start, n, kind), ...]}`` from the
+    replay and the same from the slot trace, with the engine."""
+    shared = config.pop("same_prompt", False)
+    engine = build_engine("tiny", policy=policy, block_size=4, **config)
+    rec = replay.ReplayRecorder().attach(engine)
+    tr = TraceRecorder(engine.config.max_num_seqs, skip_empty=False).attach(engine)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    drive(engine, [Arrival(t, f"q{i}", [7 if shared else 5 + i] * n, params)
+                   for i, (n, t) in enumerate(prompts)])
+    rows: dict = {}
+    for f in rec.to_json()["frames"]:
+        for s in f["seqs"]:
+            kind = PREFILL if s["kind"] in ("chunk", "prefill") else s["kind"]
+            rows.setdefault(s["id"], []).append((s["start"], s["n"], kind))
+    cells: dict = {}
+    for step in tr.trace.cells:
+        for c in step:
+            if c.busy:
+                cells.setdefault(c.request_id, []).append((c.num_tokens, c.kind))
+    for rid, seen in rows.items():      # the trace says the same as the replay, row by row
+        assert cells[rid] == [(n, k) for _, n, k in seen], rid
+    return rows, engine
+
+
+def test_a_one_token_last_chunk_is_a_prefill():
+    rows, _ = _kinds(prompts=((9, 0),), long_prefill_chunk=8)
+    assert rows["q0"] == [(0, 8, PREFILL), (8, 1, PREFILL), (9, 1, DECODE), (10, 1, DECODE)]
+
+
+def test_a_one_token_remainder_after_a_prefix_hit_is_a_prefill():
+    rows, engine = _kinds(prompts=((9, 0), (9, 4)), enable_prefix_caching=True, same_prompt=True)
+    assert rows["q0"][0] == (0, 9, PREFILL)
+    assert rows["q1"][0] == (8, 1, PREFILL)       # 2 blocks hit (capped below 9): one token left
+    assert rows["q1"][1] == (9, 1, DECODE)
+
+
+def test_a_one_token_budget_grant_is_a_prefill():
+    # three one-token prompts take 3 of the 4 tokens; q3's 5-token prompt gets 1 token a step
+    rows, _ = _kinds(prompts=((1, 0), (1, 0), (1, 0), (5, 0)), max_num_seqs=4, max_num_batched_tokens=4)
+    assert rows["q3"][:3] == [(0, 1, PREFILL), (1, 1, PREFILL), (2, 1, PREFILL)]
+    assert [k for s, _, k in rows["q3"] if s >= 5] and all(k == DECODE for s, _, k in rows["q3"] if s >= 5)
+    assert all(k == PREFILL for s, _, k in rows["q3"] if s < 5)
+
+
+# --- why a request waits, shared blocks, victims -----------------------------------------------------
+def test_waiting_for_the_budget_with_a_slot_free():
+    engine = build_engine("tiny", max_num_seqs=2, block_size=4, max_num_batched_tokens=4, num_blocks=16)
+    rec = replay.ReplayRecorder().attach(engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    drive(engine, [Arrival(0, "a", [5] * 8, params), Arrival(0, "b", [6] * 3, params)])
+    f0 = rec.frames[0]
+    assert [s["id"] for s in f0["seqs"]] == ["a"] and f0["state"]["slots"].count(None) == 1
+    assert f0["waiting"] == {"b": ["no budget", "the step's 4 tokens are spent"]} and f0["budget_left"] == 0
+
+
+def test_waiting_reasons_of_the_docs_run(committed):
+    fr = committed["frames"]
+    why = lambda k: {r: w[0] for r, w in fr[k]["waiting"].items()}          # noqa: E731
+    # every waiting request of every step has a reason, and only they
+    assert all(set(f["waiting"]) == set(f["state"]["waiting"]) for f in fr)
+    assert why(4) == {"r4": "no slot"} and None not in fr[4]["state"]["slots"]
+    assert why(10)["r4"] == "no blocks" and fr[10]["state"]["free_blocks"] == []
+    assert why(10)["r5"] == "behind r4"
+    assert set(why(12).values()) == {"swap pending"} and fr[12]["state"]["swapped"] == ["r3"]
+    assert why(7)["r3"] == "no blocks" and fr[7]["preempted"] == ["r3"]
+
+
+def test_ref_counts_cache_and_victims_of_the_docs_run(committed):
+    fr = committed["frames"]
+    for f in fr:
+        for st in (f["state"], f["after"]):
+            count = {}
+            for t in st["block_tables"].values():
+                for b in t:
+                    count[b] = count.get(b, 0) + 1
+            assert st["refs"] == {str(b): n for b, n in count.items() if n > 1}
+        for rid, v in f["victims"].items():
+            prev = fr[f["step"] - 1]["after"]["block_tables"][rid]
+            assert v["blocks"] == prev and rid not in f["state"]["block_tables"]
+            assert v["mode"] == ("swap" if rid in f["state"]["swapped"] else "recompute")
+    st = fr[4]["state"]          # r3 arrived with r1's system prompt: its two blocks are shared
+    assert st["refs"] == {"2": 2, "3": 2}
+    assert st["block_tables"]["r1"][:2] == st["block_tables"]["r3"][:2] == [2, 3]
+    assert {2, 3} <= set(st["cached"])
+    # r3 holds shared blocks, so it is recomputed, not swapped (the block manager's rule)
+    assert fr[7]["victims"] == {"r3": {"mode": "recompute", "blocks": [2, 3, 7, 8, 11, 12]}}
+
+
+def test_request_colours_and_their_text_reach_4_5_to_1(committed):
+    for rid, colour in committed["colours"].items():
+        assert contrast_ratio(colour, committed["text_colours"][rid]) >= 4.5, rid
+
+
 def test_committed_recording_is_what_the_code_records_now(committed):
     assert replay.demo() == committed, "run: make docs-pages (or python -m minicb.measure.replay)"
 
 
 def test_the_replay_page_says_what_the_recording_shows(committed):
     """Every step the page points to, and the run it describes, checked against the recording."""
-    fr, cfg, text = committed["frames"], committed["config"], PAGE.read_text()
+    fr, cfg, text = committed["frames"], committed["config"], " ".join(PAGE.read_text().split())
     reqs = replay.DEMO_REQUESTS
-    assert len(reqs) == 8 and max(t for t, _, _ in reqs) == 12 and "Eight requests" in text
-    assert (min(p for _, p, _ in reqs), max(p for _, p, _ in reqs)) == (3, 19) and "3 to 19 tokens" in text
-    assert (min(o for *_, o in reqs), max(o for *_, o in reqs)) == (5, 16) and "5 to 16 output" in text
+    assert len(reqs) == 8 and max(t for t, *_ in reqs) == 12 and "Eight requests" in text
+    assert (min(p for _, p, *_ in reqs), max(p for _, p, *_ in reqs)) == (3, 19) and "3 to 19 tokens" in text
+    assert (min(r[2] for r in reqs), max(r[2] for r in reqs)) == (5, 16) and "5 to 16 output" in text
+    assert sum(r[3] for r in reqs) == 4 and len(replay.DEMO_SYSTEM) == 8 and "four of them begin" in text
     assert (cfg["num_slots"], cfg["max_num_batched_tokens"], cfg["long_prefill_chunk"], cfg["num_blocks"],
-            cfg["block_size"], cfg["num_host_blocks"]) == (4, 16, 8, 14, 4, 16)
-    assert cfg["num_blocks"] * cfg["block_size"] == 56 and max(p + o for _, p, o in reqs) == 25
-    assert "(56 token positions, for requests that need up to 25 each)" in " ".join(text.split())
+            cfg["block_size"], cfg["num_host_blocks"], cfg["prefix_caching"]) == (4, 16, 8, 14, 4, 16, True)
+    assert cfg["num_blocks"] * cfg["block_size"] == 56 and max(p + o for _, p, o, _ in reqs) == 25
+    assert "(56 token positions, for requests that need up to 25 each)" in text
     rows = lambda k: {s["id"]: (s["kind"], s["start"], s["n"]) for s in fr[k]["seqs"]}   # noqa: E731
-    # step 2: three decodes beside r3's first 8-token chunk; its last 3 tokens at step 4
-    assert sum(s["kind"] == "decode" for s in fr[2]["seqs"]) == 3 and rows(2)["r3"] == ("chunk", 0, 8)
-    assert rows(3)["r3"] == ("chunk", 8, 8) and rows(4)["r3"] == ("prefill", 16, 3)
-    # step 4: r4 waits, no free block
-    assert "r4" in fr[4]["state"]["waiting"] and fr[4]["state"]["free_blocks"] == []
-    # step 6: the newest running request, r3, swapped out with its 5 blocks; r4 still waits, a slot free
-    assert fr[6]["preempted"] == ["r3"] and len(fr[6]["swap_out"]) == 5
-    assert fr[6]["state"]["swapped"] == ["r3"] and "r4" in fr[6]["state"]["waiting"]
-    assert None in fr[6]["state"]["slots"]
-    # steps 9-11: r1 finishes, r3 back in r1's slot (the lowest free one), out again
-    assert "r1" in fr[9]["finished"] and fr[10]["swap_in"] and rows(10)["r3"][0] == "decode"
-    assert fr[10]["state"]["slots"].index("r3") == fr[9]["state"]["slots"].index("r1")
-    assert fr[11]["preempted"] == ["r3"]
-    # step 14: r0 finished at 13; r3 swapped in and r4 admitted
-    assert "r0" in fr[13]["finished"] and fr[14]["swap_in"] and {"r3", "r4"} <= set(rows(14))
-    # step 17: r2, r3 finished at 16; r5 and r6 chunked beside r4's decode: 1 + 8 + 7
-    assert {"r2", "r3"} <= set(fr[16]["finished"]) and fr[17]["state"]["slots"].count(None) == 1
-    assert rows(17) == {"r4": ("decode", 7, 1), "r5": ("chunk", 0, 8), "r6": ("chunk", 0, 7)}
-    for k in (2, 4, 6, 10, 11, 14, 17):
+    why = lambda k: {r: w[0] for r, w in fr[k]["waiting"].items()}                       # noqa: E731
+    # step 2: r3's chunk starts at 8 after a hit on r1's blocks 2, 3, beside three decodes
+    assert rows(2)["r3"] == ("chunk", 8, 8) and sum(s["kind"] == "decode" for s in fr[2]["seqs"]) == 3
+    assert fr[2]["state"]["refs"] == {"2": 2, "3": 2} and rows(3)["r3"] == ("prefill", 16, 3)
+    # step 4: r4 waits for a slot while 2 and 3 are shared
+    assert why(4) == {"r4": "no slot"} and fr[4]["state"]["refs"] == {"2": 2, "3": 2}
+    # step 7: r3 recomputed (it holds shared blocks), its 6 former blocks; two go to others at once
+    v = fr[7]["victims"]["r3"]
+    assert v["mode"] == "recompute" and len(v["blocks"]) == 6 and v["blocks"][:2] == [2, 3]
+    held = {b for t in fr[7]["state"]["block_tables"].values() for b in t}
+    assert set(fr[7]["state"]["block_tables"]["r1"][:2]) == {2, 3} and len(held & set(v["blocks"][2:])) == 2
+    assert set(why(7).values()) == {"no blocks"}
+    # step 10: r1 finished at 9; r3 back from the front, positions 16-22 recomputed; r4 no blocks
+    assert "r1" in fr[9]["finished"] and fr[9]["state"]["waiting"][0] == "r3"
+    assert rows(10)["r3"] == ("prefill", 16, 7) and why(10) == {"r4": "no blocks", "r5": "behind r4",
+                                                              "r6": "behind r4"}
+    # step 11: swapped this time; step 12: swap pending
+    assert fr[11]["victims"]["r3"]["mode"] == "swap" and fr[11]["state"]["refs"] == {}
+    assert set(why(12).values()) == {"swap pending"}
+    # step 15: 1 + 2 + 8 + 5 tokens; r7 no slot
+    assert rows(15) == {"r2": ("decode", 17, 1), "r4": ("prefill", 8, 2), "r5": ("chunk", 0, 8),
+                        "r6": ("chunk", 8, 5)} and why(15) == {"r7": "no slot"}
+    assert "(1 + 2 + 8 + 5 = 16 tokens)" in text
+    # steps 16, 17: one-token prefills
+    r5 = next(s for s in fr[16]["seqs"] if s["id"] == "r5")
+    assert (r5["kind"], r5["start"], r5["n"], r5["prompt"]) == ("prefill", 8, 1, 9)
+    r6 = next(s for s in fr[17]["seqs"] if s["id"] == "r6")
+    assert (r6["kind"], r6["start"], r6["n"], r6["prompt"]) == ("prefill", 13, 1, 14) and fr[17]["swap_in"]
+    for k in (2, 4, 7, 10, 11, 12, 15, 16, 17):
         assert f"?step={k})" in text
-
 
 
 SLOTS = "[...document.querySelectorAll('[data-slot]')].map(c => c.dataset.request || null)"
@@ -110,11 +228,29 @@ LABEL = "document.querySelector('.mr-label').textContent"
 
 
 def _owners(frame: dict, num_blocks: int) -> list:
-    owner = [None] * num_blocks
-    for rid, table in frame["state"]["block_tables"].items():
-        for b in table:
-            owner[b] = rid
-    return owner
+    owner: list = [[] for _ in range(num_blocks)]
+    for rid in sorted(frame["state"]["block_tables"]):
+        for b in frame["state"]["block_tables"][rid]:
+            owner[b].append(rid)
+    return [" ".join(o) or None for o in owner]
+
+
+STRIP = ("[...document.querySelectorAll('[data-strip-slot]')].map(c => [+c.dataset.stripSlot, "
+         "+c.dataset.stripStep, c.dataset.request || null, c.dataset.kind, c.classList.contains('mr-now')])")
+WAITING = ("Object.fromEntries([...document.querySelectorAll('[data-waiting]')]"
+           ".map(c => [c.dataset.waiting, c.dataset.reason]))")
+
+
+def _strip(frames: list, num_slots: int, now: int) -> list:
+    """The strip the player must draw: every (slot, step), its holder and what it computed."""
+    out = []
+    for slot in range(num_slots):
+        for f in frames:
+            rid = f["state"]["slots"][slot]
+            row = next((s for s in f["seqs"] if s["slot"] == slot), None)
+            kind = "free" if rid is None else row["kind"] if row else "held"
+            out.append([slot, f["step"], rid, kind, f["step"] == now])
+    return out
 
 
 @pytest.mark.slow
@@ -122,21 +258,31 @@ def test_replay_widget_in_headless_chromium(site, committed):
     binary = site_check.find_chromium()
     if binary is None:
         unavailable("chromium is not installed (make setup installs it with apt-get)")
-    fr, nb = committed["frames"], committed["config"]["num_blocks"]
+    fr, nb, ns = committed["frames"], committed["config"]["num_blocks"], committed["config"]["num_slots"]
     assert (site / "assets/replay/replay.js").exists() and (site / "assets/replay/data.js").exists()
     with site_check.Chromium(binary) as browser, site_check.serve(site) as base:
-        with browser.tab(base + "replay/#step=7") as tab:
-            assert tab.evaluate(SLOTS) == fr[7]["state"]["slots"]          # the recorded occupancy
-            assert tab.evaluate(BLOCKS) == _owners(fr[7], nb)
+        with browser.tab(base + "replay/#step=4") as tab:
+            assert tab.evaluate(SLOTS) == fr[4]["state"]["slots"]          # the recorded occupancy
+            assert tab.evaluate(BLOCKS) == _owners(fr[4], nb)
             tokens = tab.evaluate("[...document.querySelectorAll('[data-token]')].map(t => t.dataset.token)")
-            assert tokens == [f"{s['id']}:{s['start'] + k}" for s in fr[7]["seqs"] for k in range(s["n"])]
-            assert tab.evaluate(LABEL) == f"step 7 of {len(fr) - 1}"
+            assert tokens == [f"{s['id']}:{s['start'] + k}" for s in fr[4]["seqs"] for k in range(s["n"])]
+            assert tab.evaluate(LABEL) == f"step 4 of {len(fr) - 1}"
+            assert tab.evaluate(STRIP) == _strip(fr, ns, 4)                # the strip, step 4 framed
+            assert tab.evaluate(WAITING) == {"r4": "no slot"}              # the reason beside the request
+            refs = tab.evaluate("[...document.querySelectorAll('[data-block]')].map(c => +c.dataset.refs)")
+            assert [refs[2], refs[3]] == [2, 2] and refs.count(2) == 2
+            cached = tab.evaluate("[...document.querySelectorAll('[data-block][data-cached]')]"
+                                  ".map(c => +c.dataset.block)")
+            assert cached == fr[4]["state"]["cached"]
             tab.evaluate("document.querySelector('.mr-next').click()")     # step forward
-            assert tab.evaluate("location.hash") == "#step=8"
-            assert tab.evaluate(SLOTS) == fr[8]["state"]["slots"]
+            assert tab.evaluate("location.hash") == "#step=5"
+            assert tab.evaluate(SLOTS) == fr[5]["state"]["slots"]
+            tab.evaluate("document.querySelector('[data-strip-slot=\"0\"][data-strip-step=\"12\"]').click()")
+            assert tab.evaluate("location.hash") == "#step=12"             # a click on the strip
             queue = ("[...document.querySelectorAll('[data-queue=swapped] [data-request]')]"
                      ".map(c => c.dataset.request)")
-            assert tab.evaluate(queue) == fr[8]["state"]["swapped"] == ["r3"]
+            assert tab.evaluate(queue) == fr[12]["state"]["swapped"] == ["r3"]
+            assert set(tab.evaluate(WAITING).values()) == {"swap pending"}
             tab.evaluate("(s => { s.value = '14'; s.dispatchEvent(new Event('input')); })"
                          "(document.querySelector('.mr-slider'))")           # the slider
             assert tab.evaluate(SLOTS) == fr[14]["state"]["slots"]
@@ -146,9 +292,60 @@ def test_replay_widget_in_headless_chromium(site, committed):
             playing = int(re.match(r"step (\d+)", tab.evaluate(LABEL)).group(1))
             assert playing > 14 and tab.evaluate(SLOTS) == fr[playing]["state"]["slots"]
             assert tab.errors() == []
-        with browser.tab(base + "replay/?step=6") as tab:                 # the page's own step links
-            assert tab.evaluate(SLOTS) == fr[6]["state"]["slots"] and None in fr[6]["state"]["slots"]
-            assert tab.evaluate(BLOCKS) == _owners(fr[6], nb)
-            host = "[...document.querySelectorAll('[data-host-block]')].map(c => c.dataset.owner || null)"
-            assert tab.evaluate(host)[:5] == ["r3"] * 5
+        with browser.tab(base + "replay/?step=7") as tab:                 # the page's own step links
+            assert tab.evaluate(BLOCKS) == _owners(fr[7], nb)
+            former = tab.evaluate("[...document.querySelectorAll('[data-block][data-former]')]"
+                                  ".map(c => [+c.dataset.block, c.dataset.former])")
+            assert former == [[b, "r3"] for b in sorted(fr[7]["victims"]["r3"]["blocks"])]
+            kinds = tab.evaluate("[...document.querySelectorAll('[data-row-kind]')]"
+                                 ".map(c => c.dataset.rowKind)")
+            by_slot = {s["slot"]: s["kind"] for s in fr[7]["seqs"]}
+            assert kinds == [by_slot.get(i, "") for i in range(ns)]
             assert tab.errors() == []
+        with browser.tab(base + "replay/?step=11") as tab:
+            host = "[...document.querySelectorAll('[data-host-block]')].map(c => c.dataset.owner || null)"
+            assert tab.evaluate(host)[:6] == ["r3"] * 6
+        with browser.tab(base + "replay/?step=16", width=390, height=900) as tab:   # a phone
+            assert tab.evaluate("document.documentElement.scrollWidth") <= 390
+            assert tab.evaluate("(() => { const r = document.querySelector('[data-minicb-replay]')"
+                                ".getBoundingClientRect(); return r.right; })()") <= 390
+            assert tab.evaluate(STRIP) == _strip(fr, ns, 16)
+            assert tab.errors() == []
+
+
+def test_trace_replay_writes_one_offline_page(tmp_path, capsys):
+    """``minicb trace --replay``: one HTML file, nothing loaded from anywhere, the recording inside."""
+    out = tmp_path / "run.html"
+    assert main(["trace", "--num-requests", "5", "--num-blocks", "10", "--max-num-batched-tokens", "12",
+                 "--long-prefill-chunk", "6", "--arrival-gap", "1", "--width", "80", "--color", "never",
+                 "--replay", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.html"]
+    page = out.read_text()
+    assert site_check.broken_links(tmp_path) == []                 # no src/href to the network or elsewhere
+    assert "<script src" not in page and "<link" not in page and "http" not in page.split("</style>")[0]
+    data = replay.from_js(page)
+    assert data["config"]["num_blocks"] == 10 and data["config"]["max_num_batched_tokens"] == 12
+    assert sorted(r for f in data["frames"] for r in f["finished"]) == [f"r{i}" for i in range(5)]
+    assert data["arrivals"] == {f"r{i}": i for i in range(5)}
+
+
+def test_trace_replay_refuses_a_name_that_is_not_html(tmp_path, capsys):
+    assert main(["trace", "--num-requests", "2", "--replay", str(tmp_path / "x.png")]) == 2
+    assert "--replay must end in .html" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_trace_replay_page_plays_from_a_file(tmp_path):
+    binary = site_check.find_chromium()
+    if binary is None:
+        unavailable("chromium is not installed (make setup installs it with apt-get)")
+    out = tmp_path / "run.html"
+    assert main(["trace", "--num-requests", "4", "--num-blocks", "16", "--width", "80", "--color", "never",
+                 "--replay", str(out)]) == 0
+    data = replay.from_js(out.read_text())
+    with site_check.Chromium(binary) as browser, browser.tab(out.as_uri() + "#step=3") as tab:
+        assert tab.evaluate(SLOTS) == data["frames"][3]["state"]["slots"]
+        assert tab.evaluate(LABEL) == f"step 3 of {len(data['frames']) - 1}"
+        assert len(tab.evaluate(STRIP)) == data["config"]["num_slots"] * len(data["frames"])
+        assert tab.errors() == []

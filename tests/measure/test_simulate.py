@@ -1,5 +1,5 @@
 """The cost-model simulator: same Scheduler class as the engine, deterministic, calibrated, and the
-seed's qualitative result (continuous ahead of static) at LLaMA-3-70B scale. Also the workloads."""
+benchmark table's qualitative result (continuous ahead of static) at LLaMA-3-70B scale. Also the workloads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from drain import drain
 from minicb.core import scheduler as scheduler_module
 from minicb.core.config import SchedulerConfig
 from minicb.core.plan import ScheduledSeq, StepPlan
@@ -77,9 +78,7 @@ def test_the_simulator_is_the_engines_loop_with_aborts_outputs_and_failures():
         ("a", "error", "RuntimeError: cost model broke")]
     assert failed[0].token_ids == [7, 7] and not sim.has_unfinished_requests()
     sim.add_request("c", [1], params)                   # the engine serves on
-    outs = []
-    while sim.has_unfinished_requests():
-        outs += sim.step()
+    outs = drain(sim)
     assert outs[-1].finished and outs[-1].token_ids == [7] * 4
     assert outs[-1].token_times == [11.5, 12.0, 12.5, 13.0]
 
@@ -132,7 +131,7 @@ def test_preemption_happens_in_simulation_when_kv_is_short():
     assert res.summary.num_preemptions > 0 and res.summary.num_finished == 60
 
 
-# --- the seed's shape at 70B ----------------------------------------------------------------------
+# --- the benchmark table's shape at 70B ----------------------------------------------------------
 def test_continuous_beats_static_at_70b_scale():
     # output lengths / 4 keep the test quick; 16 slots, 6 req/s: static's batches queue
     reqs = make_requests("sharegpt", 120, rate=6.0, seed=0, min_len=4, max_total=2048, output_div=4)

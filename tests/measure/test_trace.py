@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from drain import drain
 from minicb.core.config import TINY_MODEL, SchedulerConfig
 from minicb.core.errors import InvalidArgument, MinicbError
 from minicb.core.plan import ScheduledSeq, StepPlan
@@ -37,16 +38,19 @@ def drive(config: SchedulerConfig, lengths, held=True):
     for i, (p, o) in enumerate(lengths):
         sched.add(Sequence(f"r{i}", [4] * p, SamplingParams(max_tokens=o, ignore_eos=True)))
     sched.close_arrivals()
-    while sched.has_unfinished():
+
+    def one_step(sched: Scheduler) -> list:
         plan = sched.schedule()
         rec.record(plan, sched.slot_table.held() if held else None)
-        sched.update(plan, {s.request_id: 5 for s in plan.seqs if s.sample}, 0.0)
+        return sched.update(plan, {s.request_id: 5 for s in plan.seqs if s.sample}, 0.0)
+
+    drain(sched, one_step)
     return rec.trace, sched
 
 
 def test_recorder_exact_cells_for_hand_made_plans():
     rec = TraceRecorder(3)
-    rec.record(StepPlan(0, (_seq("a", 0, 3, 0), _seq("b", 2, 1, 9))))
+    rec.record(StepPlan(0, (_seq("a", 0, 3, 0), _seq("b", 2, 1, 9))), prompt_lens={"b": 9})  # b: a decode
     rec.record(StepPlan(1, (_seq("a", 0, 1, 3),)), held={0: "a", 2: "b"})
     rec.record(StepPlan(2))                              # empty plans are skipped
     t = rec.trace

@@ -17,12 +17,13 @@ import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tokenizer import CHATML, tiny_gguf_tokenizer_metadata
 
+from hypothesis_profiles import examples
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError
 from minicb.model.text import chat_template as ct
 from minicb.model.text.tokenizer import Tokenizer
 from robust_helpers import finishes
+from tokenizer_fixtures import CHATML, tiny_gguf_tokenizer_metadata
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -137,7 +138,7 @@ WELL_BEHAVED = [
 ]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.sampled_from(WELL_BEHAVED),
        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                        "content": st.text(max_size=200)}), min_size=1, max_size=6))

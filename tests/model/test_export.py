@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from test_tokenizer import SAMPLE
 
 from minicb.core.errors import InvalidArgument
 from minicb.core.sampling_params import SamplingParams
@@ -20,6 +19,7 @@ from minicb.model.weights.export import export_hf
 from minicb.model.weights.loader import load_model
 from minicb.runtime.packer import pack_prompts
 from tiny_files import hf_config, tiny_weights, write_gguf
+from tokenizer_fixtures import SAMPLE
 
 PROMPT_TEXTS = ["hello world", "the cat sat", "A"]
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_tokenizer import SAMPLE, tiny_gguf_tokenizer_metadata
 
 from minicb.core.errors import InvalidArgument, ModelLoadError
 from minicb.model.text.tokenizer import Tokenizer
@@ -26,6 +25,7 @@ from minicb.model.weights.gguf_loader import dequantize, permute_qk, read_gguf, 
 from minicb.model.weights.loader import LoadedModel, default_model_path, expected_shapes, load_model
 from preconditions import unavailable
 from tiny_files import add_hf_tensor
+from tokenizer_fixtures import SAMPLE, tiny_gguf_tokenizer_metadata
 
 VOCAB = len(tiny_gguf_tokenizer_metadata()["tokenizer.ggml.tokens"])   # 266
 

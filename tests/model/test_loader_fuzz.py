@@ -343,8 +343,12 @@ def run_worker(paths: list[str], tmp_path, timeout: float) -> list[dict]:
 def check_results(results: list[dict], min_errors: int) -> None:
     bad = [r for r in results if r["outcome"] not in ("ok", "ModelLoadError")]
     assert not bad, f"{len(bad)} cases raised something else, e.g. {bad[:5]}"
-    slow = [r for r in results if r["seconds"] > 10]
-    assert not slow, f"cases took more than 10 s: {slow[:5]}"
+    # A pathological case (a header claiming 2**40 tensors) shows as one case far slower than the rest:
+    # measured against this run's own median, so a busy machine, which slows every case, cannot trip it.
+    times = sorted(r["seconds"] for r in results)
+    median = times[len(times) // 2]
+    slow = [r for r in results if r["seconds"] > max(10.0, 200 * median)]
+    assert not slow, f"cases took more than max(10 s, 200 x the median {median:.3f} s): {slow[:5]}"
     errors = [r for r in results if r["outcome"] == "ModelLoadError"]
     assert len(errors) >= min_errors, f"only {len(errors)} of {len(results)} cases were rejected"
     for r in errors:
@@ -353,6 +357,7 @@ def check_results(results: list[dict], min_errors: int) -> None:
     assert max(r["maxrss_mb"] for r in results) < 2048, "a case allocated far more than the file size"
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_gguf_fuzz(tmp_path):
     paths = gguf_cases(tmp_path)
@@ -366,6 +371,7 @@ def test_gguf_fuzz(tmp_path):
     assert by_name["kv_block_count_huge.gguf"]["outcome"] == "ModelLoadError"
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_safetensors_fuzz(tmp_path):
     paths = hf_cases(tmp_path)

@@ -3,7 +3,6 @@ SmolLM2 tokenizer against transformers' reading of the same GGUF file (``@pytest
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -11,27 +10,14 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from minicb.core.errors import InvalidArgument, ModelLoadError
 from minicb.model.text.tokenizer import Tokenizer, bytes_to_unicode
-
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-          "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ", "e r", "Ġ a"]
+from tokenizer_fixtures import MERGES, SAMPLE, SPECIALS, tiny_gguf_tokenizer_metadata, tiny_tokenizer
 
 # llama.cpp's `smollm` pre-tokenization (llama-vocab.cpp): first every \p{N} alone, then GPT-2's regex
 # inside each piece.
 GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-SAMPLE = [
-    "Hello world", "The capital of France is Paris.", "1234567", "x 12 y", "3.14159 and 2,718",
-    "  leading spaces", "trailing spaces   ", "many     spaces", "a\n\n\nb", "\r\n\r\n",
-    "\tdef f(x):\n\t\treturn x + 1  # comment\n", "if (a && b) { return -1; }",
-    "日本語のテキスト、中文。한국어", "emoji 😀👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
-    "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>tail", "I'm you're they'll we've", "ÀÉÎõü ß Ωμέγα",
-    "word\u00a0nbsp", "x=1;y=22;z=333", " ", "", "a" * 60, "tokens\u200bzero width", "mixed123abc456",
-]
 
 
 def llama_cpp_smollm_pieces(text: str) -> list[str]:
@@ -40,31 +26,6 @@ def llama_cpp_smollm_pieces(text: str) -> list[str]:
         if part:
             pieces += regex.findall(GPT2_RE, part)
     return pieces
-
-
-def tiny_gguf_tokenizer_metadata(**overrides) -> dict:
-    """GGUF ``tokenizer.*`` metadata of a tiny byte-level BPE: 3 control tokens, the 256 bytes, and
-    the tokens of ``MERGES``. Used by test_loader.py too."""
-    tokens = SPECIALS + [bytes_to_unicode()[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES]
-    md = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)),
-        "tokenizer.ggml.merges": list(MERGES),
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.padding_token_id": 2,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHATML,
-    }
-    md.update(overrides)
-    return md
-
-
-@functools.cache
-def tiny_tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(tiny_gguf_tokenizer_metadata())
 
 
 @pytest.fixture
@@ -132,7 +93,7 @@ _CHARS = st.sampled_from(list("ab1 2\n\r\t'sé日本語😀👍🏽.,-")) | st.c
     max_codepoint=0x2FFF, exclude_categories=("Cs", "Cn", "Co"))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text(alphabet=_CHARS, max_size=40))
 def test_smollm_pre_tokenizer_matches_llama_cpp_regex_random(text):
     tok = tiny_tokenizer()

@@ -394,6 +394,7 @@ def test_models_health_and_the_page(url):
     assert "://" not in page.replace("http://www.w3.org", "")        # nothing fetched from elsewhere
 
 
+@pytest.mark.timing
 def test_the_live_feed_is_throttled_and_loses_no_step(url):
     """Watch /live/events while 8 requests run: at most ~10 frames a second, and the columns they
     carry are every step, in order, without a gap (coalesced, not dropped)."""
@@ -402,6 +403,7 @@ def test_the_live_feed_is_throttled_and_loses_no_step(url):
     import urllib.request
 
     frames, stop = [], threading.Event()
+    connected = time.monotonic()      # before the server can have sent any frame of this feed
 
     def watch():
         with urllib.request.urlopen(url + "/live/events", timeout=30) as r:
@@ -434,8 +436,12 @@ def test_the_live_feed_is_throttled_and_loses_no_step(url):
     assert steps == list(range(steps[0], steps[0] + len(steps)))        # every step, once, in order
     busy = [c for _, f in frames[1:] for c in f["columns"] if c["rows"]]
     assert {r[1] for c in busy for r in c["rows"]} and any(len(c["rows"]) >= 2 for c in busy)
-    gaps = [b - a for (a, _), (b, _) in zip(frames[1:], frames[2:])]
-    assert min(gaps) >= 0.09, gaps                                     # throttled: >= 0.1 s apart
+    # Throttled to one frame per 0.1 s: the server sleeps 0.1 s after each frame, so n frames need at
+    # least 0.1 * (n - 1) s between the connection and the last frame's arrival. A busy machine only
+    # lengthens that span (the gaps the client sees can bunch up when it reads late, so they are not
+    # what is checked).
+    span = frames[-1][0] - connected
+    assert len(frames) - 1 <= span / 0.1 + 1, (len(frames), span)
     assert len(steps) > len(frames)                                   # several steps per frame
 
 

@@ -298,6 +298,7 @@ def test_host_allow_list_cors_and_api_key(gguf):
 STEP_S = 0.02     # the tiny model steps in ~1 ms; a real one in tens (kernels release the GIL, as sleep does)
 
 
+@pytest.mark.timing
 def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf):
     """One stream of 60 tokens, while three clients keep sending the largest legal requests (1,024
     messages, 30,000 characters of text, stop strings of 4,096 characters, 4,096 token ids). The

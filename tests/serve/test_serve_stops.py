@@ -7,6 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import examples
 from minicb.entrypoints.serve.stops import StopMatcher
 
 
@@ -65,7 +66,7 @@ def test_nothing_after_a_match():
     assert m.push("more") == "" and m.flush() == ""
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
        chunks=st.lists(st.text(alphabet="abc\n", max_size=5), max_size=12))
 def test_any_chunking_gives_the_text_before_the_first_stop(stops, chunks):

@@ -1,5 +1,4 @@
-"""The paged KV-cache bookkeeping: which fixed-size blocks of the pool hold which request's tokens,
-and (prefix caching) which full blocks can be reused by a later request with the same prefix.
+"""The paged-KV bookkeeping: which fixed-size blocks of the pool hold which request's tokens.
 
 The KV cache is cut into ``num_blocks`` blocks of ``block_size`` token positions each (PagedAttention).
 A request's *block table* lists, in order, the blocks that hold its positions: position ``p`` lives in
@@ -13,44 +12,12 @@ filled block::
                                           └────────────┘└────────────┘└────────────┘
     device free list (a min-heap): [1, 2, 4, 6, 7]   -> the next block handed out is 1
 
-Allocation takes the lowest-numbered free block, so tests can state exact tables. Every block has a
-*ref count*: the number of tables that name it. Blocks leave and return to a pool only through
-``BlockPool.take`` / ``share`` / ``drop``.
-
-Prefix caching (``enable_caching``; vLLM's automatic prefix caching)
---------------------------------------------------------------------
-The K/V of a token depends on the token and everything before it, so a *full* block can be reused by
-any request whose first tokens, up to the end of that block, are the same. Each full, computed block
-gets a hash chained from its parent block's hash and its own token ids, and a table maps hashes to
-blocks::
-
-    prompt A:  [sys sys sys sys][sys sys usr1 usr1][usr1 ..            block_size = 4
-    hashes:     h0 = H(ROOT, b0)  h1 = H(h0, b1)       (not full: no hash)
-    prompt B:  [sys sys sys sys][sys sys usr2 usr2][...
-                h0: hit            H(h0, b1') misses   -> B shares block h0, computes the rest
-
-* **Lookup** (``computed_blocks``, at admission): walk the request's full blocks from the first and
-  take the longest chain of cached ones. A hit never covers the whole request: at most
-  ``(num_tokens - 1) // block_size`` blocks, so the last token is always computed and there are
-  logits to sample from. A prompt of exactly ``k`` blocks, all cached, reuses ``k - 1`` and recomputes
-  the last block into a new block of its own (never writing into a shared block).
-* **Sharing** (``allocate(..., computed=hits)``): each hit block gets ref count + 1; a hit that sat on
-  the free list (ref count 0) leaves it.
-* **Caching** (``cache_full_blocks``, after the step that computed them): a block enters the table
-  when it is full *and* its K/V has been computed, never before, so no request can read a block that
-  the same step is still writing, and a failed step caches nothing. Blocks filled by generated tokens
-  are cached too (as in vLLM): a later turn of the same conversation, or a recompute-preempted
-  request, finds them. A block is cached only if its parent is (the chain is unbroken); when the same
-  prefix was computed twice at the same time, the first copy is kept and the other stays private.
-* **Collisions**: each cached block stores its token ids and its parent block. A lookup accepts a
-  block only if both match (the parent is the block it matched one level up), so by induction a hit's
-  whole prefix equals the request's, whatever the hash function does; a collision only costs a miss.
-* **Free and evict**: a freed block keeps its hash and goes to an LRU list of reusable free blocks
-  (the table's tail first, so a request's last blocks are evicted before its first ones). ``take``
-  prefers blocks that hold nothing reusable (lowest first) and only then evicts the least recently
-  used cached block, dropping its hash. Because every holder of a block also holds its parent, a
-  parent always enters the LRU list after its children: eviction only ever takes leaves of the
-  prefix tree, and a cached block's parent is always cached.
+The manager keeps the tables; the blocks themselves are counted and handed out by two
+``BlockPool`` objects (``block_pool``: ref counts, free lists), one on the device, one on the host, and
+the full blocks that a later request may reuse are remembered by the ``PrefixCache``
+(``prefix_cache``: hash chain, lookup, eviction; ``enable_caching``). The manager joins them: a new
+table may start with cached blocks (``computed_blocks`` then ``allocate(..., computed=hits)``), and
+the blocks a step filled are offered to the cache (``cache_full_blocks``).
 
 Swap preemption moves a whole table to a second, *host* pool (``num_host_blocks``; CPU memory in
 vLLM): ``swap_out`` returns the (device block, host block) copies the engine must make, frees the
@@ -61,198 +28,21 @@ recomputes it instead. Its shared prefix stays resident because the others hold 
 re-admitted the lookup finds that prefix again and only its private tail is recomputed. Blocks
 swapped out with ref count 1 stay cached on the device (they are merely free) until evicted.
 
-Invariants (``check_integrity``), for the device pool and the host pool alike:
-
-* free + held == total, and no block is both free and held (a block with ref count > 0 is never on a
-  free list);
-* a block's ref count == the number of tables that name it (0 for a free block);
-* prefix cache: the table and the per-block records agree; a cached block is full and its parent is
-  cached; in every block table the cached blocks form a prefix and each one's parent is the block
-  before it; the LRU list holds exactly the free cached blocks, children before their parents.
-
-This module imports no torch.
+Invariants (``check_integrity``): no request has both a device and a host table; each pool's own (free
++ held == total, ref counts == tables naming a block, see ``block_pool``) against the tables in it;
+the prefix cache's (``prefix_cache``) against the device tables. This module imports no torch.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minicb.core.block_pool import BlockPool
 from minicb.core.errors import InvalidArgument, check_int
-from minicb.core.memory import available_cpu_bytes, check_fits
+from minicb.core.prefix_cache import ROOT_HASH, CachedBlock, PrefixCache, hash_block
 
-ROOT_HASH = 0x6D696E6963620000     # the "parent hash" of a request's first block
-
-
-def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """A full block's hash, chained from its parent's: Python's hash of a tuple of ints, which (unlike
-    that of a str) is the same in every process, so tensor-parallel ranks agree. Collisions are
-    harmless: lookups compare token ids and parents (tests monkeypatch this to force them)."""
-    return hash((parent_hash, token_ids))
-
-
-@dataclass(slots=True, frozen=True)
-class CachedBlock:
-    """What the prefix cache knows about one cached block."""
-
-    block_hash: int
-    parent: int | None                 # the block holding the previous block_size tokens (None: first)
-    token_ids: tuple[int, ...]         # this block's tokens, compared on lookup (collision guard)
-
-
-@dataclass(slots=True)
-class PrefixCache:
-    """hash -> block for full, computed blocks, and per cached block its hash, parent and tokens."""
-
-    by_hash: dict[int, int] = field(default_factory=dict)
-    blocks: dict[int, CachedBlock] = field(default_factory=dict)
-    num_children: Counter = field(default_factory=Counter)   # cached children per cached block
-
-    def is_cached(self, block: int) -> bool:
-        return block in self.blocks
-
-    def hash_of(self, block: int | None) -> int:
-        return ROOT_HASH if block is None else self.blocks[block].block_hash
-
-    def lookup(self, parent: int | None, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block that follows ``parent`` (None: at the start) with ``token_ids``, or None."""
-        block = self.by_hash.get(hash_block(self.hash_of(parent), token_ids))
-        if block is None:
-            return None
-        rec = self.blocks[block]
-        if rec.parent != parent or rec.token_ids != token_ids:
-            return None                            # a hash collision: not our prefix
-        return block
-
-    def insert(self, block: int, parent: int | None, token_ids: tuple[int, ...]) -> bool:
-        """Cache ``block`` (full and computed) after ``parent``; False if it cannot be: already cached,
-        its parent is not cached, or its hash is taken (the same prefix cached already, or a collision)."""
-        if block in self.blocks or (parent is not None and parent not in self.blocks):
-            return False
-        h = hash_block(self.hash_of(parent), token_ids)
-        if h in self.by_hash:
-            return False
-        self.by_hash[h] = block
-        self.blocks[block] = CachedBlock(h, parent, token_ids)
-        if parent is not None:
-            self.num_children[parent] += 1
-        return True
-
-    def clear(self) -> None:
-        """Forget every cached block."""
-        self.by_hash.clear()
-        self.blocks.clear()
-        self.num_children.clear()
-
-    def evict(self, block: int) -> None:
-        """Forget ``block``'s hash (it is about to be reused for other tokens)."""
-        assert not self.num_children[block], f"block {block} is evicted before its cached children"
-        rec = self.blocks.pop(block)
-        del self.by_hash[rec.block_hash]
-        self.num_children.pop(block, None)
-        if rec.parent is not None:
-            self.num_children[rec.parent] -= 1
-
-
-@dataclass(slots=True)
-class BlockPool:
-    """One pool of numbered blocks: ref counts and two free lists.
-
-    ``_free`` (a min-heap) holds free blocks with nothing reusable in them; ``_lru`` holds free blocks
-    that are still in the prefix cache, least recently freed first. ``take`` empties ``_free`` first.
-    """
-
-    num_blocks: int
-    cache: PrefixCache | None = None
-    ref_counts: list[int] = field(init=False, repr=False)
-    _free: list[int] = field(init=False, repr=False)
-    _lru: OrderedDict[int, None] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        check_int("num_blocks", self.num_blocks, lo=0)
-        # two Python lists of num_blocks entries: refuse a size the machine cannot hold (minicb.core.memory)
-        check_fits(f"num_blocks={self.num_blocks:,} (the block tables, ~64 bytes a block)",
-                   64 * self.num_blocks, available_cpu_bytes(), "in host memory", "lower num_blocks")
-        self.ref_counts = [0] * self.num_blocks
-        self._free = list(range(self.num_blocks))
-        self._lru = OrderedDict()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._lru)
-
-    def free_blocks(self) -> list[int]:
-        """Every free block id, lowest first (a copy), cached or not."""
-        return sorted(self._free + list(self._lru))
-
-    def cached_free_blocks(self) -> list[int]:
-        """The free blocks still in the prefix cache, in eviction order (least recently used first)."""
-        return list(self._lru)
-
-    def take(self) -> int:
-        """Hand out a free block with ref count 1: the lowest one holding nothing reusable, else the
-        least recently used cached one, which is evicted from the cache."""
-        if self._free:
-            block = heapq.heappop(self._free)
-        else:
-            block, _ = self._lru.popitem(last=False)
-            self.cache.evict(block)
-        self.ref_counts[block] = 1
-        return block
-
-    def share(self, block: int) -> None:
-        """One more table names the cached ``block`` (a prefix-cache hit)."""
-        if self.ref_counts[block] == 0:
-            del self._lru[block]
-        self.ref_counts[block] += 1
-
-    def drop(self, block: int) -> None:
-        """One table stops naming ``block``; the block is free again when nobody names it."""
-        assert self.ref_counts[block] > 0, f"block {block} is already free"
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            if self.cache is not None and self.cache.is_cached(block):
-                self._lru[block] = None            # most recently used: evicted last
-            else:
-                heapq.heappush(self._free, block)
-
-    def drop_table(self, table: list[int]) -> int:
-        """Drop every block of ``table``, last first (so its tail is evicted before its head)."""
-        for block in reversed(table):
-            self.drop(block)
-        return len(table)
-
-    def forget_cached(self) -> int:
-        """Move every cached free block to the plain free heap (the caller clears the cache itself);
-        return how many moved."""
-        moved = list(self._lru)
-        self._lru.clear()
-        for block in moved:
-            heapq.heappush(self._free, block)
-        return len(moved)
-
-    def check_integrity(self, tables: dict[str, list[int]], name: str) -> None:
-        free = set(self._free) | set(self._lru)
-        named = Counter(b for table in tables.values() for b in table)
-        assert len(free) == len(self._free) + len(self._lru), f"{name}: a block is free twice"
-        assert not free & set(named), f"{name}: blocks both free and held: {sorted(free & set(named))}"
-        assert len(free) + len(named) == self.num_blocks, f"{name}: free + held != total"
-        for block, count in enumerate(self.ref_counts):
-            assert count == named.get(block, 0), \
-                f"{name}: block {block} has ref count {count} but {named.get(block, 0)} tables name it"
-        if self.cache is None:
-            assert not self._lru, f"{name}: cached free blocks without a prefix cache"
-            return
-        cached = self.cache.is_cached
-        assert all(cached(b) for b in self._lru), f"{name}: an uncached block on the LRU list"
-        assert not any(cached(b) for b in self._free), f"{name}: a cached block on the free heap"
-        order = {b: i for i, b in enumerate(self._lru)}
-        for b in self._lru:
-            parent = self.cache.blocks[b].parent
-            assert parent not in order or order[parent] > order[b], \
-                f"{name}: block {b} would be evicted after its parent {parent}"
+__all__ = ["ROOT_HASH", "BlockManager", "BlockPool", "CachedBlock", "PrefixCache", "hash_block"]
 
 
 @dataclass(slots=True)
@@ -332,16 +122,7 @@ class BlockManager:
     def computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
         """The longest chain of cached blocks holding a prefix of ``token_ids``, leaving at least the
         last token to compute (see the module docstring). Changes nothing; [] without caching."""
-        if self.cache is None:
-            return []
-        bs, hits, parent = self.block_size, [], None
-        for i in range((len(token_ids) - 1) // bs):
-            block = self.cache.lookup(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
-                break
-            hits.append(block)
-            parent = block
-        return hits
+        return self.cache.computed_blocks(token_ids, self.block_size) if self.cache is not None else []
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
         """Offer the request's full blocks whose K/V is computed (its first ``num_computed_tokens``
@@ -350,14 +131,9 @@ class BlockManager:
         table = self.block_tables.get(request_id)
         if self.cache is None or table is None:
             return 0
-        bs = self.block_size
-        full = min(num_computed_tokens // bs, len(table))
+        full = min(num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed.get(request_id, 0)
-        added = 0
-        for i in range(start, full):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            assert len(tokens) == bs, f"cache_full_blocks needs the tokens of block {i}"
-            added += self.cache.insert(table[i], table[i - 1] if i else None, tokens)
+        added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size)
         self._num_hashed[request_id] = max(start, full)
         return added
 
@@ -487,26 +263,4 @@ class BlockManager:
         for rid, n in self._num_hashed.items():
             assert 0 <= n <= len(self.block_tables[rid]), f"{rid}: {n} blocks hashed of a shorter table"
         if self.cache is not None:
-            self._check_cache()
-
-    def _check_cache(self) -> None:
-        cache, bs = self.cache, self.block_size
-        assert len(cache.by_hash) == len(cache.blocks), "prefix cache: hash table and records disagree"
-        children = Counter()
-        for block, rec in cache.blocks.items():
-            assert cache.by_hash.get(rec.block_hash) == block, \
-                f"prefix cache: block {block} is not under its hash"
-            assert len(rec.token_ids) == bs, f"prefix cache: block {block} is not full"
-            assert rec.parent is None or cache.is_cached(rec.parent), \
-                f"prefix cache: block {block} is cached but its parent {rec.parent} is not"
-            if rec.parent is not None:
-                children[rec.parent] += 1
-        assert +cache.num_children == +children, "prefix cache: child counts drift"
-        for rid, table in self.block_tables.items():
-            for i, block in enumerate(table):
-                if not cache.is_cached(block):
-                    assert not any(cache.is_cached(b) for b in table[i:]), \
-                        f"{rid}: cached blocks do not form a prefix of its table {table}"
-                    break
-                assert cache.blocks[block].parent == (table[i - 1] if i else None), \
-                    f"{rid}: cached block {block} at index {i} does not follow its parent"
+            self.cache.check_integrity(self.block_tables, self.block_size)

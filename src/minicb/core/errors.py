@@ -1,6 +1,6 @@
 """The errors minicb raises on purpose.
 
-Errors are part of the interface (DESIGN.md section 4): bad input raises ``ValueError`` (or one of the
+Errors are part of the interface (docs/design.md, Conventions): bad input raises ``ValueError`` (or one of the
 subclasses below, which *are* ``ValueError``s) with a message that names the argument and the accepted
 range. One bad request never takes the engine or the other requests down.
 """

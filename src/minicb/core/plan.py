@@ -15,6 +15,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFILL, DECODE = "prefill", "decode"
+
+
+def row_kind(start_pos: int, num_tokens: int, num_prompt_tokens: int) -> str:
+    """``"prefill"`` or ``"decode"``: the one rule every picture, replay and page uses for a row.
+
+    A row is a *decode* when it starts at or past the end of the prompt (``start_pos >=
+    num_prompt_tokens``): it feeds back a token the model sampled. Every row that starts inside the
+    prompt is a *prefill*, however short: a one-token last chunk of a prompt, the one token left after
+    a prefix-cache hit (the hit is capped at ``num_tokens - 1``), or a one-token grant of a tight
+    budget. The row's length says nothing about its kind::
+
+        prompt of 9, chunks of 8:      (start 0, 8 tokens) prefill, (start 8, 1 token) prefill
+        then its first decode:         (start 9, 1 token)  decode
+
+    A recompute re-prefill that starts past the prompt and feeds several generated tokens again is
+    counted as a prefill too: it computes K/V for tokens that are already known.
+    """
+    if start_pos < num_prompt_tokens or num_tokens > 1:
+        return PREFILL
+    return DECODE
+
 
 @dataclass(slots=True, frozen=True)
 class ScheduledSeq:

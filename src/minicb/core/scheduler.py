@@ -8,50 +8,19 @@ into the two calls the engine's loop makes::
         sampled = run_the_model(plan)                  # {request_id: token} for rows with sample=True
         done = scheduler.update(plan, sampled, now)    # advance, append tokens, retire finished ones
 
-Three policies (``SchedulerConfig.policy``), the three columns of the seed's benchmark:
+The scheduler owns the requests: every unfinished one is in exactly one queue (waiting, running,
+swapped), and it adds, records, aborts and fails them. *Which* of them run in a step is the policy's
+choice (``SchedulerConfig.policy``, the three columns of the benchmark table; ``policy.py``)::
 
-``continuous`` (iteration-level scheduling). The batch is rebuilt every step, in this order::
+    continuous   ContinuousPolicy (continuous.py)   the batch is rebuilt every step: running (with
+                                                    preemption), then swapped, then waiting
+    dynamic      PaddedPolicy (padded.py)           a batch of whatever waits, padded, run to the end
+    static       PaddedPolicy (padded.py)           the same, once max_num_seqs requests wait
 
-    1. running    decodes first, then ongoing prefill chunks, most important first; blocks are
-                  allocated lazily to cover start_pos + num_tokens. A sequence that cannot get its
-                  blocks preempts the least important running one (maybe itself) until it fits.
-    2. swapped    if nothing was preempted this step: swap sequences back in (before any new
-                  request) while a slot, the budget and device blocks allow.
-    3. waiting    if nothing was preempted and nothing is left swapped: admit from the front of the
-                  waiting queue (recompute-preempted ones sit there) while a slot is free, the budget
-                  remains and blocks for the first chunk exist; the first that does not fit stays at
-                  the front and admission stops (the seed's rule: no overtaking).
-
-  Running before swapped (as in vLLM v0) means a step never both swaps a sequence in and out, and a
-  host block freed by a swap-in is never the target of a swap-out in the same step. Finished sequences
-  release their slot and blocks in ``update``, so the next step can refill them.
-
-  Prefix caching (``SchedulerConfig.enable_prefix_caching``, on by default for this policy): at
-  admission the block manager's longest chain of cached full blocks becomes the head of the new
-  block table, and ``num_computed_tokens`` (and ``Sequence.num_cached_tokens``) start at its length,
-  so only the rest is fed to the model. ``update`` offers every block that the step filled to the
-  cache. A recompute-preempted request is looked up again when re-admitted (its own blocks, or a
-  shared prefix, are often still there); a request holding shared blocks is never swapped out
-  (recomputed instead, see ``block_manager``)::
-
-      step 0: A = [s s s s|s s a a|a]    computes 9 tokens; update caches A's 2 full blocks
-      step 1: B = [s s s s|s s b b|b]    hit: block 0 (shared, ref 2); start_pos 4, computes 5
-
-``dynamic`` (naive dynamic batching). When no batch runs, take whatever waits (FIFO, up to
-``max_num_seqs``, as long as blocks for prompt + max_tokens can be reserved up front), prefill all
-prompts in one step padded to the longest, then decode one token per member per step. A finished
-member keeps its slot and yields a padding row every step until *every* member has finished; then the
-whole batch is released and the next one formed. No preemption ever happens::
-
-    step 0   A A A A A        B B . . .    C C C . .     (prefill; '.' = padding, plan.padding=[3, 2])
-    step 1   A                B            C             (decode)
-    step 2   A                .            C             (B finished: a padding row of length 1)
-
-``static``: like dynamic, but a batch is only formed once ``max_num_seqs`` requests wait or
-``close_arrivals()`` said no more will come.
-
-The token budget ``max_num_batched_tokens`` applies to ``continuous`` only: the padded policies compute
-whole prompts in one step, as a padded static-batch engine does.
+Recording (``update``) is the same for all three: each planned row advances its request, a sampled
+token is appended, and a request that is done leaves the queues; the policy then frees its slot and
+blocks (continuous, at once) or keeps them until the whole batch is done (padded). ``stats.py`` holds
+the counters (``SchedulerStats``) and the listener's view (``SchedulerSnapshot``).
 
 Invariants (``check_integrity``, on top of the slot table's and block manager's): every unfinished
 request is in exactly one of waiting / running / swapped; running ones hold one slot and a device
@@ -69,87 +38,17 @@ from dataclasses import dataclass, field
 
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
+from minicb.core.continuous import ContinuousPolicy
 from minicb.core.errors import InvalidArgument, RequestRejected
+from minicb.core.padded import PaddedPolicy
 from minicb.core.plan import ScheduledSeq, StepPlan
-from minicb.core.planner import TokenBudget
-from minicb.core.preemption import (
-    Preemption,
-    choose_victim,
-    drop_swapped,
-    importance_key,
-    preempt,
-    running_order,
-)
+from minicb.core.policy import Policy, StepWork
+from minicb.core.preemption import drop_swapped
 from minicb.core.sequence import FinishReason, Sequence, SequenceStatus
 from minicb.core.slot_table import SlotTable
+from minicb.core.stats import SchedulerSnapshot, SchedulerStats
 
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Running totals for the metrics (tokens are counted when ``update`` records the step)."""
-
-    num_steps: int = 0                 # schedule() calls
-    num_preemptions: int = 0           # recompute + swap
-    num_recomputes: int = 0
-    num_swaps: int = 0                 # swap-outs
-    num_swap_ins: int = 0
-    num_batched_tokens: int = 0        # real tokens computed
-    num_padding_tokens: int = 0        # padding tokens computed (padded policies)
-    num_recomputed_tokens: int = 0     # computed tokens thrown away by recompute preemption
-    num_finished: int = 0              # requests that ended (any reason)
-    num_prompt_tokens: int = 0         # prompt tokens of requests admitted for the first time
-    num_cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache at that admission
-    num_cached_reprefill_tokens: int = 0   # tokens a recompute-preempted request found cached again
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens (first admissions; 0.0 if none)."""
-        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
-
-
-@dataclass(slots=True, frozen=True)
-class SchedulerSnapshot:
-    """The scheduler's state at one moment as plain, immutable values: what step listeners see."""
-
-    step: int                                              # steps planned so far
-    slots: tuple[str | None, ...]                          # slot i -> the request holding it, or None
-    block_tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request, device blocks) of slot holders
-    host_tables: tuple[tuple[str, tuple[int, ...]], ...]   # (request, host blocks) of swapped requests
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int                                 # blocks in the prefix cache (held or free)
-    num_host_blocks: int
-    num_free_host_blocks: int
-    waiting: tuple[str, ...]                               # queue order: the front first
-    running: tuple[str, ...]
-    swapped: tuple[str, ...]
-    arrivals_open: bool
-
-    @property
-    def num_held_slots(self) -> int:
-        return sum(r is not None for r in self.slots)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def free_blocks(self) -> tuple[int, ...]:
-        """The free device blocks (cached or not), lowest first: every block no table names. Derived
-        on demand, so a snapshot costs O(held blocks), not O(pool) (simulated pools are large)."""
-        held = {b for _, table in self.block_tables for b in table}
-        return tuple(b for b in range(self.num_blocks) if b not in held)
-
-
-@dataclass(slots=True)
-class _StepWork:
-    """What one schedule() call decided, before it becomes a frozen StepPlan."""
-
-    scheduled: dict[str, int] = field(default_factory=dict)      # request_id -> num_tokens, in order
-    padding: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
+__all__ = ["Scheduler", "SchedulerSnapshot", "SchedulerStats"]
 
 
 @dataclass(slots=True)
@@ -164,7 +63,7 @@ class Scheduler:
     _waiting: deque[Sequence] = field(init=False, repr=False)
     _running: dict[str, Sequence] = field(init=False, repr=False)
     _swapped: deque[Sequence] = field(init=False, repr=False)
-    _batch: list[Sequence] = field(init=False, repr=False)            # padded policies: the batch
+    _policy: Policy = field(init=False, repr=False)                   # continuous or padded
     _arrivals_open: bool = field(init=False, default=True)
     _next_arrival: int = field(init=False, default=0)
     _next_admission: int = field(init=False, default=0)
@@ -177,8 +76,9 @@ class Scheduler:
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.num_host_blocks,
                                           enable_caching=c.prefix_caching)
         self.stats = SchedulerStats()
-        self._seqs, self._running, self._batch = {}, {}, []
+        self._seqs, self._running = {}, {}
         self._waiting, self._swapped = deque(), deque()
+        self._policy = ContinuousPolicy(self) if c.policy == "continuous" else PaddedPolicy(self)
 
     # --- queries ---------------------------------------------------------------------------
     @property
@@ -242,7 +142,7 @@ class Scheduler:
         rid = seq.request_id
         if not isinstance(rid, str):
             raise InvalidArgument(f"request_id must be a str, got {type(rid).__name__}")
-        if rid in self._seqs or any(s.request_id == rid for s in self._batch):
+        if rid in self._seqs or any(s.request_id == rid for s in self._policy.batch):
             raise InvalidArgument(f"request_id {rid!r} is already in use by an unfinished request")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.output_token_ids:
             raise InvalidArgument(f"request {rid!r} must be a fresh sequence (WAITING, nothing computed)")
@@ -272,14 +172,11 @@ class Scheduler:
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> StepPlan:
-        """Plan one step (see the module docstring); a plan without seqs means nothing to do now."""
+        """Plan one step (the policy chooses, see the module docstring); a plan without seqs means
+        nothing to do now."""
         step = self.stats.num_steps
         self.stats.num_steps += 1
-        if self.config.policy == "continuous":
-            work = self._schedule_continuous()
-        else:
-            work = self._schedule_padded()
-        return self._make_plan(step, work, now)
+        return self._make_plan(step, self._policy.schedule(), now)
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens, retire finished requests.
@@ -292,12 +189,11 @@ class Scheduler:
         for s, seq in live:
             seq.num_computed_tokens += s.num_tokens
             self.stats.num_batched_tokens += s.num_tokens
-            self._cache_blocks(seq)
+            self._policy.computed(seq)
             if s.sample and seq.append_token(tokens[s.request_id], now):
                 self._retire(seq)
                 finished.append(seq)
         self.stats.num_padding_tokens += plan.num_padding_tokens
-        self._release_batch_if_done()
         return finished
 
     def abort(self, request_id: str, now: float = 0.0) -> Sequence | None:
@@ -321,166 +217,8 @@ class Scheduler:
             self._swapped_to_recompute(self._seqs.get(rid))
         return failed
 
-    # --- continuous policy -------------------------------------------------------------------------
-    def _schedule_continuous(self) -> _StepWork:
-        c = self.config
-        work = _StepWork()
-        budget = TokenBudget(c.max_num_batched_tokens, c.max_num_seqs, c.chunk_cap)
-        self._schedule_running(work, budget)
-        if not work.preempted:
-            self._schedule_swapped(work, budget)
-        if not work.preempted and not self._swapped:
-            self._schedule_waiting(work, budget)
-        budget.check_integrity()
-        return work
-
-    def _schedule_running(self, work: _StepWork, budget: TokenBudget) -> None:
-        order = running_order(self._running.values(), *self._ranking)
-        for seq in [s for s in order if not s.in_prefill] + [s for s in order if s.in_prefill]:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue                                 # preempted earlier in this step
-            n = budget.chunk(seq.num_uncomputed_tokens)
-            if n and self._make_room(seq, n, work, budget):
-                self._grant(seq, n, work, budget)
-
-    def _make_room(self, seq: Sequence, n: int, work: _StepWork, budget: TokenBudget) -> bool:
-        """Allocate blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""
-        target = seq.num_computed_tokens + n
-        while not self.block_manager.can_allocate(seq.request_id, target):
-            victim = choose_victim(self._running.values(), *self._ranking)
-            self._preempt(victim, work, budget)
-            if victim is seq:
-                return False
-        self.block_manager.allocate(seq.request_id, target)
-        return True
-
-    def _preempt(self, victim: Sequence, work: _StepWork, budget: TokenBudget) -> None:
-        granted = work.scheduled.pop(victim.request_id, 0)
-        if granted:
-            budget.give_back(granted)
-        del self._running[victim.request_id]
-        p = preempt(victim, self.config.preemption_mode, self.block_manager, self.slot_table)
-        queue = self._swapped if p.mode == "swap" else self._waiting
-        queue.appendleft(victim)              # victims go newest first, so the oldest ends up in front
-        work.preempted.append(victim.request_id)
-        work.swap_out.extend(p.swap_out)
-        self._count_preemption(p)
-
-    def _count_preemption(self, p: Preemption) -> None:
-        st = self.stats
-        st.num_preemptions += 1
-        st.num_swaps += p.mode == "swap"
-        st.num_recomputes += p.mode == "recompute"
-        st.num_recomputed_tokens += p.num_lost_tokens
-
-    def _schedule_swapped(self, work: _StepWork, budget: TokenBudget) -> None:
-        bm = self.block_manager
-        while self._swapped and self.slot_table.num_free:
-            seq = self._swapped[0]
-            n = budget.chunk(seq.num_uncomputed_tokens)
-            if not n or not bm.can_swap_in(seq.request_id, seq.num_computed_tokens + n):
-                return
-            self._swapped.popleft()
-            work.swap_in.extend(bm.swap_in(seq.request_id))
-            bm.allocate(seq.request_id, seq.num_computed_tokens + n)
-            self.stats.num_swap_ins += 1
-            self._start_running(seq)
-            self._grant(seq, n, work, budget)
-
-    @property
-    def _ranking(self) -> tuple:
-        """The arguments of ``preemption.importance_key`` after the sequence: policy, arrivals, aging."""
-        return self.config.scheduling_policy, self._next_arrival, self.config.priority_aging
-
-    def _next_waiting(self) -> Sequence:
-        """The request admission looks at: the front of the queue (fcfs), or the most important
-        waiting one (priority; ties by arrival)."""
-        if self.config.scheduling_policy == "fcfs":
-            return self._waiting[0]
-        return min(self._waiting, key=lambda s: importance_key(s, *self._ranking))
-
-    def _schedule_waiting(self, work: _StepWork, budget: TokenBudget) -> None:
-        bm = self.block_manager
-        while self._waiting and self.slot_table.num_free:
-            seq = self._next_waiting()
-            hits = bm.computed_blocks(seq.all_token_ids) if self.config.prefix_caching else []
-            cached = len(hits) * bm.block_size
-            n = budget.chunk(seq.num_tokens - cached)
-            if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
-                return                            # stays at the front: admission stops (no overtaking)
-            self._waiting.remove(seq)             # the front (fcfs): O(1)
-            bm.allocate(seq.request_id, cached + n, hits)
-            self._count_admission(seq, cached)
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
-            self._start_running(seq)
-            self._grant(seq, n, work, budget)
-
-    def _count_admission(self, seq: Sequence, num_cached: int) -> None:
-        st = self.stats
-        if seq.admitted_index < 0:                # its first admission
-            st.num_prompt_tokens += seq.num_prompt_tokens
-            st.num_cached_prompt_tokens += num_cached
-        else:                                     # back after recompute preemption
-            st.num_cached_reprefill_tokens += num_cached
-
-    def _cache_blocks(self, seq: Sequence) -> None:
-        """Offer the blocks that the recorded step filled to the prefix cache (continuous only)."""
-        bm = self.block_manager
-        if self.config.prefix_caching and \
-                seq.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(seq.request_id):
-            bm.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens)
-
-    @staticmethod
-    def _grant(seq: Sequence, n: int, work: _StepWork, budget: TokenBudget) -> None:
-        budget.take(n)
-        work.scheduled[seq.request_id] = n
-
-    # --- padded policies (dynamic, static) ---------------------------------------------------------
-    def _schedule_padded(self) -> _StepWork:
-        if not self._batch and self._may_form_batch():
-            self._form_batch()
-        work = _StepWork()
-        live = [s for s in self._batch if not s.is_finished]
-        longest = max((s.num_uncomputed_tokens for s in live), default=0)
-        for seq in self._batch:
-            n = 0 if seq.is_finished else seq.num_uncomputed_tokens
-            if n:
-                work.scheduled[seq.request_id] = n
-            if longest - n:
-                work.padding.append(longest - n)
-        return work
-
-    def _may_form_batch(self) -> bool:
-        if self.config.policy == "static" and self._arrivals_open:
-            return len(self._waiting) >= self.config.max_num_seqs
-        return bool(self._waiting)
-
-    def _form_batch(self) -> None:
-        bm = self.block_manager
-        while self._waiting and len(self._batch) < self.config.max_num_seqs:
-            seq = self._waiting[0]
-            if not bm.can_allocate(seq.request_id, seq.max_total_tokens):
-                return                            # FIFO: the first that does not fit waits
-            self._waiting.popleft()
-            bm.allocate(seq.request_id, seq.max_total_tokens)     # reserved up front: no preemption
-            self._count_admission(seq, 0)
-            self._start_running(seq)
-            self._batch.append(seq)
-
-    def _release_batch_if_done(self) -> None:
-        if self._batch and all(s.is_finished for s in self._batch):
-            for seq in self._batch:
-                self._free(seq.request_id)
-            self._batch.clear()
-
-    # --- shared helpers ----------------------------------------------------------------------------
-    def _start_running(self, seq: Sequence) -> None:
-        seq.slot_id = self.slot_table.assign(seq.request_id)
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_index, self._next_admission = self._next_admission, self._next_admission + 1
-        self._running[seq.request_id] = seq
-
-    def _make_plan(self, step: int, work: _StepWork, now: float) -> StepPlan:
+    # --- helpers -----------------------------------------------------------------------------------
+    def _make_plan(self, step: int, work: StepWork, now: float) -> StepPlan:
         seqs = tuple(self._scheduled_seq(self._seqs[rid], n, now) for rid, n in work.scheduled.items())
         return StepPlan(step=step, seqs=seqs, padding=tuple(work.padding), swap_out=tuple(work.swap_out),
                         swap_in=tuple(work.swap_in), preempted=tuple(work.preempted),
@@ -514,24 +252,21 @@ class Scheduler:
         return token
 
     def _retire(self, seq: Sequence) -> None:
-        """``seq`` just finished normally: forget it; continuous frees its slot and blocks now, a
-        padded batch keeps them (the member becomes a padding row) until the whole batch is done."""
+        """``seq`` just finished normally: forget it; the policy frees its slot and blocks now
+        (continuous) or once the whole padded batch is done."""
         del self._running[seq.request_id]
         del self._seqs[seq.request_id]
         self.stats.num_finished += 1
-        if self.config.policy == "continuous":
-            self._free(seq.request_id)
+        self._policy.finished(seq)
 
     def _end(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> None:
         """Finish ``seq`` from any state (abort, error) and free everything it holds at once."""
         self._unqueue(seq)
         self._free(seq.request_id)
-        if seq in self._batch:
-            self._batch.remove(seq)
         del self._seqs[seq.request_id]
         seq.finish(reason, now, error)
         self.stats.num_finished += 1
-        self._release_batch_if_done()
+        self._policy.ended(seq)
 
     def _unqueue(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
@@ -568,6 +303,7 @@ class Scheduler:
         for seq in running:
             self._check_running(seq)
         self._check_holders(running)
+        self._policy.check_integrity()
 
     def _check_waiting(self, seq: Sequence) -> None:
         bm = self.block_manager
@@ -599,16 +335,11 @@ class Scheduler:
 
     def _check_holders(self, running: list[Sequence]) -> None:
         """Slots and device tables belong to running requests (and, padded, to the batch's members)."""
-        holders = {s.request_id for s in running} | {s.request_id for s in self._batch}
+        holders = {s.request_id for s in running} | {s.request_id for s in self._policy.batch}
         assert set(self.slot_table.held().values()) == holders, "slot holders != running requests"
         assert set(self.block_manager.block_tables) == holders, "device tables != running requests"
         assert set(self.block_manager.host_tables) == {s.request_id for s in self._swapped}
         assert len(holders) <= self.config.max_num_seqs
-        if self.config.policy == "continuous":
-            assert not self._batch, "continuous policy keeps no padded batch"
-        for seq in self._batch:
-            assert len(self.block_manager.block_tables[seq.request_id]) == \
-                self.block_manager.blocks_needed(seq.max_total_tokens), "padded batch reserves everything"
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> tuple[int, ...]:

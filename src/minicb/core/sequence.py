@@ -13,7 +13,10 @@
 The one number that drives everything is ``num_computed_tokens``: how many of the sequence's tokens
 already have K/V in the cache. A step schedules ``n`` more tokens starting there:
 
-* a prompt (or a chunk of it) is ``n > 1`` tokens; a decode is ``n == 1`` (the token sampled last step);
+* a row that starts inside the prompt (``num_computed_tokens < num_prompt_tokens``) is a *prefill*, of
+  any length: a one-token last chunk or a one-token remainder after a prefix hit is still a prefill;
+  a row that starts past it is a *decode*, one token (the one sampled last step). The rule is
+  ``minicb.core.plan.row_kind``, and every trace, replay and page uses it;
 * the step samples a new token only when it reaches the end: ``num_computed_tokens + n == num_tokens``;
 * recompute preemption just resets ``num_computed_tokens`` to 0: the prompt *and* the generated tokens
   are fed again as one long prefill, which yields exactly the same next token.

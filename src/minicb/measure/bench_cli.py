@@ -1,4 +1,4 @@
-"""``minicb bench``: the seed's table measured on this machine, with requests arriving over wall time.
+"""``minicb bench``: the benchmark table measured on this machine, with requests arriving over wall time.
 
     minicb bench --policy all --rate 2 --num-requests 24 --out bench/out/cpu
     minicb bench --model tiny --num-requests 8 --rate 50 --out /tmp/b      # seconds, random tiny model
@@ -38,9 +38,12 @@ from minicb.measure.workloads import TRACES, Request, make_requests, random_prom
 POLICY_ORDER = ("static", "dynamic", "continuous")
 
 
-def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
-    p.add_argument("--trace", default="sharegpt", choices=list(TRACES))
-    p.add_argument("--num-requests", type=int, default=num_requests)
+def add_workload_args(p: argparse.ArgumentParser, num_requests: int | None) -> None:
+    p.add_argument("--trace", default="sharegpt", choices=list(TRACES),
+                   help="the lengths (and, for azure-*, the timestamps) requests are drawn from "
+                        "(default sharegpt)")
+    p.add_argument("--num-requests", type=int, default=num_requests,
+                   help="requests per policy" + (f" (default {num_requests})" if num_requests else ""))
     p.add_argument("--seed", type=int, default=0, help="lengths, arrivals and prompt ids")
     p.add_argument("--max-prompt", type=int, default=None, help="clip prompts to this many tokens")
     p.add_argument("--output-div", type=float, default=1.0, help="divide output lengths by this")
@@ -51,23 +54,26 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure the seed's table (throughput, latency, padding) here",
+    p = sub.add_parser("bench", help="measure the benchmark table (throughput, latency, padding) here",
                        description="Serve trace-shaped requests arriving over wall time with each policy; "
                                    "print the table, write JSON and PNG plots.")
     add_workload_args(p, num_requests=24)
-    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"])
+    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"],
+                   help="one policy, or all three in turn (default)")
     arr = p.add_mutually_exclusive_group()
     arr.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default 1)")
     arr.add_argument("--replay", action="store_true", help="the trace's own timestamps (azure-*)")
     p.add_argument("--time-scale", type=float, default=1.0, help="with --replay: speed-up factor")
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M), 'tiny' (random, instant) or a GGUF file / HF directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="weights and activations (default float32)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="slots (the static batch size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-chunk", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step")
+    p.add_argument("--long-prefill-chunk", type=int, default=None,
+                   help="prompt tokens one request may prefill in a step (default: no limit)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="'wall': real time; 'cpu': this process's CPU time, idle gaps skipped (a dedicated "
                         "machine's timeline on a shared one; use with --threads 1)")
@@ -77,8 +83,10 @@ def add_parser(sub) -> None:
     p.add_argument("--peak-gflops", type=float, default=None,
                    help="the ceiling for compute utilisation (default: measure a float32 matmul)")
     p.add_argument("--out", default=None, help="directory for bench.json and the PNGs")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="with --out: write the JSON only")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--wide", action="store_true", help="print the table on one line per row, however wide "
+                                                       "(default: it fits 100 columns)")
     p.set_defaults(run=cmd_bench)
 
 
@@ -195,16 +203,6 @@ def shape_plan(shape, block_size: int = 16):
     return StepPlan(0, seqs, padding=tuple(padding), block_size=block_size)
 
 
-def _progress_display(enabled: bool, total: int):
-    """A rich progress bar per policy (or a no-op)."""
-    if not enabled:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=False)
-
-
 def cmd_bench(args) -> int:
     from minicb.core.errors import check_float, check_int
     from minicb.measure.flags import check_out_dir, check_rate, check_scale, check_workload_args
@@ -224,7 +222,15 @@ def cmd_bench(args) -> int:
         raise InvalidArgument("--clock cpu measures one thread's CPU time: use it with --threads 1")
     if args.replay and args.trace == "sharegpt":
         raise InvalidArgument("--replay needs timestamps: use --trace azure-conv or azure-code (or --rate)")
-    import torch
+    if args.model not in ("tiny", "default"):
+        from minicb.model.weights.paths import check_model_path
+
+        check_model_path(args.model, "--model")       # before torch; "never downloads" for hub ids
+    from minicb.measure.progress import Progress
+
+    quiet = False if args.no_progress else None
+    with Progress("loading torch", enabled=quiet):
+        import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,14 +240,17 @@ def cmd_bench(args) -> int:
                              output_div=args.output_div, max_output=args.max_output, min_len=args.min_len,
                              max_total=args.max_total or None)
     policies = list(POLICY_ORDER) if args.policy == "all" else [args.policy]
-    model, _ = build_model(args.model, args.dtype, args.seed)
+    with Progress(f"loading the {args.model} model" if args.model in ("tiny", "default")
+                  else f"loading {args.model}", enabled=quiet):
+        model, _ = build_model(args.model, args.dtype, args.seed)
     prompts = make_prompts(requests, model.config.vocab_size, args.seed)
     max_len = max(r.prompt_len + r.output_len for r in requests)
     sched_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
                         num_blocks=args.num_blocks, max_model_len=max(max_len, 16))
     ceiling_clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    peak = args.peak_gflops * 1e9 if args.peak_gflops else matmul_ceiling_gflops(clock=ceiling_clock) * 1e9
+    with Progress("measuring the matmul ceiling", enabled=quiet):
+        peak = (args.peak_gflops if args.peak_gflops else matmul_ceiling_gflops(clock=ceiling_clock)) * 1e9
     machine = machine_description()
     print(f"machine: {machine}; float32 matmul ceiling {peak / 1e9:.1f} GFLOP/s; {args.clock} clock",
           flush=True)
@@ -250,35 +259,25 @@ def cmd_bench(args) -> int:
           f"{sum(r.prompt_len for r in requests)} prompt + {sum(r.output_len for r in requests)} output "
           "tokens, "
           f"last arrival at {requests[-1].arrival:.1f} s", flush=True)
-    show = not args.no_progress
-    prog = _progress_display(show, len(requests))
     results = {}
-    if prog is not None:
-        prog.start()
-    try:
-        for policy in policies:
-            tick = None
-            if prog is not None:
-                task = prog.add_task(policy, total=len(requests), info="")
+    for policy in policies:
+        with Progress(f"bench {policy}", total=len(requests), unit="requests", enabled=quiet) as prog:
 
-                def tick(n_done, step, task=task):
-                    info = "" if step is None else (f"step {step.step}: {step.num_seqs} seqs, "
-                                                    f"{step.num_tokens}+{step.num_padding_tokens}pad tok, "
-                                                    f"{1e3 * step.duration:.0f} ms")
-                    prog.update(task, completed=n_done, info=info)
+            def tick(n_done, step, prog=prog):
+                info = "" if step is None else (f"step {step.step}: {step.num_seqs} seqs, "
+                                                f"{step.num_tokens}+{step.num_padding_tokens} pad tokens")
+                prog.update(done=n_done, info=info)
+
             clock = CpuClock() if args.clock == "cpu" else None
             timing = dict(clock=clock, sleep=clock.sleep) if clock is not None else {}
             reqs, steps, stats, shapes = run_policy(model, policy, requests, prompts, sched_kwargs, tick,
                                                     **timing)
-            s = summarize(reqs, steps, label=policy, num_slots=args.max_num_seqs, num_blocks=args.num_blocks,
-                          peak_flops=peak, num_preemptions=stats.num_preemptions)
-            results[policy] = (s, reqs, steps, shapes)
-    finally:
-        if prog is not None:
-            prog.stop()
+        s = summarize(reqs, steps, label=policy, num_slots=args.max_num_seqs, num_blocks=args.num_blocks,
+                      peak_flops=peak, num_preemptions=stats.num_preemptions)
+        results[policy] = (s, reqs, steps, shapes)
     summaries = [results[p][0] for p in policies]
     print()
-    print(format_table(summaries))
+    print(format_table(summaries, width=None if args.wide else 100))
     if args.out:
         write_outputs(args, summaries, results, requests, machine, peak, sched_kwargs)
     return 0

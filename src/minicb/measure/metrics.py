@@ -1,4 +1,4 @@
-"""Serving metrics: the seed's table (throughput, utilisation, queueing, inter-token latency, padding).
+"""Serving metrics: the benchmark table (throughput, utilisation, queueing, inter-token latency, padding).
 
 Two kinds of record, both plain values (no torch), filled the same way by the real engine
 (``minicb bench``) and by the cost-model simulator (``minicb simulate``):
@@ -15,7 +15,7 @@ Two kinds of record, both plain values (no torch), filled the same way by the re
 
 ``summarize(requests, steps, ...)`` turns them into a ``Summary``. Definitions (``duration`` runs
 from the first arrival to the last finish, idle gaps included, so a lightly loaded server shows low
-utilisation, as the seed's static batch does):
+utilisation, as the static batch of the static-batching note does):
 
 =========================  =============================================================================
 output tokens/s            output tokens of finished requests / duration
@@ -174,9 +174,15 @@ def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
 
 
 def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | None = None,
-                num_slots_held: int = 0, num_blocks_used: int = 0) -> StepRecord:
-    """The ``StepRecord`` of ``plan`` run from ``start`` to ``end``."""
-    decodes = sum(1 for s in plan.seqs if s.num_tokens == 1 and s.start_pos > 0)
+                num_slots_held: int = 0, num_blocks_used: int = 0, prompts=None) -> StepRecord:
+    """The ``StepRecord`` of ``plan`` run from ``start`` to ``end``. A decode is a row that starts past
+    its prompt (``minicb.core.plan.row_kind``); ``prompts``, a ``trace.PromptLengths`` that has seen
+    the run's earlier plans, knows where each prompt ends (without one, only this plan is seen)."""
+    from minicb.core.plan import DECODE
+    from minicb.measure.trace import PromptLengths
+
+    prompts = PromptLengths() if prompts is None else prompts
+    decodes = sum(1 for s in plan.seqs if prompts.kind(s) == DECODE)
     n = plan.num_batched_tokens
     return StepRecord(step=plan.step, start=start, end=end, num_seqs=len(plan.seqs), num_tokens=n,
                       num_padding_tokens=plan.num_padding_tokens, num_prefill_tokens=n - decodes,
@@ -198,6 +204,7 @@ class StepRecorder:
         self.model_config = model_config
         self.steps: list[StepRecord] = []
         self.on_record = on_record
+        self._prompts = None                 # trace.PromptLengths, made on the first record
 
     def attach(self, engine) -> StepRecorder:
         """Record every non-empty step of ``engine`` from its step events (``engine.listen``)."""
@@ -212,7 +219,12 @@ class StepRecorder:
 
     def record(self, plan: StepPlan, start: float, end: float, num_slots_held: int = 0,
                num_blocks_used: int = 0) -> StepRecord:
-        rec = step_record(plan, start, end, self.model_config, num_slots_held, num_blocks_used)
+        if self._prompts is None:
+            from minicb.measure.trace import PromptLengths
+
+            self._prompts = PromptLengths()
+        rec = step_record(plan, start, end, self.model_config, num_slots_held, num_blocks_used,
+                          self._prompts)
         self.steps.append(rec)
         if self.on_record is not None:
             self.on_record(rec)
@@ -261,7 +273,7 @@ class Summary:
 def summarize(requests: Iterable[RequestRecord], steps: Sequence[StepRecord] = (), *, label: str = "",
               num_slots: int | None = None, num_blocks: int | None = None, peak_flops: float | None = None,
               num_preemptions: int | None = None, duration: float | None = None) -> Summary:
-    """The seed's table row (and more) from request and step records; see the module docstring.
+    """The benchmark table's row (and more) from request and step records; see the module docstring.
 
     ``num_preemptions`` defaults to the sum over requests; ``duration`` to last finish - first arrival.
     """
@@ -306,7 +318,7 @@ def summarize(requests: Iterable[RequestRecord], steps: Sequence[StepRecord] = (
 
 
 # --- printing -----------------------------------------------------------------------------------------
-# (column title, Summary field, scale, format); the first five are the seed's columns
+# (column title, Summary field, scale, format); the first five are the benchmark table's columns
 COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("throughput tok/s", "output_tokens_per_s", 1.0, "{:,.1f}"),
     ("compute util", "compute_utilisation", 100.0, "{:.1f}%"),
@@ -321,7 +333,7 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("KV util", "kv_block_utilisation", 100.0, "{:.1f}%"),
     ("preempt", "num_preemptions", 1.0, "{:.0f}"),
 )
-SEED_COLUMNS = COLUMNS[:5]
+BENCHMARK_COLUMNS = COLUMNS[:5]
 
 
 def format_value(value, scale: float, fmt: str) -> str:
@@ -336,16 +348,44 @@ def table_rows(summaries: Sequence[Summary], columns=COLUMNS) -> list[list[str]]
     return rows
 
 
-def format_table(summaries: Sequence[Summary], columns=COLUMNS, markdown: bool = False) -> str:
-    """The table as aligned text, or as a Markdown table."""
+def format_table(summaries: Sequence[Summary], columns=COLUMNS, markdown: bool = False,
+                 width: int | None = None) -> str:
+    """The table as aligned text, or as a Markdown table.
+
+    ``width`` (characters): the text table is made to fit it, as ``minicb bench`` and ``minicb
+    simulate`` print it (100 columns unless ``--wide``): headers go on two lines ("throughput" over
+    "tok/s"), and columns that still do not fit go into a second table under the first, each table
+    with the policy column. ``None``: one table, one header line, however wide."""
     rows = table_rows(summaries, columns)
     if markdown:
         head, *body = rows
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+    if width is None:
+        return _text_table(rows)
+    head, *body = rows
+    split = [h.rsplit(" ", 1) if " " in h else ["", h] for h in head]      # two header lines
+    cols = [[top, bottom, *(r[i] for r in body)] for i, (top, bottom) in enumerate(split)]
+    col_w = [max(map(len, c)) for c in cols]
+    groups, current, used = [], [], col_w[0]
+    for i in range(1, len(cols)):
+        if current and used + 2 + col_w[i] > width:
+            groups.append(current)
+            current, used = [], col_w[0]
+        current.append(i)
+        used += 2 + col_w[i]
+    groups.append(current)
+    tables = []
+    for group in groups:
+        idx = [0, *group]
+        tables.append(_text_table([[cols[i][r] for i in idx] for r in range(len(cols[0]))]))
+    return "\n\n".join(tables)
+
+
+def _text_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                               enumerate(zip(r, widths))) for r in rows)
+                               enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
 def records_to_json(summary: Summary, requests: Sequence[RequestRecord], steps: Sequence[StepRecord],

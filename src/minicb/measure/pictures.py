@@ -1,6 +1,6 @@
 """The docs' pictures, drawn from the code: every picture is a real object of a real run, not a sketch.
 
-Four pictures, each computed by minicb's own modules and then drawn with matplotlib:
+Five pictures, each computed by minicb's own modules and then drawn with matplotlib:
 
 * ``ragged-mask``: the attention mask of one *mixed* step of the continuous engine (three decodes and
   a 4-token prompt chunk that follows 4 cached tokens), built from the step's packed batch
@@ -20,7 +20,12 @@ Four pictures, each computed by minicb's own modules and then drawn with matplot
   counts, the blocks a finished request left on the LRU list, and what a new request's lookup hits.
 * ``policies``: one workload with arrivals over time run by the static, dynamic and continuous policies,
   stacked on one time axis (steps), each request in the same colour in all three, arrival ticks under
-  each timeline.
+  each timeline; ``static-vs-continuous`` (the home page's): the ``minicb trace`` workload of the docs
+  under static and continuous batching on one time axis, so the speed-up is a length you can see.
+
+Every SVG keeps its text as text, at least 11 px at the size it declares (``trace.save_readable``), and
+the docs show SVGs at that size (``docs/assets/pictures.css``); ``tests/docs/test_readable.py``
+measures the text in headless Chromium.
 
 ``write_all(out_dir)`` writes ``NAME.json`` (the data, computed by running the code) and ``NAME.svg``
 (drawn from that JSON only). The SVG's metadata holds the JSON's SHA-256, so a test can tell a stale
@@ -52,9 +57,11 @@ from minicb.measure.trace import (
     draw_trace,
     legend_handles,
     request_colour,
+    save_readable,
+    text_colour,
 )
 
-NAMES = ("ragged-mask", "block-tables", "prefix-tree", "policies")
+NAMES = ("ragged-mask", "block-tables", "prefix-tree", "policies", "static-vs-continuous")
 CACHED_ALPHA = 0.45          # keys already in the cache are drawn lighter than this step's new keys
 
 
@@ -185,14 +192,22 @@ POLICY_WORKLOAD = dict(num_requests=10, seed=3, prompt_len=(4, 20), output_len=(
 POLICY_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=256)
 
 
-def policies_data() -> dict:
-    """One workload (``POLICY_WORKLOAD``: a request every 3 steps) under each policy, slot by slot."""
+# The home page's picture: the workload of ``minicb trace`` with the docs' flags (docs/gen_pages.py
+# TRACE_ARGS: ten requests two steps apart into 4 slots) under static and continuous batching.
+HOME_WORKLOAD = dict(num_requests=10, seed=3, prompt_len=(4, 24), output_len=(2, 20), arrival_gap=2)
+HOME_CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=256)
+
+
+def policies_data(policies=("static", "dynamic", "continuous"), workload=None, config=None) -> dict:
+    """One workload (default ``POLICY_WORKLOAD``: a request every 3 steps) under each policy, slot by
+    slot."""
     from minicb.measure.trace import build_engine, make_workload, run_trace
 
-    out = {"workload": POLICY_WORKLOAD, "config": POLICY_CONFIG, "traces": {}}
-    for policy in ("static", "dynamic", "continuous"):
-        engine = build_engine("tiny", policy=policy, **POLICY_CONFIG)
-        w = POLICY_WORKLOAD
+    workload, config = workload or POLICY_WORKLOAD, config or POLICY_CONFIG
+    out = {"workload": workload, "config": config, "traces": {}}
+    for policy in policies:
+        engine = build_engine("tiny", policy=policy, **config)
+        w = workload
         wl = make_workload(w["num_requests"], w["seed"], engine.runner.vocab_size, w["prompt_len"],
                            w["output_len"], w["arrival_gap"])
         out["traces"][policy] = trace_to_json(run_trace(engine, wl))
@@ -255,11 +270,11 @@ def draw_mask(data: dict, ax) -> None:
     klabels = [f"{s['request_id']}{j}" for s in seqs for j in range(s["start_pos"] + s["num_tokens"])]
     ax.set_xlim(0, k)
     ax.set_ylim(n, 0)
-    ax.set_xticks([c + 0.5 for c in range(k)], klabels, fontsize=6, rotation=90)
-    ax.set_yticks([r + 0.5 for r in range(n)], qlabels, fontsize=7)
+    ax.set_xticks([c + 0.5 for c in range(k)], klabels, fontsize=8.5, rotation=90)
+    ax.set_yticks([r + 0.5 for r in range(n)], qlabels, fontsize=8.5)
     ax.tick_params(length=0)
-    ax.set_xlabel(f"keys, sequence by sequence (cu_seqlens_k = {cu_k})", fontsize=8)
-    ax.set_ylabel(f"packed queries\ncu_seqlens_q = {cu_q}", fontsize=8)
+    ax.set_xlabel(f"keys, sequence by sequence (cu_seqlens_k = {cu_k})", fontsize=9)
+    ax.set_ylabel(f"packed queries\ncu_seqlens_q = {cu_q}", fontsize=9)
     ax.set_aspect("equal")
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -280,7 +295,7 @@ def draw_ragged_mask(data: dict):
     ax.legend(handles=[Patch(facecolor="#555555", label="key computed this step"),
                        Patch(facecolor="#555555", alpha=CACHED_ALPHA, label="key read from the cache"),
                        Patch(facecolor="white", edgecolor="#999999", label="masked out")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -306,8 +321,8 @@ def draw_block_tables(data: dict):
     tok_x = [x0 + 1.7 * t for t in range(len(token_rid))]
     for t, (rid, pos, slot) in enumerate(zip(token_rid, data["positions"], data["slot_mapping"])):
         ax.add_patch(Rectangle((tok_x[t], 9), 1.4, 1, facecolor=colour(rid), edgecolor="white"))
-        ax.text(tok_x[t] + 0.7, 9.5, f"{rid}{pos}", ha="center", va="center", fontsize=8, color="white",
-                fontweight="bold")
+        ax.text(tok_x[t] + 0.7, 9.5, f"{rid}{pos}", ha="center", va="center", fontsize=8,
+                color=text_colour(colour(rid)), fontweight="bold")
         ax.text(tok_x[t] + 0.7, 8.5, str(slot), ha="center", va="center", fontsize=8)
     ax.text(x0 - 0.3, 9.5, "packed tokens\n(position)", ha="right", va="center", fontsize=8)
     ax.text(x0 - 0.3, 8.5, "slot_mapping", ha="right", va="center", fontsize=8, family="monospace")
@@ -315,7 +330,7 @@ def draw_block_tables(data: dict):
     y = 6.6
     ax.text(0, 7.5, "block tables (logical -> physical)", fontsize=8, fontweight="bold")
     for s in seqs:
-        ax.text(0, y + 0.35, s["request_id"], fontsize=9, va="center", color=colour(s["request_id"]),
+        ax.text(0, y + 0.35, s["request_id"], fontsize=9, va="center", color="#111111",
                 fontweight="bold")
         for i, b in enumerate(s["block_table"]):
             ax.add_patch(Rectangle((0.8 + 1.2 * i, y), 1.0, 0.7, facecolor="white",
@@ -334,7 +349,7 @@ def draw_block_tables(data: dict):
         owner = data["owners"][b]
         bx, by = slot_xy(b * bs)
         ax.text(bx + bs * cell / 2, by + 1.25, f"block {b}", ha="center", fontsize=7,
-                color="#333333" if owner else "#999999")
+                color="#333333" if owner else "#666666")
         for off in range(bs):
             slot = b * bs + off
             x, yy = slot_xy(slot)
@@ -342,8 +357,8 @@ def draw_block_tables(data: dict):
             alpha = 1.0 if slot in written else (0.35 if owner else 1.0)
             ax.add_patch(Rectangle((x, yy), cell, 1, facecolor=face, alpha=alpha, edgecolor="#666666",
                                    lw=1.6 if slot in written else 0.4))
-            ax.text(x + 0.5, yy + 0.5, str(slot), ha="center", va="center", fontsize=5.5,
-                    color="white" if slot in written else "#555555")
+            ax.text(x + 0.5, yy + 0.5, str(slot), ha="center", va="center", fontsize=6.5,
+                    color=text_colour(face) if slot in written or face == "white" else "#333333")
     for t, slot in enumerate(data["slot_mapping"]):
         x, yy = slot_xy(slot)
         ax.add_patch(FancyArrowPatch((tok_x[t] + 0.7, 8.2), (x + 0.5, yy + 1.02), arrowstyle="->",
@@ -405,7 +420,7 @@ def draw_prefix_tree(data: dict):
         ax.add_patch(box)
         who = f"held by {', '.join(n['holders'])}" if n["holders"] else f"free, LRU #{n['lru'] + 1}"
         ax.text(x + 1.3, y, f"block {block}: {n['tokens']}\nref {n['ref_count']}, {who}", ha="center",
-                va="center", fontsize=7.5)
+                va="center", fontsize=8)
         px, py = pos[n["parent"]]
         ax.add_patch(FancyArrowPatch((px + (2.4 if n["parent"] is not None else 2.2), py), (x, y),
                                      arrowstyle="->", mutation_scale=9, color="#555555", lw=0.8))
@@ -417,7 +432,7 @@ def draw_prefix_tree(data: dict):
         px, py = pos[table[-2]]
         x, y = px + 3.6, py - 0.2 if rid != "C" else py
         ax.text(x + 1.3, y, f"block {block} ({rid}'s last,\npartial: never cached)", ha="center",
-                va="center", fontsize=7, color="#777777")
+                va="center", fontsize=8, color="#595959")
         ax.add_patch(FancyArrowPatch((px + 2.6, py), (x, y), arrowstyle="->", mutation_scale=8,
                                      color="#aaaaaa", lw=0.7, linestyle=":"))
     lines = [f"{rid}: {len(t)} prompt tokens, hit {len(data['hits'][rid])} cached block(s), table "
@@ -436,29 +451,34 @@ def draw_prefix_tree(data: dict):
     return fig
 
 
-def draw_policies(data: dict):
-    """The three timelines stacked on one step axis, one colour and letter per request in all three."""
+def draw_policies(data: dict, width: float = 7.2):
+    """The timelines stacked on one step axis, one colour and letter per request in all of them."""
     plt = _pyplot()
-    traces = {p: trace_from_json(data["traces"][p]) for p in ("static", "dynamic", "continuous")}
+    traces = {p: trace_from_json(data["traces"][p]) for p in ("static", "dynamic", "continuous")
+              if p in data["traces"]}                   # this order, whatever order the JSON keeps
     n = data["workload"]["num_requests"]
     ids = [f"r{i}" for i in range(n)]
     colour, label = _colour_by_order(ids), (lambda rid: _LABELS[ids.index(rid) % len(_LABELS)])
     steps = max(t.num_steps for t in traces.values())
-    fig, axes = plt.subplots(len(traces), 1, sharex=True, figsize=(12, 1.3 + 1.9 * len(traces)))
-    for ax, (policy, trace) in zip(axes, traces.items()):
+    handles = legend_handles(plt, [(label(r), r, colour(r)) for r in ids])
+    legend_h = 0.24 * -(-len(handles) // 4)
+    height = 0.6 + 1.75 * len(traces) + legend_h
+    fig, axes = plt.subplots(len(traces), 1, sharex=True, figsize=(width, height), squeeze=False)
+    for ax, (policy, trace) in zip(axes[:, 0], traces.items()):
         draw_trace(ax, trace, colour, label, num_steps=steps)
         s = data["traces"][policy]["summary"]
         ax.set_title(f"{policy}: {s['steps']} steps, slot utilisation {100 * s['slot_utilisation']:.0f}%, "
-                     f"padding waste {100 * s['padding_waste']:.0f}%", fontsize=9, loc="left")
-    axes[-1].set_xlabel("step (the same requests arrive at the same steps in all three)")
-    fig.legend(handles=legend_handles(plt, [(label(r), r, colour(r)) for r in ids]),
-               loc="upper left", bbox_to_anchor=(0.86, 0.95), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
+                     f"padding waste {100 * s['padding_waste']:.0f}%", fontsize=9.5, loc="left")
+    both = "both" if len(traces) == 2 else f"all {len(traces)}"
+    axes[-1, 0].set_xlabel(f"step (the same requests arrive at the same steps in {both})")
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, (legend_h + 0.05) / height, 1, 1))
     return fig
 
 
 DRAW = {"ragged-mask": draw_ragged_mask, "block-tables": draw_block_tables,
-        "prefix-tree": draw_prefix_tree, "policies": draw_policies}
+        "prefix-tree": draw_prefix_tree, "policies": draw_policies, "static-vs-continuous": draw_policies}
 
 
 # --- writing and checking ---------------------------------------------------------------------------
@@ -466,7 +486,8 @@ def compute_all() -> dict[str, dict]:
     """Run the code behind every picture; returns name -> JSON-able data."""
     plan, state = mixed_step()
     return {"ragged-mask": mask_data(plan), "block-tables": block_table_data(plan, state),
-            "prefix-tree": prefix_tree_data(), "policies": policies_data()}
+            "prefix-tree": prefix_tree_data(), "policies": policies_data(),
+            "static-vs-continuous": policies_data(("static", "continuous"), HOME_WORKLOAD, HOME_CONFIG)}
 
 
 def to_json(data: dict) -> str:
@@ -490,8 +511,8 @@ def draw(name: str, data: dict, path: str) -> str:
 
     fig = DRAW[name](data)
     desc = f"minicb picture {name}; data sha256 {data_hash(to_json(data))}"
-    fig.savefig(path, metadata={"Date": None, "Description": desc}, dpi=110, bbox_inches="tight",
-                pad_inches=0.1)
+    save_readable(fig, path, metadata={"Date": None, "Description": desc}, dpi=110, bbox_inches="tight",
+                  pad_inches=0.1)
     plt.close(fig)
     return str(path)
 

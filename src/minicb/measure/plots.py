@@ -28,6 +28,9 @@ def _plt():
     except ImportError:
         raise MinicbError("plots need matplotlib, which is not installed: pip install 'minicb[plots]' "
                           "(or pass --no-plots)") from None
+    from minicb.measure.trace import READABLE_RC
+
+    matplotlib.rcParams.update(READABLE_RC)     # the docs' pictures' text sizes (trace.save_readable)
     return plt
 
 
@@ -36,8 +39,11 @@ def _colour(label: str) -> str | None:
 
 
 def _save(fig, path: str) -> str:
+    from minicb.measure.trace import save_readable
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})
+    svg = str(path).lower().endswith(".svg")
+    save_readable(fig, path, dpi=110, metadata={"Date": None} if svg else {"Software": None})
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -53,7 +59,7 @@ def throughput_bars(summaries: Sequence[Summary], path: str, title: str = "") ->
     for b, s in zip(bars, summaries):
         util = "" if s.compute_utilisation is None else f"\nutil {100 * s.compute_utilisation:.1f}%"
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{s.output_tokens_per_s:,.1f}{util}",
-                ha="center", va="bottom", fontsize=8)
+                ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(xs), [s.label for s in summaries])
     ax.set_ylabel("output tokens / s")
     ax.set_ylim(0, max(vals + [1e-9]) * 1.25)
@@ -85,7 +91,7 @@ def latency_cdfs(runs: Mapping[str, Sequence[RequestRecord]], path: str, title: 
         if name != "inter-token latency":
             ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlim(left=0)
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=9, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, path)
@@ -105,7 +111,7 @@ def occupancy_timeline(runs: Mapping[str, Sequence[StepRecord]], num_slots: int,
         ax.set_ylim(0, 1.05)
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8, loc="upper right")
+    axes[0, 0].legend(fontsize=9, loc="upper right")
     axes[-1, 0].set_xlabel("time since the first step (s)")
     fig.suptitle(title or f"slot occupancy ({num_slots} slots)", fontsize=10)
     return _save(fig, path)
@@ -145,7 +151,7 @@ def throughput_latency_curve(points: Mapping[str, Sequence[Summary]], path: str,
         ax.set_ylabel(name)
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, path)

@@ -1,9 +1,10 @@
-"""The slot timeline: who held which batch slot at every step, drawn as the seed's space-time diagram.
+"""The slot timeline: who held which batch slot at every step, drawn as a space-time diagram.
 
 A *trace* is a grid, one row per slot and one column per step. Each cell says what that slot computed
-in that step: a request's prompt (or a chunk of it), one decode token, padding (the throw-away tokens
-of the padded policies), nothing while holding the slot (a "stall": the slot is held but the step's
-budget ran out), or nothing at all (idle)::
+in that step: a request's prompt (or a chunk of it, even a one-token one), one decode token (a row
+that starts past the prompt: ``minicb.core.plan.row_kind``, the rule every picture and the replay
+share), padding (the throw-away tokens of the padded policies), nothing while holding the slot (a
+"stall": the slot is held but the step's budget ran out), or nothing at all (idle)::
 
     static: the batch runs until its longest member ends; A's row keeps computing padding
     slot 0 |Aaa.........Cccccc|          A..D  requests (UPPER = prefill step, lower = decode)
@@ -43,6 +44,8 @@ The recorder and the renderers import no torch; ``run_trace`` does (it runs the 
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import shutil
 import sys
 import textwrap
@@ -50,8 +53,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from minicb.core.errors import InvalidArgument, MinicbError, check_int
+from minicb.core.plan import DECODE, PREFILL, row_kind  # noqa: F401  (DECODE: re-exported)
 
-PREFILL, DECODE, PADDING, STALL, IDLE = "prefill", "decode", "padding", "stall", "idle"
+PADDING, STALL, IDLE = "padding", "stall", "idle"
 _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -75,7 +79,7 @@ IDLE_CELL = Cell(IDLE)
 
 @dataclass(slots=True)
 class TraceSummary:
-    """Totals over a trace; ``padding_waste`` is the seed's "padding bubble" ratio in tokens."""
+    """Totals over a trace; ``padding_waste`` is the benchmark table's "padding bubble" ratio in tokens."""
 
     num_steps: int
     num_slots: int
@@ -148,6 +152,49 @@ class SlotTrace:
         )
 
 
+class PromptLengths:
+    """Each request's prompt length, which ``row_kind`` needs to tell a prefill row from a decode.
+
+    Told by the engine (``note``, from the scheduler's sequences) or learned from the plans alone: a
+    request's first sampled row ends its prompt, since nothing has been generated before it, so its
+    prompt is ``start_pos + num_tokens`` of that row, and every row before it is a prefill.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[str, int] = {}
+
+    def note(self, request_id: str, num_prompt_tokens: int) -> None:
+        self._known.setdefault(request_id, num_prompt_tokens)
+
+    def note_engine(self, engine, plan) -> None:
+        """Note the prompt length of every row of ``plan`` from ``engine``'s scheduler (if it has one)."""
+        get = getattr(getattr(engine, "scheduler", None), "get", None)
+        for s in plan.seqs if get is not None else ():
+            seq = get(s.request_id)
+            if seq is not None:
+                self.note(s.request_id, seq.num_prompt_tokens)
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def keep(self, request_ids) -> None:
+        """Forget every request but ``request_ids`` (a long-lived listener's memory stays bounded)."""
+        self._known = {r: n for r, n in self._known.items() if r in request_ids}
+
+    def known(self, request_id: str) -> int | None:
+        """The request's prompt length, or None while it is not known yet."""
+        return self._known.get(request_id)
+
+    def kind(self, seq) -> str:
+        """``"prefill"`` or ``"decode"`` for the ``ScheduledSeq`` ``seq`` (``row_kind``)."""
+        n = self._known.get(seq.request_id)
+        if n is None:
+            if seq.sample:                       # the first sampled row: the prompt ends here
+                self._known[seq.request_id] = seq.start_pos + seq.num_tokens
+            return PREFILL                       # nothing sampled yet: still inside the prompt
+        return row_kind(seq.start_pos, seq.num_tokens, n)
+
+
 class TraceRecorder:
     """Builds a ``SlotTrace`` from the plans of a run, one ``record`` call per step.
 
@@ -160,10 +207,13 @@ class TraceRecorder:
         self.trace = SlotTrace(num_slots, policy)
         self.skip_empty = skip_empty
         self._members: dict[int, str] = {}     # padded batch members by slot (fallback without held)
+        self.prompts = PromptLengths()
+        self._engine = None
 
     def attach(self, engine) -> TraceRecorder:
         """Record every plan ``engine`` runs, from its plan events (``engine.listen``)."""
         self.trace.policy = self.trace.policy or engine.config.policy
+        self._engine = engine
         engine.listen(on_plan=self.on_plan)
         return self
 
@@ -174,10 +224,15 @@ class TraceRecorder:
         column = len(self.trace.cells)
         for rid in (*st.waiting, *st.running, *st.swapped, *(r for r in st.slots if r is not None)):
             self.trace.arrivals.setdefault(rid, column)
+        self.prompts.note_engine(self._engine, event.plan)
         self.record(event.plan, {i: r for i, r in enumerate(st.slots) if r is not None})
 
-    def record(self, plan, held: Mapping[int, str] | None = None) -> None:
-        """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made."""
+    def record(self, plan, held: Mapping[int, str] | None = None,
+               prompt_lens: Mapping[str, int] | None = None) -> None:
+        """Add the column of ``plan``. ``held``: ``{slot: request_id}`` when the plan was made;
+        ``prompt_lens``: ``{request_id: prompt tokens}`` where known (else learned, ``PromptLengths``)."""
+        for rid, n in (prompt_lens or {}).items():
+            self.prompts.note(rid, n)
         if self.skip_empty and not plan.seqs and not plan.padding:
             return
         n = self.trace.num_slots
@@ -186,7 +241,7 @@ class TraceRecorder:
         for s in plan.seqs:
             if not 0 <= s.slot_id < n:
                 raise InvalidArgument(f"plan step {plan.step}: slot_id {s.slot_id} outside [0, {n - 1}]")
-            kind = PREFILL if s.num_tokens > 1 or s.start_pos == 0 else DECODE
+            kind = self.prompts.kind(s)
             real[s.slot_id] = (s.request_id, s.num_tokens, kind)
             self._see(s.request_id)
         padding = self._attribute_padding(plan, real, held)
@@ -344,6 +399,32 @@ HELD_FACE = "#dddddd"
 PREEMPT_COLOUR = "#c00000"
 
 
+_NAMED = {"white": "#ffffff", "black": "#000000"}
+
+
+def _luminance(colour: str) -> float:
+    """WCAG relative luminance of ``#rrggbb`` (or ``white``, ``black``)."""
+    colour = _NAMED.get(colour, colour)
+
+    def channel(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b)
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG contrast ratio of two ``#rrggbb`` colours, from 1 (the same) to 21 (black on white)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_colour(background: str) -> str:
+    """Black or white, whichever reads better on ``background`` (every ``REQUEST_COLOURS`` entry
+    reaches 4.5:1 with it: tests/measure/test_trace.py measures it)."""
+    return "#000000" if contrast_ratio(background, "#000000") >= contrast_ratio(background, "#ffffff") \
+        else "#ffffff"
+
+
 def request_colour(index: int) -> str:
     """The image colour of the ``index``-th request (cycles after ``len(REQUEST_COLOURS)``)."""
     return REQUEST_COLOURS[index % len(REQUEST_COLOURS)]
@@ -359,7 +440,40 @@ def _pyplot():
         raise MinicbError("drawing a PNG or SVG needs matplotlib, which is not installed: "
                           "pip install 'minicb[plots]' (or leave out --out for the ASCII diagram)") from None
     matplotlib.rcParams["svg.hashsalt"] = "minicb"     # stable ids: the same trace gives the same SVG
+    matplotlib.rcParams.update(READABLE_RC)
     return plt
+
+
+# Pictures that read at the size they are shown: SVG text stays text (the browser draws it, a test can
+# measure it), and no text is smaller than MIN_FONT_PX once the SVG is shown at its own size (the docs
+# show every SVG at its native size: docs/assets/pictures.css). 1 pt = 4/3 px.
+MIN_FONT_PX = 11.0
+READABLE_RC = {"svg.fonttype": "none", "font.size": 9, "axes.titlesize": 9.5, "axes.labelsize": 9,
+               "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 9}
+_SVG_FONT = re.compile(r"font(?:-size)?:\s*(?:[a-z]+\s+)*([0-9.]+)px")
+
+
+def svg_font_sizes(svg: str) -> list[float]:
+    """The font sizes of an SVG's text, in its own units (matplotlib: points)."""
+    return [float(m) for m in _SVG_FONT.findall(svg)]
+
+
+def save_readable(fig, path: str, **savefig) -> str:
+    """``fig.savefig(path)``; for an SVG, then enlarge its declared size (never its drawing) until its
+    smallest text is ``MIN_FONT_PX`` at that size."""
+    fig.savefig(path, **savefig)
+    if str(path).lower().endswith(".svg"):
+        text = pathlib.Path(path).read_text()
+        sizes = svg_font_sizes(text)
+        scale = max(1.0, 1.01 * MIN_FONT_PX / (min(sizes) * 4 / 3)) if sizes else 1.0   # 1%: rounding
+        if scale > 1.0:
+            def grow(m: re.Match) -> str:
+                return f'{m.group(1)}="{float(m.group(2)) * scale:.2f}pt"'
+            head, rest = text.split("<svg", 1)
+            tag, body = rest.split(">", 1)
+            tag = re.sub(r'(width|height)="([0-9.]+)pt"', grow, tag)
+            pathlib.Path(path).write_text(f"{head}<svg{tag}>{body}")
+    return str(path)
 
 
 def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = None,
@@ -385,8 +499,10 @@ def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = No
             ax.broken_barh([(t0, t1 - t0)], (slot - 0.4, 0.8), facecolors=face, edgecolor="white",
                            linewidth=0.6, hatch=hatch)
         for start, rid in _runs(trace.row(slot)):
-            ax.text(start + 0.15, slot, label_of(rid), va="center", ha="left", fontsize=8,
-                    color="white", fontweight="bold")
+            face = colour_of(rid)     # on its own colour, even where the letter is wider than the bar
+            ax.text(start + 0.15, slot, label_of(rid), va="center", ha="left", fontsize=9,
+                    color=text_colour(face), fontweight="bold",
+                    bbox={"boxstyle": "square,pad=0.08", "facecolor": face, "edgecolor": "none"})
     for t, victims in enumerate(trace.preempted):
         for rid in victims:
             slot = _last_slot(trace, rid, t)
@@ -401,7 +517,7 @@ def draw_trace(ax, trace: SlotTrace, colour_of: Callable[[str], str] | None = No
         text = "".join(letters) if len(rids) <= 3 else f"{letters[0]}..{letters[-1]} ({len(rids)})"
         colour = colour_of(rids[0]) if len(rids) == 1 else "#444444"
         ax.plot([t + 0.5], [y], marker="^", color=colour, markersize=6, clip_on=False)
-        ax.text(t + 0.9, y, text, va="center", ha="left", fontsize=7, clip_on=False)
+        ax.text(t + 0.9, y, text, va="center", ha="left", fontsize=8.5, clip_on=False)
     ax.set_ylim(n_slots + 0.2, -0.5)
     ax.set_xlim(0, n_steps)
     ax.set_yticks([*range(n_slots), n_slots - 0.1], [*(f"slot {i}" for i in range(n_slots)), "arrives"])
@@ -420,20 +536,24 @@ def render_image(trace: SlotTrace, path: str, title: str | None = None) -> str:
         raise InvalidArgument(f"out must end in .png or .svg, got {path!r}")
     plt = _pyplot()
     n_steps, n_slots = max(trace.num_steps, 1), trace.num_slots
-    fig_w = min(16.0, max(7.0, 3.5 + n_steps * 0.12))
-    fig, ax = plt.subplots(figsize=(fig_w, 1.6 + 0.45 * n_slots))
+    # 7 inches: the docs' 688 px content column at native size; longer runs grow (and scroll there)
+    fig_w = min(16.0, max(7.0, 0.7 + n_steps * 0.1))
+    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
+    handles = legend_handles(plt, [(_LABELS[i % len(_LABELS)], rid, request_colour(i))
+                                   for i, rid in enumerate(order)])
+    legend_rows = -(-len(handles) // 4)
+    fig, ax = plt.subplots(figsize=(fig_w, 1.5 + 0.42 * n_slots + 0.24 * legend_rows))
     draw_trace(ax, trace)
     s = trace.summary()
     ax.set_xlabel("step")
     ax.set_title(title or f"{trace.policy or 'trace'}: slot utilisation {100 * s.slot_utilisation:.0f}%, "
                  f"padding waste {100 * s.padding_waste:.0f}%", fontsize=10)
-    order = trace.request_ids + [r for r in trace.arrivals if r not in trace.request_ids]
-    ax.legend(handles=legend_handles(plt, [(_LABELS[i % len(_LABELS)], rid, request_colour(i))
-                                           for i, rid in enumerate(order)]),
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.07 + 0.2 * legend_rows / (1.5 + 0.42 * n_slots + 0.24 * legend_rows),
+                           1, 1))
     metadata = {"Date": None} if ext == ".svg" else {"Software": None}
-    fig.savefig(path, metadata=metadata, dpi=110)
+    save_readable(fig, path, metadata=metadata, dpi=110)
     plt.close(fig)
     return str(path)
 
@@ -553,24 +673,36 @@ def add_parser(sub) -> None:
     p = sub.add_parser("trace", help="draw which request held which slot at every step (space-time diagram)",
                        description="Run a random workload and draw the slot timeline: ASCII in the "
                                    "terminal, or PNG/SVG with --out (needs matplotlib).")
-    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"])
-    p.add_argument("--num-requests", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"],
+                   help="continuous (default), dynamic or static batching")
+    p.add_argument("--num-requests", type=int, default=8, help="requests in the random workload (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
     p.add_argument("--out", default=None, help="write a .png or .svg (matplotlib) besides the ASCII")
+    p.add_argument("--replay", default=None, metavar="OUT.html",
+                   help="also record the run step by step into one self-contained HTML page (the docs' "
+                        "replay player, offline: no network)")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
     p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
-    p.add_argument("--max-num-batched-tokens", type=int, default=64)
-    p.add_argument("--long-prefill-chunk", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--num-host-blocks", type=int, default=0)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=64,
+                   help="token budget of a step (default 64)")
+    p.add_argument("--long-prefill-chunk", type=int, default=None,
+                   help="prompt tokens one request may prefill in a step (default: no limit)")
+    p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default 4)")
+    p.add_argument("--num-blocks", type=int, default=256,
+                   help="KV blocks (default 256; fewer forces preemptions)")
+    p.add_argument("--num-host-blocks", type=int, default=0,
+                   help="host-memory blocks for --preemption-mode swap (default 0)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="a preempted request recomputes its KV (default) or swaps it to host blocks")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] tokens (default 4 24)")
+    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX] tokens (default 2 24)")
     p.add_argument("--arrival-gap", type=int, default=0, help="steps between arrivals (0: all at once)")
     p.add_argument("--width", type=int, default=None, help="characters per line (default: terminal)")
-    p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="colour the diagram (auto: on a terminal, unless NO_COLOR is set)")
 
 
 def cmd_trace(args) -> int:
@@ -580,9 +712,16 @@ def cmd_trace(args) -> int:
     if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
         raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
     check_out_file("--out", args.out)                    # before the run, not after it
+    if args.replay is not None and os.path.splitext(args.replay)[1].lower() not in (".html", ".htm"):
+        raise InvalidArgument(f"--replay must end in .html, got {args.replay!r}")
+    check_out_file("--replay", args.replay)
     check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
     if args.width is not None:
         check_int("--width", args.width, lo=20, hi=100_000)
+    if args.model not in ("tiny", "default"):
+        from minicb.model.weights.paths import check_model_path
+
+        check_model_path(args.model, "--model")           # before torch; "never downloads" for hub ids
     if args.model == "tiny":
         import torch
 
@@ -595,10 +734,23 @@ def cmd_trace(args) -> int:
                           num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
                           preemption_mode=args.preemption_mode)
     workload = make_workload(args.num_requests, args.seed, engine.runner.vocab_size, **wl_kwargs)
+    recorder = None
+    if args.replay is not None:
+        from minicb.measure.replay import ReplayRecorder
+
+        recorder = ReplayRecorder().attach(engine)
     trace = run_trace(engine, workload)
     colour = {"auto": None, "always": True, "never": False}[args.color]
     print(render_ascii(trace, width=args.width, colour=colour))
     if args.out is not None:
         render_image(trace, args.out)
         print(f"wrote {args.out}")
+    if recorder is not None:
+        from minicb.measure.replay import write_html
+
+        data = recorder.to_json()
+        data["arrivals"] = {f"r{i}": t for i, t in enumerate(workload.arrivals)}
+        write_html(data, args.replay, title=f"minicb trace --policy {args.policy}: {args.num_requests} "
+                                            f"requests, {args.max_num_seqs} slots, {args.num_blocks} blocks")
+        print(f"wrote {args.replay} ({len(data['frames'])} steps; open it in a browser)")
     return 0

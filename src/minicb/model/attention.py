@@ -140,6 +140,9 @@ class ReferenceAttention(AttentionBackend):
         self.kv_cache = kv_cache
 
     def prepare(self, meta: AttentionMetadata) -> _RefState:
+        # Once per step, not per layer: which rows attend together, and the gather indices and masks
+        # of each group. Every layer reuses them (``attend``). Without a cache every row is
+        # "ephemeral": it attends over this step's own tokens only.
         n_real = meta.num_seqs - meta.num_padding_rows if self.kv_cache is not None else 0
         rows = range(meta.num_seqs)
         # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
@@ -165,6 +168,8 @@ class ReferenceAttention(AttentionBackend):
         return [self._group(meta, b, True) for _, b in sorted(buckets.items())]
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
+        # A group pads its rows to [rows, longest query run, longest context]. Query i of a row is flat
+        # token q0 + i (clamped, so a shorter row repeats its last query in the padding, masked out).
         dev = meta.slot_mapping.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
         q_len = torch.tensor([meta.q_lens[r] for r in rows], dtype=torch.long, device=dev)
@@ -176,6 +181,9 @@ class ReferenceAttention(AttentionBackend):
         j = torch.arange(lk, device=dev)
         q_valid = i[None, :] < q_len[:, None]
         q_index = q0[:, None] + torch.minimum(i[None, :], q_len[:, None] - 1)
+        # Key j of a row is its j-th token in its own sequence. With a cache it lives in slot
+        # table[j // block_size] * block_size + j % block_size: the same rule as the packer's
+        # slot_mapping, so this step's keys (just written) and older ones are gathered alike.
         if cached:
             bs = meta.block_size
             tables = meta.block_tables[idx].long()
@@ -183,6 +191,8 @@ class ReferenceAttention(AttentionBackend):
             key_index = tables.gather(1, col[None, :].expand(len(rows), lk)) * bs + j % bs
         else:   # no cache: key j of the row is its own j-th new token
             key_index = q0[:, None] + torch.minimum(j[None, :], q_len[:, None] - 1)
+        # The causal mask, aligned bottom-right: a query at absolute position p sees keys 0..p of its
+        # own sequence, whatever was cached before this step; keys past the row's context are padding.
         qpos = start[:, None] + i[None, :]                      # absolute position of each query
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
         valid = q_valid.flatten()
@@ -191,6 +201,8 @@ class ReferenceAttention(AttentionBackend):
                       None if all_valid else valid.nonzero().squeeze(1))
 
     def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
+        # Per layer: write this step's K/V into the paged cache first (slot -1, padding, is skipped),
+        # then attend group by group, each writing its rows of ``out``.
         if self.kv_cache is not None:
             self.kv_cache.write(layer, k, v, state.slot_mapping, state.write_mask)
             kc, vc = self.kv_cache.layer(layer)

@@ -2,7 +2,7 @@
 
 All prompts of the batch are left-padded to the longest and run together; the batch decodes until its
 *last* member finishes. Rows that finished early keep computing throw-away tokens (the "padding
-bubbles" of the seed)::
+bubbles" of the static-batching note, docs/origins.md)::
 
     row 0  . . . P P P P | t t t t t t t t     (P prompt, t generated, . padding, x wasted)
     row 1  P P P P P P P | t t t x x x x x
@@ -15,7 +15,7 @@ position (gpt-fast's shape), behind ``StaticCacheAttention``. Every schedule the
 function gives it; the tests check that in float64.
 
 ``padded_token_slots`` counts the token slots computed for nothing (left padding plus finished rows),
-``total_token_slots`` all slots computed, so ``padded / total`` is the seed's "padding waste".
+``total_token_slots`` all slots computed, so ``padded / total`` is the benchmark table's "padding waste".
 """
 
 from __future__ import annotations

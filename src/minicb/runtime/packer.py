@@ -55,6 +55,8 @@ class RaggedBatch:
 
 
 def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int = 0) -> RaggedBatch:
+    # One Python list per tensor of the batch, filled sequence by sequence in the plan's order (decodes
+    # first, then prompt chunks) and turned into tensors once at the end.
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -64,6 +66,10 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
     logits_rows: list[int] = []
     sample_ids: list[str] = []
     bs = plan.block_size
+    # A sequence's new tokens sit at positions start_pos .. start_pos + n - 1 of its own sequence. Each
+    # one's K/V goes to a slot of the paged cache: the block its position falls in (found through the
+    # block table) times the block size, plus the offset inside that block. The last row of a sequence
+    # that samples is where its next token's logits come from.
     for s in plan.seqs:
         n, p0 = s.num_tokens, s.start_pos
         ids.extend(s.token_ids)
@@ -76,6 +82,8 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         if s.sample:
             logits_rows.append(len(ids) - 1)
             sample_ids.append(s.request_id)
+    # Padding rows (static and dynamic policies only) come last: pad tokens at positions 0.., slot -1
+    # (nothing is written to the cache), no block table, never sampled. They cost compute, nothing else.
     for n in plan.padding:
         ids.extend([pad_token_id] * n)
         pos.extend(range(n))

@@ -1,6 +1,7 @@
-"""``minicb simulate``: the seed's table at any scale, from the real scheduler and a cost model.
+"""``minicb simulate``: the benchmark table at any scale, from the real scheduler and a cost model.
 
-    minicb simulate                                      # llama-3-70b on 8 x A100-80GB, rates 2,4,8,12,16
+    minicb simulate                  # llama-3-70b on 8 x A100-80GB: 200 requests at 2, 8 and 16 req/s
+    minicb simulate --full           # the full table: 1,000 requests at 2, 4, 8, 12, 16 req/s (minutes)
     minicb simulate --preset llama-3-8b --rates 5,10,20,40
     minicb simulate --preset smollm2-135m --max-prompt 32 --output-div 8 --max-output 32 --min-len 1 \\
         --max-total 0 --max-num-seqs 24 --max-num-batched-tokens 12 --long-prefill-chunk 8 \\
@@ -11,7 +12,10 @@ on a simulated clock; Poisson arrivals in simulated time) and prints the table; 
 ``simulate.json`` and ``curve.png`` (throughput against P99 inter-token latency and P99 TTFT, one line
 per policy), plus the throughput bars, latency CDFs and slot occupancy of ``--plot-rate``.
 Torch-free. The cost is the scheduler's own: about 20 us per scheduled sequence per step on this
-machine, so 1,000 ShareGPT requests (about 350,000 sequence-steps) take 5-10 s per policy and rate.
+machine, so 1,000 ShareGPT requests (about 350,000 sequence-steps) take 5-10 s per policy and rate;
+the default (200 requests, three rates: 1,800 simulated requests) takes about 10 s on two cores,
+``--full`` (15,000) several minutes. Progress goes to stderr (``minicb.measure.progress``): one line
+per policy and rate, and a heartbeat every few seconds when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -26,26 +30,40 @@ from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.measure.metrics import format_table, records_to_json
 
+DEFAULT_REQUESTS, DEFAULT_RATES = 200, "2,8,16"        # about 10 s here
+FULL_REQUESTS, FULL_RATES = 1000, "2,4,8,12,16"        # --full: 15,000 simulated requests, minutes
+
 
 def add_parser(sub) -> None:
     from minicb.simulate.simulator import PRESETS
 
-    p = sub.add_parser("simulate", help="simulate the seed's table at scale (cost model, same scheduler)",
+    p = sub.add_parser("simulate", help="simulate the benchmark table at scale (cost model, same scheduler)",
                        description="Drive minicb's Scheduler with a cost-model executor on a simulated "
-                                   "clock: the seed's table per policy and arrival rate, and a "
+                                   "clock: the benchmark table of the static-batching note per "
+                                   "policy and arrival rate, and a "
                                    "throughput-latency curve.")
-    add_workload_args(p, num_requests=1000)
+    add_workload_args(p, num_requests=None)
     p.set_defaults(min_len=4, max_total=2048)     # the usual ShareGPT filter (SOURCES.md)
-    p.add_argument("--preset", default="llama-3-70b", choices=list(PRESETS))
-    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"])
-    p.add_argument("--rates", default="2,4,8,12,16", help="comma-separated Poisson rates, requests/s")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full run: {FULL_REQUESTS:,} requests per rate at {FULL_RATES} req/s "
+                        f"(15,000 simulated requests, minutes), unless --num-requests / --rates say "
+                        f"otherwise (default: {DEFAULT_REQUESTS} at {DEFAULT_RATES}, about 10 s)")
+    p.add_argument("--preset", default="llama-3-70b", choices=list(PRESETS),
+                   help="model and hardware of the cost model (default llama-3-70b on 8 x A100-80GB)")
+    p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"],
+                   help="one policy, or all three (default)")
+    p.add_argument("--rates", default=None,
+                   help=f"comma-separated Poisson rates, requests/s (default {DEFAULT_RATES}; --full: "
+                        f"{FULL_RATES})")
     p.add_argument("--max-num-seqs", type=int, default=256, help="slots (the static batch size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--long-prefill-chunk", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of a step")
+    p.add_argument("--long-prefill-chunk", type=int, default=512,
+                   help="prompt tokens one request may prefill in a step (chunked prefill)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: what fits in the devices' memory after the weights)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="longest prompt + output a request may have")
     p.add_argument("--step-overhead-ms", type=float, default=None, help="override the preset's")
     p.add_argument("--seq-overhead-us", type=float, default=None, help="override the preset's")
     p.add_argument("--calibration", default=None, help="smollm2-135m: a bench/calibrate_cpu.py JSON")
@@ -53,8 +71,10 @@ def add_parser(sub) -> None:
                                                                  "(default: the highest)")
     p.add_argument("--out", default=None, help="directory for simulate.json and the PNGs")
     p.add_argument("--detail", action="store_true", help="also store every request and step of --plot-rate")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="with --out: write the JSON only")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--wide", action="store_true", help="print the table on one line per row, however wide "
+                                                       "(default: it fits 100 columns)")
     p.set_defaults(run=cmd_simulate)
 
 
@@ -76,6 +96,10 @@ def build(args):
     from minicb.measure.flags import check_out_dir, check_workload_args
     from minicb.simulate.simulator import MAX_STEP_SECONDS, load_calibration, preset
 
+    if args.num_requests is None:
+        args.num_requests = FULL_REQUESTS if args.full else DEFAULT_REQUESTS
+    if args.rates is None:
+        args.rates = FULL_RATES if args.full else DEFAULT_RATES
     check_workload_args(args)
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), lo=1)
@@ -111,43 +135,34 @@ def cmd_simulate(args) -> int:
     cost, cfg, rates, policies = build(args)
     print(f"preset {cost.name}: {cost.description}; peak {cost.peak_flops / 1e12:,.1f} TFLOP/s; "
           f"{cfg['num_blocks']} KV blocks of {cfg['block_size']}; {args.max_num_seqs} slots", flush=True)
-    prog = None
-    if not args.no_progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from minicb.measure.progress import Progress
 
-        prog = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("sim {task.fields[sim]:>8.1f} s"), transient=True)
-        prog.start()
     results: dict[float, dict[str, object]] = {}
     t_wall = time.perf_counter()
-    try:
-        for rate in rates:
-            reqs = make_requests(args.trace, args.num_requests, rate=rate, seed=args.seed,
-                                 max_prompt=args.max_prompt, output_div=args.output_div,
-                                 max_output=args.max_output, min_len=args.min_len,
-                                 max_total=args.max_total or None)
-            too_long = [r for r in reqs if r.prompt_len + r.output_len > args.max_model_len]
-            if too_long:
-                raise InvalidArgument(f"{len(too_long)} requests exceed --max-model-len "
-                                      f"{args.max_model_len}; raise it or lower --max-total")
-            results[rate] = {}
-            for policy in policies:
-                tick = None
-                if prog is not None:
-                    task = prog.add_task(f"{policy} @ {rate:g} req/s", total=len(reqs), sim=0.0)
+    for rate in rates:
+        reqs = make_requests(args.trace, args.num_requests, rate=rate, seed=args.seed,
+                             max_prompt=args.max_prompt, output_div=args.output_div,
+                             max_output=args.max_output, min_len=args.min_len,
+                             max_total=args.max_total or None)
+        too_long = [r for r in reqs if r.prompt_len + r.output_len > args.max_model_len]
+        if too_long:
+            raise InvalidArgument(f"{len(too_long)} requests exceed --max-model-len "
+                                  f"{args.max_model_len}; raise it or lower --max-total")
+        results[rate] = {}
+        for policy in policies:
+            with Progress(f"simulate {policy} @ {rate:g} req/s", total=len(reqs), unit="requests",
+                          enabled=False if args.no_progress else None) as prog:
 
-                    def tick(step, n_done, task=task, total=args.num_requests):
-                        if step.step % 64 == 0 or n_done == total:
-                            prog.update(task, completed=n_done, sim=step.end)
+                def tick(step, n_done, prog=prog, total=args.num_requests):
+                    if step.step % 64 == 0 or n_done == total:       # the line is redrawn far less often
+                        prog.update(done=n_done, info=f"simulated {step.end:,.1f} s")
+
                 res = simulate(reqs, SchedulerConfig(policy=policy, **cfg), cost,
                                label=f"{policy} @ {rate:g}/s", on_step=tick)
-                results[rate][policy] = res
-    finally:
-        if prog is not None:
-            prog.stop()
+            results[rate][policy] = res
     wall = time.perf_counter() - t_wall
     summaries = [results[r][p].summary for r in rates for p in policies]
-    print(format_table(summaries))
+    print(format_table(summaries, width=None if args.wide else 100))
     n_sim = len(summaries) * args.num_requests
     print(f"simulated {n_sim:,} requests in {wall:.1f} s of wall time")
     if args.out:

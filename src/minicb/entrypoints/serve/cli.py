@@ -46,7 +46,8 @@ def add_parser(sub, add_engine_args) -> None:
                    help="torch intra-op threads (default 0: torch's choice; 1 is often faster for a small "
                         "model on a busy machine)")
     p.add_argument("--log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
     d = ServeLimits()
     lim = p.add_argument_group("limits of one request and one connection "
                                "(refused with 400 / 408 / 413 / 503)")

@@ -23,8 +23,9 @@ Why it is cheap for the engine, which is what matters (the engine thread is the 
 ``listener_seconds`` (engine thread) and ``frame_seconds`` (event loop) add up what the feed costs;
 ``bench/serve.py --watch-overhead`` measures the throughput with and without a page watching.
 
-A column says nothing that the plan does not: the kind of a row is "prefill" unless the request has
-already sampled a token and the row computes one token (a decode). The feed never reads the scheduler.
+A column says nothing that the plan does not: the kind of a row is ``minicb.core.plan.row_kind`` (a
+decode starts past its prompt; a one-token last chunk is a prefill), the prompt's end learned from the
+plans (``measure.trace.PromptLengths``). The feed never reads the scheduler.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from minicb.engine.events import StepEvent
+from minicb.measure.trace import PromptLengths
 
 HISTORY = 96                  # steps the page shows
 MAX_QUEUE_SHOWN = 64          # waiting request ids sent per frame (the count is always exact)
@@ -78,7 +80,7 @@ class LiveFeed:
         self._count = 0                           # columns ever appended
         self._version = 0                         # steps ever seen (empty ones too)
         self._state = None                        # the latest SchedulerSnapshot
-        self._sampled: set[str] = set()           # requests that have sampled a token (engine thread)
+        self._prompts = PromptLengths()           # prefill or decode: core.plan.row_kind (engine thread)
         self._watchers: set[_Watcher] = set()
         self._asleep = False                      # some page waits to be woken
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,13 +98,10 @@ class LiveFeed:
             return
         rows = []
         for s in plan.seqs:
-            kind = "decode" if s.num_tokens == 1 and s.request_id in self._sampled else "prefill"
-            rows.append((s.slot_id, s.request_id, kind, s.num_tokens))
-            if s.sample:
-                self._sampled.add(s.request_id)
-        if len(self._sampled) > 4 * max(1, len(event.after.slots)):
+            rows.append((s.slot_id, s.request_id, self._prompts.kind(s), s.num_tokens))
+        if len(self._prompts) > 4 * max(1, len(event.after.slots)):
             a = event.after
-            self._sampled &= set(a.running) | set(a.waiting) | set(a.swapped)
+            self._prompts.keep(set(a.running) | set(a.waiting) | set(a.swapped))
         self._publish(Column(self._count, plan.step, event.start, event.end, tuple(rows),
                              sum(s.sample for s in plan.seqs), len(plan.padding)), event.after)
         self.listener_seconds += time.perf_counter() - t0

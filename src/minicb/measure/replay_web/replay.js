@@ -1,7 +1,8 @@
-/* minicb replay: plays a recorded run step by step (slots, packed tokens, KV block pool, host pool,
-   queues). The data is window.MINICB_REPLAY, written by `python -m minicb.measure.replay` from an
-   engine's step events (src/minicb/measure/replay.py documents every field). Plain JavaScript: no
-   library, no build step, no network; works from file:// too.
+/* minicb replay: plays a recorded run step by step (a slot x step strip, slots, packed tokens, the KV
+   block pool with ref counts and the prefix cache, the host pool, the queues with the reason each
+   waiting request waits). The data is window.MINICB_REPLAY, written by `python -m minicb.measure.replay`
+   or `minicb trace --replay` from an engine's events (src/minicb/measure/replay.py documents every
+   field). Plain JavaScript: no library, no build step, no network; works from file:// too.
 
    Every element <div data-minicb-replay> on the page becomes a player. The URL hash #step=N opens
    step N, and stepping keeps the hash current, so a step can be linked to. window.MinicbReplay.render
@@ -20,13 +21,27 @@
     return node;
   }
 
+  // Black or white text, whichever the recording chose for the request's colour (4.5:1 or better).
+  function ink(data, rid) { return (data.text_colours || {})[rid] || "#000"; }
+  function paint(data, rid) {
+    return "background:" + (data.colours[rid] || "#777") + ";color:" + ink(data, rid);
+  }
+
   function chip(data, rid, text, extra) {
-    var c = el("span", Object.assign({ "class": "mr-chip", "data-request": rid, text: text || rid,
-      style: "background:" + (data.colours[rid] || "#777") }, extra || {}));
-    return c;
+    return el("span", Object.assign({ "class": "mr-chip", "data-request": rid, text: text || rid,
+      style: paint(data, rid) }, extra || {}));
   }
 
   function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
+
+  function span(s) { return s.n === 1 ? "position " + s.start : "positions " + s.start + "–" + (s.start + s.n - 1); }
+
+  // What a row is: minicb.core.plan.row_kind, as recorded (chunk = a prefill short of the prompt's end).
+  function rowText(s) {
+    if (s.kind === "decode") return "decode at position " + s.start;
+    var of = s.prompt ? " of " + s.prompt : "";
+    return (s.kind === "chunk" ? "prompt chunk, " : "prompt end, ") + span(s) + of;
+  }
 
   // One sentence on what the step did: rows by kind, preemptions, swaps, finished requests.
   function describe(frame, cfg) {
@@ -35,32 +50,60 @@
     if (kinds.decode.length) parts.push(plural(kinds.decode.length, "decode"));
     kinds.chunk.concat(kinds.prefill).forEach(function (s) {
       parts.push((s.kind === "chunk" ? "a prompt chunk of " : "the last prompt tokens of ") + s.id +
-        " (positions " + s.start + "–" + (s.start + s.n - 1) + ")");
+        " (" + span(s) + ")");
     });
     var tokens = frame.cu_seqlens_q[frame.cu_seqlens_q.length - 1];
     var text = frame.seqs.length ? "Computes " + parts.join(", ") + ": " + plural(tokens, "token") +
       " of the " + cfg.max_num_batched_tokens + "-token budget." : "Computes nothing (no request is runnable).";
-    if (frame.preempted.length) text += " Preempts " + frame.preempted.join(", ") +
-      (frame.swap_out.length ? " (swaps " + plural(frame.swap_out.length, "block") + " out to the host)" : "") + ".";
+    Object.keys(frame.victims || {}).forEach(function (rid) {
+      var v = frame.victims[rid];
+      text += " Preempts " + rid + " (" + v.mode + "; it held " + plural(v.blocks.length, "block") + ", outlined red" +
+        (v.mode === "swap" ? ", copied to the host" : ", freed: it will be computed again") + ").";
+    });
     if (frame.swap_in.length) text += " Swaps " + plural(frame.swap_in.length, "block") + " back in.";
     if (frame.finished.length) text += " Finished afterwards: " + frame.finished.join(", ") + " (slot and blocks free for the next step).";
     if (frame.error) text += " The step failed: " + frame.error;
     return text;
   }
 
-  function section(title, body) {
-    return el("div", { "class": "mr-section" }, [el("div", { "class": "mr-title", text: title }), body]);
+  function section(title, body, cls) {
+    return el("div", { "class": "mr-section" + (cls ? " " + cls : "") },
+      [el("div", { "class": "mr-title", text: title }), body]);
+  }
+
+  // The slot x step strip: every step of the run, one row per slot; the current step is marked.
+  function strip(data, i, onPick) {
+    var cfg = data.config, frames = data.frames;
+    var rows = [];
+    for (var slot = 0; slot < cfg.num_slots; slot++) {
+      var cells = [el("span", { "class": "mr-strip-label", text: "slot " + slot })];
+      frames.forEach(function (f, k) {
+        var rid = f.state.slots[slot], s = f.seqs.filter(function (q) { return q.slot === slot; })[0];
+        var kind = !rid ? "free" : s ? s.kind : "held";
+        var attrs = { "class": "mr-cell mr-" + kind + (k === i ? " mr-now" : ""), "data-strip-slot": String(slot),
+          "data-strip-step": String(f.step), "data-kind": kind, "data-request": rid || "",
+          title: "step " + f.step + ", slot " + slot + ": " + (!rid ? "free" : rid + " " + (s ? rowText(s) : "holds its slot, computes nothing")) };
+        if (rid) attrs.style = "background-color:" + (data.colours[rid] || "#777");
+        var c = el("span", attrs);
+        c.addEventListener("click", function () { onPick(k); });
+        cells.push(c);
+      });
+      rows.push(el("div", { "class": "mr-strip-row" }, cells));
+    }
+    var legend = el("div", { "class": "mr-note" }, [document.createTextNode(
+      "one column per step (click one to go there), the current one framed; striped: prefill, solid: decode, " +
+      "pale: holds its slot but computes nothing, empty: free")]);
+    return el("div", {}, [el("div", { "class": "mr-strip" }, rows), legend]);
   }
 
   function slotTable(data, frame) {
     var rows = frame.state.slots.map(function (rid, i) {
       var s = frame.seqs.filter(function (q) { return q.slot === i; })[0];
-      var what = !rid ? "free" : !s ? "holds its slot, computes nothing" :
-        s.kind === "decode" ? "decode at position " + s.start :
-        (s.kind === "chunk" ? "prompt chunk " : "prompt ") + s.start + "–" + (s.start + s.n - 1);
+      var what = !rid ? "free" : !s ? "holds its slot, computes nothing" : rowText(s);
       var cell = el("td", { "class": "mr-slot", "data-slot": String(i), "data-request": rid || "" },
         [rid ? chip(data, rid) : el("span", { "class": "mr-free", text: "—" })]);
-      return el("tr", {}, [el("th", { text: "slot " + i }), cell, el("td", { "class": "mr-what", text: what })]);
+      return el("tr", {}, [el("th", { text: "slot " + i }), cell,
+        el("td", { "class": "mr-what", "data-row-kind": s ? s.kind : "", text: what })]);
     });
     return el("table", { "class": "mr-slots" }, [el("tbody", {}, rows)]);
   }
@@ -68,7 +111,7 @@
   function packedTokens(data, frame) {
     var strip = el("div", { "class": "mr-tokens" }, []);
     frame.seqs.forEach(function (s) {
-      var group = el("div", { "class": "mr-row", title: s.id + ": " + s.kind + ", block table [" + s.table.join(", ") + "]" }, []);
+      var group = el("div", { "class": "mr-row", title: s.id + ": " + rowText(s) + ", block table [" + s.table.join(", ") + "]" }, []);
       for (var k = 0; k < s.n; k++) {
         group.appendChild(el("div", { "class": "mr-token", "data-token": s.id + ":" + (s.start + k) }, [
           chip(data, s.id, s.id + "·" + (s.start + k)),
@@ -95,52 +138,79 @@
     Object.keys(tables).forEach(function (rid) {
       tables[rid].forEach(function (b) { (owner[b] = owner[b] || []).push(rid); });
     });
-    var written = {};
-    if (!host) frame.seqs.forEach(function (s) {
-      s.kv_slots.forEach(function (slot) { written[Math.floor(slot / cfg.block_size)] = true; });
-    });
+    var written = {}, cached = {}, former = {};
+    if (!host) {
+      frame.seqs.forEach(function (s) {
+        s.kv_slots.forEach(function (slot) { written[Math.floor(slot / cfg.block_size)] = true; });
+      });
+      (st.cached || []).forEach(function (b) { cached[b] = true; });
+      Object.keys(frame.victims || {}).forEach(function (rid) {
+        frame.victims[rid].blocks.forEach(function (b) { former[b] = rid; });
+      });
+    }
     var moved = {};
     (host ? frame.swap_out.map(function (m) { return m[1]; }) : frame.swap_in.map(function (m) { return m[1]; }))
       .forEach(function (b) { moved[b] = true; });
     var cells = [];
     for (var b = 0; b < n; b++) {
-      var who = owner[b] || [];
-      var attrs = { "class": "mr-block" + (written[b] ? " mr-written" : "") + (moved[b] ? " mr-moved" : ""),
-        text: String(b), title: "block " + b + ": " + (who.length ? "held by " + who.join(", ") : "free") };
+      var who = owner[b] || [], refs = who.length;
+      var cls = "mr-block" + (written[b] ? " mr-written" : "") + (moved[b] ? " mr-moved" : "") +
+        (cached[b] ? " mr-cached" : "") + (former[b] !== undefined ? " mr-former" : "") + (refs > 1 ? " mr-shared" : "");
+      var title = "block " + b + ": " + (refs ? "held by " + who.join(", ") + " (ref count " + refs + ")" : "free") +
+        (cached[b] ? "; in the prefix cache" : "") + (former[b] !== undefined ? "; held by " + former[b] + " before it was preempted" : "");
+      var attrs = { "class": cls, title: title, "data-owner": who.join(" "), "data-refs": String(refs) };
       attrs[host ? "data-host-block" : "data-block"] = String(b);
-      attrs["data-owner"] = who.join(" ");
-      if (who.length) attrs.style = "background:" + (data.colours[who[0]] || "#777") + ";color:#fff";
-      cells.push(el("span", attrs));
+      if (cached[b]) attrs["data-cached"] = "1";
+      if (former[b] !== undefined) attrs["data-former"] = former[b];
+      if (refs) attrs.style = paint(data, who[0]);
+      var kids = [el("span", { "class": "mr-bnum", text: String(b) })];
+      if (refs > 1) kids.push(el("span", { "class": "mr-ref", text: "×" + refs }));
+      if (cached[b]) kids.push(el("span", { "class": "mr-cmark", text: "c" }));
+      cells.push(el("span", attrs, kids));
     }
-    return el("div", { "class": "mr-pool" }, cells);
+    var note = host ? null : el("div", { "class": "mr-note" }, [document.createTextNode(
+      "framed: written this step; ×2: shared by two tables (the ref count); c: in the prefix cache " +
+      "(a free block marked c can still be reused by a hit); dashed red: a preempted request's former block")]);
+    return el("div", {}, [el("div", { "class": "mr-pool" }, cells), note]);
   }
 
   function queues(data, frame) {
-    var st = frame.state;
+    var st = frame.state, reasons = frame.waiting || {};
     function line(name, ids, note) {
+      var items = ids.map(function (r) {
+        if (name !== "waiting") return chip(data, r);
+        var why = reasons[r] || ["", ""];
+        return el("span", { "class": "mr-wait", "data-waiting": r, "data-reason": why[0] },
+          [chip(data, r), el("span", { "class": "mr-reason", title: why[1], text: why[0] }),
+           el("span", { "class": "mr-why", text: why[1] })]);
+      });
       return el("div", { "class": "mr-queue", "data-queue": name }, [el("span", { "class": "mr-qname", text: name })]
-        .concat(ids.length ? ids.map(function (r) { return chip(data, r); }) : [el("span", { "class": "mr-free", text: "empty" })])
-        .concat([el("span", { "class": "mr-note", text: note })]));
+        .concat(items.length ? items : [el("span", { "class": "mr-free", text: "empty" })])
+        .concat(note ? [el("div", { "class": "mr-note", text: note })] : []));
     }
     return el("div", {}, [
-      line("waiting", st.waiting, "front first; admitted while a slot, the budget and blocks allow"),
+      line("waiting", st.waiting, "front first; each with the reason it did not get in this step"),
       line("running", st.running, ""),
       line("swapped", st.swapped, "K/V parked in the host pool; swapped in before anyone waiting is admitted")]);
   }
 
-  // Draw frame i of data into root (replacing what was there).
-  function render(root, data, i) {
+  // Draw frame i of data into root (replacing what was there); onPick(k) jumps to frame k.
+  function render(root, data, i, onPick) {
     var frame = data.frames[i], cfg = data.config;
     root.textContent = "";
     root.setAttribute("data-step", String(frame.step));
+    root.appendChild(section("Slots over the run (slot x step)", strip(data, i, onPick || function () {}), "mr-strip-section"));
     root.appendChild(el("p", { "class": "mr-describe", text: describe(frame, cfg) }));
     var grid = el("div", { "class": "mr-grid" }, [
       section("Batch slots (the slot table, as planned)", slotTable(data, frame)),
       section("Queues", queues(data, frame))]);
     root.appendChild(grid);
     root.appendChild(section("The step's packed tokens (request·position), end to end", packedTokens(data, frame)));
-    root.appendChild(section("KV block pool: " + cfg.num_blocks + " blocks of " + cfg.block_size +
-      " tokens (outlined: written this step; " + frame.state.free_blocks.length + " free)", pool(data, frame, false)));
+    var shared = Object.keys(frame.state.refs || {}).length;
+    root.appendChild(section("KV block pool: " + cfg.num_blocks + " blocks of " + cfg.block_size + " tokens (" +
+      frame.state.free_blocks.length + " free" + (shared ? ", " + plural(shared, "shared block") : "") +
+      (cfg.prefix_caching ? ", " + (frame.state.cached || []).length + " in the prefix cache" : "") + ")",
+      pool(data, frame, false)));
     if (cfg.num_host_blocks) root.appendChild(section("Host pool (swap): " + cfg.num_host_blocks + " blocks (" +
       frame.state.num_free_host_blocks + " free)", pool(data, frame, true)));
   }
@@ -168,7 +238,7 @@
       i = Math.max(0, Math.min(n - 1, k));
       slider.value = String(i);
       label.textContent = "step " + data.frames[i].step + " of " + (n - 1);
-      render(view, data, i);
+      render(view, data, i, function (j) { stop(); show(j); });
       if (!fromHash && window.history && window.history.replaceState) {
         window.history.replaceState(null, "", "#step=" + data.frames[i].step);
       }

@@ -1,0 +1,68 @@
+"""What the scheduler reports: running totals for the metrics (``SchedulerStats``) and its state at one
+moment as plain, immutable values (``SchedulerSnapshot``, what step listeners see).
+
+``Scheduler.stats`` is updated as the scheduler works (tokens are counted when ``update`` records a
+step); ``Scheduler.snapshot()`` copies the slot table, the block tables and the queues into a
+``SchedulerSnapshot`` that a listener may keep. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Running totals for the metrics (tokens are counted when ``update`` records the step)."""
+
+    num_steps: int = 0                 # schedule() calls
+    num_preemptions: int = 0           # recompute + swap
+    num_recomputes: int = 0
+    num_swaps: int = 0                 # swap-outs
+    num_swap_ins: int = 0
+    num_batched_tokens: int = 0        # real tokens computed
+    num_padding_tokens: int = 0        # padding tokens computed (padded policies)
+    num_recomputed_tokens: int = 0     # computed tokens thrown away by recompute preemption
+    num_finished: int = 0              # requests that ended (any reason)
+    num_prompt_tokens: int = 0         # prompt tokens of requests admitted for the first time
+    num_cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache at that admission
+    num_cached_reprefill_tokens: int = 0   # tokens a recompute-preempted request found cached again
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens (first admissions; 0.0 if none)."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's state at one moment as plain, immutable values: what step listeners see."""
+
+    step: int                                              # steps planned so far
+    slots: tuple[str | None, ...]                          # slot i -> the request holding it, or None
+    block_tables: tuple[tuple[str, tuple[int, ...]], ...]  # (request, device blocks) of slot holders
+    host_tables: tuple[tuple[str, tuple[int, ...]], ...]   # (request, host blocks) of swapped requests
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int                                 # blocks in the prefix cache (held or free)
+    num_host_blocks: int
+    num_free_host_blocks: int
+    waiting: tuple[str, ...]                               # queue order: the front first
+    running: tuple[str, ...]
+    swapped: tuple[str, ...]
+    arrivals_open: bool
+
+    @property
+    def num_held_slots(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def free_blocks(self) -> tuple[int, ...]:
+        """The free device blocks (cached or not), lowest first: every block no table names. Derived
+        on demand, so a snapshot costs O(held blocks), not O(pool) (simulated pools are large)."""
+        held = {b for _, table in self.block_tables for b in table}
+        return tuple(b for b in range(self.num_blocks) if b not in held)

@@ -1,0 +1,91 @@
+"""minicb's own code behind each exercise's signature: the reference answers.
+
+Each function here calls the real piece (the slot table, the block manager,
+the token budget, the preemption policy, the packer, the reference attention)
+and converts plain values in and out, so that a checker can hold a learner's
+function and minicb's to the same tests.
+"""
+
+from __future__ import annotations
+
+from minicb.core.block_manager import BlockManager
+from minicb.core.planner import TokenBudget
+from minicb.core.preemption import choose_victim as _choose_victim
+from minicb.core.sampling_params import SamplingParams
+from minicb.core.sequence import Sequence
+from minicb.core.slot_table import SlotTable  # noqa: F401  (exercise 1)
+
+
+def can_allocate(num_tokens: int, block_size: int, num_held: int,
+                 num_free: int) -> bool:
+    """Exercise 2 through ``BlockManager.can_allocate``: a pool with
+    ``num_free`` free blocks and a request holding ``num_held`` of them."""
+    bm = BlockManager(num_blocks=num_held + num_free + 1,
+                      block_size=block_size)
+    bm.allocate("other", block_size)              # one block someone else holds
+    if num_held:
+        bm.allocate("r", num_held * block_size)
+    assert bm.num_free_blocks == num_free
+    return bm.can_allocate("r", num_tokens)
+
+
+def chunk(num_uncomputed: int, tokens_left: int, chunk_cap: int,
+          seqs_left: int = 1) -> int:
+    """Exercise 3 through ``TokenBudget.chunk``."""
+    total, seqs = tokens_left + 1, seqs_left + 1
+    budget = TokenBudget(total, seqs, chunk_cap, num_batched_tokens=1,
+                         num_seqs=1)
+    return budget.chunk(num_uncomputed)
+
+
+def choose_victim(running: list[dict], policy: str = "fcfs") -> str:
+    """Exercise 4 through ``preemption.choose_victim``."""
+    seqs = []
+    for r in running:
+        s = Sequence(r["id"], [1], SamplingParams(max_tokens=1),
+                     priority=r.get("priority", 0))
+        s.arrival_index, s.admitted_index = r["arrival"], r["admitted"]
+        seqs.append(s)
+    return _choose_victim(seqs, policy).request_id
+
+
+def slot_mapping(rows: list[tuple[int, int, list[int]]],
+                 block_size: int) -> list[int]:
+    """Exercise 5 through the packer: ``pack(plan).attn.slot_mapping``."""
+    from minicb.core.plan import ScheduledSeq, StepPlan
+    from minicb.runtime.packer import pack
+
+    seqs = tuple(ScheduledSeq(f"r{i}", i, tuple([5] * n), start,
+                              tuple(table), True)
+                 for i, (start, n, table) in enumerate(rows))
+    plan = StepPlan(0, seqs, block_size=block_size)
+    return pack(plan).attn.slot_mapping.tolist()
+
+
+def causal_mask(num_queries: int, num_keys: int) -> list[list[bool]]:
+    """Exercise 6, measured on ``ReferenceAttention``: the new tokens' queries
+    are zero (so attention is uniform over what the mask allows) and key j's
+    value is the one-hot vector e_j, so output row i is non-zero exactly at
+    the keys query i may see."""
+    import torch
+
+    from minicb.core.plan import ScheduledSeq, StepPlan
+    from minicb.model.attention import ReferenceAttention
+    from minicb.model.kv_cache import KVCache
+    from minicb.runtime.packer import pack
+
+    bs, start = 4, num_keys - num_queries
+    nb = -(-num_keys // bs)
+    cache = KVCache(1, nb, bs, kv_heads=1, head_dim=num_keys)
+    eye = torch.eye(num_keys).unsqueeze(1)            # [keys, 1 head, dim]
+    if start:                                         # the cached keys
+        cache.write(0, torch.zeros(start, 1, num_keys), eye[:start],
+                    torch.arange(start))
+    seq = ScheduledSeq("r", 0, tuple([5] * num_queries), start,
+                       tuple(range(nb)), True)
+    meta = pack(StepPlan(0, (seq,), block_size=bs)).attn
+    attn = ReferenceAttention(cache)
+    q = torch.zeros(num_queries, 1, num_keys)
+    out = attn.attend(0, q, torch.zeros(num_queries, 1, num_keys),
+                      eye[start:], attn.prepare(meta))
+    return (out[:, 0, :] > 0).tolist()
