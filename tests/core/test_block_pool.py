@@ -1,4 +1,5 @@
-"""The block pool and the block manager's own argument checks, on their own (``core/block_manager.py``).
+"""The block pool and the block manager's own argument checks, on their own (``core/block_pool.py``,
+``core/block_manager.py``).
 
 The scheduler-level tests reach the pool only through ``BlockManager``, whose checks run first;
 these call ``BlockPool`` directly, with sizes worked out by hand.
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-import minicb.core.block_manager as block_manager
-from minicb.core.block_manager import BlockManager, BlockPool
+import minicb.core.block_pool as block_pool
+from minicb.core.block_manager import BlockManager
+from minicb.core.block_pool import BlockPool
 from minicb.core.errors import InvalidArgument
 
 
@@ -25,7 +27,7 @@ def test_an_empty_pool_is_valid():
 
 def test_a_pool_whose_tables_cannot_fit_in_memory_is_refused(monkeypatch):
     """The pool's two Python lists cost about 64 bytes a block: 100 blocks need 6,400 bytes."""
-    monkeypatch.setattr(block_manager, "available_cpu_bytes", lambda: 6400)
+    monkeypatch.setattr(block_pool, "available_cpu_bytes", lambda: 6400)
     assert BlockPool(100).num_free == 100
     with pytest.raises(InvalidArgument, match="num_blocks=101"):
         BlockPool(101)
