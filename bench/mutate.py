@@ -96,35 +96,37 @@ def tests_for(rel: str) -> list[str]:
     return [p for p in paths if (ROOT / p).exists()]
 
 
-# Equivalent mutants: (module, the original line stripped, the mutation, why no test can kill it).
-# Keyed by the line's text rather than its number, so the list survives edits elsewhere in the file.
+# Equivalent mutants: (the function's name, "" at module or class level; the original line stripped;
+# the mutation; why no test can kill it).
+# Keyed by the line's text and its function rather than a line number or a module, so the list
+# survives edits elsewhere and code moving between modules.
 # A listed mutant that is killed after all is reported, so the list cannot go stale silently.
 EQUIVALENT: list[tuple[str, str, str, str]] = [
-    ("core/block_manager.py", "self.num_children.pop(block, None)", "statement dropped",
+    ("evict", "self.num_children.pop(block, None)", "statement dropped",
      "the evicted block has no cached children (asserted just above), and a Counter reads a missing "
      "key as 0: a zero entry left behind changes no lookup"),
-    ("core/block_manager.py", "self._num_hashed[request_id] = len(computed)", "statement dropped",
+    ("allocate", "self._num_hashed[request_id] = len(computed)", "statement dropped",
      "only saves work: the prefix-hit blocks are re-offered to the cache, and insert() refuses a block "
      "that is cached already (they are: lookup found them, and a shared block is never evicted)"),
-    ("core/errors.py", "return math.inf if value > 0 else -math.inf", "`>` -> `>=`",
+    ("as_real", "return math.inf if value > 0 else -math.inf", "`>` -> `>=`",
      "only an integer too large for a float overflows, and that is never 0"),
-    ("core/memory.py", 'raise AssertionError("unreachable")', "statement dropped",
+    ("format_bytes", 'raise AssertionError("unreachable")', "statement dropped",
      "the loop above returns at PiB at the latest: the line is never reached"),
-    ("core/scheduler.py", "seq.status = SequenceStatus.WAITING", "statement dropped",
+    ("add", "seq.status = SequenceStatus.WAITING", "statement dropped",
      "in add(): validate() just refused any sequence that is not WAITING already"),
-    ("core/scheduler.py", "budget.check_integrity()", "statement dropped",
+    ("schedule", "budget.check_integrity()", "statement dropped",
      "a call of the budget's integrity check (the tests' referee, see REFEREE), not behaviour"),
-    ("core/scheduler.py",
+    ("computed",
      "seq.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(seq.request_id):", "`>` -> `>=`",
      "the guard only skips work: with equal counts cache_full_blocks has no new block to offer"),
-    ("core/scheduler.py",
-     "seq.admitted_index, self._next_admission = self._next_admission, self._next_admission + 1",
+    ("start_running",
+     "seq.admitted_index, s._next_admission = s._next_admission, s._next_admission + 1",
      "`1` -> `2`", "admission numbers 0, 2, 4, ... keep their order, and only their order is ever used"),
-    ("core/scheduler.py", "if start + n <= p:", "`<=` -> `<`",
+    ("_token_slice", "if start + n <= p:", "`<=` -> `<`",
      "a fast path: at equality the general branch gives the same slice (the prompt's tail, no outputs)"),
-    ("core/scheduler.py", "if start >= p:", "`>=` -> `>`",
+    ("_token_slice", "if start >= p:", "`>=` -> `>`",
      "a fast path: at equality the general branch gives the same slice (no prompt, the first outputs)"),
-    ("core/sequence.py", "admitted_index: int = -1             # order of the latest admission (the default "
+    ("", "admitted_index: int = -1             # order of the latest admission (the default "
      "preemption victim", "`1` -> `2`", "any negative value means never admitted; only `< 0` is ever asked"),
 ]
 
@@ -241,6 +243,8 @@ class _Finder(ast.NodeVisitor):
             self.visit(stmt)
         self.in_function -= 1
         self.returns.pop()
+        if not self.in_function:
+            self.function = ""
 
     visit_FunctionDef = visit_AsyncFunctionDef = _function
 
@@ -340,9 +344,10 @@ def line_text(m: Mutant) -> str:
 
 def equivalence_reason(m: Mutant) -> str | None:
     text = line_text(m)
-    for rel, line, description, reason in EQUIVALENT:
-        if rel == m.rel and line == text and description == m.description:
-            return reason
+    for function, line, description, reason in EQUIVALENT:   # by function name: code moves between
+        if line == text and description == m.description and m.function.split(".")[-1] == function:
+            return reason                                         # modules and classes
+    return None
     return None
 
 
