@@ -671,7 +671,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     ap.add_argument("--max", type=int, default=None, metavar="N", help="at most N mutants, spread evenly")
     ap.add_argument("--only", metavar="FILE", help="only the mutants listed in FILE, one per line as the "
-                    "survivors are printed (`core/planner.py:61 statement dropped ...`)")
+                    "survivors are printed (`core/planner.py:61 statement dropped ...`), or as "
+                    "`mutation line-text`")
     ap.add_argument("--all", action="store_true",
                     help="every mutant of every line, with the extra operators (about 1.6x the mutants)")
     ap.add_argument("--workers", type=int, default=2)
@@ -689,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [" ".join(line.split()) for line in pathlib.Path(args.only).read_text().splitlines()]
         mutants = [m for m in mutants
                    if " ".join(f"{m.where} {m.description} {line_text(m)}".split()) in wanted
+                   or " ".join(f"{m.description} {line_text(m)}".split()) in wanted
                    or any(w.startswith(" ".join(f"{m.where} {m.description} ".split()) + " ")
                           for w in wanted)]
     if args.max is not None:
