@@ -425,8 +425,13 @@ def _child(workdir: pathlib.Path, tests: list[str], fraction: float, log: pathli
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"    # finding entry points costs ~2 s a run
     sys.dont_write_bytecode = True
-    if mutant is not None and not fresh and not _patch(mutant):
-        os._exit(97)
+    if mutant is not None and not fresh:
+        try:
+            patched = _patch(mutant)
+        except Exception:             # the mutated module cannot even be run (a module-level object
+            os._exit(96)              # it builds now fails): nothing could import it, it is killed
+        if not patched:
+            os._exit(97)
     import json
     import threading
 
@@ -589,10 +594,10 @@ class Worker:
             verdict = "timeout"
         else:
             rc = os.waitstatus_to_exitcode(status)
-            # 97: the mutant could not be patched in; 98: patching it raised (a module-level statement
-            # fails, say): both are tried again by a fresh import of the mutated file
-            verdict = {0: "survived", 1: "killed", 2: "killed", 97: "unpatched", 98: "unpatched",
-                       99: "not-loaded"}.get(rc, f"pytest exit {rc}")
+            # 96: the mutated module raises when run (killed); 97: the mutant could not be patched in,
+            # 98: the child failed otherwise: both are tried again by a fresh import of the mutated file
+            verdict = {0: "survived", 1: "killed", 2: "killed", 96: "killed", 97: "unpatched",
+                       98: "unpatched", 99: "not-loaded"}.get(rc, f"pytest exit {rc}")
         job, self.pid, self.job = self.job, None, None
         return job, verdict, time.monotonic() - self.started
 
