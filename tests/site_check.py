@@ -344,6 +344,7 @@ SCREENSHOTS = {   # file: (page, element to scroll to, or None for the top)
     "screenshot-replay.png": ("replay/#step=4", "[data-minicb-replay]"),  # r4 waits (no slot); 2, 3 shared
     "screenshot-annotated.png": ("annotated/continuous_schedule/", "h2:nth-of-type(2)"),
     "screenshot-roofline.png": ("tutorials/00_why_batch/", "img[src$='roofline.svg']"),
+    "screenshot-exercise.png": ("exercises/", "h2#what-a-checker-says"),    # a checker's verdict
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -104,13 +105,12 @@ BINARY = {".png", ".jpg", ".gif", ".ico", ".woff", ".woff2", ".so", ".pyc"}
 
 
 def _text_files() -> list[pathlib.Path]:
-    files = []
-    for name in WORDS_ROOTS:
-        root = ROOT / name
-        paths = [root] if root.is_file() else sorted(root.rglob("*"))
-        files += [p for p in paths if p.is_file() and p.suffix not in BINARY
-                  and "__pycache__" not in p.parts and p.resolve() != pathlib.Path(__file__).resolve()]
-    return files
+    """The repository's own files (what git tracks, or would: build output such as the egg-info that an
+    editable install writes from an older README is not the repository's text)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *WORDS_ROOTS],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\n")
+    return [ROOT / f for f in listed if f and (ROOT / f).is_file() and pathlib.Path(f).suffix not in BINARY
+            and (ROOT / f).resolve() != pathlib.Path(__file__).resolve()]
 
 
 def unresolvable_citations(text: str) -> list[str]:
