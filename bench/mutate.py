@@ -327,7 +327,7 @@ class _Finder(ast.NodeVisitor):
 
 
 def find_mutants(path: pathlib.Path) -> list[Mutant]:
-    source = path.read_bytes()
+    source = source_of(path.relative_to(PACKAGE).as_posix())
     finder = _Finder(path.relative_to(PACKAGE).as_posix(), source)
     tree = ast.parse(source)
     body = tree.body
@@ -338,8 +338,18 @@ def find_mutants(path: pathlib.Path) -> list[Mutant]:
     return sorted(finder.mutants, key=lambda m: (m.start, m.description))
 
 
+_SOURCES: dict[str, bytes] = {}          # every module as it was when its mutants were made
+
+
+def source_of(rel: str) -> bytes:
+    """The module's text as the run found it (the tree may change while a run goes on)."""
+    if rel not in _SOURCES:
+        _SOURCES[rel] = (PACKAGE / rel).read_bytes()
+    return _SOURCES[rel]
+
+
 def line_text(m: Mutant) -> str:
-    return (PACKAGE / m.rel).read_bytes().splitlines()[m.line - 1].decode().strip()
+    return source_of(m.rel).splitlines()[m.line - 1].decode().strip()
 
 
 def equivalence_reason(m: Mutant) -> str | None:
@@ -564,11 +574,11 @@ class Worker:
 
     def start(self, job: Job, fraction: float, shared: pathlib.Path) -> None:
         if self.mutated is not None:                  # undo the previous mutant first
-            (self.dir / "src" / "minicb" / self.mutated).write_bytes((PACKAGE / self.mutated).read_bytes())
+            (self.dir / "src" / "minicb" / self.mutated).write_bytes(source_of(self.mutated))
             self.mutated = None
         m = job.mutant
         if m is not None and job.fresh:
-            (self.dir / "src" / "minicb" / m.rel).write_bytes(m.apply((PACKAGE / m.rel).read_bytes()))
+            (self.dir / "src" / "minicb" / m.rel).write_bytes(m.apply(source_of(m.rel)))
             self.mutated = m.rel
         sys.stdout.flush()
         sys.stderr.flush()
