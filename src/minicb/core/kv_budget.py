@@ -64,6 +64,6 @@ def gib_flag(value: float | None) -> int | None:
 
     if value is None:
         return None
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise InvalidArgument(f"--kv-cache-memory must be a positive number of GiB, got {value}")
     return int(value * GIB)

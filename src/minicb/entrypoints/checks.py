@@ -32,7 +32,9 @@ def check_engine_flags(args) -> None:
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-blocks", "--tp"):
         at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
     if args.kv_cache_memory is not None:
-        number("--kv-cache-memory", args.kv_cache_memory, 0.0, lo_open=True)
+        from minicb.core.kv_budget import gib_flag  # torch-free: "a positive number of GiB"
+
+        gib_flag(args.kv_cache_memory)
     check_model_flag(args.model)
 
 
