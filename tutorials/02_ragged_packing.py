@@ -44,6 +44,7 @@ eng = engine_for(model, cfg)
 plans = []
 eng.listen(on_plan=lambda event: plans.append(event.plan))
 params = SamplingParams(max_tokens=4, ignore_eos=True)
+prompt_len = {"B": B_PROMPT, "A": 1, "C": 3}
 eng.add_request("B", prompt_ids(B_PROMPT, 1), params)
 eng.step()          # B's prefill; it samples the token at position B_PROMPT
 eng.add_request("A", prompt_ids(1, 0), params)
@@ -59,7 +60,7 @@ plan = plans[-1]
 
 # %%
 for s in plan.seqs:
-    n_prompt = eng.scheduler.get(s.request_id).num_prompt_tokens
+    n_prompt = prompt_len[s.request_id]
     # a row is a decode when it starts past the prompt (core.plan.row_kind)
     kind = row_kind(s.start_pos, s.num_tokens, n_prompt)
     kind = "decode" if kind == DECODE else "prompt"

@@ -52,15 +52,12 @@ from minicb.core.errors import (
     EngineDeadError,
     InvalidArgument,
     MinicbError,
-    as_int,
-    check_float,
-    check_int,
-    describe,
 )
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler, SchedulerStats
 from minicb.core.sequence import FinishReason, Sequence
+from minicb.engine import inputs
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
 from minicb.engine.interface import Runner
 from minicb.engine.interrupts import DeferredInterrupts
@@ -128,34 +125,17 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
-        """Validate a prompt (text or token ids) and return its token ids."""
-        vocab = self.runner.vocab_size
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgument("prompt is text but the engine has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt, max_tokens=self.config.max_model_len)   # bounded first
-            if ids and max(ids) >= vocab:
-                raise InvalidArgument(f"prompt text encodes to token id {max(ids)}, outside the model's "
-                                      f"vocabulary [0, {vocab - 1}]: the tokenizer does not match the model")
-        elif isinstance(prompt, (list, tuple)):
-            ids = [_token_id(t, i, vocab) for i, t in enumerate(prompt)]
-        else:
-            raise InvalidArgument(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidArgument("prompt must not be empty: it needs at least 1 token (it has 0)")
-        return ids
+        """Validate a prompt (text or token ids) and return its token ids (``engine.inputs``)."""
+        return inputs.prompt_token_ids(prompt, self.tokenizer, self.runner.vocab_size,
+                                       self.config.max_model_len)
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       arrival_time: float | None = None, priority: int = 0) -> Sequence:
         """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        rid = self.new_request_id() if request_id is None else request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")
-        priority = check_int("priority", priority)          # a plain int (numpy / torch ints too)
-        now = self.clock() if arrival_time is None else check_float("arrival_time", arrival_time, finite=True)
+        params = inputs.checked_params(params)
+        rid = inputs.checked_request_id(self.new_request_id() if request_id is None else request_id)
+        priority = inputs.checked_priority(priority)
+        now = self.clock() if arrival_time is None else inputs.checked_arrival_time(arrival_time)
         seq = Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
                        eos_token_id=self.eos_token_id)
         self.scheduler.validate(seq)
@@ -454,11 +434,3 @@ class _Passthrough(Exception):
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
-
-def _token_id(t, i: int, vocab: int) -> int:
-    """A prompt token id as a plain int (numpy / torch integers welcome), checked against the vocabulary."""
-    v = as_int(t)                 # bools and boolean tensors are not token ids
-    if v is None or not 0 <= v < vocab:
-        raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab - 1}] (the vocabulary), "
-                              f"got {describe(t)} at index {i}")
-    return v

@@ -204,9 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of each request's sampler (with --temperature)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(g)
-    from minicb.measure import trace  # torch-free import; the engine is imported when the command runs
+    from minicb.measure import trace_cli  # torch-free import; the engine is imported when the command runs
 
-    trace.add_parser(sub)
+    trace_cli.add_parser(sub)
     from minicb.measure import bench_cli
     from minicb.simulate import cli as simulate_cli  # torch-free imports, like trace
 
@@ -369,7 +369,7 @@ def _run(argv: list[str] | None) -> int:
         print(parser.format_help(), end="")
         return 0
     if args.command == "trace":
-        from minicb.measure.trace import cmd_trace
+        from minicb.measure.trace_cli import cmd_trace
 
         return cmd_trace(args)
     if args.command in ("bench", "simulate", "serve", "demo"):

@@ -33,6 +33,7 @@ import time
 
 from minicb.core.errors import InvalidArgument
 from minicb.measure.metrics import RequestRecord, StepRecorder, format_table, records_to_json, summarize
+from minicb.measure.models import build_model
 from minicb.measure.workloads import TRACES, Request, make_requests, random_prompt
 
 POLICY_ORDER = ("static", "dynamic", "continuous")
@@ -134,23 +135,6 @@ class CpuClock:
 
     def sleep(self, seconds: float) -> None:
         self.skipped += max(seconds, 0.0)
-
-
-def build_model(name: str, dtype: str, seed: int = 0):
-    """(model, tokenizer) for ``name``: 'tiny' is a random 2-layer model (vocab 256), 'default' SmolLM2."""
-    import torch
-
-    from minicb.core.config import TINY_MODEL
-    from minicb.model.llama import LlamaForCausalLM, as_dtype
-
-    if name == "tiny":
-        return LlamaForCausalLM.random(TINY_MODEL, seed=seed, dtype=as_dtype(dtype), std=0.3), None
-    from minicb.model.weights.loader import load_model
-
-    loaded = load_model(None if name == "default" else name, dtype=as_dtype(dtype))
-    model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, as_dtype(dtype),
-                                             torch.device("cpu"))
-    return model, loaded.tokenizer
 
 
 def make_prompts(requests: list[Request], vocab: int, seed: int) -> dict[str, list[int]]:

@@ -644,7 +644,7 @@ def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **c
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
     (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
     from minicb.core.config import SchedulerConfig
-    from minicb.measure.bench_cli import build_model
+    from minicb.measure.models import build_model
     from minicb.runtime.runner import engine_for
 
     m, _ = build_model(model, dtype, seed)
@@ -665,92 +665,3 @@ def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> Sl
                            SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
                    for i in range(len(workload.prompts))], on_step=on_step)
     return rec.trace
-
-
-# --- the command line ------------------------------------------------------------------------------
-def add_parser(sub) -> None:
-    """Register ``minicb trace`` on the CLI's subparsers."""
-    p = sub.add_parser("trace", help="draw which request held which slot at every step (space-time diagram)",
-                       description="Run a random workload and draw the slot timeline: ASCII in the "
-                                   "terminal, or PNG/SVG with --out (needs matplotlib).")
-    p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"],
-                   help="continuous (default), dynamic or static batching")
-    p.add_argument("--num-requests", type=int, default=8, help="requests in the random workload (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
-    p.add_argument("--out", default=None, help="write a .png or .svg (matplotlib) besides the ASCII")
-    p.add_argument("--replay", default=None, metavar="OUT.html",
-                   help="also record the run step by step into one self-contained HTML page (the docs' "
-                        "replay player, offline: no network)")
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
-    p.add_argument("--max-num-batched-tokens", type=int, default=64,
-                   help="token budget of a step (default 64)")
-    p.add_argument("--long-prefill-chunk", type=int, default=None,
-                   help="prompt tokens one request may prefill in a step (default: no limit)")
-    p.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default 4)")
-    p.add_argument("--num-blocks", type=int, default=256,
-                   help="KV blocks (default 256; fewer forces preemptions)")
-    p.add_argument("--num-host-blocks", type=int, default=0,
-                   help="host-memory blocks for --preemption-mode swap (default 0)")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="a preempted request recomputes its KV (default) or swaps it to host blocks")
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 24), metavar=("MIN", "MAX"),
-                   help="prompt lengths, uniform in [MIN, MAX] tokens (default 4 24)")
-    p.add_argument("--output-len", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
-                   help="output lengths, uniform in [MIN, MAX] tokens (default 2 24)")
-    p.add_argument("--arrival-gap", type=int, default=0, help="steps between arrivals (0: all at once)")
-    p.add_argument("--width", type=int, default=None, help="characters per line (default: terminal)")
-    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                   help="colour the diagram (auto: on a terminal, unless NO_COLOR is set)")
-
-
-def cmd_trace(args) -> int:
-    """``minicb trace``: run, print the ASCII diagram, optionally write the image."""
-    from minicb.measure.flags import MAX_SEED, check_out_file
-
-    if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
-        raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
-    check_out_file("--out", args.out)                    # before the run, not after it
-    if args.replay is not None and os.path.splitext(args.replay)[1].lower() not in (".html", ".htm"):
-        raise InvalidArgument(f"--replay must end in .html, got {args.replay!r}")
-    check_out_file("--replay", args.replay)
-    check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
-    if args.width is not None:
-        check_int("--width", args.width, lo=20, hi=100_000)
-    if args.model not in ("tiny", "default"):
-        from minicb.model.weights.paths import check_model_path
-
-        check_model_path(args.model, "--model")           # before torch; "never downloads" for hub ids
-    if args.model == "tiny":
-        import torch
-
-        torch.set_num_threads(1)   # tiny matmuls: a second thread costs more in sync than it computes
-    wl_kwargs = dict(prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
-                     arrival_gap=args.arrival_gap)
-    engine = build_engine(args.model, seed=0, policy=args.policy, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
-                          num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
-                          preemption_mode=args.preemption_mode)
-    workload = make_workload(args.num_requests, args.seed, engine.runner.vocab_size, **wl_kwargs)
-    recorder = None
-    if args.replay is not None:
-        from minicb.measure.replay import ReplayRecorder
-
-        recorder = ReplayRecorder().attach(engine)
-    trace = run_trace(engine, workload)
-    colour = {"auto": None, "always": True, "never": False}[args.color]
-    print(render_ascii(trace, width=args.width, colour=colour))
-    if args.out is not None:
-        render_image(trace, args.out)
-        print(f"wrote {args.out}")
-    if recorder is not None:
-        from minicb.measure.replay import write_html
-
-        data = recorder.to_json()
-        data["arrivals"] = {f"r{i}": t for i, t in enumerate(workload.arrivals)}
-        write_html(data, args.replay, title=f"minicb trace --policy {args.policy}: {args.num_requests} "
-                                            f"requests, {args.max_num_seqs} slots, {args.num_blocks} blocks")
-        print(f"wrote {args.replay} ({len(data['frames'])} steps; open it in a browser)")
-    return 0
