@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import pathlib
 import statistics
 import sys
@@ -39,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import cpu_header, load_smollm2  # noqa: E402
+from step_parts import SECONDS, timed  # noqa: E402  (the same timers)
 
 import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
 import minicb.model.cpu_linear as cl  # noqa: E402
@@ -47,8 +47,6 @@ from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.runtime.sampling import Sampler  # noqa: E402
-
-SECONDS: collections.Counter = collections.Counter()
 
 
 def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -70,17 +68,6 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size      # the LM head too
     native = model.dtype == torch.bfloat16 and cl.linear_path(model) in ("torch", "onednn-bf16")
     return params * (2 if native else 4)        # the other paths multiply float32 copies
-
-
-def timed(name: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            SECONDS[name] += time.perf_counter() - t
-    return wrapper
 
 
 def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:

@@ -32,6 +32,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import cpu_model as cpu_name  # noqa: E402
+
 from minicb.core.config import SchedulerConfig  # noqa: E402
 from minicb.core.plan import ScheduledSeq, StepPlan  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
@@ -42,17 +45,6 @@ from minicb.runtime.runner import engine_for  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## Tensor parallelism"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def prompts_for(tokenizer, n: int, length: int) -> list[list[int]]:
