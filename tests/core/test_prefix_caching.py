@@ -295,15 +295,40 @@ def test_a_later_request_starts_at_its_cached_length():
     assert sched.stats.num_batched_tokens == 10 + 2 + 1 + 1   # b's 8 cached tokens were never computed
 
 
-def test_requests_admitted_in_the_same_step_do_not_share():
-    # The step that computes a block never lets another request read it as cached.
+def test_requests_admitted_in_the_same_step_share_their_prefix():
+    # b is admitted in the step that computes a's prompt: it shares the 2 full blocks a fills in this
+    # very step (their K/V is written by the forward before b's rows read it) and computes only the rest.
     sched = Scheduler(ccfg())
     sched.add(seq("a", 10, 2))
     sched.add(seq("b", 10, 2))
     plan, _ = step(sched)
-    assert rows(plan) == [("a", 0, 0, 10, (0, 1, 2), True), ("b", 1, 0, 10, (3, 4, 5), True)]
-    assert sorted(sched.block_manager.cache.blocks) == [0, 1]   # b's copies stay private
-    assert sched.stats.num_cached_prompt_tokens == 0
+    assert rows(plan) == [("a", 0, 0, 10, (0, 1, 2), True), ("b", 1, 8, 2, (0, 1, 3), True)]
+    assert sched.block_manager.device.ref_counts[:4] == [2, 2, 1, 1]     # held once, by both
+    assert sorted(sched.block_manager.cache.blocks) == [0, 1]             # a cached them after the step
+    assert sched.stats.num_cached_prompt_tokens == 8
+    assert sched.get("b").num_cached_tokens == 8
+
+
+def test_same_step_sharing_only_takes_blocks_the_step_completes():
+    # a's first chunk is 6 tokens (long_prefill_chunk): only its block 0 is full after the step, so b
+    # shares block 0 only, although a's block 1 will hold b's tokens 4..7 too once a's next chunk runs.
+    sched = Scheduler(ccfg(long_prefill_chunk=6))
+    sched.add(seq("a", 10, 2))
+    sched.add(seq("b", 10, 2))
+    plan, _ = step(sched)
+    assert rows(plan) == [("a", 0, 0, 6, (0, 1), False), ("b", 1, 4, 6, (0, 2, 3), True)]
+    assert sched.block_manager.device.ref_counts[:4] == [2, 1, 1, 1]
+
+
+def test_same_step_sharing_is_token_exact_against_the_fake_model():
+    # block size 4: b and d share a's blocks 0 and 1 ([5 5 5 5][5 5 5 5]), c shares block 0 only
+    reqs = [Req("a", [5] * 9 + [1, 2], 6, ignore_eos=True), Req("b", [5] * 9 + [3], 6, ignore_eos=True),
+            Req("c", [5] * 4 + [7] * 8, 5, ignore_eos=True), Req("d", [5] * 9 + [1, 2], 4, ignore_eos=True)]
+    run = drive(ccfg(max_num_seqs=4, max_num_batched_tokens=64), reqs)
+    assert_token_exact(run, reqs)
+    first = run.plans[0]
+    assert [s.start_pos for s in first.seqs] == [0, 8, 4, 8]     # every later row starts after a's blocks
+    assert run.scheduler.stats.num_batched_tokens == sum(len(r.prompt) + r.max_tokens - 1 for r in reqs) - 20
 
 
 def test_a_prompt_fully_covered_by_cached_blocks_computes_its_last_block():

@@ -28,9 +28,34 @@ recomputes it instead. Its shared prefix stays resident because the others hold 
 re-admitted the lookup finds that prefix again and only its private tail is recomputed. Blocks
 swapped out with ref count 1 stay cached on the device (they are merely free) until evicted.
 
+**Forks and copy-on-write** (parallel sampling, ``SamplingParams.n > 1``; vLLM V0's ``fork`` and
+``blocks_to_copy``). When the prompt of a request with ``n`` children is computed, ``fork(parent,
+child)`` gives each child a table naming the *same* blocks (ref count + 1 each): the prompt's K/V is
+held once, however many children read it. Full blocks are never written again, so sharing them is
+free. The last block is only partly filled when the prompt is not a multiple of ``block_size``, and
+every child writes its own next token into it: before a sequence writes into a block that another
+table also names, ``copy_on_write`` gives it a private copy (a fresh block; the (src, dst) pair goes
+into the plan's ``copy_blocks``, which the runner copies before the forward) and drops its reference
+to the shared one. The last holder left writes in place: no copy when nobody else names it::
+
+    block_size 4, prompt of 6 tokens, n = 3      ref counts after the fork: block 0: 3, block 1: 3
+    child 0  [0, 1]  ->  writes position 6 into block 1: shared, so copy 1 -> 2:  [0, 2]
+    child 1  [0, 1]  ->  block 1 still shared (ref 2): copy 1 -> 3:               [0, 3]
+    child 2  [0, 1]  ->  block 1 now has ref 1: child 2 writes into it in place   [0, 1]
+
+``can_allocate(..., start=pos)`` counts that copy as one more block, so a sequence that cannot get it
+preempts like any sequence that cannot grow.
+
+**Shared within a step.** A new table may also start with full blocks that another request's row
+fills in the *same* step (``ContinuousPolicy`` finds them): they are held (ref count > 0), not yet
+cached, and the K/V the newcomer reads from them is written by the same forward before it is read
+(see ``continuous``).
+
 Invariants (``check_integrity``): no request has both a device and a host table; each pool's own (free
 + held == total, ref counts == tables naming a block, see ``block_pool``) against the tables in it;
-the prefix cache's (``prefix_cache``) against the device tables. This module imports no torch.
+the prefix cache's (``prefix_cache``) against the device tables; a host block is never shared. The
+scheduler adds the ones that need token counts: a shared block is never written (it is either full
+for every holder, or copied before the write). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -118,6 +143,13 @@ class BlockManager:
         held = len(self.block_tables.get(request_id, ())) + len(computed)
         return max(0, self.blocks_needed(num_tokens) - held)
 
+    def needs_copy(self, request_id: str, start: int) -> bool:
+        """Would a write at position ``start`` land in a block that another table names too (a fork's
+        partly filled last block)? Then ``copy_on_write`` must give the request its own copy first."""
+        table = self.block_tables.get(request_id, ())
+        i = start // self.block_size
+        return i < len(table) and self.device.ref_counts[table[i]] > 1
+
     # --- prefix caching ----------------------------------------------------------------------------
     def computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
         """The longest chain of cached blocks holding a prefix of ``token_ids``, leaving at least the
@@ -151,14 +183,17 @@ class BlockManager:
         return True
 
     # --- device allocation -----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, computed: Sequence[int] = (),
+                     start: int | None = None) -> bool:
         """Can the request's device table grow to cover ``num_tokens`` positions right now? A new
-        table may start with ``computed`` cached blocks (``computed_blocks``); those on the free list
-        are taken from it too."""
+        table may start with ``computed`` blocks (cached ones from ``computed_blocks``, or full ones
+        another row of this step fills); cached ones on the free list are taken from it too. With
+        ``start`` (where this step's writes begin) a shared block there costs one copy-on-write block."""
         self._check_not_swapped(request_id)
         self._check_computed(request_id, computed)
         reused = sum(1 for b in computed if self.device.ref_counts[b] == 0)
-        return self.num_new_blocks(request_id, num_tokens, computed) + reused <= self.device.num_free
+        copy = start is not None and self.needs_copy(request_id, start)
+        return self.num_new_blocks(request_id, num_tokens, computed) + reused + copy <= self.device.num_free
 
     def allocate(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> list[int]:
         """Grow the request's table to cover ``num_tokens`` positions; return the new blocks added.
@@ -175,8 +210,8 @@ class BlockManager:
         for block in computed:                     # shared first, so that no new block evicts them
             self.device.share(block)
             table.append(block)
-        if computed:
-            self._num_hashed[request_id] = len(computed)
+        if computed:         # the cached head; blocks another row fills this step are offered again later
+            self._num_hashed[request_id] = sum(1 for b in computed if self.is_cached(b))
         new = [self.device.take() for _ in range(self.num_new_blocks(request_id, num_tokens))]
         table.extend(new)
         return new
@@ -191,6 +226,38 @@ class BlockManager:
         if request_id in self.host_tables:
             return self.host.drop_table(self.host_tables.pop(request_id))
         return self.device.drop_table(self.block_tables.pop(request_id, []))
+
+    # --- forks and copy-on-write -------------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` (a new table) names every block of ``parent_id``'s device table: ref count + 1
+        each, nothing copied. The child has offered as many blocks to the prefix cache as the parent."""
+        if child_id in self.block_tables or child_id in self.host_tables:
+            raise InvalidArgument(f"cannot fork into request {child_id!r}: it already holds blocks")
+        table = self.block_tables.get(parent_id)
+        if table is None:
+            raise InvalidArgument(f"cannot fork from request {parent_id!r}: it holds no device blocks")
+        for block in table:
+            self.device.share(block)
+        self.block_tables[child_id] = list(table)
+        if parent_id in self._num_hashed:
+            self._num_hashed[child_id] = self._num_hashed[parent_id]
+
+    def copy_on_write(self, request_id: str, start: int) -> tuple[int, int] | None:
+        """Before the request writes at position ``start``: if that block is shared (``needs_copy``),
+        replace it in the request's table by a fresh block and return the (src, dst) copy the runner
+        must make before the forward; else None (the block is the request's own, written in place)."""
+        if not self.needs_copy(request_id, start):
+            return None
+        table, i = self.block_tables[request_id], start // self.block_size
+        src = table[i]
+        assert not self.is_cached(src), f"block {src} is cached, so full: nobody writes into it"
+        if not self.device.num_free:
+            raise InvalidArgument(f"cannot copy block {src} on write for request {request_id!r}: no free "
+                                  "device block (check can_allocate(..., start=...) first)")
+        dst = self.device.take()
+        self.device.drop(src)                     # still held by the others: stays allocated
+        table[i] = dst
+        return src, dst
 
     # --- swapping ----------------------------------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
@@ -240,8 +307,9 @@ class BlockManager:
         if self.block_tables.get(request_id):
             raise InvalidArgument(f"computed blocks can only start a new table; request {request_id!r} "
                                   "already holds blocks")
-        if not all(isinstance(b, int) and self.is_cached(b) for b in computed):
-            raise InvalidArgument(f"computed blocks must be cached device blocks, got {list(computed)}")
+        if not all(isinstance(b, int) and 0 <= b < self.num_blocks
+                   and (self.is_cached(b) or self.device.ref_counts[b] > 0) for b in computed):
+            raise InvalidArgument(f"computed blocks must be cached or held device blocks, got {list(computed)}")
 
     @staticmethod
     def _move(request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
@@ -259,6 +327,7 @@ class BlockManager:
         assert not both, f"requests with both a device and a host table: {sorted(both)}"
         self.device.check_integrity(self.block_tables, "device pool")
         self.host.check_integrity(self.host_tables, "host pool")
+        assert all(c <= 1 for c in self.host.ref_counts), "a host block is shared (only private tables swap)"
         assert set(self._num_hashed) <= set(self.block_tables), "hashing progress without a table"
         for rid, n in self._num_hashed.items():
             assert 0 <= n <= len(self.block_tables[rid]), f"{rid}: {n} blocks hashed of a shorter table"

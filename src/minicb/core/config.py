@@ -11,6 +11,8 @@
 * ``policy``: ``continuous`` (iteration-level), ``dynamic`` (naive dynamic batching: batch whatever
   waits, run it to completion) or ``static`` (wait for ``max_num_seqs`` requests, run to completion);
 * ``preemption_mode``: ``recompute`` or ``swap`` (which falls back to recompute when the host pool is full).
+* ``max_n``: the most children one request may fork into (``SamplingParams.n``, parallel sampling):
+  each child is a sequence with its own slot and blocks, so ``n`` is bounded like the other limits.
 * ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests (on by
   default; ``continuous`` only, see ``block_manager``).
 * ``scheduling_policy``: ``fcfs`` (arrival order; ``priority`` is ignored) or ``priority``: as in
@@ -97,7 +99,7 @@ TINY_MODEL = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, n
 
 
 _INT_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk", "block_size", "num_blocks",
-               "num_host_blocks", "max_model_len", "priority_aging")
+               "num_host_blocks", "max_model_len", "priority_aging", "max_n")
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,6 +118,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"            # "fcfs", or "priority" (lower Sequence.priority first)
     priority_aging: int = 32                   # priority: +1 level per this many later arrivals (0: strict)
     enable_prefix_caching: bool = True         # reuse cached prefix blocks (continuous only, as vLLM)
+    max_n: int = 16                            # the most children of one request (SamplingParams.n)
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:       # numpy / torch integers are stored as plain ints (frozen: set once)
@@ -129,6 +132,7 @@ class SchedulerConfig:
         check_int("num_host_blocks", self.num_host_blocks, lo=0)
         check_int("max_model_len", self.max_model_len, lo=1)
         check_int("priority_aging", self.priority_aging, lo=0)
+        check_int("max_n", self.max_n, lo=1)
         if self.long_prefill_chunk is not None:
             check_int("long_prefill_chunk", self.long_prefill_chunk, lo=1, hi=self.max_num_batched_tokens)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:

@@ -30,6 +30,31 @@ a shared prefix, are often still there); a request holding shared blocks is neve
     step 0: A = [s s s s|s s a a|a]    computes 9 tokens; update caches A's 2 full blocks
     step 1: B = [s s s s|s s b b|b]    hit: block 0 (shared, ref 2); start_pos 4, computes 5
 
+**Sharing within one step.** Blocks enter the cache only after the step that computed them, so two
+requests admitted in the *same* step would each compute a common prefix. Admission therefore also
+looks at the rows granted earlier in this step: the full blocks a row will have computed by the end
+of this step (its start plus its grant), holding the same tokens as the newcomer's, are shared too
+(``_same_step_hits``); the newcomer starts after them::
+
+    step 0: A = [s s s s|s s a a|a]    admitted first: computes 9 tokens into blocks 0, 1, 2
+            B = [s s s s|s s b b|b]    admitted next: shares block 0 (ref 2), computes 5 from position 4
+
+This is sound because a row's K/V is written before anybody reads it, layer by layer, within the
+forward: every attention backend first writes the step's new K/V of layer ``l`` for *all* rows
+through ``slot_mapping``, and only then attends, for all rows, over the cache through the block
+tables. B's queries at layer ``l`` read keys 0..3 of block 0, which A's tokens wrote at the start of
+layer ``l`` of this very forward, from A's hidden states of layer ``l - 1`` (which never depend on
+B). So B reads exactly the K/V it would have read had A computed the block a step earlier; the
+blocks shared are full and A never writes them again, and B writes only its own blocks. (The fake
+model of the tests writes every row before any row reads, which is the same order at whole-forward
+granularity.) If the step fails, both rows fail and nothing was cached; a source row aborted after
+planning is still computed by the forward, so what B shares is written either way.
+
+**Forks** (``SamplingParams.n > 1``, see ``scheduler``): a child writes its next token into the
+prompt's last block, which it may share with its siblings; ``_make_room`` counts and makes the
+copy-on-write (``BlockManager.copy_on_write``) with the row's other blocks, and a preempted victim's
+copy is taken back with its grant.
+
 This module imports no torch.
 """
 
@@ -74,13 +99,16 @@ class ContinuousPolicy(Policy):
 
     def _make_room(self, seq: Sequence, n: int, work: StepWork, budget: TokenBudget) -> bool:
         """Allocate blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""
-        target = seq.num_computed_tokens + n
-        while not self.blocks.can_allocate(seq.request_id, target):
+        start = seq.num_computed_tokens
+        while not self.blocks.can_allocate(seq.request_id, start + n, start=start):
             victim = choose_victim(self.running.values(), *self._ranking)
             self._preempt(victim, work, budget)
             if victim is seq:
                 return False
-        self.blocks.allocate(seq.request_id, target)
+        copy = self.blocks.copy_on_write(seq.request_id, start)   # a fork's shared last block
+        if copy is not None:
+            work.copy_blocks[seq.request_id] = copy
+        self.blocks.allocate(seq.request_id, start + n)
         return True
 
     def _preempt(self, victim: Sequence, work: StepWork, budget: TokenBudget) -> None:
@@ -91,6 +119,7 @@ class ContinuousPolicy(Policy):
         granted = work.scheduled.pop(victim.request_id, 0)
         if granted:
             budget.give_back(granted)
+        work.copy_blocks.pop(victim.request_id, None)   # its copy's destination is freed with it
         del self.running[victim.request_id]
         p = preempt(victim, self.config.preemption_mode, self.blocks, self.slots)
         queue = self.swapped if p.mode == "swap" else self.waiting
@@ -133,7 +162,11 @@ class ContinuousPolicy(Policy):
         bm = self.blocks
         while self.waiting and self.slots.num_free:
             seq = self._next_waiting()
-            hits = bm.computed_blocks(seq.all_token_ids) if self.config.prefix_caching else []
+            hits = []
+            if self.config.prefix_caching:
+                tokens = seq.all_token_ids
+                hits = bm.computed_blocks(tokens)
+                hits += self._same_step_hits(tokens, hits, work)
             cached = len(hits) * bm.block_size
             n = budget.chunk(seq.num_tokens - cached)
             if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
@@ -144,6 +177,25 @@ class ContinuousPolicy(Policy):
             seq.num_computed_tokens = seq.num_cached_tokens = cached
             self.start_running(seq)
             _grant(seq, n, work, budget)
+
+    def _same_step_hits(self, tokens: list[int], hits: list[int], work: StepWork) -> list[int]:
+        """The blocks that continue ``hits`` (the cached head of ``tokens``) with the same tokens, filled
+        by a row granted earlier in this step: the longest such run of one row's full blocks, at most
+        up to ``tokens``' last full block before its last token (see the module docstring)."""
+        bm, bs = self.blocks, self.blocks.block_size
+        limit, k0, best = (len(tokens) - 1) // bs, len(hits), []
+        for rid, n in work.scheduled.items():
+            other = self.running[rid]
+            table = bm.block_tables[rid]
+            full = min((other.num_computed_tokens + n) // bs, limit, len(table))
+            if full <= k0 + len(best) or table[:k0] != hits:
+                continue
+            theirs, k = other.all_token_ids, k0
+            while k < full and tokens[k * bs:(k + 1) * bs] == theirs[k * bs:(k + 1) * bs]:
+                k += 1
+            if k - k0 > len(best):
+                best = table[k0:k]
+        return best
 
     def _next_waiting(self) -> Sequence:
         """The request admission looks at: the front of the queue (fcfs), or the most important

@@ -8,7 +8,13 @@ keep computing throw-away tokens for rows that are shorter than the batch's long
 finished; they run through the model like any row but write no K/V and are never sampled.
 
 Order of effects inside one step (the engine keeps it): swap-out copies, then swap-in copies, then the
-forward pass (which writes the new K/V through ``slot_mapping``), then sampling.
+copy-on-write block copies (``copy_blocks``), then the forward pass (which writes the new K/V through
+``slot_mapping``), then sampling. A copy's source is held by a sequence that keeps it through the step
+and its destination is a block taken fresh for this step, so no swap of the same step touches either.
+
+Parallel sampling: the row that finishes the prompt of a request with ``n > 1`` children names the
+other children in ``forks``; its logits are sampled once per child, each with the child's own
+generator, and the children fork from it (``Scheduler.update``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class ScheduledSeq:
     start_pos: int                  # num_computed_tokens before this step = position of token_ids[0]
     block_table: tuple[int, ...]    # device blocks covering positions [0, start_pos + len(token_ids))
     sample: bool                    # True when this step reaches the sequence's last token
+    forks: tuple[str, ...] = ()     # children (n > 1) that also sample from this row, then fork from it
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +76,7 @@ class StepPlan:
     swap_out: tuple[tuple[int, int], ...] = ()       # (device block, host block) copies
     swap_in: tuple[tuple[int, int], ...] = ()        # (host block, device block) copies
     preempted: tuple[str, ...] = ()                  # request ids preempted while planning this step
+    copy_blocks: tuple[tuple[int, int], ...] = ()    # (src, dst) device copies: copy-on-write of forks
     block_size: int = 16
 
     @property
@@ -82,13 +90,13 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.padding and not self.swap_in and not self.swap_out
+        return not (self.seqs or self.padding or self.swap_in or self.swap_out or self.copy_blocks)
 
     def fingerprint(self) -> tuple:
         """A cheap, order-sensitive summary that every tensor-parallel rank must agree on."""
         return (
             self.step,
-            tuple((s.request_id, s.slot_id, s.start_pos, s.num_tokens, s.block_table, s.sample)
+            tuple((s.request_id, s.slot_id, s.start_pos, s.num_tokens, s.block_table, s.sample, s.forks)
                   for s in self.seqs),
-            self.padding, self.swap_out, self.swap_in,
+            self.padding, self.swap_out, self.swap_in, self.copy_blocks,
         )

@@ -38,6 +38,7 @@ class StepWork:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    copy_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)   # request_id -> (src, dst)
 
 
 class Policy:

@@ -7,6 +7,11 @@ a bad value is reported before any work starts.
 * ``temperature == 0`` means greedy (argmax); ``top_k == 0`` means no top-k; ``top_p == 1`` no top-p.
 * ``seed`` gives the request its own random generator, so its tokens do not depend on which other
   requests share its batch (the per-request generator is the whole trick).
+* ``n`` (parallel sampling): the request forks into ``n`` children after its prompt, which share the
+  prompt's KV blocks (``minicb.core.block_manager``) and sample on their own. Child ``i`` of a request
+  with ``seed=s`` samples with seed ``s + i`` (vLLM V1's rule, ``child_params``), so it draws exactly
+  the tokens of the same request run alone with ``n=1, seed=s + i``. The scheduler bounds ``n``
+  (``SchedulerConfig.max_n``), so one request cannot cost unboundedly many sequences.
 
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
@@ -17,7 +22,7 @@ equal parameters compare and hash equal whatever types they were built from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 
@@ -36,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -55,10 +61,21 @@ class SamplingParams:
                                            for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        set_(self, "n", _int64("n", self.n, lo=1))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def child_params(self, index: int) -> SamplingParams:
+        """The parameters child ``index`` of a request with ``n`` children samples with: ``n=1`` and,
+        when the request has a seed ``s``, seed ``s + index`` (vLLM V1's ``ParentRequest`` rule, wrapping at 2**63; an
+        unseeded child gets its own fresh seed from the sampler). Child 0 of ``n=1`` is ``self``."""
+        check_int("index", index, lo=0, hi=self.n - 1)
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed)
 
 
 def _int64(name: str, value, lo: int) -> int:

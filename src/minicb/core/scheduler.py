@@ -22,10 +22,30 @@ token is appended, and a request that is done leaves the queues; the policy then
 blocks (continuous, at once) or keeps them until the whole batch is done (padded). ``stats.py`` holds
 the counters (``SchedulerStats``) and the listener's view (``SchedulerSnapshot``).
 
+**Parallel sampling** (``SamplingParams.n > 1``; vLLM V0's fork after the prompt): ``add(seq, forks)``
+queues child 0 (``seq``) like any request and keeps the other children *attached* to it, in no queue
+and holding nothing. The row that finishes child 0's prompt names them (``ScheduledSeq.forks``), the
+runner samples its logits once per child (each with its own generator), and ``update`` forks them::
+
+    step k   child 0: prompt [p p p p|p p]  sample -> t0;  forks (1, 2): sampled t1, t2 from the same row
+    update   children 1, 2 get the prompt's blocks by reference (block_manager.fork), their own token,
+             a slot each; next step each writes its token: the shared last block is copied on write
+
+A child that finishes with its first token ends at once. A child that finds **no free slot** at the
+fork gives the blocks back and waits at the front of the waiting queue, with its token: it is admitted
+as soon as a slot frees, and recomputes its prompt and its token like a recompute-preempted sequence
+(with prefix caching only the prompt's last, partly filled block, since the full ones stay cached).
+So ``n`` never needs ``n`` free slots, and the others are never held up. The padded policies do not
+fork: every child is queued as a request of its own and computes the prompt itself, as a padded
+static batch would. Aborting or failing child 0 before the fork ends its attached children too (the
+engine aborts every child of a request together anyway).
+
 Invariants (``check_integrity``, on top of the slot table's and block manager's): every unfinished
-request is in exactly one of waiting / running / swapped; running ones hold one slot and a device
+request is in exactly one of waiting / running / swapped / attached to its child 0; running ones hold one slot and a device
 table, swapped ones a host table and no slot, waiting ones nothing (and ``num_computed_tokens == 0``);
-``0 <= num_computed_tokens < num_tokens`` while unfinished. A step schedules at most ``max_num_seqs``
+``0 <= num_computed_tokens < num_tokens`` while unfinished; a block two tables share is never
+written again: it is full for every holder, or it is the holder's partly filled last block and the
+holder's next write copies it first. A step schedules at most ``max_num_seqs``
 sequences and (continuous) at most ``max_num_batched_tokens`` tokens. This module imports no torch.
 """
 
@@ -63,6 +83,7 @@ class Scheduler:
     _waiting: deque[Sequence] = field(init=False, repr=False)
     _running: dict[str, Sequence] = field(init=False, repr=False)
     _swapped: deque[Sequence] = field(init=False, repr=False)
+    _attached: dict[str, list[Sequence]] = field(init=False, repr=False)  # child 0 -> children to fork
     _policy: Policy = field(init=False, repr=False)                   # continuous or padded
     _arrivals_open: bool = field(init=False, default=True)
     _next_arrival: int = field(init=False, default=0)
@@ -76,7 +97,7 @@ class Scheduler:
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.num_host_blocks,
                                           enable_caching=c.prefix_caching)
         self.stats = SchedulerStats()
-        self._seqs, self._running = {}, {}
+        self._seqs, self._running, self._attached = {}, {}, {}
         self._waiting, self._swapped = deque(), deque()
         self._policy = ContinuousPolicy(self) if c.policy == "continuous" else PaddedPolicy(self)
 
@@ -126,17 +147,38 @@ class Scheduler:
             arrivals_open=self._arrivals_open)
 
     # --- requests in -----------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Validate ``seq`` and queue it (WAITING). Raises before changing any state."""
-        self.validate(seq)
-        seq.arrival_index, self._next_arrival = self._next_arrival, self._next_arrival + 1
-        seq.status = SequenceStatus.WAITING
-        self._seqs[seq.request_id] = seq
+    def add(self, seq: Sequence, forks: list[Sequence] | tuple[Sequence, ...] = ()) -> None:
+        """Validate ``seq`` and queue it (WAITING). ``forks``: the other children of a request with
+        ``n > 1`` (same prompt, ``index`` 1 .. n - 1), forked from ``seq`` after its prompt (the
+        module docstring). Raises before changing any state."""
+        self.validate(seq, forks)
+        for s in (seq, *forks):
+            s.arrival_index, self._next_arrival = self._next_arrival, self._next_arrival + 1
+            s.status = SequenceStatus.WAITING
+            self._seqs[s.request_id] = s
         self._waiting.append(seq)
+        if forks and self.config.policy == "continuous":
+            self._attached[seq.request_id] = list(forks)
+        else:                                   # the padded baselines: every child on its own
+            self._waiting.extend(forks)
 
-    def validate(self, seq: Sequence) -> None:
+    def validate(self, seq: Sequence, forks: list[Sequence] | tuple[Sequence, ...] = ()) -> None:
         """Raise (``InvalidArgument``, or ``RequestRejected`` for a request that can never be served) if
-        ``add(seq)`` would; change nothing. ``LLM.generate`` calls it on every prompt before any work."""
+        ``add(seq, forks)`` would; change nothing. ``LLM.generate`` calls it on every prompt first."""
+        self._validate_one(seq)
+        if 1 + len(forks) > self.config.max_n:
+            raise RequestRejected(f"request {seq.request_id!r} asks for n={1 + len(forks)} parallel samples, "
+                                  f"more than max_n={self.config.max_n}")
+        ids = {seq.request_id}
+        for child in forks:
+            self._validate_one(child)
+            if child.request_id in ids:
+                raise InvalidArgument(f"request_id {child.request_id!r} is given twice")
+            ids.add(child.request_id)
+            if child.prompt_token_ids != seq.prompt_token_ids:
+                raise InvalidArgument(f"child {child.request_id!r} must have the prompt of {seq.request_id!r}")
+
+    def _validate_one(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence):
             raise InvalidArgument(f"seq must be a Sequence, got {type(seq).__name__}")
         rid = seq.request_id
@@ -184,20 +226,27 @@ class Scheduler:
         Rows whose request was aborted (or failed) since ``schedule`` are skipped.
         """
         live = [(s, self._running[s.request_id]) for s in plan.seqs if self._is_live(s)]
-        tokens = {s.request_id: self._sampled_token(sampled, s.request_id) for s, _ in live if s.sample}
+        tokens = {r: self._sampled_token(sampled, r) for s, _ in live if s.sample
+                  for r in (s.request_id, *self._forking(s))}
         finished = []
         for s, seq in live:
             seq.num_computed_tokens += s.num_tokens
             self.stats.num_batched_tokens += s.num_tokens
             self._policy.computed(seq)
-            if s.sample and seq.append_token(tokens[s.request_id], now):
+            if not s.sample:
+                continue
+            done = seq.append_token(tokens[s.request_id], now)
+            if s.forks:                   # before child 0 may retire: the children take its blocks
+                finished += self._fork(seq, self._forking(s), tokens, now)
+            if done:
                 self._retire(seq)
                 finished.append(seq)
         self.stats.num_padding_tokens += plan.num_padding_tokens
         return finished
 
     def abort(self, request_id: str, now: float = 0.0) -> Sequence | None:
-        """Finish ``request_id`` with ABORT from any state and free all it holds (None if unknown)."""
+        """Finish ``request_id`` with ABORT from any state and free all it holds (None if unknown).
+        A child 0 aborted before its fork takes its attached children with it."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -211,8 +260,10 @@ class Scheduler:
         Everybody else keeps being served.
         """
         failed = [self._running[s.request_id] for s in plan.seqs if self._is_live(s)]
+        children = [c for seq in failed for c in self._attached.get(seq.request_id, ())]
         for seq in failed:
-            self._end(seq, FinishReason.ERROR, now, str(error))
+            self._end(seq, FinishReason.ERROR, now, str(error))     # with its attached children
+        failed += children
         for rid in plan.preempted:
             self._swapped_to_recompute(self._seqs.get(rid))
         return failed
@@ -222,16 +273,18 @@ class Scheduler:
         seqs = tuple(self._scheduled_seq(self._seqs[rid], n, now) for rid, n in work.scheduled.items())
         return StepPlan(step=step, seqs=seqs, padding=tuple(work.padding), swap_out=tuple(work.swap_out),
                         swap_in=tuple(work.swap_in), preempted=tuple(work.preempted),
-                        block_size=self.config.block_size)
+                        copy_blocks=tuple(work.copy_blocks.values()), block_size=self.config.block_size)
 
     def _scheduled_seq(self, seq: Sequence, n: int, now: float) -> ScheduledSeq:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         start = seq.num_computed_tokens
         table = tuple(self.block_manager.block_tables[seq.request_id])
+        sample = start + n == seq.num_tokens
+        forks = tuple(c.request_id for c in self._attached.get(seq.request_id, ())) if sample else ()
         return ScheduledSeq(request_id=seq.request_id, slot_id=seq.slot_id, start_pos=start,
                             token_ids=_token_slice(seq, start, n), block_table=table,
-                            sample=start + n == seq.num_tokens)
+                            sample=sample, forks=forks)
 
     def _is_live(self, s: ScheduledSeq) -> bool:
         """Is the row ``s`` still about the running sequence it was planned for?"""
@@ -251,6 +304,35 @@ class Scheduler:
             raise InvalidArgument(f"sampled[{request_id!r}] must be >= 0, got {token}")
         return token
 
+    def _forking(self, s: ScheduledSeq) -> list[str]:
+        """The children the row ``s`` forks that are still attached (one may be aborted since)."""
+        attached = {c.request_id for c in self._attached.get(s.request_id, ())}
+        return [r for r in s.forks if r in attached]
+
+    def _fork(self, parent: Sequence, ids: list[str], tokens: Mapping[str, int],
+              now: float) -> list[Sequence]:
+        """``parent``'s prompt is computed: each attached child takes its sampled token and, unless that
+        finished it, the parent's blocks by reference and a free slot, or waits at the front of the
+        waiting queue without blocks (module docstring). Returns the children that finished."""
+        children = self._attached.pop(parent.request_id)
+        assert [c.request_id for c in children] == ids, "the row forks every attached child"
+        finished, queued = [], []
+        for child in children:
+            child.first_scheduled_time = parent.first_scheduled_time
+            if child.append_token(tokens[child.request_id], now):
+                del self._seqs[child.request_id]
+                self.stats.num_finished += 1
+                finished.append(child)
+            elif self.slot_table.num_free:
+                self.block_manager.fork(parent.request_id, child.request_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens = parent.num_cached_tokens
+                self._policy.start_running(child)
+            else:
+                queued.append(child)
+        self._waiting.extendleft(reversed(queued))      # in index order, ahead of later arrivals
+        return finished
+
     def _retire(self, seq: Sequence) -> None:
         """``seq`` just finished normally: forget it; the policy frees its slot and blocks now
         (continuous) or once the whole padded batch is done."""
@@ -261,15 +343,20 @@ class Scheduler:
 
     def _end(self, seq: Sequence, reason: FinishReason, now: float, error: str | None = None) -> None:
         """Finish ``seq`` from any state (abort, error) and free everything it holds at once."""
+        children = self._attached.pop(seq.request_id, ())
         self._unqueue(seq)
         self._free(seq.request_id)
-        del self._seqs[seq.request_id]
-        seq.finish(reason, now, error)
-        self.stats.num_finished += 1
-        self._policy.ended(seq)
+        for s in (seq, *children):            # attached children were never forked: they end with it
+            del self._seqs[s.request_id]
+            s.finish(reason, now, error)
+            self.stats.num_finished += 1
+            self._policy.ended(s)
 
     def _unqueue(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status is SequenceStatus.WAITING and seq not in self._waiting:   # attached to its child 0
+            children = next(c for c in self._attached.values() if seq in c)
+            children.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             del self._running[seq.request_id]
         elif seq.status is SequenceStatus.SWAPPED:
             self._swapped.remove(seq)
@@ -293,16 +380,19 @@ class Scheduler:
         self.slot_table.check_integrity()
         self.block_manager.check_integrity()
         waiting, swapped, running = list(self._waiting), list(self._swapped), list(self._running.values())
-        ids = [s.request_id for s in waiting + swapped + running]
+        attached = [c for children in self._attached.values() for c in children]
+        ids = [s.request_id for s in waiting + swapped + running + attached]
         assert len(ids) == len(set(ids)) and set(ids) == set(self._seqs), \
-            "every unfinished request must be in exactly one of waiting / swapped / running"
-        for seq in waiting:
+            "every unfinished request must be in exactly one of waiting / swapped / running / attached"
+        for seq in waiting + attached:
             self._check_waiting(seq)
+        self._check_attached()
         for seq in swapped:
             self._check_swapped(seq)
         for seq in running:
             self._check_running(seq)
         self._check_holders(running)
+        self._check_shared_blocks(running)
         self._policy.check_integrity()
 
     def _check_waiting(self, seq: Sequence) -> None:
@@ -311,6 +401,28 @@ class Scheduler:
         assert seq.num_computed_tokens == 0, f"{seq.request_id} waits with computed tokens"
         assert seq.num_cached_tokens == 0, f"{seq.request_id} waits with cached tokens"
         assert seq.request_id not in bm.block_tables and not bm.is_swapped(seq.request_id), seq.request_id
+
+    def _check_attached(self) -> None:
+        """Attached children wait on an unfinished child 0 that has sampled nothing yet, with its prompt."""
+        for rid, children in self._attached.items():
+            parent = self._seqs.get(rid)
+            assert parent is not None and not parent.output_token_ids, f"{rid}: children attached after the fork"
+            assert self.config.policy == "continuous", "the padded policies never fork"
+            for c in children:
+                assert not c.output_token_ids and c.prompt_token_ids == parent.prompt_token_ids, c.request_id
+
+    def _check_shared_blocks(self, running: list[Sequence]) -> None:
+        """Copy-on-write leaves no block written by two sequences: a block that several tables name is,
+        for each of its holders, either full of computed K/V or the holder's partly filled last block,
+        which the holder copies before it writes (``BlockManager.needs_copy``)."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        for seq in running:
+            table = bm.block_tables[seq.request_id]
+            for i, block in enumerate(table):
+                if bm.device.ref_counts[block] > 1 and (i + 1) * bs > seq.num_computed_tokens:
+                    assert i == len(table) - 1 and i * bs <= seq.num_computed_tokens, \
+                        f"{seq.request_id}: shared block {block} (ref {bm.device.ref_counts[block]}) " \
+                        "would be written without a copy"
 
     def _check_swapped(self, seq: Sequence) -> None:
         bm = self.block_manager

@@ -21,6 +21,11 @@ already have K/V in the cache. A step schedules ``n`` more tokens starting there
 * recompute preemption just resets ``num_computed_tokens`` to 0: the prompt *and* the generated tokens
   are fed again as one long prefill, which yields exactly the same next token.
 
+Parallel sampling (``SamplingParams.n > 1``) makes one sequence per child, ``index`` 0 .. n - 1, with
+the same prompt. Child 0 computes the prompt; the others wait *attached* to it (in no queue) and fork
+from it when its prompt is done: from then on each child is an ordinary sequence (its own tokens,
+slot, preemptions, finish), whose recompute feeds its prompt and *its own* tokens again.
+
 Invariant: ``0 <= num_computed_tokens <= num_tokens - 1`` while unfinished (the last token's K/V is
 always computed in the step that feeds it). This module imports no torch.
 """
@@ -58,6 +63,7 @@ class Sequence:
     priority: int = 0                    # lower value = more important (vLLM's convention)
     eos_token_id: int | None = None
     arrival_index: int = 0               # FIFO tie-break, set by the scheduler on add()
+    index: int = 0                       # which child of its request (SamplingParams.n; vLLM's index)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
