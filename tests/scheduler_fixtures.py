@@ -33,19 +33,32 @@ def fnv_step(h: int, t: int) -> int:
     return ((h ^ t) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
 
 
-def next_token(tokens) -> int:
-    """A pure function of the whole prefix (FNV-1a), like a greedy model; EOS comes up now and then."""
+def next_token(tokens, salt: int = 0) -> int:
+    """A pure function of the whole prefix (FNV-1a), like a greedy model; EOS comes up now and then.
+    ``salt`` stands for a sampler's seed: child ``i`` of a request with ``n > 1`` draws with salt ``i``,
+    so the children's tokens differ (and a child reading a sibling's K/V would come out wrong)."""
     h = FNV_START
     for t in tokens:
         h = fnv_step(h, t)
-    return (h >> 17) % VOCAB
+    return ((h >> 17) + salt) % VOCAB
 
 
-def alone(prompt: list[int], max_tokens: int, eos: int | None = EOS) -> list[int]:
-    """The tokens a request gets when it is served by itself."""
+def child_id(rid: str, index: int, n: int) -> str:
+    """The sequence id of child ``index`` of request ``rid`` (the engine's rule: ``rid`` itself for n=1)."""
+    return rid if n == 1 else f"{index}_{rid}"
+
+
+def child_salt(rid: str) -> int:
+    """The salt ``FakeModel`` samples a sequence with: its child index (``child_id``), else 0."""
+    head, _, rest = rid.partition("_")
+    return int(head) if rest and head.isdigit() else 0
+
+
+def alone(prompt: list[int], max_tokens: int, eos: int | None = EOS, salt: int = 0) -> list[int]:
+    """The tokens a request gets when it is served by itself (sampling with ``salt``)."""
     tokens, out = list(prompt), []
     while len(out) < max_tokens:
-        t = next_token(tokens)
+        t = next_token(tokens, salt)
         out.append(t)
         tokens.append(t)
         if t == eos:
@@ -62,17 +75,21 @@ class FakeModel:
     wrong prefix (or at the wrong position) gives wrong tokens, as it would with a real model.
     """
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, salt: Callable[[str], int] | None = None):
         self.bs = config.block_size
         self.device = [[None] * self.bs for _ in range(config.num_blocks)]
         self.host = [[None] * self.bs for _ in range(config.num_host_blocks)]
+        self.salt = salt or child_salt
 
     def run(self, plan: StepPlan) -> dict[str, int]:
-        # The engine's order: swap-out copies, then swap-in copies, then the forward, then sampling.
+        # The engine's order: swap-out copies, then swap-in copies, then copy-on-write copies, then the
+        # forward, then sampling.
         for d, h in plan.swap_out:
             self.host[h] = list(self.device[d])
         for h, d in plan.swap_in:
             self.device[d] = list(self.host[h])
+        for src, dst in plan.copy_blocks:
+            self.device[dst] = list(self.device[src])
         for s in plan.seqs:                                   # the forward writes every row's K/V ...
             assert len(s.block_table) * self.bs >= s.context_len, "block table too short"
             h = FNV_START if s.start_pos == 0 else self._read(s.block_table, s.start_pos - 1)
@@ -86,7 +103,8 @@ class FakeModel:
             if s.sample:
                 ctx = [self._read(s.block_table, p) for p in range(s.context_len)]
                 assert None not in ctx, f"{s.request_id} reads a position nobody wrote"
-                out[s.request_id] = (ctx[-1] >> 17) % VOCAB
+                for rid in (s.request_id, *s.forks):       # a fork's children sample the same row
+                    out[rid] = ((ctx[-1] >> 17) + self.salt(rid)) % VOCAB
         return out
 
     def _read(self, table, pos):
@@ -102,6 +120,7 @@ class Req:
     arrival: int = 0          # step at which the request is added
     priority: int = 0
     ignore_eos: bool = False
+    n: int = 1                # parallel sampling: children child_id(rid, i, n), child i with salt i
 
 
 @dataclass
@@ -116,6 +135,13 @@ class Run:
 def make_seq(r: Req) -> Sequence:
     params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
     return Sequence(r.rid, list(r.prompt), params, priority=r.priority, eos_token_id=EOS)
+
+
+def make_group(r: Req) -> list[Sequence]:
+    """The ``r.n`` sequences of a request (one for n=1), as the engine makes them."""
+    params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+    return [Sequence(child_id(r.rid, i, r.n), list(r.prompt), params, priority=r.priority,
+                     eos_token_id=EOS, index=i) for i in range(r.n)]
 
 
 def check_plan(sched: Scheduler, plan: StepPlan) -> None:
@@ -136,6 +162,21 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
     assert sum(map(len, written)) == len(set().union(*written)), "two rows write the same block"
     assert not any(bm.is_cached(b) for w in written for b in w), \
         "a step writes into a prefix-cached block (that another request may read)"
+    readers = {}                               # block -> rows of this step that only read it
+    for s in plan.seqs:
+        for i, b in enumerate(s.block_table[:s.start_pos // bs]):
+            readers.setdefault(b, set()).add(s.request_id)
+    for s, w in zip(plan.seqs, written):       # a written block is the writer's own, or (same-step
+        for b in w:                            # sharing) filled by it now and only read by other rows
+            others = bm.device.ref_counts[b] - 1
+            if others:
+                i = s.block_table.index(b)
+                assert (i + 1) * bs <= s.context_len and len(readers.get(b, ())) == others, \
+                    f"{s.request_id} writes block {b}, which another table names (copy-on-write missed)"
+    holders = {b: s.request_id for s in plan.seqs for b in s.block_table}
+    for src, dst in plan.copy_blocks:          # a copy goes from a block still held to a row's own block
+        assert bm.device.ref_counts[src] >= 1 and bm.device.ref_counts[dst] == 1 and dst in holders
+    assert len({d for _, d in plan.copy_blocks}) == len(plan.copy_blocks)
     for s in plan.seqs:
         seq = sched.get(s.request_id)
         assert seq is not None and seq.status is SequenceStatus.RUNNING
@@ -144,6 +185,8 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         assert s.sample == (s.context_len == seq.num_tokens)
         assert s.block_table == tuple(sched.block_manager.block_table(s.request_id))
         assert s.slot_id == seq.slot_id
+        assert s.forks == (tuple(c.request_id for c in sched._attached.get(s.request_id, ())) if s.sample
+                           else ())
 
 
 def drive(config: SchedulerConfig, reqs: list[Req], max_steps: int = 10_000) -> Run:
@@ -156,9 +199,9 @@ def drive(config: SchedulerConfig, reqs: list[Req], max_steps: int = 10_000) -> 
     def one_step(sched: Scheduler) -> list[Sequence]:
         now = float(len(run.plans))
         while pending and pending[0].arrival <= now:
-            s = make_seq(pending.pop(0))
-            run.seqs[s.request_id] = s
-            sched.add(s)
+            group = make_group(pending.pop(0))
+            run.seqs.update((s.request_id, s) for s in group)
+            sched.add(group[0], group[1:])
         if not pending:
             sched.close_arrivals()
         plan = sched.schedule(now=now)
@@ -186,9 +229,13 @@ def assert_drained(sched: Scheduler) -> None:
 
 
 def assert_token_exact(run: Run, reqs: list[Req]) -> None:
-    assert set(run.outputs) == {r.rid for r in reqs}, "a request never ended"
+    """Every request's (every child's) tokens are those it gets alone (child i: with salt i)."""
+    assert set(run.outputs) == {child_id(r.rid, i, r.n) for r in reqs for i in range(r.n)}, \
+        "a request never ended"
     for r in reqs:
-        assert run.outputs[r.rid] == alone(r.prompt, r.max_tokens, None if r.ignore_eos else EOS), r.rid
+        for i in range(r.n):
+            want = alone(r.prompt, r.max_tokens, None if r.ignore_eos else EOS, salt=i)
+            assert run.outputs[child_id(r.rid, i, r.n)] == want, (r.rid, i)
 
 
 def seq(rid: str, n_prompt: int, max_tokens: int = 4, first: int = 1, **kw) -> Sequence:

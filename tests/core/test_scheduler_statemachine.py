@@ -21,7 +21,7 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import FinishReason, Sequence
 from minicb.core.slot_table import SlotTable
-from scheduler_fixtures import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan
+from scheduler_fixtures import EOS, VOCAB, FakeModel, alone, assert_drained, check_plan, child_id
 
 SETTINGS = settings(max_examples=examples(60), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -401,7 +401,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.config = config
         self.sched = Scheduler(config)
         self.model = FakeModel(config)
-        self.requests: dict[str, tuple[list[int], int, bool]] = {}   # prompt, max_tokens, ignore_eos
+        self.requests: dict[str, tuple[list[int], int, bool, int]] = {}  # prompt, max_tokens, ignore_eos, salt
         self.ended: dict[str, FinishReason] = {}
         self.seqs: dict[str, Sequence] = {}
 
@@ -430,22 +430,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         tail = data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=4))
         self._add_one(base[:cut] + tail, max_tokens, data.draw(st.integers(0, 3)), ignore_eos)
 
-    def _add_one(self, prompt, max_tokens, priority, ignore_eos):
-        rid = f"r{len(self.seqs)}"
-        seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                       priority=priority, eos_token_id=EOS)
+    @rule(prompt=st.lists(st.integers(1, VOCAB - 1), max_size=12), max_tokens=st.integers(1, 12),
+          n=st.integers(2, 4), ignore_eos=st.sampled_from([True, True, False]))
+    def add_parallel(self, prompt, max_tokens, n, ignore_eos):
+        """A request with n > 1 children: they fork after the prompt (continuous) or run on their own."""
+        self._add_one(prompt, max_tokens, 0, ignore_eos, n)
+
+    def _add_one(self, prompt, max_tokens, priority, ignore_eos, n=1):
+        rid = f"r{len(self.requests)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        group = [Sequence(child_id(rid, i, n), list(prompt), params, priority=priority, eos_token_id=EOS,
+                          index=i) for i in range(n)]
         total = len(prompt) + max_tokens
         never_fits = not prompt or total > self.config.max_model_len \
             or -(-total // self.config.block_size) > self.config.num_blocks
         before = (self.sched.num_waiting, self.sched.has_unfinished())
         if never_fits:
             with pytest.raises(RequestRejected):
-                self.sched.add(seq)
+                self.sched.add(group[0], group[1:])
             assert (self.sched.num_waiting, self.sched.has_unfinished()) == before
+            self.requests[rid] = None
             return
-        self.sched.add(seq)
-        self.seqs[rid] = seq
-        self.requests[rid] = (list(prompt), max_tokens, ignore_eos)
+        self.sched.add(group[0], group[1:])
+        for i, seq in enumerate(group):
+            self.seqs[seq.request_id] = seq
+            self.requests[seq.request_id] = (list(prompt), max_tokens, ignore_eos, i)
 
     @rule(n=st.integers(1, 8))
     def steps(self, n):
@@ -455,6 +464,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         plan = self.sched.schedule(now=1.0)
         check_plan(self.sched, plan)
+        self.copies = getattr(self, "copies", 0) + len(plan.copy_blocks)
         self._end(self.sched.update(plan, self.model.run(plan), now=1.0))
         self.sched.check_integrity()
 
@@ -478,7 +488,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.sched.schedule(now=1.0)
         check_plan(self.sched, plan)
         failed = self.sched.fail_step(plan, "injected failure", now=1.0)
-        assert {s.request_id for s in failed} == {s.request_id for s in plan.seqs}
+        rows = {s.request_id for s in plan.seqs}
+        assert rows <= {s.request_id for s in failed}
+        # besides the rows: the children still attached to a failed child 0 (never forked)
+        assert all(f.request_id.partition("_")[2] in {r.partition("_")[2] for r in rows if r.startswith("0_")}
+                   for f in failed if f.request_id not in rows)
         self._end(failed, FinishReason.ERROR)
 
     def _abort(self, rid):
@@ -486,6 +500,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert (got is None) == (rid in self.ended)
         if got is not None:
             self._end([got], FinishReason.ABORT)
+            # a child 0 aborted before its fork takes its attached children (same request) with it
+            gone = [s for r, s in self.seqs.items() if s.is_finished and r not in self.ended]
+            assert all(rid.startswith("0_") and s.request_id.partition("_")[2] == rid[2:] for s in gone)
+            self._end(gone, FinishReason.ABORT)
 
     @invariant()
     def integrity(self):
@@ -497,7 +515,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         self.sched.close_arrivals()
-        bound = 10 + 8 * sum(len(p) + m for p, m, _ in self.requests.values())
+        self.requests = {r: v for r, v in self.requests.items() if v is not None}
+        bound = 10 + 8 * sum(len(p) + m for p, m, _, _ in self.requests.values())
         for _ in range(bound):
             if not self.sched.has_unfinished():
                 break
@@ -505,8 +524,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.sched.has_unfinished(), f"not drained within {bound} steps"
         assert_drained(self.sched)
         assert set(self.ended) == set(self.seqs), "a request never ended"
-        for rid, (prompt, max_tokens, ignore_eos) in self.requests.items():
-            want = alone(prompt, max_tokens, None if ignore_eos else EOS)
+        for rid, (prompt, max_tokens, ignore_eos, salt) in self.requests.items():
+            want = alone(prompt, max_tokens, None if ignore_eos else EOS, salt)
             got = self.seqs[rid].output_token_ids
             if self.ended[rid] in (FinishReason.STOP, FinishReason.LENGTH):
                 assert got == want, rid
@@ -516,6 +535,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         target(float(self.sched.stats.num_preemptions), label="preemptions")   # steer towards pressure
         target(float(self.sched.stats.num_swaps), label="swaps")
         target(float(self.sched.stats.num_cached_prompt_tokens), label="prefix-cache hits")
+        target(float(getattr(self, "copies", 0)), label="copies on write")
 
 
 TestSlotTable = SlotTableMachine.TestCase
