@@ -164,7 +164,7 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         "a step writes into a prefix-cached block (that another request may read)"
     readers = {}                               # block -> rows of this step that only read it
     for s in plan.seqs:
-        for i, b in enumerate(s.block_table[:s.start_pos // bs]):
+        for b in s.block_table[:s.start_pos // bs]:
             readers.setdefault(b, set()).add(s.request_id)
     for s, w in zip(plan.seqs, written):       # a written block is the writer's own, or (same-step
         for b in w:                            # sharing) filled by it now and only read by other rows

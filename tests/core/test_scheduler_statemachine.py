@@ -401,7 +401,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.config = config
         self.sched = Scheduler(config)
         self.model = FakeModel(config)
-        self.requests: dict[str, tuple[list[int], int, bool, int]] = {}  # prompt, max_tokens, ignore_eos, salt
+        self.requests: dict[str, tuple | None] = {}   # prompt, max_tokens, ignore_eos, salt
         self.ended: dict[str, FinishReason] = {}
         self.seqs: dict[str, Sequence] = {}
 

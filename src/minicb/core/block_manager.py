@@ -309,7 +309,8 @@ class BlockManager:
                                   "already holds blocks")
         if not all(isinstance(b, int) and 0 <= b < self.num_blocks
                    and (self.is_cached(b) or self.device.ref_counts[b] > 0) for b in computed):
-            raise InvalidArgument(f"computed blocks must be cached or held device blocks, got {list(computed)}")
+            raise InvalidArgument(
+                f"computed blocks must be cached or held device blocks, got {list(computed)}")
 
     @staticmethod
     def _move(request_id: str, src_tables: dict[str, list[int]], src: BlockPool,

@@ -69,8 +69,9 @@ class SamplingParams:
 
     def child_params(self, index: int) -> SamplingParams:
         """The parameters child ``index`` of a request with ``n`` children samples with: ``n=1`` and,
-        when the request has a seed ``s``, seed ``s + index`` (vLLM V1's ``ParentRequest`` rule, wrapping at 2**63; an
-        unseeded child gets its own fresh seed from the sampler). Child 0 of ``n=1`` is ``self``."""
+        when the request has a seed ``s``, seed ``s + index`` (vLLM V1's ``ParentRequest`` rule,
+        wrapping at 2**63; an unseeded child gets its own fresh seed from the sampler). Child 0 of
+        ``n=1`` is ``self``."""
         check_int("index", index, lo=0, hi=self.n - 1)
         if self.n == 1:
             return self

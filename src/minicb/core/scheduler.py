@@ -41,8 +41,9 @@ static batch would. Aborting or failing child 0 before the fork ends its attache
 engine aborts every child of a request together anyway).
 
 Invariants (``check_integrity``, on top of the slot table's and block manager's): every unfinished
-request is in exactly one of waiting / running / swapped / attached to its child 0; running ones hold one slot and a device
-table, swapped ones a host table and no slot, waiting ones nothing (and ``num_computed_tokens == 0``);
+request is in exactly one of waiting / running / swapped / attached to its child 0; running ones hold
+one slot and a device table, swapped ones a host table and no slot, waiting ones nothing (and
+``num_computed_tokens == 0``);
 ``0 <= num_computed_tokens < num_tokens`` while unfinished; a block two tables share is never
 written again: it is full for every holder, or it is the holder's partly filled last block and the
 holder's next write copies it first. A step schedules at most ``max_num_seqs``
@@ -176,7 +177,8 @@ class Scheduler:
                 raise InvalidArgument(f"request_id {child.request_id!r} is given twice")
             ids.add(child.request_id)
             if child.prompt_token_ids != seq.prompt_token_ids:
-                raise InvalidArgument(f"child {child.request_id!r} must have the prompt of {seq.request_id!r}")
+                raise InvalidArgument(
+                    f"child {child.request_id!r} must have the prompt of {seq.request_id!r}")
 
     def _validate_one(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence):
@@ -406,7 +408,8 @@ class Scheduler:
         """Attached children wait on an unfinished child 0 that has sampled nothing yet, with its prompt."""
         for rid, children in self._attached.items():
             parent = self._seqs.get(rid)
-            assert parent is not None and not parent.output_token_ids, f"{rid}: children attached after the fork"
+            assert parent is not None and not parent.output_token_ids, \
+                f"{rid}: children still attached after the fork"
             assert self.config.policy == "continuous", "the padded policies never fork"
             for c in children:
                 assert not c.output_token_ids and c.prompt_token_ids == parent.prompt_token_ids, c.request_id
