@@ -28,6 +28,13 @@ What can go wrong, and what happens then (the consistency contract, ``docs/error
 * an output is made all or nothing (``outputs.OutputTracker``), so whatever fails, the tokens a
   request streamed concatenate to its final ``token_ids`` and its text is their decode.
 
+**Parallel sampling** (``SamplingParams.n > 1``): ``add_request`` makes ``n`` sequences, child ``i``
+with id ``f"{i}_{request_id}"`` (vLLM V1's naming; a request with ``n == 1`` keeps its own id) and
+``params.child_params(i)`` (seed ``s + i``), each registered with the runner (its own generator);
+the scheduler forks them after the prompt. Outputs are per request: ``RequestOutput.outputs`` has a
+``CompletionOutput`` per child, ``finished`` once the last child has. ``abort_request`` ends every
+child. ``n`` above ``SchedulerConfig.max_n`` is refused (``RequestRejected``) before anything is made.
+
 The engine is handed its runner (``minicb.engine.interface.Runner``) and never builds one, so this
 module imports no torch: the same loop drives a model (``minicb.runtime.runner.engine_for(model,
 config)`` makes both), rank 0 of a tensor-parallel group, and the simulator's clock. A runner that
@@ -52,6 +59,7 @@ from minicb.core.errors import (
     EngineDeadError,
     InvalidArgument,
     MinicbError,
+    RequestRejected,
 )
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
@@ -61,14 +69,20 @@ from minicb.engine import inputs
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
 from minicb.engine.interface import Runner
 from minicb.engine.interrupts import DeferredInterrupts
-from minicb.engine.outputs import OutputTracker, RequestOutput
+from minicb.engine.outputs import CompletionOutput, OutputTracker, RequestOutput, RequestTracker
 
-__all__ = ["LLMEngine", "RequestOutput"]
+__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "child_id"]
 
 log = logging.getLogger("minicb.engine")
 _GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
 _SHUT_DOWN = ("this engine was shut down (its runner is closed): create a new engine (or LLM) to serve more "
               "requests")
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    """The id of child ``index`` of a request with ``n`` children: the request's own id when ``n == 1``,
+    else ``f"{index}_{request_id}"`` (vLLM V1's naming)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
 
 
 class LLMEngine:
@@ -86,7 +100,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.eos_token_id = runner.eos_token_id if tokenizer is None else tokenizer.eos_token_id
         self.last_plan: StepPlan | None = None
-        self._live: dict[str, OutputTracker] = {}
+        self._live: dict[str, RequestTracker] = {}     # by request id
+        self._owner: dict[str, str] = {}                # sequence id (a child's) -> request id
         self._ids = itertools.count()
         self._listeners = Listeners()
         self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
@@ -131,15 +146,25 @@ class LLMEngine:
 
     def make_sequence(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       arrival_time: float | None = None, priority: int = 0) -> Sequence:
-        """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing)."""
+        """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing).
+        With ``params.n > 1`` it is child 0, and all ``n`` children were checked."""
+        return self._make_sequences(prompt, params, request_id, arrival_time, priority)[0]
+
+    def _make_sequences(self, prompt, params, request_id, arrival_time, priority) -> list[Sequence]:
+        """The request's ``n`` checked, not yet queued sequences (module docstring)."""
         params = inputs.checked_params(params)
         rid = inputs.checked_request_id(self.new_request_id() if request_id is None else request_id)
         priority = inputs.checked_priority(priority)
         now = self.clock() if arrival_time is None else inputs.checked_arrival_time(arrival_time)
-        seq = Sequence(rid, self.tokenize(prompt), params, arrival_time=now, priority=priority,
-                       eos_token_id=self.eos_token_id)
-        self.scheduler.validate(seq)
-        return seq
+        if params.n > self.config.max_n:
+            raise RequestRejected(f"request {rid!r} asks for n={params.n} parallel samples, more than "
+                                  f"max_n={self.config.max_n}")
+        ids = self.tokenize(prompt)
+        seqs = [Sequence(child_id(rid, i, params.n), list(ids), params.child_params(i), arrival_time=now,
+                         priority=priority, eos_token_id=self.eos_token_id, index=i)
+                for i in range(params.n)]
+        self.scheduler.validate(seqs[0], seqs[1:])
+        return seqs
 
     def new_request_id(self, prefix: str = "") -> str:
         """A request id that no unfinished request uses (generated ids never collide with users')."""
@@ -151,25 +176,30 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue one request; a bad one raises here and leaves the engine and other requests untouched."""
-        seq = self.make_sequence(prompt, params, request_id, arrival_time, priority)
-        self._add(seq)
-        return seq.request_id
+        rid = request_id if request_id is not None else self.new_request_id()
+        seqs = self._make_sequences(prompt, params, rid, arrival_time, priority)
+        self._add(rid, seqs)
+        return rid
 
-    def _add(self, seq: Sequence) -> None:
+    def _add(self, request_id: str, seqs: list[Sequence]) -> None:
         self._not_inside_a_step("add_request()")
-        if seq.request_id in self._live:
-            raise InvalidArgument(f"request_id {seq.request_id!r} is already in use")
+        if request_id in self._live:
+            raise InvalidArgument(f"request_id {request_id!r} is already in use")
         with self._lock, self._bookkeeping():
             self._check_alive()
             self._check_open()
-            self._enqueue(seq)
+            self._enqueue(request_id, seqs)
 
-    def _enqueue(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
-        self.runner.register(seq.request_id, seq.params)
+    def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
+        self.scheduler.add(seqs[0], seqs[1:])
         tok = self.tokenizer
-        dec = tok.incremental_decoder() if tok is not None else None
-        self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
+        children = []
+        for seq in seqs:
+            self.runner.register(seq.request_id, seq.params)       # each child: its own generator
+            dec = tok.incremental_decoder() if tok is not None else None
+            children.append(OutputTracker(seq, dec, tok.decode if tok is not None else None))
+            self._owner[seq.request_id] = request_id
+        self._live[request_id] = RequestTracker(request_id, children)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
@@ -197,7 +227,9 @@ class LLMEngine:
     def _abort(self, request_id: str, deliver: bool) -> RequestOutput | None:
         if self.dead is not None or request_id not in self._live:
             return None
-        self.scheduler.abort(request_id, self.clock())
+        now = self.clock()
+        for child in self._live[request_id].children:     # every child (finished ones are no-ops)
+            self.scheduler.abort(child.seq.request_id, now)
         return self._finish(request_id, deliver)
 
     def reset_prefix_cache(self) -> bool:
@@ -343,13 +375,15 @@ class LLMEngine:
         now = self.clock()
         for tracker in list(self._live.values()):
             if tracker.final is None:
-                if not tracker.seq.is_finished:
-                    tracker.seq.finish(FinishReason.ERROR, now, self.dead)
+                for child in tracker.children:
+                    if not child.seq.is_finished:
+                        child.seq.finish(FinishReason.ERROR, now, self.dead)
                 tracker.last_resort()
             if not tracker.handed_out:
                 tracker.handed_out = True
                 self._pending.append(tracker.final)
         self._live.clear()
+        self._owner.clear()
         self._deferred_aborts.clear()
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
@@ -359,27 +393,35 @@ class LLMEngine:
         params = {}
         for s in plan.seqs:
             if s.sample:
-                tracker = self._live.get(s.request_id)
-                params[s.request_id] = tracker.seq.params if tracker is not None else _GREEDY
+                for sid in (s.request_id, *s.forks):       # a fork samples the row once per child
+                    params[sid] = self._seq_params(sid)
         return self.runner.run(plan, params)
+
+    def _seq_params(self, seq_id: str) -> SamplingParams:
+        tracker = self._live.get(self._owner.get(seq_id, ""))
+        if tracker is None:
+            return _GREEDY
+        return next(c.seq.params for c in tracker.children if c.seq.request_id == seq_id)
 
     def _record(self, plan: StepPlan, sampled: dict[str, int]) -> None:
         """Record the step in the scheduler and make the outputs of the requests it touched."""
         finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
-        for rid in list(sampled) + sorted(finished - sampled.keys()):
-            tracker = self._live.get(rid)
-            if tracker is None:
-                continue
-            if rid in finished:
+        self._outputs_of(list(sampled) + sorted(finished - sampled.keys()))
+
+    def _outputs_of(self, seq_ids: list[str]) -> None:
+        """Make the outputs of the requests these sequences belong to, each once, in that order: the
+        final one (and forget the request) when its last child has finished."""
+        rids = dict.fromkeys(self._owner[sid] for sid in seq_ids if sid in self._owner)
+        for rid in rids:
+            tracker = self._live[rid]
+            if tracker.finished:
                 self._finish(rid)
             else:
                 self._pending.append(tracker.output())
 
     def _fail_step(self, plan: StepPlan, error: str) -> None:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
-        for s in self.scheduler.fail_step(plan, error, self.clock()):
-            if s.request_id in self._live:
-                self._finish(s.request_id)
+        self._outputs_of([s.request_id for s in self.scheduler.fail_step(plan, error, self.clock())])
 
     def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
         """Step until the given requests (default: all) have finished; return their final outputs in
@@ -418,7 +460,9 @@ class LLMEngine:
         if deliver:
             tracker.handed_out = True
             self._pending.append(out)
-        self.runner.release(rid)
+        for child in tracker.children:
+            self.runner.release(child.seq.request_id)
+            self._owner.pop(child.seq.request_id, None)
         del self._live[rid]
         return out
 

@@ -6,9 +6,17 @@ text is produced by an incremental decoder that holds back an unfinished charact
 byte arrives, and is flushed when the request ends (a request cut off by ``max_tokens`` in the
 middle of a character still shows its bytes, as the tokenizer's ``decode`` would: U+FFFD).
 
-``OutputTracker`` is the engine's per-request bookkeeping for that: the sequence, its decoder, the
+``OutputTracker`` is the engine's per-sequence bookkeeping for that: the sequence, its decoder, the
 text so far and how many tokens were already handed out (``new_token_ids`` / ``new_text`` are the
 difference since the previous output of the same request).
+
+**Parallel sampling** (``SamplingParams.n > 1``): a request has ``n`` sequences, and its output lists
+one ``CompletionOutput`` per child in ``outputs`` (vLLM's shape: ``index`` is the child's number,
+0 .. n - 1); ``RequestTracker`` joins the children's trackers. A request with ``n == 1`` has one
+completion too, so ``outputs`` reads the same for every request. The flat fields (``token_ids``,
+``text``, ``finish_reason``, ``new_*``) are those of ``outputs[0]``, so code written for ``n == 1``
+reads as before; ``finished`` is True once *every* child has finished, ``first_token_time`` is the
+earliest child's, ``finish_time`` the last one's, ``num_preemptions`` their sum.
 """
 
 from __future__ import annotations
@@ -19,8 +27,25 @@ from minicb.core.sequence import Sequence
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One child's completion so far (vLLM's ``CompletionOutput``); ``index`` is its number in ``n``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    new_token_ids: list[int] = field(default_factory=list)   # tokens added since the previous output
+    new_text: str = ""
+    error: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """What a request has produced so far (complete once ``finished``)."""
+    """What a request has produced so far (complete once ``finished``); ``outputs`` holds each child's
+    completion (one for ``n == 1``), the flat fields are ``outputs[0]``'s (module docstring)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,6 +63,7 @@ class RequestOutput:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,12 +116,82 @@ class OutputTracker:
 
     def _make(self, new: list[int], new_text: str, text: str) -> RequestOutput:
         s = self.seq
+        reason = s.finish_reason.value if s.finish_reason else None
         return RequestOutput(
             request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
             token_ids=list(s.output_token_ids), text=text, finished=s.is_finished,
-            finish_reason=s.finish_reason.value if s.finish_reason else None, new_token_ids=list(new),
+            finish_reason=reason, new_token_ids=list(new),
             new_text=new_text, error=s.error, arrival_time=s.arrival_time,
             first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
             token_times=list(s.token_times), finish_time=s.finish_time,
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
+            outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), reason, list(new), new_text,
+                                      s.error)],
         )
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """One live request's output state: the ``OutputTracker`` of each of its ``n`` sequences.
+
+    ``output()`` stays all or nothing across the children: each child's output commits that child
+    (see ``OutputTracker``); if a later child's raises, the earlier children's deltas are kept
+    (``_carry``) and go into the next output, merged with whatever they produce meanwhile."""
+
+    request_id: str
+    children: list[OutputTracker]
+    final: RequestOutput | None = None
+    handed_out: bool = False
+    _carry: dict[int, RequestOutput] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.children)
+
+    def output(self) -> RequestOutput:
+        return self._join(lambda c: c.output())
+
+    def last_resort(self) -> RequestOutput:
+        """The final output of a request whose engine died (each child's ``last_resort``)."""
+        # a child that had finished was handed out already: it adds nothing new
+        return self._join(lambda c: c._make([], "", c.text) if c.final is not None else c.last_resort())
+
+    def _join(self, make) -> RequestOutput:
+        for i, child in enumerate(self.children):
+            out, prev = make(child), self._carry.get(i)
+            if prev is not None:                       # a failed join handed this delta out to nobody
+                out = _merged(prev, out)
+            self._carry[i] = out
+        outs, self._carry = [self._carry[i] for i in range(len(self.children))], {}
+        out = outs[0] if len(outs) == 1 else _group(self.request_id, outs)
+        if self.finished:
+            self.final = out
+        return out
+
+
+def _merged(prev: RequestOutput, out: RequestOutput) -> RequestOutput:
+    """``out`` with ``prev``'s deltas in front (both outputs of the same child)."""
+    new, text = prev.new_token_ids + out.new_token_ids, prev.new_text + out.new_text
+    c = out.outputs[0]
+    return _replace(out, new_token_ids=new, new_text=text,
+                    outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, new, text,
+                                              c.error)])
+
+
+def _group(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """The request's output from its children's: the flat fields of child 0, the rest joined."""
+    first = outs[0]
+    firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
+    done = all(o.finished for o in outs)
+    return _replace(
+        first, request_id=request_id, finished=done, finish_reason=first.finish_reason if done else None,
+        first_token_time=min(firsts, default=None),
+        finish_time=max(o.finish_time for o in outs) if done else None,
+        num_preemptions=sum(o.num_preemptions for o in outs),
+        error=next((o.error for o in outs if o.error), None),
+        outputs=[o.outputs[0] for o in outs])
+
+
+def _replace(out: RequestOutput, **changes) -> RequestOutput:
+    fields = {name: getattr(out, name) for name in RequestOutput.__dataclass_fields__}
+    return RequestOutput(**{**fields, **changes})

@@ -118,14 +118,14 @@ class LLM:
             raise InvalidArgument("prompts must be a non-empty str, list of str, or list of token-id lists")
         params = _params_list(sampling_params, len(plist))
         eng = self.engine
-        seqs = [eng.make_sequence(p, sp) for p, sp in zip(plist, params)]   # all checked, none queued
-        ids = [s.request_id for s in seqs]
+        ids = [eng.new_request_id() for _ in plist]
+        seqs = [eng.make_sequence(p, sp, rid) for p, sp, rid in zip(plist, params, ids)]   # checked, not queued
         if len(set(ids)) != len(ids):
             raise InvalidArgument(f"request ids must be distinct, got {ids}")
         eng.close_arrivals()
         try:
-            for s in seqs:
-                eng.add_request(s.request_id, s.prompt_token_ids, s.params, s.arrival_time)
+            for rid, s, sp in zip(ids, seqs, params):   # sp, not s.params: s is child 0 when sp.n > 1
+                eng.add_request(rid, s.prompt_token_ids, sp, s.arrival_time)
             tick = _progress(len(seqs)) if progress else None
             results = {o.request_id: o for o in eng.run(ids, tick)}
         except BaseException:

@@ -89,6 +89,14 @@ class KVCache:
         kc[slot_mapping] = k
         vc[slot_mapping] = v
 
+    def copy_blocks(self, mapping: tuple[tuple[int, int], ...]) -> None:
+        """Copy device blocks to device blocks, every layer, K and V: ``mapping`` is ``((src, dst), ...)``
+        (copy-on-write of a fork's shared last block; no destination is also a source)."""
+        if mapping:
+            src = torch.tensor([m[0] for m in mapping], device=self.data.device)
+            dst = torch.tensor([m[1] for m in mapping], device=self.data.device)
+            self.data[:, :, dst] = self.data[:, :, src]
+
     def swap_out(self, mapping: tuple[tuple[int, int], ...]) -> None:
         """Copy device blocks to host blocks: ``mapping`` is ``((device, host), ...)``."""
         if mapping:

@@ -11,6 +11,7 @@ chunk ``c`` (4 cached), with block size 4::
     slot_mapping   block_of(pos) * 4 + pos % 4, through each sequence's block table
     block_tables   [[a's blocks], [b's], [c's]]   padded with 0 to the longest table
     logits_indices the rows to sample: the last row of every sequence whose plan says ``sample``
+                   (named once more per child a fork samples from it: ``ScheduledSeq.forks``)
 
 A prompt admitted with a prefix-cache hit is just a chunk that starts late: its ``start_pos`` is the
 cached length, only the rest is packed, and attention reads the shared blocks through its block table
@@ -79,9 +80,10 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         q_lens.append(n)
         starts.append(p0)
         tables.append(s.block_table)
-        if s.sample:
-            logits_rows.append(len(ids) - 1)
-            sample_ids.append(s.request_id)
+        if s.sample:                      # a fork's children draw from the same row, one each
+            for rid in (s.request_id, *s.forks):
+                logits_rows.append(len(ids) - 1)
+                sample_ids.append(rid)
     # Padding rows (static and dynamic policies only) come last: pad tokens at positions 0.., slot -1
     # (nothing is written to the cache), no block table, never sampled. They cost compute, nothing else.
     for n in plan.padding:

@@ -6,6 +6,7 @@ promises::
     run(plan, params):
         kv_cache.swap_out(plan.swap_out)     # device blocks -> host blocks (swap preemption)
         kv_cache.swap_in(plan.swap_in)       # host blocks -> device blocks (resumed sequences)
+        kv_cache.copy_blocks(plan.copy_blocks)   # copy-on-write of a fork's shared last block
         batch  = pack(plan)                  # flat ids, positions, cu_seqlens, slot_mapping, block_tables
         logits = model(batch)                # one forward over every scheduled token, writes new K/V
         return sampler.sample(logits)        # {request_id: token} for the rows that reached their end
@@ -102,6 +103,7 @@ class ModelRunner:
         parameters; ``None`` (tensor-parallel worker ranks) runs every layer but samples nothing."""
         self.kv_cache.swap_out(plan.swap_out)
         self.kv_cache.swap_in(plan.swap_in)
+        self.kv_cache.copy_blocks(plan.copy_blocks)
         batch = pack(plan, self.model.device, self.pad_token_id)
         if batch.num_tokens == 0:
             return {}

@@ -493,7 +493,7 @@ class SimRunner:
 
     def run(self, plan: StepPlan, params=None) -> dict[str, int]:
         self.now += self._step_time(plan)
-        return {s.request_id: self._token for s in plan.seqs if s.sample}
+        return {r: self._token for s in plan.seqs if s.sample for r in (s.request_id, *s.forks)}
 
     def register(self, request_id: str, params: SamplingParams) -> None:
         """Nothing to keep: every sampled token is the dummy one."""
