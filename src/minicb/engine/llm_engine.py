@@ -60,6 +60,7 @@ from minicb.core.errors import (
     InvalidArgument,
     MinicbError,
     RequestRejected,
+    check_int,
 )
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
@@ -107,7 +108,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
         self._lock = threading.Lock()             # one step (or request change) at a time
         self._step_thread: int | None = None      # the thread running a step now
-        self._deferred_aborts: deque[str] = deque()
+        self._deferred_aborts: deque[tuple[str, int | None]] = deque()   # (request id, child index)
         self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
         self.dead: str | None = None              # why the engine died (EngineDeadError), or None
         self._closed = False                      # shutdown() was called
@@ -201,36 +202,49 @@ class LLMEngine:
             self._owner[seq.request_id] = request_id
         self._live[request_id] = RequestTracker(request_id, children)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
         returns its final output, or None if it is not an unfinished request of this engine.
+
+        ``index`` ends only that child of a request with ``n > 1`` (a stop string it produced, say)
+        and returns the request's output now, final if it was the last child. Child 0 before its
+        prompt is done takes the children still waiting for the fork with it (they have nothing yet).
 
         Called from a step listener (in the middle of a step) the abort is applied when the step ends
         and its final output comes out of the next ``step()``; from another thread it waits for the
         running step to end."""
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
+        if index is not None:
+            index = check_int("index", index, lo=0)
         if self._step_thread == threading.get_ident():
-            self._deferred_aborts.append(request_id)
+            self._deferred_aborts.append((request_id, index))
             return None
         out = None
         with self._lock:
             try:
                 with self._bookkeeping():
-                    out = self._abort(request_id, deliver=False)
+                    out = self._abort(request_id, deliver=False, index=index)
             except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
                 if out is not None:       # its output comes out of the next step()
                     self._ready.append(out)
                 raise
         return out
 
-    def _abort(self, request_id: str, deliver: bool) -> RequestOutput | None:
+    def _abort(self, request_id: str, deliver: bool, index: int | None = None) -> RequestOutput | None:
         if self.dead is not None or request_id not in self._live:
             return None
         now = self.clock()
-        for child in self._live[request_id].children:     # every child (finished ones are no-ops)
-            self.scheduler.abort(child.seq.request_id, now)
-        return self._finish(request_id, deliver)
+        tracker = self._live[request_id]
+        for child in tracker.children:                 # every child (finished ones are no-ops), or one
+            if index is None or child.seq.index == index:
+                self.scheduler.abort(child.seq.request_id, now)
+        if tracker.finished:
+            return self._finish(request_id, deliver)
+        out = tracker.output()
+        if deliver:
+            self._pending.append(out)
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so that the next requests compute their prompts in full
@@ -309,7 +323,8 @@ class LLMEngine:
         else:
             self._record(plan, sampled)
         while self._deferred_aborts:                  # aborts asked for by a listener of this step
-            self._abort(self._deferred_aborts.popleft(), deliver=True)
+            rid, index = self._deferred_aborts.popleft()
+            self._abort(rid, deliver=True, index=index)
         try:
             self._listeners.emit_step(plan, sched, before, start, self.clock(), self._pending, error)
         except BaseException as exc:                  # the step is recorded: its outputs stay ours

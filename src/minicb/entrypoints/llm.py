@@ -119,7 +119,7 @@ class LLM:
         params = _params_list(sampling_params, len(plist))
         eng = self.engine
         ids = [eng.new_request_id() for _ in plist]
-        seqs = [eng.make_sequence(p, sp, rid) for p, sp, rid in zip(plist, params, ids)]   # checked, not queued
+        seqs = [eng.make_sequence(p, sp, rid) for p, sp, rid in zip(plist, params, ids)]   # not queued
         if len(set(ids)) != len(ids):
             raise InvalidArgument(f"request ids must be distinct, got {ids}")
         eng.close_arrivals()

@@ -163,9 +163,6 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
 def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
            limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
-    n = body.get("n", 1)
-    if n is not None and (type(n) is not int or n != 1):
-        raise bad_request(f"n must be 1 (one choice per request), got {describe(n)}", "n")
     model = body.get("model")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -215,6 +212,8 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
          else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
         ("stop_token_ids", stop_token_ids),
         ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
+        # n choices: parallel sampling, the children share the prompt's KV blocks (engine: max_n)
+        ("n", lambda: 1 if body.get("n") is None else check_int("n", body["n"], lo=1, hi=MAX_INT)),
     ]
     for name, check in checks:
         try:
