@@ -264,8 +264,8 @@ def test_bad_fields_are_400_with_openais_error_object(url):
     assert_error(s, b, 400, "invalid_request_error", "not valid JSON")
     s, _, b = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": [1, 999999]})
     assert_error(s, b, 400, "invalid_request_error", "[0, 265]", "prompt")
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="max_n=16"):
+        client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
 
 
 def test_prompts_over_the_limits_are_400_naming_the_limit(url):

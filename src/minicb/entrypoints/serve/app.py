@@ -248,16 +248,22 @@ class EventStream(StreamingResponse):
 
 
 class _Answer:
-    """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s."""
+    """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s.
+
+    With ``n > 1`` the Deltas of the ``n`` choices arrive interleaved, each with its ``index``; the
+    answer is complete when every choice has sent its finished Delta (or one carries a failure).
+    Usage counts the prompt once and every choice's completion tokens."""
 
     def __init__(self, server: Server, parsed, handle: RequestHandle, accepted: Accepted):
         self.server, self.parsed, self.handle, self.accepted = server, parsed, handle, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
+        self.n = parsed.generate.params.n
 
-    def _usage(self, d: Delta) -> dict:
-        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-                "total_tokens": d.num_prompt_tokens + d.num_output_tokens}
+    def _usage(self, d: Delta, completion_tokens: int | None = None) -> dict:
+        done = d.num_output_tokens if completion_tokens is None else completion_tokens
+        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": done,
+                "total_tokens": d.num_prompt_tokens + done}
 
     def _envelope(self, obj: str) -> dict:
         env = {"id": self.handle.request_id, "object": obj, "created": self.created,
@@ -270,14 +276,15 @@ class _Answer:
         p = self.parsed
         first = True
 
-        def chunk(text: str | None, ids: list[int], reason: str | None) -> str:
+        def chunk(text: str | None, ids: list[int], reason: str | None, index: int = 0,
+                  role: bool = False) -> str:
             nonlocal first
             if self.chat:
-                delta = {"role": "assistant", "content": text or ""} if first else \
+                delta = {"role": "assistant", "content": text or ""} if role else \
                     ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             if p.return_token_ids:
                 choice["token_ids"] = ids
             body = {**self._envelope(obj), "choices": [choice]}
@@ -288,27 +295,34 @@ class _Answer:
             first = False
             return _sse(body)
 
-        if self.chat:                  # OpenAI's first chat chunk: the role, no content yet
-            yield chunk("", [], None)
+        if self.chat:                  # OpenAI's first chat chunk per choice: the role, no content yet
+            for i in range(self.n):
+                yield chunk("", [], None, i, role=True)
+        ended: dict[int, int] = {}     # index -> its completion tokens, once it has finished
         while True:
             d: Delta = await self.handle.queue.get()
             if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
                 yield _sse(d.failure.body(), ascii_only=True)
                 break
             if d.finished:
-                yield chunk(d.text, d.token_ids, d.finish_reason)
+                yield chunk(d.text, d.token_ids, d.finish_reason, d.index)
+                ended[d.index] = d.num_output_tokens
+                if len(ended) < self.n:
+                    continue
                 if p.include_usage:
-                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(d)})
+                    yield _sse({**self._envelope(obj), "choices": [],
+                                "usage": self._usage(d, sum(ended.values()))})
                 break
             if d.text or (p.return_token_ids and d.token_ids):
-                yield chunk(d.text, d.token_ids, None)
+                yield chunk(d.text, d.token_ids, None, d.index)
         yield "data: [DONE]\n\n"
 
     # --- one response ---------------------------------------------------------------------------
     async def whole(self, request: Request):
         disconnected = asyncio.ensure_future(_disconnect(request))
-        text: list[str] = []
-        ids: list[int] = []
+        texts: list[list[str]] = [[] for _ in range(self.n)]
+        token_ids: list[list[int]] = [[] for _ in range(self.n)]
+        ended: dict[int, Delta] = {}
         try:
             while True:
                 nxt = asyncio.ensure_future(self.handle.queue.get())
@@ -318,10 +332,14 @@ class _Answer:
                     self.server.engine_thread.abort(self.handle.request_id)
                     return Response(status_code=499)      # nobody reads it; nginx's "client closed"
                 d: Delta = nxt.result()
-                text.append(d.text)
-                ids += d.token_ids
-                if d.finished:
+                texts[d.index].append(d.text)
+                token_ids[d.index] += d.token_ids
+                if d.failure is not None:
                     break
+                if d.finished:
+                    ended[d.index] = d
+                    if len(ended) == self.n:
+                        break
         except asyncio.CancelledError:
             self.server.engine_thread.abort(self.handle.request_id)
             raise
@@ -329,14 +347,18 @@ class _Answer:
             disconnected.cancel()
         if d.failure is not None:
             raise d.failure
-        out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if self.chat
-                  else {"index": 0, "text": out})
-        choice |= {"logprobs": None, "finish_reason": d.finish_reason}
-        if self.parsed.return_token_ids:
-            choice["token_ids"] = ids
-        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self._usage(d)}
+        choices = []
+        for i in range(self.n):
+            out = "".join(texts[i])
+            choice = ({"index": i, "message": {"role": "assistant", "content": out}} if self.chat
+                      else {"index": i, "text": out})
+            choice |= {"logprobs": None, "finish_reason": ended[i].finish_reason}
+            if self.parsed.return_token_ids:
+                choice["token_ids"] = token_ids[i]
+            choices.append(choice)
+        usage = self._usage(d, sum(e.num_output_tokens for e in ended.values()))
+        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage}
         if self.parsed.return_token_ids:
             body["prompt_token_ids"] = self.accepted.prompt_token_ids
         return JSONResponse(body)

@@ -20,6 +20,9 @@ thread-safe doors, never anywhere else::
   This thread adds them and steps; nothing here grows faster than a request.
 * Stop strings are matched here, on the text of each step's output (``StopMatcher``): a match aborts
   the request at once (no wasted step) and reports ``finish_reason == "stop"``.
+* ``n > 1`` choices (parallel sampling: the engine forks the request after its prompt): every child
+  has its own stop matcher and its own ``Delta``s (``index``); a stop string ends that child only
+  (``abort_request(id, index)``). The request is done when every child has sent its finished Delta.
 * If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
   engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
   the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
@@ -77,6 +80,7 @@ class Delta:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None
     failure: ApiError | None = None       # the request ended without its answer: what a client is told
+    index: int = 0                        # which of the request's n choices (parallel sampling)
 
 
 @dataclass(slots=True, eq=False)
@@ -98,6 +102,8 @@ class _Live:
     stops: StopMatcher
     num_prompt_tokens: int
     seen_first_token: bool = False
+    children: list[StopMatcher] = field(default_factory=list)   # n > 1: each child's matcher
+    done: set[int] = field(default_factory=set)                  # n > 1: children that ended
 
 
 class EngineThread:
@@ -292,6 +298,9 @@ class EngineThread:
                                "service_unavailable_error", code="server_overloaded", retry_after=1)
             ids = req.prompt
             params = req.params
+            if params.n > self.engine.config.max_n:
+                raise bad_request(f"n={params.n} is more choices than this server makes for one request "
+                                  f"(max_n={self.engine.config.max_n})", "n")
             if req.max_tokens_from_room:
                 params = dataclasses.replace(params, max_tokens=self._room(len(ids)))
             self.engine.add_request(handle.request_id, ids, params, arrival_time=handle.arrival_time)
@@ -309,7 +318,10 @@ class EngineThread:
             log.exception("adding request %s failed", handle.request_id)
             self._send(handle, ApiError(500, "internal error while adding the request", "server_error"))
             return
-        self._live[handle.request_id] = _Live(handle, handle.stops, len(ids))
+        live = _Live(handle, handle.stops, len(ids))
+        if params.n > 1:
+            live.children = [handle.stops] + [StopMatcher(handle.stops.stops) for _ in range(params.n - 1)]
+        self._live[handle.request_id] = live
         self._send(handle, Accepted(ids, params.max_tokens))
 
     def _room(self, prompt_len: int) -> int:
@@ -343,10 +355,14 @@ class EngineThread:
         return bool(outs) or (plan is not None and not plan.is_empty)
 
     def _output(self, live: _Live, out: RequestOutput) -> None:
+        new = any(c.new_token_ids for c in out.outputs) if live.children else bool(out.new_token_ids)
         if self.metrics is not None:
-            self.metrics.observe_tokens(out, first=not live.seen_first_token and bool(out.new_token_ids))
-        if out.new_token_ids:
+            self.metrics.observe_tokens(out, first=not live.seen_first_token and new)
+        if new:
             live.seen_first_token = True
+        if live.children:
+            self._output_children(live, out)
+            return
         text = live.stops.push(out.new_text)
         if live.stops.stopped:
             new_ids = out.new_token_ids
@@ -359,8 +375,58 @@ class EngineThread:
             self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
                                           len(out.token_ids)))
 
-    def _finish(self, live: _Live, out: RequestOutput, reason: str | None, text: str,
+    def _output_children(self, live: _Live, out: RequestOutput) -> None:
+        """``n > 1``: each child's new text through its own stop matcher, a Delta per child."""
+        for c in out.outputs:
+            i = c.index
+            if i in live.done:
+                continue
+            stops = live.children[i]
+            text = stops.push(c.new_text)
+            if stops.stopped:
+                if not c.finished():                   # end this child now; the others go on
+                    out = self.engine.abort_request(out.request_id, index=i) or out
+                self._child_done(live, out, i, "stop", text, c.new_token_ids, len(c.token_ids))
+            elif c.finished():
+                self._child_done(live, out, i, c.finish_reason, text + stops.flush(), c.new_token_ids,
+                                 len(c.token_ids), c.error)
+            elif text or c.new_token_ids:
+                self._send(live.handle, Delta(text, list(c.new_token_ids), live.num_prompt_tokens,
+                                              len(c.token_ids), index=i))
+
+    def _child_done(self, live: _Live, out: RequestOutput, i: int, reason: str | None, text: str,
+                    new_ids: list[int], num_output_tokens: int, error: str | None = None,
+                    failure: ApiError | None = None) -> None:
+        """Child ``i`` ended: its finished Delta; the request is over once every child's is sent."""
+        live.done.add(i)
+        if failure is None and reason == "error":
+            failure = ApiError(500, f"the engine step serving this request failed: {error}", "server_error")
+        self._send(live.handle, Delta(text, list(new_ids), live.num_prompt_tokens, num_output_tokens, True,
+                                      reason, error if failure is None else failure.message, failure, i))
+        if len(live.done) == len(live.children):
+            del self._live[live.handle.request_id]
+            if self.metrics is not None and out is not None:
+                self.metrics.observe_finished(out, reason)
+
+    def _finish(self, live: _Live, out: RequestOutput | None, reason: str | None, text: str | None,
                 new_ids: list[int] | None = None, failure: ApiError | None = None) -> None:
+        """End the whole request (``text`` None: what is left of each child's text); ``out`` None:
+        the engine could not say (a broken engine)."""
+        if live.children:                              # n > 1: every child not yet ended
+            by_index = {c.index: c for c in out.outputs} if out is not None else {}
+            for i in sorted(set(range(len(live.children))) - live.done):
+                c = by_index.get(i)
+                left = "" if c is None or text is not None else live.children[i].push(c.new_text)
+                self._child_done(live, out, i, reason, left, c.new_token_ids if c else [],
+                                 len(c.token_ids) if c else 0, c.error if c else None, failure)
+            return
+        if out is None:
+            del self._live[live.handle.request_id]
+            self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
+                                          failure.message, failure))
+            return
+        if text is None:
+            text = live.stops.push(out.new_text)
         del self._live[live.handle.request_id]
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
@@ -385,12 +451,7 @@ class EngineThread:
                     out = self.engine.abort_request(rid)
                 except Exception:   # noqa: BLE001 - a broken engine must still let clients go
                     log.exception("abort of %s failed", rid)
-            if out is None:
-                del self._live[rid]
-                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
-                                              failure.message, failure))
-            else:
-                self._finish(live, out, reason, live.stops.push(out.new_text), failure=failure)
+            self._finish(live, out, reason, None, failure=failure)
         return n
 
     def _die(self, reason: str) -> None:
