@@ -70,7 +70,8 @@ def test_streaming_chat_chunks_carry_each_choices_index(url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 3, **KNOBS}
     s, _, whole = http("POST", url + "/v1/chat/completions", body)
     assert s == 200, whole
-    chunks = sse(url + "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse(url + "/v1/chat/completions",
+                 {**body, "stream": True, "stream_options": {"include_usage": True}})
     texts, roles, reasons = {i: "" for i in range(3)}, set(), {}
     for ch in chunks[:-1]:
         (c,) = ch["choices"]
