@@ -174,8 +174,9 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
                 assert (i + 1) * bs <= s.context_len and len(readers.get(b, ())) == others, \
                     f"{s.request_id} writes block {b}, which another table names (copy-on-write missed)"
     holders = {b: s.request_id for s in plan.seqs for b in s.block_table}
-    for src, dst in plan.copy_blocks:          # a copy goes from a block still held to a row's own block
-        assert bm.device.ref_counts[src] >= 1 and bm.device.ref_counts[dst] == 1 and dst in holders
+    for src, dst in plan.copy_blocks:          # a copy goes to a row's own block (which same-step readers
+        assert dst in holders and src != dst   # may share); its source may have been freed since, by a
+        assert bm.device.ref_counts[dst] == 1 + len(readers.get(dst, ()))   # later preemption
     assert len({d for _, d in plan.copy_blocks}) == len(plan.copy_blocks)
     for s in plan.seqs:
         seq = sched.get(s.request_id)

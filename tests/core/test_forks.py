@@ -225,3 +225,27 @@ def test_n_is_bounded_and_children_are_checked():
         sched.add(Sequence("1_r", [1], a.params))
     assert child_id("r", 0, 1) == "r" and child_id("r", 2, 3) == "2_r"
     assert alone(PROMPT, 3, EOS, salt=1) != alone(PROMPT, 3, EOS, salt=0)
+
+
+def test_aborting_every_attached_child_leaves_child_0_a_plain_request():
+    sched, model = Scheduler(cfg()), FakeModel(cfg())
+    add(sched, "r", 2, max_tokens=3)
+    sched.abort("1_r")                                   # the last attached child: nothing to fork
+    sched.check_integrity()
+    plan, _ = step(sched, model)
+    assert plan.seqs[0].forks == () and not sched._attached
+    finished = drain_scheduler(sched, model=model)
+    assert [(s.request_id, s.output_token_ids) for s in finished] == [("0_r", alone(PROMPT, 3, None))]
+
+
+def test_a_copy_whose_source_a_later_preemption_frees_still_copies_the_prompt():
+    # 10 blocks of 2: child 0's copy-on-write takes the last free block, then q6's growth preempts
+    # child 1 (the source's other holder): the copy still runs before the forward (the found case).
+    config = cfg(block_size=2, num_blocks=10, max_num_batched_tokens=16)
+    reqs = [Req("q5", [5, 12, 22, 11, 21, 22, 22, 4, 2], 8, ignore_eos=True, n=2),
+            Req("q6", [8, 18, 20], 4, ignore_eos=True), Req("q7", [17, 19, 21, 14, 17, 9, 15, 20, 9], 4,
+                                                           ignore_eos=True),
+            Req("q8", [2, 16, 21], 1, ignore_eos=True, n=4)]
+    run = drive(config, reqs)
+    assert_token_exact(run, reqs)
+    assert any(p.copy_blocks and p.preempted for p in run.plans)

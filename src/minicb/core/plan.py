@@ -9,8 +9,9 @@ finished; they run through the model like any row but write no K/V and are never
 
 Order of effects inside one step (the engine keeps it): swap-out copies, then swap-in copies, then the
 copy-on-write block copies (``copy_blocks``), then the forward pass (which writes the new K/V through
-``slot_mapping``), then sampling. A copy's source is held by a sequence that keeps it through the step
-and its destination is a block taken fresh for this step, so no swap of the same step touches either.
+``slot_mapping``), then sampling. A copy's destination is a block taken fresh for this step; its source
+was held when the copy was planned, and nothing writes it before the copies run: a step that
+preempts (the only way the source can be freed) swaps nothing in, and the forward comes after.
 
 Parallel sampling: the row that finishes the prompt of a request with ``n > 1`` children names the
 other children in ``forks``; its logits are sampled once per child, each with the child's own

@@ -356,8 +356,10 @@ class Scheduler:
 
     def _unqueue(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING and seq not in self._waiting:   # attached to its child 0
-            children = next(c for c in self._attached.values() if seq in c)
-            children.remove(seq)
+            parent = next(rid for rid, c in self._attached.items() if seq in c)
+            self._attached[parent].remove(seq)
+            if not self._attached[parent]:
+                del self._attached[parent]
         elif seq.status is SequenceStatus.RUNNING:
             del self._running[seq.request_id]
         elif seq.status is SequenceStatus.SWAPPED:

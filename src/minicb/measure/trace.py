@@ -189,8 +189,9 @@ class PromptLengths:
         """``"prefill"`` or ``"decode"`` for the ``ScheduledSeq`` ``seq`` (``row_kind``)."""
         n = self._known.get(seq.request_id)
         if n is None:
-            if seq.sample:                       # the first sampled row: the prompt ends here
-                self._known[seq.request_id] = seq.start_pos + seq.num_tokens
+            if seq.sample:                       # the first sampled row: the prompt ends here, for the
+                for rid in (seq.request_id, *seq.forks):     # children it forks (n > 1) too
+                    self._known[rid] = seq.start_pos + seq.num_tokens
             return PREFILL                       # nothing sampled yet: still inside the prompt
         return row_kind(seq.start_pos, seq.num_tokens, n)
 
