@@ -105,9 +105,9 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ("evict", "self.num_children.pop(block, None)", "statement dropped",
      "the evicted block has no cached children (asserted just above), and a Counter reads a missing "
      "key as 0: a zero entry left behind changes no lookup"),
-    ("allocate", "self._num_hashed[request_id] = len(computed)", "statement dropped",
-     "only saves work: the prefix-hit blocks are re-offered to the cache, and insert() refuses a block "
-     "that is cached already (they are: lookup found them, and a shared block is never evicted)"),
+    ("_same_step_hits", "if full <= k0 + len(best) or table[:k0] != hits:", "`<=` -> `<`",
+     "only skips work: a row offering exactly as many blocks as the best so far cannot beat it "
+     "(the loop below replaces the best only with a strictly longer run)"),
     ("as_real", "return math.inf if value > 0 else -math.inf", "`>` -> `>=`",
      "only an integer too large for a float overflows, and that is never 0"),
     ("format_bytes", 'raise AssertionError("unreachable")', "statement dropped",

@@ -178,6 +178,10 @@ def check_plan(sched: Scheduler, plan: StepPlan) -> None:
         assert dst in holders and src != dst   # may share); its source may have been freed since, by a
         assert bm.device.ref_counts[dst] == 1 + len(readers.get(dst, ()))   # later preemption
     assert len({d for _, d in plan.copy_blocks}) == len(plan.copy_blocks)
+    # each copy is of a row's partly filled block, which that row then writes from inside it (a copy
+    # left behind by a preempted victim would name a block nobody writes so, or one a row starts)
+    copied_into = {s.block_table[s.start_pos // bs] for s in plan.seqs if s.start_pos % bs}
+    assert all(d in copied_into for _, d in plan.copy_blocks), "a copy no row of the step needs"
     for s in plan.seqs:
         seq = sched.get(s.request_id)
         assert seq is not None and seq.status is SequenceStatus.RUNNING

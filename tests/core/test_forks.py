@@ -249,3 +249,14 @@ def test_a_copy_whose_source_a_later_preemption_frees_still_copies_the_prompt():
     run = drive(config, reqs)
     assert_token_exact(run, reqs)
     assert any(p.copy_blocks and p.preempted for p in run.plans)
+
+
+def test_a_preempted_childs_copy_on_write_is_taken_back_with_its_grant():
+    # x's prefill chunks preempt the newest children after they made their copies in the same step;
+    # check_plan (in drive) refuses a plan that keeps a copy no row needs.
+    config = cfg(max_num_batched_tokens=24, long_prefill_chunk=3, block_size=2, num_blocks=6)
+    reqs = [Req("x", [17, 14, 12, 20, 19, 12, 11, 12, 4, 10], 2, ignore_eos=True),
+            Req("r", [22], 4, arrival=1, ignore_eos=True, n=3)]
+    run = drive(config, reqs)
+    assert_token_exact(run, reqs)
+    assert run.scheduler.stats.num_preemptions > 0 and any(p.copy_blocks for p in run.plans)

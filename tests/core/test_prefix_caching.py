@@ -320,6 +320,30 @@ def test_same_step_sharing_only_takes_blocks_the_step_completes():
     assert sched.block_manager.device.ref_counts[:4] == [2, 1, 1, 1]
 
 
+def test_same_step_sharing_leaves_the_last_token_to_compute():
+    # b is a's first 8 tokens and one more (9 = 2 blocks + 1): it shares both full blocks, the limit
+    # being its last token, and computes 1 token from position 8.
+    sched = Scheduler(ccfg())
+    sched.add(seq("a", 10, 2))
+    sched.add(seq("b", 9, 2))
+    plan, _ = step(sched)
+    assert rows(plan) == [("a", 0, 0, 10, (0, 1, 2), True), ("b", 1, 8, 1, (0, 1, 3), True)]
+
+
+def test_same_step_sharing_takes_the_first_of_equally_long_runs():
+    # a and b computed the same block 1 in parallel (each from its own partial block of step 0): both
+    # complete it in step 1, where c is admitted; c shares a's (the first row offering it), not b's.
+    sched = Scheduler(ccfg(long_prefill_chunk=6, max_num_batched_tokens=8))
+    sched.add(seq("a", 8, 2))
+    sched.add(seq("b", 8, 2))
+    plan, _ = step(sched)
+    assert rows(plan) == [("a", 0, 0, 6, (0, 1), False), ("b", 1, 4, 2, (0, 2), False)]
+    sched.add(seq("c", 9, 2))
+    plan, _ = step(sched)
+    assert rows(plan) == [("a", 0, 6, 2, (0, 1), True), ("b", 1, 6, 2, (0, 2), True),
+                          ("c", 2, 8, 1, (0, 1, 3), True)]
+
+
 def test_same_step_sharing_is_token_exact_against_the_fake_model():
     # block size 4: b and d share a's blocks 0 and 1 ([5 5 5 5][5 5 5 5]), c shares block 0 only
     reqs = [Req("a", [5] * 9 + [1, 2], 6, ignore_eos=True), Req("b", [5] * 9 + [3], 6, ignore_eos=True),
