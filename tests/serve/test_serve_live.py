@@ -41,9 +41,11 @@ FACTS = """JSON.stringify({
   labels: [...document.querySelectorAll("#slots .slotlabel")].map(l => l.title),
   ...(() => {
     const live = window.minicbLive, g = live.geom(), grid = document.getElementById("grid");
-    const dpr = window.devicePixelRatio || 1, px = grid.getContext("2d").getImageData(0, 0, grid.width, grid.height);
+    const dpr = window.devicePixelRatio || 1;
+    const px = grid.getContext("2d").getImageData(0, 0, grid.width, grid.height);
     const probe = document.createElement("canvas").getContext("2d");
-    const rgb = css => { probe.fillStyle = css; probe.fillRect(0, 0, 1, 1); return [...probe.getImageData(0, 0, 1, 1).data]; };
+    const rgb = css => { probe.fillStyle = css; probe.fillRect(0, 0, 1, 1);
+                         return [...probe.getImageData(0, 0, 1, 1).data]; };
     let checked = 0, painted = 0;
     for (let y = g.row / 2; y < grid.height / dpr; y += g.row + 1)
       for (let x = g.cell / 2; x < grid.width / dpr; x += g.cell + 1) {

@@ -48,7 +48,7 @@ from minicb.measure.trace import PromptLengths
 HISTORY = 96                  # steps the page shows
 MAX_QUEUE_SHOWN = 64          # waiting request ids sent per frame (the count is always exact)
 MAX_BLOCKS_DRAWN = 4096       # the page draws the pool's first blocks; cached ones beyond are not sent
-RATE_WINDOW_S = 2.0           # tokens/s over the steps of the last two seconds
+RATE_WINDOW_S = 2.0           # tokens/s over the steps of the last two seconds (two steps at least)
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,6 +179,8 @@ class LiveFeed:
             w.seen = cols[-1].index + 1
         last = history[-1].end if history else 0.0
         window = [c for c in history if c.end >= last - RATE_WINDOW_S]
+        if len(window) < 2:                       # steps longer than the window (256 slots on a CPU)
+            window = history[-2:]
         frame = {"type": "steps", "columns": [_column_json(c) for c in cols], "tps": _rate(window),
                  "state": _state_json(state)}
         out = _sse(frame)
