@@ -4,16 +4,14 @@ pinned when the page scrolls, the blocks in the prefix cache are drawn apart fro
 browser's computed colours differ, and the page marks exactly the blocks the scheduler's snapshot
 says are cached and free), and a slot's label is short with the full request id in its title.
 
-``MINICB_UPDATE_DOCS_IMAGES=1`` also writes the 1280 px screenshot to
-``docs/images/screenshot-live-256.png`` (the picture in the docs is taken under a real load; see
-``docs/concepts/serving.md``).
+The 1280 px screenshot is kept as a test artefact, ``build/artefacts/live-256.png``; the picture in
+the docs is taken of the real model under load by ``bench/live_screenshot.py``.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import pathlib
 import threading
 import time
@@ -128,8 +126,6 @@ def test_the_live_page_at_256_slots_keeps_the_pool_and_the_queue_on_the_first_sc
                 t.join(timeout=60)
     ARTEFACT.parent.mkdir(parents=True, exist_ok=True)
     ARTEFACT.write_bytes(base64.b64decode(shot))
-    if os.environ.get("MINICB_UPDATE_DOCS_IMAGES"):
-        (ROOT / "docs" / "images" / "screenshot-live-256.png").write_bytes(base64.b64decode(shot))
     # the blocks of the finished requests' prompts stay cached: marked exactly where the scheduler says
     assert snap.running == () and snap.block_tables == ()
     assert {int(t.split()[1].rstrip(":")) for t in quiet["idle"]} == set(snap.cached_blocks)
