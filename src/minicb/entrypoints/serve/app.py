@@ -144,7 +144,7 @@ def build_app(server: Server) -> FastAPI:
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
-    app.include_router(extra_routes(server))     # /tokenize, /detokenize, /version, /ping, /v1/models/{id}
+    app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
 
 

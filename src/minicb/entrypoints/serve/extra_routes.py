@@ -51,10 +51,9 @@ PING_TIMEOUT_S = 10.0
 _UNSUPPORTED_CHAT = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs")
 
 
-def extra_routes(server) -> APIRouter:
-    """The routes of this module for ``server`` (``app.py`` includes them with one line)."""
-    from minicb.entrypoints.serve.app import read_body  # app imports this module: import late
-
+def extra_routes(server, read_body) -> APIRouter:
+    """The routes of this module for ``server`` (``app.py`` includes them with one line); ``read_body``
+    is ``app.read_body``, handed in so that this module does not import ``app`` (which imports it)."""
     router = APIRouter()
 
     @router.post("/tokenize")
