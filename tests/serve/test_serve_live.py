@@ -41,6 +41,7 @@ FACTS = """JSON.stringify({
   labels: [...document.querySelectorAll("#slots .slotlabel")].map(l => l.title),
   ...(() => {
     const live = window.minicbLive, g = live.geom(), grid = document.getElementById("grid");
+    if (!g) return {checked: 0, painted: 0};                  // before the first frame
     const dpr = window.devicePixelRatio || 1;
     const px = grid.getContext("2d").getImageData(0, 0, grid.width, grid.height);
     const probe = document.createElement("canvas").getContext("2d");
