@@ -30,8 +30,9 @@ Heavy names load lazily, so ``import minicb`` stays cheap (no torch).
 
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected
 from minicb.core.sampling_params import SamplingParams
+from minicb.core.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "SchedulerConfig", "MinicbError",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "SchedulerConfig", "MinicbError",
            "InvalidArgument", "RequestRejected", "ModelLoadError"]
 __version__ = "0.1.0"
 
