@@ -11,7 +11,8 @@ Exactly one constraint per request::
 Torch-free and engine-free: it only holds and checks the constraint. What turns it into a token mask
 is ``minicb.runtime.grammar`` (the llguidance engine), per request row of the flat batch.
 
-A JSON schema given as a dict is stored as its canonical JSON text (sorted keys), so the dataclass
+A JSON schema given as a dict is stored as its compact JSON text (key order kept: a schema's property
+order is the order the output writes them), so the dataclass
 stays frozen and hashable and two equal schemas are one cache entry of the compiled grammars.
 ``schema_depth`` and ``len(json)`` are what ``minicb serve``'s limits on schema size and nesting read.
 """
@@ -77,7 +78,7 @@ def _schema_text(schema) -> str:
     if not isinstance(schema, (dict, bool)):
         raise InvalidArgument(f"structured_outputs.json must be a JSON schema (an object), got {describe(schema)}")
     try:
-        return _json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return _json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"structured_outputs.json is not a JSON value: {e}") from None
 

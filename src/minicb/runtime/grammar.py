@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 
 import numpy as np
 import torch
@@ -56,9 +55,6 @@ CACHE_SIZE = 256                  # compiled constraints kept (an LRU: a new sch
 # A fixed JSON layout (json.dumps's own): no free whitespace, which a small model could repeat until
 # max_tokens; unimplemented schema keywords are ignored rather than refused (pydantic adds some).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
-
-_lock = threading.Lock()          # the caches are shared by the frontend's workers and the engine thread
-
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar definition (not yet checked: ``compiled`` does that)."""
@@ -98,7 +94,9 @@ def compiled(spec: StructuredOutputsParams, tokenizer, vocab_size: int, eos_toke
     lltok = engine_tokenizer(tokenizer, vocab_size, eos_token_id)
     try:
         matcher = LLMatcher(lltok, grammar_text(spec), log_level=0)
-    except ValueError as e:
+    except InvalidArgument:
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's errors have no common class; all mean "bad grammar"
         raise InvalidArgument(f"structured_outputs.{spec.kind} cannot be compiled: {e}") from None
     if matcher.is_error():
         raise InvalidArgument(f"structured_outputs.{spec.kind} cannot be compiled: {matcher.get_error()}")
@@ -111,9 +109,9 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer, vocab_size: int, eos_t
         raise InvalidArgument("structured_outputs needs the model's tokenizer (the grammar is over text)")
     if eos_token_id is None:
         raise InvalidArgument("structured_outputs needs an EOS token (a complete grammar ends with it)")
-    with _lock:
-        pristine = compiled(spec, tokenizer, vocab_size, eos_token_id)
-        return pristine.deep_copy()
+    # the caches are shared by the frontend's workers and the engine thread: lru_cache is thread-safe
+    # (two threads may compile the same constraint once each), and deep_copy only reads the pristine one
+    return compiled(spec, tokenizer, vocab_size, eos_token_id).deep_copy()
 
 
 class GrammarProcessor:
