@@ -21,7 +21,9 @@ would: the tools' system prompt (``system_prompt``) goes first, an assistant tur
               (``finish_reason: "tool_calls"``), else it is the answer's content (the default)
 ``required``  the output is *forced* into the format by a grammar (``constraint``): a list of one or
               more calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``
-              schema-checked by the grammar engine, like a ``json_schema`` response format
+              schema-checked by the grammar engine, like a ``json_schema`` response format; at most
+              one call per tool offered (a small model otherwise repeats its call until
+              ``max_tokens``), exactly one with ``parallel_tool_calls: false``
 named         ``{"type": "function", "function": {"name": ...}}``: the same, exactly one call to it
 ============  =====================================================================================
 
@@ -69,6 +71,7 @@ class ToolRequest:
     functions: tuple[dict, ...]
     choice: str
     named: bool = False
+    parallel: bool = True          # OpenAI's parallel_tool_calls: several calls in one answer
 
     @property
     def shown(self) -> bool:
@@ -109,6 +112,12 @@ def parse_tools(body: dict, limits: ServeLimits) -> ToolRequest | None:
     if size > limits.max_grammar_chars:
         raise bad_request(f"the tools' definitions have {size:,} characters; at most "
                           f"{limits.max_grammar_chars:,} are allowed ({flag('max_grammar_chars')})", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise bad_request(f"parallel_tool_calls must be true or false, got {describe(parallel)}",
+                          "parallel_tool_calls")
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -119,11 +128,11 @@ def parse_tools(body: dict, limits: ServeLimits) -> ToolRequest | None:
         if fname not in names:
             raise bad_request(f"tool_choice names the function {describe(fname)}, which is not in tools",
                               "tool_choice")
-        return ToolRequest(tuple(functions), fname, named=True)
+        return ToolRequest(tuple(functions), fname, named=True, parallel=parallel)
     if choice not in ("none", "auto", "required"):
         raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{type: 'function', "
                           f"function: {{name}}}}, got {describe(choice)}", "tool_choice")
-    return ToolRequest(tuple(functions), choice)
+    return ToolRequest(tuple(functions), choice, parallel=parallel)
 
 
 def system_prompt(req: ToolRequest) -> str:
@@ -185,7 +194,8 @@ def constraint(req: ToolRequest) -> StructuredOutputsParams | None:
               "required": ["name", "arguments"], "additionalProperties": False} for f in wanted]
     schema = {"anyOf": calls, "x-guidance": _X_GUIDANCE} if len(calls) > 1 else {**calls[0],
                                                                                   "x-guidance": _X_GUIDANCE}
-    more = "" if req.named else ' ("," "\\n"? call)*'
+    most = 1 if req.named or not req.parallel else len(req.functions)
+    more = f' ("," "\\n"? call)~0..{most - 1}' if most > 1 else ""
     lark = (f'start: "{OPEN}[" "\\n"? call{more} "\\n"? "]{CLOSE}"\n'
             f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
     return StructuredOutputsParams(grammar=lark)
