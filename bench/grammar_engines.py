@@ -129,7 +129,8 @@ def bench_xgrammar(tok, tokens: list[int], repeats: int) -> dict:
     compile_generic = _median_ms(lambda: fresh().compile_builtin_json_grammar(), repeats)
     compiled = fresh().compile_json_schema(text)
     mask = xgr.allocate_token_bitmask(1, tok.vocab_size)
-    med, p90, first = _mask_times(lambda: xgr.GrammarMatcher(compiled), lambda m: m.fill_next_token_bitmask(mask),
+    med, p90, first = _mask_times(lambda: xgr.GrammarMatcher(compiled),
+                                  lambda m: m.fill_next_token_bitmask(mask),
                            lambda m, t: m.accept_token(t), tokens, repeats)
     import importlib.metadata as md
     return {"engine": f"xgrammar {md.version('xgrammar')}", "tokenizer_ms": setup,
@@ -167,7 +168,8 @@ def main(argv=None) -> None:
     print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['engine']} | {r['tokenizer_ms']:.0f} | {r['compile_schema_ms']:.1f} | "
-              f"{r['compile_generic_ms']:.1f} | {r['first_mask_ms']:.1f} | {r['mask_median_us']:.0f} | {r['mask_p90_us']:.0f} |")
+              f"{r['compile_generic_ms']:.1f} | {r['first_mask_ms']:.1f} | {r['mask_median_us']:.0f} | "
+              f"{r['mask_p90_us']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, Req
 from minicb.core.sampling_params import SamplingParams
 from minicb.core.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "SchedulerConfig", "MinicbError",
-           "InvalidArgument", "RequestRejected", "ModelLoadError"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "SchedulerConfig", "MinicbError", "InvalidArgument", "RequestRejected", "ModelLoadError"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "minicb.entrypoints.llm", "LLMEngine": "minicb.engine.llm_engine",

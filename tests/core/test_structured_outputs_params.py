@@ -50,7 +50,8 @@ def test_sampling_params_checks_the_type_and_refuses_ignore_eos():
 
 
 def test_schema_depth_counts_container_levels_without_recursing():
-    assert [schema_depth(x) for x in (1, "s", {}, [], {"a": [1]}, {"a": {"b": {"c": {}}}})] == [0, 0, 1, 1, 2, 4]
+    values = (1, "s", {}, [], {"a": [1]}, {"a": {"b": {"c": {}}}})
+    assert [schema_depth(x) for x in values] == [0, 0, 1, 1, 2, 4]
     deep: list = []
     for _ in range(5000):
         deep = [deep]

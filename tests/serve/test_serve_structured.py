@@ -57,7 +57,8 @@ def test_response_format_json_schema_and_json_object_validate(url, path, base):
             "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}})
         assert out["choices"][0]["finish_reason"] == "stop"
         jsonschema.validate(json.loads(text(out)), SCHEMA)
-    out = post(url, path, {**base, "max_tokens": 80, "temperature": 0, "response_format": {"type": "json_object"}})
+    out = post(url, path, {**base, "max_tokens": 80, "temperature": 0,
+                           "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(text(out)), dict)
 
 
@@ -115,7 +116,8 @@ def test_tool_choice_none_gives_plain_text_and_auto_parses_only_the_format(url):
     plain = post(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 8, "temperature": 0,
                                                "return_token_ids": True})
     none = post(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 8, "temperature": 0,
-                                              "return_token_ids": True, "tools": [WEATHER], "tool_choice": "none"})
+                                              "return_token_ids": True, "tools": [WEATHER],
+                                              "tool_choice": "none"})
     # none: the tools are not shown, so the prompt and the answer are exactly those without tools
     assert none["prompt_token_ids"] == plain["prompt_token_ids"]
     assert none["choices"][0] == plain["choices"][0] and "tool_calls" not in none["choices"][0]["message"]
@@ -139,14 +141,16 @@ def test_streaming_with_tools_sends_the_calls_in_one_delta(url):
 
 def test_an_earlier_call_and_its_result_are_rendered_in_the_models_format(url):
     history = USER + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     seen = {}
     parse_chat({"messages": history, "tools": [TIME]}, lambda m: seen.setdefault("m", m) and "x")
     m = seen["m"]
     assert m[0]["role"] == "system" and '"name": "get_time"' in m[0]["content"]
     assert m[2] == {"role": "assistant",
-                    "content": '<tool_call>[\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n]</tool_call>'}
+                    "content": '<tool_call>[\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n]'
+                               '</tool_call>'}
     assert m[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
     out = post(url, "/v1/chat/completions", {"messages": history, "tools": [TIME], "max_tokens": 4})
     assert out["choices"][0]["message"]["role"] == "assistant"
@@ -160,7 +164,8 @@ LIMITS = ServeLimits(max_grammar_chars=50, max_schema_depth=3)
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "both constrain"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern",
      "not supported"),
     ({"guided_regex": "a" * 51}, "guided_regex", "at most 50 are allowed (--max-grammar-chars)"),
     ({"guided_json": {"a": {"b": {"c": {}}}}}, "guided_json", "nests 4 levels; at most 3 are allowed "
@@ -205,9 +210,10 @@ def test_a_grammar_that_does_not_compile_is_a_400_from_the_server(url):
 
 def test_parse_calls_reads_the_format_and_nothing_else():
     content, calls = parse_calls('ok <tool_call>[\n{"name": "f", "arguments": {"x": 1}}\n]</tool_call>')
-    assert content == "ok" and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("f", {"x": 1})]
-    assert parse_calls('<tool_call>{"name": "g", "arguments": {}}</tool_call>')[1][0]["function"]["name"] == "g"
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    assert content == "ok" and got == [("f", {"x": 1})]
+    one = parse_calls('<tool_call>{"name": "g", "arguments": {}}</tool_call>')      # one call, no list
+    assert one[1][0]["function"]["name"] == "g"
     for text in ("plain text", "<tool_call>[]</tool_call>", "<tool_call>[{\"name\": 3}]</tool_call>",
                  "<tool_call>[{\"name\": \"f\", \"arg"):
         assert parse_calls(text) is None, text

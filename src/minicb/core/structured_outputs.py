@@ -42,7 +42,8 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
-                raise InvalidArgument(f"structured_outputs.{name} must be a non-empty string, got {describe(v)}")
+                raise InvalidArgument(f"structured_outputs.{name} must be a non-empty string, "
+                                      f"got {describe(v)}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice \
                     or not all(isinstance(c, str) and c for c in self.choice):
@@ -50,7 +51,8 @@ class StructuredOutputsParams:
                                       f"strings, got {describe(self.choice)}")
             set_(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
-            raise InvalidArgument(f"structured_outputs.json_object must be a bool, got {describe(self.json_object)}")
+            raise InvalidArgument("structured_outputs.json_object must be a bool, "
+                                  f"got {describe(self.json_object)}")
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(chosen) != 1:
             raise InvalidArgument("structured_outputs takes exactly one of json, regex, choice, grammar, "
@@ -76,7 +78,8 @@ def _schema_text(schema) -> str:
         except ValueError as e:
             raise InvalidArgument(f"structured_outputs.json is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
-        raise InvalidArgument(f"structured_outputs.json must be a JSON schema (an object), got {describe(schema)}")
+        raise InvalidArgument("structured_outputs.json must be a JSON schema (an object), "
+                              f"got {describe(schema)}")
     try:
         return _json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -137,7 +137,7 @@ class GrammarProcessor:
             return out
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         words = torch.from_numpy(self._words)
-        bits = (words.unsqueeze(1) >> self._shifts) & 1            # [V/32, 32]: bit j of word i is token 32i+j
+        bits = (words.unsqueeze(1) >> self._shifts) & 1      # [V/32, 32]: bit j of word i is token 32i+j
         return bits.reshape(-1)[: self.vocab_size].bool()
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:

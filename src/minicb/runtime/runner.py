@@ -64,7 +64,8 @@ class ModelRunner:
                                 cfg.head_dim, model.dtype, model.device, num_host_blocks)
         self.backend = make_backend(attn_backend, self.kv_cache, model.device)
         # the tokenizer is for structured outputs only: a grammar is over text, its mask over token ids
-        eos = cfg.eos_token_id if tokenizer is None or tokenizer.eos_token_id is None else tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        eos = cfg.eos_token_id if eos is None else eos
         self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos)
         self.pad_token_id = pad_token_id
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)

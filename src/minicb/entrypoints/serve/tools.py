@@ -153,7 +153,8 @@ def template_messages(messages: Any, req: ToolRequest | None) -> Any:
             continue
         role = m.get("role")
         if role == "assistant" and m.get("tool_calls"):
-            out.append({"role": "assistant", "content": ((m.get("content") or "") + render_calls(m["tool_calls"]))})
+            content = (m.get("content") or "") + render_calls(m["tool_calls"])
+            out.append({"role": "assistant", "content": content})
         elif role == "tool":
             content = m.get("content")
             content = content if isinstance(content, str) else json.dumps(content)
