@@ -47,35 +47,13 @@ import numpy as np
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 from minicb.core.sampling_params import MAX_INT, SamplingParams
+from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.structured import parse_structured
 from minicb.entrypoints.serve.tools import ToolRequest, constraint, parse_tools, template_messages
 
 DEFAULT_LIMITS = ServeLimits()
 MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
-
-
-@dataclass(slots=True)
-class ApiError(Exception):
-    """An error a client receives as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    retry_after: float | None = None        # seconds, sent as ``Retry-After`` (503)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
 
 
 @dataclass(slots=True, frozen=True)

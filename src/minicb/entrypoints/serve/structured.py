@@ -25,6 +25,7 @@ from typing import Any
 
 from minicb.core.errors import InvalidArgument, describe
 from minicb.core.structured_outputs import StructuredOutputsParams, schema_depth
+from minicb.entrypoints.serve.errors import bad_request
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -35,8 +36,6 @@ _IGNORED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_addit
 
 def parse_structured(body: dict, limits: ServeLimits) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's constraint (or None) and the field it came from (for error messages)."""
-    from minicb.entrypoints.serve.protocol import bad_request
-
     found: list[tuple[str, dict]] = []
     rf = body.get("response_format")
     if rf is not None:
@@ -68,8 +67,6 @@ def parse_structured(body: dict, limits: ServeLimits) -> tuple[StructuredOutputs
 
 
 def _response_format(rf: Any) -> dict | None:
-    from minicb.entrypoints.serve.protocol import bad_request
-
     if not isinstance(rf, dict):
         raise bad_request("response_format must be an object with a type", "response_format")
     kind = rf.get("type")
@@ -93,8 +90,6 @@ def _response_format(rf: Any) -> dict | None:
 
 def checked(fields: dict, param: str, limits: ServeLimits) -> StructuredOutputsParams:
     """``StructuredOutputsParams(**fields)``, bounded by ``limits`` (a 400 naming ``param``)."""
-    from minicb.entrypoints.serve.protocol import bad_request
-
     schema = fields.get("json")
     if isinstance(schema, str):
         try:

@@ -40,6 +40,7 @@ from typing import Any
 
 from minicb.core.errors import describe
 from minicb.core.structured_outputs import StructuredOutputsParams, schema_depth
+from minicb.entrypoints.serve.errors import bad_request
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -80,8 +81,6 @@ class ToolRequest:
 
 def parse_tools(body: dict, limits: ServeLimits) -> ToolRequest | None:
     """``tools`` and ``tool_choice`` checked (400s name the field), or None without tools."""
-    from minicb.entrypoints.serve.protocol import bad_request
-
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if not tools:
