@@ -15,7 +15,8 @@ from tiny_files import write_gguf
 def test_tp2_constrained_tokens_equal_tp1(tmp_path):
     gguf = str(write_gguf(tmp_path / "tiny.gguf"))
     params = [SamplingParams(max_tokens=30, structured_outputs=S(regex="[ab]{2,5}c")),
-              SamplingParams(max_tokens=30, temperature=1.0, seed=3, structured_outputs=S(choice=("x", "yz"))),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                             structured_outputs=S(choice=("x", "yz"))),
               SamplingParams(max_tokens=8)]
     want = LLM(gguf, dtype="float64").generate(["ab", "ba", "ab"], params)
     with LLM(gguf, dtype="float64", tensor_parallel_size=2) as llm:
