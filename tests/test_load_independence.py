@@ -160,8 +160,9 @@ def test_the_scan_finds_what_it_must_and_only_that(tmp_path):
 
 def test_no_hypothesis_profile_has_a_deadline_or_a_speed_health_check():
     """Hypothesis times every example (200 ms by default) and the generation of its data: a wall clock."""
-    import hypothesis_profiles   # noqa: F401  (conftest loads it; imported here to be explicit)
     from hypothesis import HealthCheck, settings
+
+    import hypothesis_profiles  # noqa: F401  (conftest loads it; imported here to be explicit)
 
     for name in ("thorough", "quick"):
         profile = settings.get_profile(name)
