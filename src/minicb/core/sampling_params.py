@@ -12,6 +12,9 @@ a bad value is reported before any work starts.
   with ``seed=s`` samples with seed ``s + i`` (vLLM V1's rule, ``child_params``), so it draws exactly
   the tokens of the same request run alone with ``n=1, seed=s + i``. The scheduler bounds ``n``
   (``SchedulerConfig.max_n``), so one request cannot cost unboundedly many sequences.
+* ``structured_outputs`` (``StructuredOutputsParams``: a JSON schema, a regex, a choice, a grammar)
+  constrains the output with a per-row token mask (``minicb.runtime.grammar``); it cannot be combined
+  with ``ignore_eos`` (the grammar ends a request by allowing only EOS once it is complete).
 
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
@@ -25,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
+from minicb.core.structured_outputs import StructuredOutputsParams
 
 # Below this a temperature has no sampling meaning left (vLLM's _SAMPLING_EPS): use 0 for greedy.
 MIN_TEMPERATURE = 1e-5
@@ -42,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -62,6 +67,13 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         set_(self, "n", _int64("n", self.n, lo=1))
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidArgument("structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise InvalidArgument("structured_outputs cannot be combined with ignore_eos: a complete "
+                                      "grammar ends the request with EOS")
 
     @property
     def greedy(self) -> bool:

@@ -192,11 +192,21 @@ class LLMEngine:
             self._enqueue(request_id, seqs)
 
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
-        self.scheduler.add(seqs[0], seqs[1:])
+        # the runner first (each child: its own generator): what it cannot build for the request (a
+        # bad grammar) raises before the scheduler holds anything of it
+        registered = []
+        try:
+            for seq in seqs:
+                self.runner.register(seq.request_id, seq.params)
+                registered.append(seq.request_id)
+            self.scheduler.add(seqs[0], seqs[1:])
+        except BaseException:
+            for sid in registered:
+                self.runner.release(sid)
+            raise
         tok = self.tokenizer
         children = []
         for seq in seqs:
-            self.runner.register(seq.request_id, seq.params)       # each child: its own generator
             dec = tok.incremental_decoder() if tok is not None else None
             children.append(OutputTracker(seq, dec, tok.decode if tok is not None else None))
             self._owner[seq.request_id] = request_id

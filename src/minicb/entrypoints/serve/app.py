@@ -46,10 +46,12 @@ from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.tools import parse_calls
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -143,6 +145,7 @@ def build_app(server: Server) -> FastAPI:
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
+    app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
 
 
@@ -298,14 +301,25 @@ class _Answer:
         if self.chat:                  # OpenAI's first chat chunk per choice: the role, no content yet
             for i in range(self.n):
                 yield chunk("", [], None, i, role=True)
+        # with tools: each choice's whole answer, sent at its end (a call or content)
+        held: dict[int, list[str]] = {i: [] for i in range(self.n)}
+        held_ids: dict[int, list[int]] = {i: [] for i in range(self.n)}
         ended: dict[int, int] = {}     # index -> its completion tokens, once it has finished
         while True:
             d: Delta = await self.handle.queue.get()
             if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
                 yield _sse(d.failure.body(), ascii_only=True)
                 break
+            if p.tools is not None and not d.finished:
+                held[d.index].append(d.text)
+                held_ids[d.index] += d.token_ids
+                continue
             if d.finished:
-                yield chunk(d.text, d.token_ids, d.finish_reason, d.index)
+                if p.tools is not None:
+                    yield self._tool_chunk(chunk, obj, d, "".join(held[d.index]) + d.text,
+                                           held_ids[d.index] + d.token_ids)
+                else:
+                    yield chunk(d.text, d.token_ids, d.finish_reason, d.index)
                 ended[d.index] = d.num_output_tokens
                 if len(ended) < self.n:
                     continue
@@ -316,6 +330,23 @@ class _Answer:
             if d.text or (p.return_token_ids and d.token_ids):
                 yield chunk(d.text, d.token_ids, None, d.index)
         yield "data: [DONE]\n\n"
+
+    def _tool_chunk(self, chunk, obj: str, d: Delta, text: str, ids: list[int]) -> str:
+        """The last chunk of choice ``d.index`` with tools: its tool calls, or its held content."""
+        p = self.parsed
+        calls = parse_calls(text)
+        if calls is None:
+            return chunk(text, ids, d.finish_reason, d.index)
+        content, tool_calls = calls
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+        if content:
+            delta["content"] = content
+        choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason":
+                  "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
+        if p.return_token_ids:
+            choice["token_ids"] = ids
+        body = {**self._envelope(obj), "choices": [choice]}
+        return _sse(body | ({"usage": None} if p.include_usage else {}))
 
     # --- one response ---------------------------------------------------------------------------
     async def whole(self, request: Request):
@@ -349,10 +380,16 @@ class _Answer:
             raise d.failure
         choices = []
         for i in range(self.n):
-            out = "".join(texts[i])
+            out, reason = "".join(texts[i]), ended[i].finish_reason
             choice = ({"index": i, "message": {"role": "assistant", "content": out}} if self.chat
                       else {"index": i, "text": out})
-            choice |= {"logprobs": None, "finish_reason": ended[i].finish_reason}
+            choice |= {"logprobs": None, "finish_reason": reason}
+            calls = parse_calls(out) if self.parsed.tools is not None else None
+            if calls is not None:          # the model called tools: OpenAI's tool_calls message
+                content, tool_calls = calls
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                if reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
             if self.parsed.return_token_ids:
                 choice["token_ids"] = token_ids[i]
             choices.append(choice)
