@@ -112,7 +112,7 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
      "only an integer too large for a float overflows, and that is never 0"),
     ("format_bytes", 'raise AssertionError("unreachable")', "statement dropped",
      "the loop above returns at PiB at the latest: the line is never reached"),
-    ("add", "seq.status = SequenceStatus.WAITING", "statement dropped",
+    ("add", "s.status = SequenceStatus.WAITING", "statement dropped",
      "in add(): validate() just refused any sequence that is not WAITING already"),
     ("schedule", "budget.check_integrity()", "statement dropped",
      "a call of the budget's integrity check (the tests' referee, see REFEREE), not behaviour"),

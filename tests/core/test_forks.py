@@ -260,3 +260,29 @@ def test_a_preempted_childs_copy_on_write_is_taken_back_with_its_grant():
     run = drive(config, reqs)
     assert_token_exact(run, reqs)
     assert run.scheduler.stats.num_preemptions > 0 and any(p.copy_blocks for p in run.plans)
+
+
+def test_every_child_is_checked_like_a_request():
+    sched = Scheduler(cfg())
+    a, b, c = make_group(Req("r", PROMPT, 4, n=3))
+    b.output_token_ids.append(5)                         # not a fresh sequence
+    with pytest.raises(InvalidArgument, match="fresh sequence"):
+        sched.add(a, [b, c])
+    b.output_token_ids.clear()
+    c.request_id = "1_r"                                 # two children under one id
+    with pytest.raises(InvalidArgument, match="given twice"):
+        sched.add(a, [b, c])
+    assert not sched.has_unfinished()
+
+
+def test_a_forked_child_inherits_its_prompts_times_and_cache_hits():
+    sched, model = Scheduler(cfg()), FakeModel(cfg())
+    add(sched, "first", 1, max_tokens=1)                 # caches the prompt's 2 full blocks
+    sched.update(p := sched.schedule(now=1.0), model.run(p), 1.0)
+    group = add(sched, "r", 2, max_tokens=3)
+    plan = sched.schedule(now=2.0)
+    assert rows(plan) == [("0_r", 0, 8, 2, (0, 1, 2), True)]          # 8 tokens from the cache
+    sched.update(plan, model.run(plan), 2.0)
+    sched.check_integrity()
+    assert [(s.first_scheduled_time, s.num_cached_tokens, s.num_computed_tokens) for s in group] == \
+        [(2.0, 8, 10), (2.0, 8, 10)]
