@@ -133,7 +133,10 @@ class ContinuousPolicy(Policy):
         bm = self.blocks
         while self.waiting and self.slots.num_free:
             seq = self._next_waiting()
-            hits = bm.computed_blocks(seq.all_token_ids) if self.config.prefix_caching else []
+            # A request that still needs prompt logprobs takes no cached blocks: a hit would skip
+            # the rows whose logits it asked for (its own blocks are still offered to the cache).
+            hits = bm.computed_blocks(seq.all_token_ids) \
+                if self.config.prefix_caching and not seq.wants_prompt_rows else []
             cached = len(hits) * bm.block_size
             n = budget.chunk(seq.num_tokens - cached)
             if not n or not bm.can_allocate(seq.request_id, cached + n, hits):

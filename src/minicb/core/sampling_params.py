@@ -7,6 +7,12 @@ a bad value is reported before any work starts.
 * ``temperature == 0`` means greedy (argmax); ``top_k == 0`` means no top-k; ``top_p == 1`` no top-p.
 * ``seed`` gives the request its own random generator, so its tokens do not depend on which other
   requests share its batch (the per-request generator is the whole trick).
+* ``logprobs = k`` returns, for every generated token, its log-probability, its rank and the ``k``
+  most likely tokens' (``0``: the sampled token's alone); ``prompt_logprobs = k`` the same for every
+  prompt token but the first (``RequestOutput.prompt_logprobs``). ``None`` (the default) computes
+  nothing. At most ``MAX_LOGPROBS`` (vLLM's default ``max_logprobs``). Which distribution they are
+  of is ``minicb.runtime.logprobs``'s docstring: the model's, after the per-request logits
+  processors, before temperature, top-k and top-p.
 
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
@@ -25,6 +31,7 @@ from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1          # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_INT = 2**63 - 1           # counts and ids beyond int64 mean nothing (no tensor can index them)
+MAX_LOGPROBS = 20             # the most top logprobs a request may ask for (vLLM's max_logprobs, OpenAI's 20)
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +43,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -55,6 +64,9 @@ class SamplingParams:
                                            for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(self, name, check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS))
 
     @property
     def greedy(self) -> bool:

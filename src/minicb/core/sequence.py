@@ -69,6 +69,8 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # tokens served from the prefix cache at the latest admission
                                          # (0 while waiting; after recompute they may include outputs)
+    num_prompt_logprobs: int = 0         # prompt positions whose logits were returned (prompt_logprobs):
+                                         # kept across preemption, so a recompute asks for none twice
     # timestamps (seconds, caller's clock)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -105,6 +107,13 @@ class Sequence:
     def in_prefill(self) -> bool:
         """True while more than one token is waiting for K/V (a prompt, or a recompute re-prefill)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Does this request still need logits of prompt rows (``params.prompt_logprobs``)? Row ``p``
+        scores prompt token ``p + 1``, so rows ``0 .. num_prompt_tokens - 2`` are needed, once each."""
+        return (self.params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

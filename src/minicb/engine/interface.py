@@ -5,6 +5,7 @@ a *runner* does the work a plan describes and says which token each finishing ro
 
     plan    = scheduler.schedule()          # engine: who runs, which tokens, which blocks
     sampled = runner.run(plan, params)      # runner: {request_id: token} for rows with sample=True
+                                            #   (or a RowOutput: the token and its logprobs)
     scheduler.update(plan, sampled)         # engine: append tokens, finish, free
 
 The engine never looks inside a runner, so one loop drives three of them:
@@ -36,6 +37,7 @@ from typing import Protocol, runtime_checkable
 
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.logprobs import RowOutput
 
 __all__ = ["Runner"]
 
@@ -67,11 +69,14 @@ class Runner(Protocol):
         """A request ended (any reason): forget it."""
         ...
 
-    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams]) -> dict[str, int]:
+    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams]) -> Mapping[str, int | RowOutput]:
         """Execute ``plan`` (swaps, then the forward over every scheduled token) and return the
-        sampled token of every row with ``sample=True``, keyed by request id. ``params`` holds the
-        sampling parameters of those rows. Raising fails this step's requests (``finish_reason ==
-        "error"``); the engine serves on unless ``failure`` is set afterwards."""
+        sampled token of every row with ``sample=True``, keyed by request id: a plain ``int``, or a
+        ``RowOutput`` carrying the token and the logprobs the request asked for (and, for a row with
+        ``prompt_targets``, the prompt logprobs it scored, with ``token=None`` if it does not sample;
+        ``minicb.engine.logprobs``). ``params`` holds the sampling parameters of those rows. Raising
+        fails this step's requests (``finish_reason == "error"``); the engine serves on unless
+        ``failure`` is set afterwards."""
         ...
 
     def close(self) -> None:

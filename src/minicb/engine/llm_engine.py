@@ -61,6 +61,7 @@ from minicb.engine import inputs
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
 from minicb.engine.interface import Runner
 from minicb.engine.interrupts import DeferredInterrupts
+from minicb.engine.logprobs import PromptLogprobs, RowOutput, token_of
 from minicb.engine.outputs import OutputTracker, RequestOutput
 
 __all__ = ["LLMEngine", "RequestOutput"]
@@ -96,6 +97,7 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
         self.dead: str | None = None              # why the engine died (EngineDeadError), or None
         self._closed = False                      # shutdown() was called
+        self._token_texts: dict[int, str] = {}    # token id -> its text alone (logprobs' decoded_token)
 
     # --- what the outside may read --------------------------------------------------------------
     @property
@@ -169,7 +171,12 @@ class LLMEngine:
         self.runner.register(seq.request_id, seq.params)
         tok = self.tokenizer
         dec = tok.incremental_decoder() if tok is not None else None
-        self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
+        tracker = OutputTracker(seq, dec, tok.decode if tok is not None else None)
+        if seq.params.logprobs is not None:
+            tracker.logprobs = []
+        if seq.params.prompt_logprobs is not None:
+            tracker.prompt = PromptLogprobs()
+        self._live[seq.request_id] = tracker
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
@@ -352,21 +359,29 @@ class LLMEngine:
         self._live.clear()
         self._deferred_aborts.clear()
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
+    def execute(self, plan: StepPlan) -> dict[str, int | RowOutput]:
         """The tensor half of a step: the runner's ``run`` (whatever the runner is: a model, rank 0 of a
         tensor-parallel group, a simulated clock). A row whose request was aborted since planning is
-        computed but samples with default params."""
+        computed but samples with default params. The result maps request ids to a token, or to a
+        ``RowOutput`` (the token and the logprobs its request asked for; ``minicb.engine.logprobs``)."""
         params = {}
         for s in plan.seqs:
-            if s.sample:
+            if s.sample or s.prompt_targets:
                 tracker = self._live.get(s.request_id)
                 params[s.request_id] = tracker.seq.params if tracker is not None else _GREEDY
         return self.runner.run(plan, params)
 
-    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> None:
+    def _record(self, plan: StepPlan, sampled: dict[str, int | RowOutput]) -> None:
         """Record the step in the scheduler and make the outputs of the requests it touched."""
-        finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
-        for rid in list(sampled) + sorted(finished - sampled.keys()):
+        tokens = {}
+        for rid, value in sampled.items():
+            token = token_of(value)
+            if token is not None:
+                tokens[rid] = token
+            if isinstance(value, RowOutput) and rid in self._live:
+                self._keep_logprobs(self._live[rid], value)
+        finished = {s.request_id for s in self.scheduler.update(plan, tokens, self.clock())}
+        for rid in list(tokens) + sorted(finished - tokens.keys()):
             tracker = self._live.get(rid)
             if tracker is None:
                 continue
@@ -374,6 +389,24 @@ class LLMEngine:
                 self._finish(rid)
             else:
                 self._pending.append(tracker.output())
+
+    def _keep_logprobs(self, tracker: OutputTracker, row: RowOutput) -> None:
+        """File a row's logprobs with its request, beside the token they describe (appended before
+        ``scheduler.update`` appends the token; ``OutputTracker`` copies both into an output)."""
+        if tracker.logprobs is not None and row.logprobs is not None and row.token is not None:
+            del tracker.logprobs[tracker.seq.num_output_tokens:]     # none left from a failed record
+            tracker.logprobs.append(row.logprobs.as_dict(self._token_text))
+        if tracker.prompt is not None and row.prompt:
+            tracker.prompt.add(row.prompt_start, row.prompt, self._token_text)
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text alone (``Logprob.decoded_token``): cached, at most one per vocabulary entry."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _fail_step(self, plan: StepPlan, error: str) -> None:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""

@@ -9,6 +9,11 @@ middle of a character still shows its bytes, as the tokenizer's ``decode`` would
 ``OutputTracker`` is the engine's per-request bookkeeping for that: the sequence, its decoder, the
 text so far and how many tokens were already handed out (``new_token_ids`` / ``new_text`` are the
 difference since the previous output of the same request).
+
+Logprobs (``SamplingParams.logprobs`` / ``prompt_logprobs``) are vLLM's shapes: ``logprobs[i]`` is a
+``{token_id: Logprob}`` for ``token_ids[i]`` (that token first, then the top-k), ``prompt_logprobs[j]``
+the same for prompt token ``j`` (``None`` for ``j == 0``). Both are ``None`` when not asked for; the
+tracker holds them beside the tokens they describe, so an output copies both or neither.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minicb.core.sequence import Sequence
+from minicb.engine.logprobs import Logprob, PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -38,6 +44,8 @@ class RequestOutput:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None                 # one per token_ids entry
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # one per prompt token
 
 
 @dataclass(slots=True)
@@ -57,6 +65,8 @@ class OutputTracker:
     emitted: int = 0
     final: RequestOutput | None = None   # the finished request's last output, once made
     handed_out: bool = False             # ... and whether it went to the engine's outputs
+    logprobs: list[dict[int, Logprob]] | None = None   # per output token, when params.logprobs is set
+    prompt: PromptLogprobs | None = None               # when params.prompt_logprobs is set
 
     def output(self) -> RequestOutput:
         """The request's output now; advances what counts as already handed out."""
@@ -98,4 +108,6 @@ class OutputTracker:
             first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
             token_times=list(s.token_times), finish_time=s.finish_time,
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
+            logprobs=None if self.logprobs is None else self.logprobs[:len(s.output_token_ids)],
+            prompt_logprobs=None if self.prompt is None else list(self.prompt.entries),
         )

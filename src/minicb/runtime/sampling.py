@@ -32,6 +32,8 @@ import secrets
 import torch
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.logprobs import TokenLogprobs
+from minicb.runtime.logprobs import row_logprobs
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -108,3 +110,12 @@ class Sampler:
             return torch.argmax(wide, dim=-1).tolist()
         return [sample_token(logits[i], p, self._generators.get(rid))
                 for i, (rid, p) in enumerate(zip(request_ids, params))]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, request_ids: tuple[str, ...],
+                             params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``sample``, and for each row whose request asks for ``logprobs = k`` the sampled token's
+        logprob, rank and the row's top-k (None for the others), taken from the row the token was
+        drawn from, before temperature / top-k / top-p (``minicb.runtime.logprobs`` says why)."""
+        tokens = self.sample(logits, request_ids, params)
+        return tokens, [None if p.logprobs is None else row_logprobs(logits[i:i + 1], [tokens[i]], p.logprobs)[0]
+                        for i, p in enumerate(params)]

@@ -59,6 +59,7 @@ from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.arrivals import Arrival, NoProgress, drive
 from minicb.engine.llm_engine import LLMEngine
+from minicb.engine.logprobs import RowOutput, TokenLogprobs
 from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
 from minicb.measure.workloads import Request, data_path
 
@@ -491,9 +492,19 @@ class SimRunner:
     def clock(self) -> float:
         return self.now
 
-    def run(self, plan: StepPlan, params=None) -> dict[str, int]:
+    def run(self, plan: StepPlan, params=None) -> dict[str, int | RowOutput]:
+        """Advance the clock; every sampled row gets the dummy token. Logprobs, where asked for, are
+        those of a model certain of every token it sees: logprob 0, rank 1."""
         self.now += self._step_time(plan)
-        return {s.request_id: self._token for s in plan.seqs if s.sample}
+        out: dict[str, int | RowOutput] = {s.request_id: self._token for s in plan.seqs if s.sample}
+        for s in plan.seqs:
+            p = params.get(s.request_id) if params else None
+            if p is None or (p.logprobs is None and not s.prompt_targets):
+                continue
+            lp = _certain(self._token, p.logprobs) if s.sample and p.logprobs is not None else None
+            prompt = tuple(_certain(t, p.prompt_logprobs or 0) for t in s.prompt_targets)
+            out[s.request_id] = RowOutput(out.get(s.request_id), lp, prompt, s.start_pos + 1)
+        return out
 
     def register(self, request_id: str, params: SamplingParams) -> None:
         """Nothing to keep: every sampled token is the dummy one."""
@@ -503,6 +514,11 @@ class SimRunner:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _certain(token: int, k: int) -> TokenLogprobs:
+    """The logprobs of a token that had probability 1 (the simulator's model is never in doubt)."""
+    return TokenLogprobs(token, 0.0, 1, (token,) if k else (), (0.0,) if k else ())
 
 
 class SimulatedEngine(LLMEngine):
