@@ -58,7 +58,8 @@ def check_prompt(out, k: int) -> None:
 
 CONFIGS = {
     "one step": SchedulerConfig(max_num_seqs=4, block_size=4, num_blocks=256),
-    "chunked prefill": SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5, block_size=4, num_blocks=256),
+    "chunked prefill": SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5, block_size=4,
+                                       num_blocks=256),
     "recompute preemption": SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7, block_size=2,
                                             num_blocks=16),
 }

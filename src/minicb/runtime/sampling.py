@@ -117,5 +117,6 @@ class Sampler:
         logprob, rank and the row's top-k (None for the others), taken from the row the token was
         drawn from, before temperature / top-k / top-p (``minicb.runtime.logprobs`` says why)."""
         tokens = self.sample(logits, request_ids, params)
-        return tokens, [None if p.logprobs is None else row_logprobs(logits[i:i + 1], [tokens[i]], p.logprobs)[0]
+        return tokens, [None if p.logprobs is None
+                        else row_logprobs(logits[i:i + 1], [tokens[i]], p.logprobs)[0]
                         for i, p in enumerate(params)]

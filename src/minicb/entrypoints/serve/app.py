@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
+from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
@@ -200,23 +201,35 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
 
 
 async def generate(server: Server, request: Request, prepared: Prepared):
+    """One engine request per prompt (a completions ``prompt`` may list several), all submitted at
+    once so they join the same step; answered together, in prompt order."""
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    gen = dataclasses.replace(parsed.generate, prompt=prepared.prompt_token_ids)
-    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", gen, server.clock(), prepared.stops)
-    server.engine_thread.submit(handle)
+    handles = [RequestHandle(f"{prefix}-{uuid.uuid4().hex}", dataclasses.replace(parsed.generate, prompt=ids),
+                             server.clock(), stops) for ids, stops in prepared.requests]
+    for handle in handles:
+        server.engine_thread.submit(handle)
+
+    def abort_all() -> None:
+        for h in handles:
+            server.engine_thread.abort(h.request_id)
+
+    verdicts = []
     try:
-        verdict = await handle.queue.get()
+        for handle in handles:
+            verdicts.append(await handle.queue.get())
     except asyncio.CancelledError:
-        server.engine_thread.abort(handle.request_id)
+        abort_all()
         raise
-    if isinstance(verdict, ApiError):
-        raise verdict
-    assert isinstance(verdict, Accepted)
-    answer = _Answer(server, parsed, handle, verdict)
+    refused = next((v for v in verdicts if isinstance(v, ApiError)), None)
+    if refused is not None:          # one prompt refused: the request is (its accepted prompts abort)
+        abort_all()
+        raise refused
+    assert all(isinstance(v, Accepted) for v in verdicts)
+    answer = _Answer(server, parsed, handles, verdicts)
     if parsed.stream:
-        return EventStream(answer.stream(), lambda: server.engine_thread.abort(handle.request_id))
-    return await answer.whole(request)
+        return EventStream(answer.stream(), abort_all)
+    return await answer.whole(request, abort_all)
 
 
 class EventStream(StreamingResponse):
@@ -248,98 +261,198 @@ class EventStream(StreamingResponse):
 
 
 class _Answer:
-    """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s."""
+    """Builds OpenAI's response (or its SSE chunks) from the ``Delta``s of a request's prompts: one
+    choice per prompt, ``index = prompt_index * n + child`` (OpenAI's rule; one child each here)."""
 
-    def __init__(self, server: Server, parsed, handle: RequestHandle, accepted: Accepted):
-        self.server, self.parsed, self.handle, self.accepted = server, parsed, handle, accepted
+    N = 1       # choices per prompt
+
+    def __init__(self, server: Server, parsed, handles: list[RequestHandle], accepted: list[Accepted]):
+        self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
+        self.tokenizer = getattr(server.frontend, "tokenizer", None)
 
-    def _usage(self, d: Delta) -> dict:
-        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-                "total_tokens": d.num_prompt_tokens + d.num_output_tokens}
+    def index(self, prompt_index: int, child: int = 0) -> int:
+        return prompt_index * self.N + child
+
+    def _usage(self, finals: list[Delta]) -> dict:
+        prompt = sum(d.num_prompt_tokens for d in finals)
+        done = sum(d.num_output_tokens for d in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def _envelope(self, obj: str) -> dict:
-        env = {"id": self.handle.request_id, "object": obj, "created": self.created,
+        env = {"id": self.handles[0].request_id, "object": obj, "created": self.created,
                "model": self.server.model_name}
         return env
+
+    # --- echo and logprobs ------------------------------------------------------------------------
+    def _name(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _echo_text(self, i: int) -> str:
+        """The prompt as given (text), or its ids decoded (vLLM's echo of a token-id prompt)."""
+        prompt = self.parsed.prompts[i] if self.parsed.prompts else self.parsed.generate.prompt
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(self.accepted[i].prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _choice_logprobs(self, i: int, state: dict, d: Delta, first: bool):
+        """This Delta's ``logprobs`` object (completions: the prompt's tokens first when echoing)."""
+        k = self.parsed.logprobs
+        if k is None:
+            return None
+        ids, entries = list(d.token_ids), list(d.logprobs or [])
+        if self.chat:
+            return logprob_format.chat_logprobs(ids, entries, k)
+        if first and self.parsed.echo:
+            prompt = self.accepted[i].prompt_token_ids
+            scored = d.prompt_logprobs or [None] * len(prompt)
+            ids, entries = prompt + ids, scored + entries
+        fmt = state.setdefault("fmt", logprob_format.CompletionLogprobs(k))
+        return fmt.add(ids, entries, self._name)
+
+    def _prompt_logprobs(self, d: Delta):
+        k = self.parsed.prompt_logprobs
+        return None if k is None or d.prompt_logprobs is None else \
+            logprob_format.prompt_logprobs(d.prompt_logprobs, k)
 
     # --- streaming ------------------------------------------------------------------------------
     async def stream(self):
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         p = self.parsed
-        first = True
+        states = [{"first": True} for _ in self.handles]
 
-        def chunk(text: str | None, ids: list[int], reason: str | None) -> str:
-            nonlocal first
+        def chunk(i: int, text: str | None, d: Delta | None, reason: str | None) -> str:
+            st = states[i]
+            first = st["first"]
+            ids = list(d.token_ids) if d is not None else []
+            logprobs = self._choice_logprobs(i, st, d, first) if d is not None else None
             if self.chat:
                 delta = {"role": "assistant", "content": text or ""} if first else \
                     ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": self.index(i), "delta": delta, "logprobs": logprobs,
+                          "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                if first and p.echo:
+                    text = self._echo_text(i) + (text or "")
+                choice = {"index": self.index(i), "text": text or "", "logprobs": logprobs,
+                          "finish_reason": reason}
             if p.return_token_ids:
                 choice["token_ids"] = ids
             body = {**self._envelope(obj), "choices": [choice]}
             if p.return_token_ids and first:
-                body["prompt_token_ids"] = self.accepted.prompt_token_ids
+                body["prompt_token_ids"] = self.accepted[i].prompt_token_ids
+            if d is not None and not self.chat and self._prompt_logprobs(d) is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(d)
+            elif d is not None and self._prompt_logprobs(d) is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(d)
             if p.include_usage:
                 body["usage"] = None
-            first = False
+            st["first"] = False
             return _sse(body)
 
-        if self.chat:                  # OpenAI's first chat chunk: the role, no content yet
-            yield chunk("", [], None)
-        while True:
-            d: Delta = await self.handle.queue.get()
-            if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
-                yield _sse(d.failure.body(), ascii_only=True)
-                break
-            if d.finished:
-                yield chunk(d.text, d.token_ids, d.finish_reason)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle) -> None:
+            while True:
+                d = await handle.queue.get()
+                merged.put_nowait((i, d))
+                if d.finished:
+                    return
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(self.handles)]
+        try:
+            if self.chat:              # OpenAI's first chat chunk: the role, no content yet
+                for i in range(len(self.handles)):
+                    yield chunk(i, "", None, None)
+            finals: list[Delta] = []
+            while len(finals) < len(self.handles):
+                i, d = await merged.get()
+                if d.failure is not None and d.finish_reason != "abort":   # a failed step, a dead engine
+                    yield _sse(d.failure.body(), ascii_only=True)
+                    break
+                if d.finished:
+                    finals.append(d)
+                    yield chunk(i, d.text, d, d.finish_reason)
+                elif d.text or (p.return_token_ids and d.token_ids) or d.logprobs or d.prompt_logprobs:
+                    yield chunk(i, d.text, d, None)
+            else:
                 if p.include_usage:
-                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(d)})
-                break
-            if d.text or (p.return_token_ids and d.token_ids):
-                yield chunk(d.text, d.token_ids, None)
+                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(finals)})
+        finally:
+            for task in pumps:
+                task.cancel()
         yield "data: [DONE]\n\n"
 
     # --- one response ---------------------------------------------------------------------------
-    async def whole(self, request: Request):
+    async def whole(self, request: Request, abort_all):
         disconnected = asyncio.ensure_future(_disconnect(request))
-        text: list[str] = []
-        ids: list[int] = []
+        gathered = [asyncio.ensure_future(self._gather(h)) for h in self.handles]
         try:
-            while True:
-                nxt = asyncio.ensure_future(self.handle.queue.get())
-                done, _ = await asyncio.wait({nxt, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()
-                    self.server.engine_thread.abort(self.handle.request_id)
+            pending = set(gathered)
+            while pending:
+                done, _ = await asyncio.wait(pending | {disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    abort_all()
                     return Response(status_code=499)      # nobody reads it; nginx's "client closed"
-                d: Delta = nxt.result()
-                text.append(d.text)
-                ids += d.token_ids
-                if d.finished:
-                    break
+                pending -= done
+                failed = next((t.result()[2][-1].failure for t in done if t.result()[2][-1].failure), None)
+                if failed is not None:
+                    abort_all()
+                    raise failed
         except asyncio.CancelledError:
-            self.server.engine_thread.abort(self.handle.request_id)
+            abort_all()
             raise
         finally:
             disconnected.cancel()
-        if d.failure is not None:
-            raise d.failure
-        out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if self.chat
-                  else {"index": 0, "text": out})
-        choice |= {"logprobs": None, "finish_reason": d.finish_reason}
+            for task in gathered:
+                task.cancel()
+        choices, finals = [], []
+        for i, task in enumerate(gathered):
+            text, ids, deltas = task.result()
+            d = deltas[-1]
+            finals.append(d)
+            joined = Delta(text, ids, d.num_prompt_tokens, d.num_output_tokens, True, d.finish_reason,
+                           logprobs=[e for x in deltas for e in (x.logprobs or [])],
+                           prompt_logprobs=next((x.prompt_logprobs for x in deltas if x.prompt_logprobs),
+                                                None))
+            logprobs = self._choice_logprobs(i, {}, joined, True)
+            if self.chat:
+                choice = {"index": self.index(i), "message": {"role": "assistant", "content": text}}
+            else:
+                echo = self._echo_text(i) if self.parsed.echo else ""
+                choice = {"index": self.index(i), "text": echo + text}
+            choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason}
+            if self.parsed.return_token_ids:
+                choice["token_ids"] = ids
+                if len(self.handles) > 1:
+                    choice["prompt_token_ids"] = self.accepted[i].prompt_token_ids
+            if not self.chat and self._prompt_logprobs(joined) is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(joined)
+            choices.append(choice)
+        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": self._usage(finals)}
         if self.parsed.return_token_ids:
-            choice["token_ids"] = ids
-        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self._usage(d)}
-        if self.parsed.return_token_ids:
-            body["prompt_token_ids"] = self.accepted.prompt_token_ids
+            body["prompt_token_ids"] = self.accepted[0].prompt_token_ids
+        if self.chat and self._prompt_logprobs(joined) is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(joined)
         return JSONResponse(body)
+
+    @staticmethod
+    async def _gather(handle: RequestHandle) -> tuple[str, list[int], list[Delta]]:
+        """Every Delta of one prompt until its last: the joined text and ids, and the Deltas."""
+        text: list[str] = []
+        ids: list[int] = []
+        deltas: list[Delta] = []
+        while True:
+            d: Delta = await handle.queue.get()
+            text.append(d.text)
+            ids += d.token_ids
+            deltas.append(d)
+            if d.finished:
+                return "".join(text), ids, deltas
 
 
 async def _disconnect(request: Request) -> None:

@@ -77,6 +77,8 @@ class Delta:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None
     failure: ApiError | None = None       # the request ended without its answer: what a client is told
+    logprobs: list | None = None          # one {token_id: Logprob} per token of token_ids (if asked for)
+    prompt_logprobs: list | None = None   # the prompt's, once (on the first Delta that has them)
 
 
 @dataclass(slots=True, eq=False)
@@ -98,6 +100,7 @@ class _Live:
     stops: StopMatcher
     num_prompt_tokens: int
     seen_first_token: bool = False
+    prompt_sent: bool = False             # its prompt logprobs went out already
 
 
 class EngineThread:
@@ -349,18 +352,28 @@ class EngineThread:
             live.seen_first_token = True
         text = live.stops.push(out.new_text)
         if live.stops.stopped:
-            new_ids = out.new_token_ids
+            new_ids, logprobs = out.new_token_ids, _new_logprobs(out)
             if not out.finished:                       # end it now: no step is spent past the stop
                 out = self.engine.abort_request(out.request_id) or out
-            self._finish(live, out, "stop", text, new_ids)
+            self._finish(live, out, "stop", text, new_ids, logprobs=logprobs)
         elif out.finished:
             self._finish(live, out, out.finish_reason, text + live.stops.flush())
         else:
             self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
-                                          len(out.token_ids)))
+                                          len(out.token_ids), logprobs=_new_logprobs(out),
+                                          prompt_logprobs=self._prompt_once(live, out)))
+
+    @staticmethod
+    def _prompt_once(live: _Live, out: RequestOutput) -> list | None:
+        """The prompt's logprobs on the first Delta that can carry them, None after."""
+        if live.prompt_sent or out.prompt_logprobs is None:
+            return None
+        live.prompt_sent = True
+        return out.prompt_logprobs
 
     def _finish(self, live: _Live, out: RequestOutput, reason: str | None, text: str,
-                new_ids: list[int] | None = None, failure: ApiError | None = None) -> None:
+                new_ids: list[int] | None = None, failure: ApiError | None = None,
+                logprobs: list | None = None) -> None:
         del self._live[live.handle.request_id]
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
@@ -369,7 +382,9 @@ class EngineThread:
                                "server_error")
         self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
                                       live.num_prompt_tokens, len(out.token_ids), True, reason,
-                                      out.error if failure is None else failure.message, failure))
+                                      out.error if failure is None else failure.message, failure,
+                                      _new_logprobs(out) if new_ids is None else logprobs,
+                                      self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -419,6 +434,13 @@ class EngineThread:
             self._loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:          # the loop is closed: nobody is listening any more
             pass
+
+
+def _new_logprobs(out: RequestOutput) -> list | None:
+    """The logprobs of ``out.new_token_ids`` (None when the request asked for none)."""
+    if out.logprobs is None:
+        return None
+    return out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
 
 
 def _reason(e: BaseException) -> str:

@@ -19,7 +19,17 @@ Field by field (vLLM's choices where OpenAI leaves room):
   prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
 * ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
   ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
-* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, tools, and vLLM's
+* ``prompt`` (completions) may be a list of strings or of token-id lists: each is its own engine
+  request, batched by the engine like any other, answered in prompt order with OpenAI's choice
+  ``index`` (``prompt_index * n + child``). The cost bounds hold for the whole body (characters or
+  ids summed over the prompts) and so for each prompt.
+* Logprobs: completions ``logprobs: k`` (the sampled token's logprob and the top ``k``: OpenAI's
+  ``{tokens, token_logprobs, top_logprobs, text_offset}``) and ``echo: true`` (the prompt is returned
+  before the completion, and with ``logprobs`` its tokens' logprobs too, the first one ``null``);
+  chat ``logprobs: true`` + ``top_logprobs: k`` (``{content: [{token, logprob, bytes, top_logprobs}]}``);
+  vLLM's ``prompt_logprobs: k`` on both (``prompt_logprobs``: per prompt token ``{id: {logprob, rank,
+  decoded_token}}``, ``null`` first). ``k`` is at most 20; ``-inf`` is sent as -9999.0 (vLLM's floor).
+* ``n`` must be 1; ``best_of``, penalties, ``logit_bias``, tools, chat's ``echo``, and vLLM's
   ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
   ``structured_outputs`` / ``guided_*`` and ``stream_options.continuous_usage_stats``: a clear 400
   naming the field rather than a silently different answer. Unknown fields are ignored (clients
@@ -43,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
-from minicb.core.sampling_params import MAX_INT, SamplingParams
+from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 
 DEFAULT_LIMITS = ServeLimits()
@@ -94,11 +104,15 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    prompts: tuple = ()               # every prompt of the body, in order (``generate.prompt`` is the first)
+    echo: bool = False                # completions: return the prompt before the completion
+    logprobs: int | None = None       # top logprobs per token in the answer (None: no logprobs field)
+    prompt_logprobs: int | None = None   # vLLM's ``prompt_logprobs`` asked for (None: not in the answer)
 
 
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
 _UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
@@ -107,7 +121,7 @@ _UNSUPPORTED = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "prompt_logprobs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
 _UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
@@ -118,8 +132,8 @@ def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedR
     if "prompt" not in body:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     check_model(body)
-    prompt = _prompt(body["prompt"], limits)
-    return _parse(body, "completion", prompt, default_max_tokens=16, limits=limits)
+    prompts = _prompts(body["prompt"], limits)
+    return _parse(body, "completion", prompts, default_max_tokens=16, limits=limits)
 
 
 def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
@@ -138,7 +152,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", prompt, default_max_tokens=None, limits=limits)
+    return _parse(body, "chat", [prompt], default_max_tokens=None, limits=limits)
 
 
 def check_model(body: dict) -> None:
@@ -160,9 +174,10 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
                               prefix + name)
 
 
-def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
+def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
            limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
+    logprobs, echo, prompt_logprobs = _logprob_fields(body, kind)
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise bad_request(f"n must be 1 (one choice per request), got {describe(n)}", "n")
@@ -181,9 +196,41 @@ def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
     from_room = max_tokens is None and default_max_tokens is None
     max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
     stops = _stops(body.get("stop"), limits)
-    params = _sampling_params(body, max_tokens, limits)
-    return ParsedRequest(kind, model, GenerateRequest(prompt, params, stops, from_room), stream,
-                         include_usage, _bool(body, "return_token_ids", False))
+    # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
+    scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
+    params = _sampling_params(body, max_tokens, limits, logprobs=logprobs,
+                              prompt_logprobs=max(scored) if scored else None)
+    return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room), stream,
+                         include_usage, _bool(body, "return_token_ids", False), tuple(prompts), echo,
+                         logprobs, prompt_logprobs)
+
+
+def _logprob_fields(body: dict, kind: str) -> tuple[int | None, bool, int | None]:
+    """(top logprobs per generated token or None, echo, prompt_logprobs or None), checked.
+
+    Completions: ``logprobs`` is the count (OpenAI's legacy field); chat: ``logprobs`` is a bool and
+    ``top_logprobs`` the count, which needs ``logprobs: true`` (OpenAI's rule)."""
+    def count(name):
+        v = body.get(name)
+        if v is None or (v is False and name == "logprobs"):    # completions' logprobs: false = unset
+            return None
+        if type(v) is bool:
+            raise bad_request(f"{name} must be an integer, got {describe(v)}", name)
+        try:
+            return check_int(name, v, lo=0, hi=MAX_LOGPROBS)
+        except InvalidArgument as e:
+            raise bad_request(str(e), name) from None
+
+    prompt_logprobs = count("prompt_logprobs")
+    if kind == "completion":
+        return count("logprobs"), _bool(body, "echo", False), prompt_logprobs
+    if body.get("echo") not in (None, False):
+        raise bad_request("echo is not supported by minicb serve for chat (leave it unset)", "echo")
+    wanted = _bool(body, "logprobs", False)
+    top = count("top_logprobs")
+    if top and not wanted:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return ((top or 0) if wanted else None), False, prompt_logprobs
 
 
 def _is_default(value, defaults: tuple) -> bool:
@@ -191,7 +238,8 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, *,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     def get(name, default):
         v = body.get(name)
         return default if v is None else v
@@ -224,7 +272,7 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
     if not math.isfinite(args["temperature"]):
         raise bad_request("temperature must be finite", "temperature")
     try:
-        return SamplingParams(**args)
+        return SamplingParams(**args, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400
         message = str(e)
         param = next((name for name in args if message.startswith(name)), None)
@@ -268,22 +316,31 @@ def _stops(stop, limits: ServeLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _prompt(prompt, limits: ServeLimits = DEFAULT_LIMITS):
-    """A completion prompt: text or token ids; a list holding exactly one of them is unwrapped.
-    Its length is checked first, then (ids) its types and range all at once."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt holds {len(prompt)} prompts; minicb serve takes one prompt per "
-                              "request (send several requests: they are batched anyway)", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if len(prompt) > limits.max_prompt_chars:
-            raise bad_request(f"the prompt has {len(prompt):,} characters; at most "
-                              f"{limits.max_prompt_chars:,} are allowed ({flag('max_prompt_chars')})",
-                              "prompt")
-        return prompt
-    if isinstance(prompt, list):
-        return token_ids(prompt, limits)
+def _prompts(prompt, limits: ServeLimits = DEFAULT_LIMITS) -> list:
+    """A completion's prompts: text, token ids, or a list of several of one kind. The bounds are
+    checked on the whole body first (characters, ids summed over the prompts), then each prompt's
+    ids (types and range, all at once)."""
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if several else [prompt]
+    kinds = {type(p) for p in prompts}
+    if several and (len(kinds) > 1 or not kinds <= {str, list}):
+        raise bad_request("prompt must be a string, a list of token ids, or a list of several prompts of "
+                          "one kind (strings, or token-id lists)", "prompt")
+    if str in kinds:
+        chars = sum(map(len, prompts))
+        if chars > limits.max_prompt_chars:
+            what = "the prompt has" if len(prompts) == 1 else f"the {len(prompts)} prompts have"
+            raise bad_request(f"{what} {chars:,} characters; at most {limits.max_prompt_chars:,} are "
+                              f"allowed ({flag('max_prompt_chars')})", "prompt")
+        return prompts
+    if kinds == {list}:
+        cap = limits.max_prompt_tokens
+        total = sum(map(len, prompts))
+        if cap is not None and len(prompts) > 1 and total > cap:
+            raise bad_request(f"the {len(prompts)} prompts have {total:,} token ids; at most {cap:,} are "
+                              f"allowed in one request ({flag('max_prompt_tokens')}, at most max_model_len)",
+                              "prompt", "context_length_exceeded")
+        return [token_ids(p, limits) for p in prompts]
     raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
 
 
