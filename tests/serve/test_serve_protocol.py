@@ -36,6 +36,7 @@ def test_every_supported_field_reaches_sampling_params():
 def test_one_prompt_in_a_list_is_unwrapped_and_top_k_minus_one_is_off():
     assert parse_completion({"prompt": ["text"]}).generate.prompt == "text"
     assert parse_completion({"prompt": [[1, 2]]}).generate.prompt == [1, 2]
+    assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == ([1, 2], [3])
     assert parse_completion({"prompt": "x", "top_k": -1}).generate.params.top_k == 0
 
 
@@ -54,7 +55,7 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({}, "prompt", "prompt is required"),
     ({"prompt": 5}, "prompt", "string or a list of token ids"),
     ({"prompt": [1, "a"]}, "prompt", "token ids"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a", [1]]}, "prompt", "several prompts of one kind"),
     ({"prompt": "x", "n": 2}, "n", "n must be 1"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 9223372036854775807]"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
@@ -71,8 +72,8 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": "x", "model": 3}, "model", "model must be a string"),
     # numbers at their ends: each a 400 naming the field, never an exception out of SamplingParams
@@ -132,6 +133,21 @@ def test_a_template_that_refuses_the_messages_is_a_400():
         with pytest.raises(ApiError) as e:
             parse_chat({"messages": [{"role": "user", "content": "x"}]}, render)
         assert e.value.status == 400 and needle in e.value.message
+
+
+def test_logprob_fields_become_sampling_params():
+    """echo + logprobs scores the prompt with the same k (vLLM's rule); chat's top_logprobs is the k."""
+    r = parse_completion({"prompt": "x", "logprobs": 3, "echo": True})
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs, r.echo) == (3, 3, True)
+    r = parse_completion({"prompt": "x", "logprobs": 1, "prompt_logprobs": 4})
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs, r.echo) == (1, 4, False)
+    r = parse_completion({"prompt": "x", "logprobs": False})
+    assert (r.generate.params.logprobs, r.logprobs) == (None, None)
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, chatml)
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs) == (0, None)
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5},
+                   chatml)
+    assert r.generate.params.logprobs == r.logprobs == 5
 
 
 def test_a_body_that_is_not_an_object_is_a_400():
