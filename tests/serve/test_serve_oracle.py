@@ -8,8 +8,9 @@ each of those is the largest of its ``top_logprobs``), so this is the loglikelih
 compute, without lm-eval. The oracle is transformers reading the same GGUF itself, in float64, on the
 same token ids, with its SDPA attention: its eager attention takes the softmax in float32 even for a
 float64 model (a 1e-5 difference in logprobs), SDPA keeps float64 and then agrees with minicb exactly
-(both take RMSNorm statistics and rotary angles in float32, the same way). The server runs a small step budget, so the prompts are prefilled in several chunks
-and batched with each other: the rows still match one whole forward.
+(both take RMSNorm statistics and rotary angles in float32, the same way). The server runs a small
+step budget, so the prompts are prefilled in several chunks and batched with each other: the rows
+still match one whole forward.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ def test_lm_eval_loglikelihood_request_equals_transformers_float64(url, hf_smoll
         ctxlens.append(len(ctx))
     got_tokens, got = [], []
     for lo in range(0, len(prompts), 4):              # lm-eval --batch_size 4
-        status, _, out = http("POST", url + "/v1/completions", lm_eval_payload(prompts[lo:lo + 4]), timeout=300)
+        body = lm_eval_payload(prompts[lo:lo + 4])
+        status, _, out = http("POST", url + "/v1/completions", body, timeout=300)
         assert status == 200, out
         got += lm_eval_parse(out, ctxlens[lo:lo + 4])
-        got_tokens += [c["logprobs"]["token_logprobs"] for c in sorted(out["choices"], key=itemgetter("index"))]
+        choices = sorted(out["choices"], key=itemgetter("index"))
+        got_tokens += [c["logprobs"]["token_logprobs"] for c in choices]
     worst = 0.0
     for ids, ctxlen, token_lps, (ll, greedy) in zip(prompts, ctxlens, got_tokens, got):
         with sdpa(hf_smollm2), torch.no_grad():
