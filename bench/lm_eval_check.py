@@ -35,8 +35,8 @@ NAME = "smollm2"
 def serve(model_path: str, extra: list[str]):
     """``minicb serve`` in a subprocess on a free port; yields its base URL."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "minicb", "serve", "--model", model_path, "--dtype", "float64",
-                             "--served-model-name", NAME, "--port", "0", *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "minicb", "serve", "--model", model_path,
+                             "--dtype", "float64", "--served-model-name", NAME, "--port", "0", *extra],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
