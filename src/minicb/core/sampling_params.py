@@ -13,6 +13,9 @@ a bad value is reported before any work starts.
   nothing. At most ``MAX_LOGPROBS`` (vLLM's default ``max_logprobs``). Which distribution they are
   of is ``minicb.runtime.logprobs``'s docstring: the model's, after the per-request logits
   processors, before temperature, top-k and top-p.
+* ``structured_outputs`` (``StructuredOutputsParams``: a JSON schema, a regex, a choice, a grammar)
+  constrains the output with a per-row token mask (``minicb.runtime.grammar``); it cannot be combined
+  with ``ignore_eos`` (the grammar ends a request by allowing only EOS once it is complete).
 
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
+from minicb.core.structured_outputs import StructuredOutputsParams
 
 # Below this a temperature has no sampling meaning left (vLLM's _SAMPLING_EPS): use 0 for greedy.
 MIN_TEMPERATURE = 1e-5
@@ -45,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -67,6 +72,13 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(self, name, check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS))
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidArgument("structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise InvalidArgument("structured_outputs cannot be combined with ignore_eos: a complete "
+                                      "grammar ends the request with EOS")
 
     @property
     def greedy(self) -> bool:

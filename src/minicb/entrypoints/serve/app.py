@@ -51,6 +51,7 @@ from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.tools import parse_calls
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -363,6 +364,7 @@ class _Answer:
                     return
 
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(self.handles)]
+        held: list[list[Delta]] = [[] for _ in self.handles]   # with tools: the whole answer, sent at its end
         try:
             if self.chat:              # OpenAI's first chat chunk: the role, no content yet
                 for i in range(len(self.handles)):
@@ -373,7 +375,28 @@ class _Answer:
                 if d.failure is not None and d.finish_reason != "abort":   # a failed step, a dead engine
                     yield _sse(d.failure.body(), ascii_only=True)
                     break
-                if d.finished:
+                if p.tools is not None and not d.finished:
+                    held[i].append(d)
+                    continue
+                if d.finished and p.tools is not None:
+                    finals.append(d)
+                    whole = _joined(held[i] + [d])
+                    calls = parse_calls(whole.text)
+                    if calls is None:
+                        yield chunk(i, whole.text, whole, d.finish_reason)
+                        continue
+                    content, tool_calls = calls
+                    delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(tool_calls)]}
+                    if content:
+                        delta["content"] = content
+                    choice = {"index": self.index(i), "delta": delta,
+                              "logprobs": self._choice_logprobs(i, states[i], whole, states[i]["first"]),
+                              "finish_reason": "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
+                    if p.return_token_ids:
+                        choice["token_ids"] = whole.token_ids
+                    yield _sse({**self._envelope(obj), "choices": [choice]}
+                               | ({"usage": None} if p.include_usage else {}))
+                elif d.finished:
                     finals.append(d)
                     yield chunk(i, d.text, d, d.finish_reason)
                 elif d.text or (p.return_token_ids and d.token_ids) or d.logprobs or d.prompt_logprobs:
@@ -414,10 +437,7 @@ class _Answer:
             text, ids, deltas = task.result()
             d = deltas[-1]
             finals.append(d)
-            joined = Delta(text, ids, d.num_prompt_tokens, d.num_output_tokens, True, d.finish_reason,
-                           logprobs=[e for x in deltas for e in (x.logprobs or [])],
-                           prompt_logprobs=next((x.prompt_logprobs for x in deltas if x.prompt_logprobs),
-                                                None))
+            joined = _joined(deltas)
             logprobs = self._choice_logprobs(i, {}, joined, True)
             if self.chat:
                 choice = {"index": self.index(i), "message": {"role": "assistant", "content": text}}
@@ -425,6 +445,12 @@ class _Answer:
                 echo = self._echo_text(i) if self.parsed.echo else ""
                 choice = {"index": self.index(i), "text": echo + text}
             choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason}
+            calls = parse_calls(text) if self.chat and self.parsed.tools is not None else None
+            if calls is not None:          # the model called tools: OpenAI's tool_calls message
+                content, tool_calls = calls
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                if d.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
             if self.parsed.return_token_ids:
                 choice["token_ids"] = ids
                 if len(self.handles) > 1:
@@ -453,6 +479,16 @@ class _Answer:
             deltas.append(d)
             if d.finished:
                 return "".join(text), ids, deltas
+
+
+def _joined(deltas: list[Delta]) -> Delta:
+    """A request's Deltas as one (the last one's counts and reason; texts, ids, logprobs joined)."""
+    d = deltas[-1]
+    logprobs = None if all(x.logprobs is None for x in deltas) else \
+        [e for x in deltas for e in x.logprobs or []]
+    return Delta("".join(x.text for x in deltas), [t for x in deltas for t in x.token_ids],
+                 d.num_prompt_tokens, d.num_output_tokens, d.finished, d.finish_reason, d.error, d.failure,
+                 logprobs, next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None))
 
 
 async def _disconnect(request: Request) -> None:

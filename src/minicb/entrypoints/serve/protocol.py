@@ -29,9 +29,12 @@ Field by field (vLLM's choices where OpenAI leaves room):
   chat ``logprobs: true`` + ``top_logprobs: k`` (``{content: [{token, logprob, bytes, top_logprobs}]}``);
   vLLM's ``prompt_logprobs: k`` on both (``prompt_logprobs``: per prompt token ``{id: {logprob, rank,
   decoded_token}}``, ``null`` first). ``k`` is at most 20; ``-inf`` is sent as -9999.0 (vLLM's floor).
-* ``n`` must be 1; ``best_of``, penalties, ``logit_bias``, tools, chat's ``echo``, and vLLM's
+* ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` (``structured.py``) constrain
+  the output with a grammar; ``tools`` / ``tool_choice`` on chat (``tools.py``) render the tools for
+  the model and parse its calls (``required`` / a named function forced by a grammar).
+* ``n`` must be 1; ``best_of``, penalties, ``logit_bias``, chat's ``echo``, and vLLM's
   ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
-  ``structured_outputs`` / ``guided_*`` and ``stream_options.continuous_usage_stats``: a clear 400
+  and ``stream_options.continuous_usage_stats``: a clear 400
   naming the field rather than a silently different answer. Unknown fields are ignored (clients
   send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
@@ -54,33 +57,13 @@ import numpy as np
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
+from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
+from minicb.entrypoints.serve.structured import parse_structured
+from minicb.entrypoints.serve.tools import ToolRequest, constraint, parse_tools, template_messages
 
 DEFAULT_LIMITS = ServeLimits()
 MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
-
-
-@dataclass(slots=True)
-class ApiError(Exception):
-    """An error a client receives as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    retry_after: float | None = None        # seconds, sent as ``Retry-After`` (503)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,6 +87,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    tools: ToolRequest | None = None          # chat with tools shown: the output is parsed for calls
+    constraint_param: str | None = None       # the field a structured-output constraint came from
     prompts: tuple = ()               # every prompt of the body, in order (``generate.prompt`` is the first)
     echo: bool = False                # completions: return the prompt before the completion
     logprobs: int | None = None       # top logprobs per token in the answer (None: no logprobs field)
@@ -114,13 +99,11 @@ class ParsedRequest:
 _UNSUPPORTED = {
     "best_of": (None, 1),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
+    "suffix": (None, ""), "functions": (None, []), "repetition_penalty": (None, 1, 1.0),
     # vLLM's extensions that minicb does not implement (yet)
     "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_decoding_backend": (None,),
     "bad_words": (None, []), "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
@@ -132,6 +115,8 @@ def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedR
     if "prompt" not in body:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     check_model(body)
+    if body.get("tools") or body.get("tool_choice") is not None:
+        raise bad_request("tools and tool_choice are for /v1/chat/completions", "tools")
     prompts = _prompts(body["prompt"], limits)
     return _parse(body, "completion", prompts, default_max_tokens=16, limits=limits)
 
@@ -142,7 +127,8 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     A message whose text contains one of ``control_texts`` (the model's control tokens) is refused."""
     body = _object(body)
     check_model(body)
-    messages = _messages(body.get("messages"), limits)
+    tools = parse_tools(body, limits)
+    messages = _messages(template_messages(body.get("messages"), tools), limits)
     _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
@@ -152,7 +138,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", [prompt], default_max_tokens=None, limits=limits)
+    return _parse(body, "chat", [prompt], default_max_tokens=None, limits=limits, tools=tools)
 
 
 def check_model(body: dict) -> None:
@@ -175,9 +161,16 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
 
 
 def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
-           limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
+           limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
     logprobs, echo, prompt_logprobs = _logprob_fields(body, kind)
+    structured, param = parse_structured(body, limits)
+    forced = constraint(tools) if tools is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise bad_request(f"tool_choice {tools.choice!r} forces a tool call; it cannot be combined with "
+                              f"{param}", param)
+        structured, param = forced, "tools"
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise bad_request(f"n must be 1 (one choice per request), got {describe(n)}", "n")
@@ -198,10 +191,11 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
     stops = _stops(body.get("stop"), limits)
     # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
     scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
-    params = _sampling_params(body, max_tokens, limits, logprobs=logprobs,
+    params = _sampling_params(body, max_tokens, limits, structured, logprobs=logprobs,
                               prompt_logprobs=max(scored) if scored else None)
     return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room), stream,
-                         include_usage, _bool(body, "return_token_ids", False), tuple(prompts), echo,
+                         include_usage, _bool(body, "return_token_ids", False),
+                         tools if tools is not None and tools.shown else None, param, tuple(prompts), echo,
                          logprobs, prompt_logprobs)
 
 
@@ -238,7 +232,7 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, *,
+def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, structured=None, *,
                      logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     def get(name, default):
         v = body.get(name)
@@ -271,6 +265,8 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
             raise bad_request(str(e), name) from None
     if not math.isfinite(args["temperature"]):
         raise bad_request("temperature must be finite", "temperature")
+    if structured is not None:
+        args["structured_outputs"] = structured
     try:
         return SamplingParams(**args, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400
