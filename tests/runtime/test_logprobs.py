@@ -161,3 +161,15 @@ def test_logprobs_of_a_nan_row_are_finite_or_minus_infinity():
     (lp,) = row_logprobs(row, [1], 2)
     assert lp.logprob == -math.inf and lp.top_ids == (2, 0)
     assert lp.top_logprobs[0] == pytest.approx(-math.log1p(math.exp(-1.0)))
+
+
+def test_the_simulator_answers_logprobs_of_a_model_certain_of_every_token():
+    from minicb.engine.logprobs import Logprob
+    from minicb.simulate.simulator import SimulatedEngine
+
+    eng = SimulatedEngine(SchedulerConfig(max_num_seqs=2, block_size=4, num_blocks=16,
+                                          max_num_batched_tokens=2), lambda plan: 0.01, token=5)
+    eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=0))
+    (out,) = eng.run_until_done()
+    assert out.logprobs == [{5: Logprob(0.0, 1)}] * 2
+    assert out.prompt_logprobs == [None, {2: Logprob(0.0, 1)}, {3: Logprob(0.0, 1)}]
