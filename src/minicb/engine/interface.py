@@ -19,7 +19,7 @@ The engine never looks inside a runner, so one loop drives three of them:
 ====================================  ===========================================================
 
 A runner also keeps what is per request and lives outside the scheduler: a seeded sampler's
-generator (``register`` when a request is queued, ``release`` when it ends), and it says what a
+generator and logits processors (``register`` when a request is queued, ``release`` when it ends), and it says what a
 prompt may contain (``vocab_size``) and which token ends a request when no tokenizer says so
 (``eos_token_id``). ``failure`` is ``None`` while the runner can run steps; once it cannot (a
 tensor-parallel group whose rank died), it is the exception to report, and the engine refuses
@@ -31,7 +31,7 @@ needs no base class, only these names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from minicb.core.plan import StepPlan
@@ -59,8 +59,12 @@ class Runner(Protocol):
         """None while the runner works; the exception that ended it for good otherwise."""
         ...
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
-        """A request was queued: keep what sampling it needs (its seeded generator)."""
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = (), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
+        """A request was queued: keep what sampling it needs (its seeded generator, its logits
+        processors, built from ``params``, the prompt's token ids, the end-of-sequence token the engine
+        stops on and the tokenizer, which turns ``bad_words`` into token ids). May raise
+        ``InvalidArgument``: the request is then refused and nothing else changes."""
         ...
 
     def release(self, request_id: str) -> None:

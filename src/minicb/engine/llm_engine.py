@@ -39,6 +39,7 @@ The error contract (which argument, which range, which exception) is the table i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -165,11 +166,19 @@ class LLMEngine:
             self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
-        self.runner.register(seq.request_id, seq.params)
+        # the runner first: a request it refuses (InvalidArgument) leaves the scheduler untouched
+        self.runner.register(seq.request_id, seq.params, seq.prompt_token_ids,
+                             eos_token_id=seq.eos_token_id, tokenizer=self.tokenizer)
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            self.runner.release(seq.request_id)
+            raise
         tok = self.tokenizer
-        dec = tok.incremental_decoder() if tok is not None else None
-        self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
+        skip = seq.params.skip_special_tokens
+        dec = tok.incremental_decoder(skip) if tok is not None else None
+        decode = functools.partial(tok.decode, skip_special_tokens=skip) if tok is not None else None
+        self._live[seq.request_id] = OutputTracker(seq, dec, decode)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;

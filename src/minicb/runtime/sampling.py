@@ -6,8 +6,14 @@ Each request with a ``seed`` owns a ``torch.Generator`` seeded once and advanced
 generated token, so its tokens are the same alone, in a batch of 8, under any policy, and across
 preemptions (the generator lives in the engine, not in the preempted state).
 
-The filters are applied in vLLM's order: temperature, then top-k, then top-p (nucleus), then a draw
-from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
+The filters are applied in vLLM's order: temperature, then min-p, then top-k, then top-p (nucleus),
+then a draw from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
+
+Before the filters, a row goes through its request's *logits processors* (penalties, ``logit_bias``,
+``min_tokens``, ``bad_words``: ``minicb.runtime.logits_processors``), built once at ``register`` from
+the request's parameters and prompt, applied to that row only, and told the token it drew. A batch in
+which no row has a processor and every row is greedy is one ``argmax`` over the whole matrix, as
+before processors existed; only rows with processors pay for them.
 
 **One row never fails another.** Every row is sampled on its own, and the distribution a row draws
 from is valid by construction, whatever its logits hold:
@@ -32,6 +38,7 @@ import secrets
 import torch
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.runtime.logits_processors import RowProcessor, build_processors
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -56,6 +63,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     The result's maximum is 0 (``usable_scores``), so ``softmax`` of it is always a distribution."""
     x = usable_scores(logits) / params.temperature
+    if params.min_p > 0.0:
+        # vLLM's min-p: drop tokens less likely than min_p times the most likely one (after temperature)
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -85,10 +96,18 @@ class Sampler:
 
     def __init__(self, seed: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._processors: dict[str, list[RowProcessor]] = {}     # only requests that have some
         self._fallback = torch.Generator()
         self._fallback.manual_seed(secrets.randbits(63) if seed is None else seed)
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 vocab_size: int | None = None, eos_token_id: int | None = None, tokenizer=None) -> None:
+        """Keep what ``request_id`` needs to sample: its generator (not greedy) and its processors
+        (built from ``params`` and the prompt; ``vocab_size`` bounds the ids they touch)."""
+        procs = build_processors(params, prompt_token_ids, vocab_size=vocab_size or 2**63 - 1,
+                                 eos_token_id=eos_token_id, tokenizer=tokenizer)
+        if procs:
+            self._processors[request_id] = procs
         if params.greedy:
             return
         seed = params.seed
@@ -98,13 +117,26 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._processors.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: tuple[str, ...],
                params: list[SamplingParams]) -> list[int]:
-        """One token per row; row ``i`` belongs to ``request_ids[i]``."""
-        if all(p.greedy for p in params):
+        """One token per row; row ``i`` belongs to ``request_ids[i]``.
+
+        Each row with processors goes through them first (in order); every processor then hears its
+        row's token, once all rows are sampled (so a row that raises leaves no processor advanced)."""
+        procs = self._processors
+        if all(p.greedy for p in params) and not (procs and any(r in procs for r in request_ids)):
             # widening bfloat16 is exact (the same argmax) and torch's float argmax is ~3x faster on the CPU
             wide = logits.float() if logits.dtype == torch.bfloat16 else logits
             return torch.argmax(wide, dim=-1).tolist()
-        return [sample_token(logits[i], p, self._generators.get(rid))
-                for i, (rid, p) in enumerate(zip(request_ids, params))]
+        tokens = []
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            row = logits[i]
+            for proc in procs.get(rid, ()):
+                row = proc.process(row)
+            tokens.append(sample_token(row, p, self._generators.get(rid)))
+        for rid, token in zip(request_ids, tokens):
+            for proc in procs.get(rid, ()):
+                proc.accept(token)
+        return tokens

@@ -495,7 +495,8 @@ class SimRunner:
         self.now += self._step_time(plan)
         return {s.request_id: self._token for s in plan.seqs if s.sample}
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
         """Nothing to keep: every sampled token is the dummy one."""
 
     def release(self, request_id: str) -> None:
