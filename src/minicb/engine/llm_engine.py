@@ -134,6 +134,7 @@ class LLMEngine:
                       arrival_time: float | None = None, priority: int = 0) -> Sequence:
         """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing)."""
         params = inputs.checked_params(params)
+        inputs.check_params_fit(params, self.runner.vocab_size, self.tokenizer)
         rid = inputs.checked_request_id(self.new_request_id() if request_id is None else request_id)
         priority = inputs.checked_priority(priority)
         now = self.clock() if arrival_time is None else inputs.checked_arrival_time(arrival_time)
