@@ -19,11 +19,12 @@ The engine never looks inside a runner, so one loop drives three of them:
 ====================================  ===========================================================
 
 A runner also keeps what is per request and lives outside the scheduler: a seeded sampler's
-generator and logits processors (``register`` when a request is queued, ``release`` when it ends), and it says what a
-prompt may contain (``vocab_size``) and which token ends a request when no tokenizer says so
-(``eos_token_id``). ``failure`` is ``None`` while the runner can run steps; once it cannot (a
-tensor-parallel group whose rank died), it is the exception to report, and the engine refuses
-every further step with it. ``close()`` releases what the runner holds (other processes, for TP).
+generator and the request's logits processors (``register`` when a request is queued, ``release``
+when it ends), and it says what a prompt may contain (``vocab_size``) and which token ends a
+request when no tokenizer says so (``eos_token_id``). ``failure`` is ``None`` while the runner
+can run steps; once it cannot (a tensor-parallel group whose rank died), it is the exception to
+report, and the engine refuses every further step with it. ``close()`` releases what the runner
+holds (other processes, for TP).
 
 This module imports nothing but the core's types: ``Runner`` is a ``typing.Protocol``, so a runner
 needs no base class, only these names.
