@@ -99,7 +99,8 @@ class Frontend:
         else:
             parsed = parse_completion(body, self.limits)
         ids = self._token_ids(parsed)
-        return Prepared(parsed, ids, StopMatcher(parsed.generate.stops))
+        gen = parsed.generate
+        return Prepared(parsed, ids, StopMatcher(gen.stops, gen.params.include_stop_str_in_output))
 
     def _check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
