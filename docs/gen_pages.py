@@ -49,7 +49,8 @@ API_MODULES = [
         ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
         ("model.cpu_linear", "model.cpu_linear"), ("model.ckernels", "model.ckernels"),
         ("model.loader", "model.weights.loader"), ("model.export", "model.weights.export"),
-        ("model.tokenizer", "model.text.tokenizer"), ("sampling", "runtime.sampling")]),
+        ("model.tokenizer", "model.text.tokenizer"),
+        ("sampling", ("runtime.sampling", "runtime.logits_processors"))]),
     ("One step and the faces", [
         ("runner", "runtime.runner"), ("engine", ("engine.llm_engine", "engine.interface")),
         ("events", "engine.events"), ("outputs", "engine.outputs"), ("arrivals", "engine.arrivals"),
