@@ -128,6 +128,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
      "a fast path: at equality the general branch gives the same slice (no prompt, the first outputs)"),
     ("", "admitted_index: int = -1             # order of the latest admission (the default "
      "preemption victim", "`1` -> `2`", "any negative value means never admitted; only `< 0` is ever asked"),
+    ("filter_logits", "if params.min_p > 0.0:", "`>` -> `>=`",
+     "a fast path: min_p == 0 masks nothing (no probability is below 0 x the top one)"),
+    ("accept", "if self.longest > 1:", "`>` -> `>=`",
+     "a word of one token matches no tail: with longest == 1 the kept tail is trimmed to nothing anyway"),
+    ("process", "if self.counts and (self.frequency or self.presence):", "`and` -> `or`",
+     "a fast path: no counts is an empty index, and zero penalties subtract 0"),
 ]
 
 

@@ -96,3 +96,7 @@ def test_a_stop_id_ends_the_request_only_after_min_tokens_tokens():
     assert fed(SamplingParams(max_tokens=3, min_tokens=3), [0, 0, 0, 0]) == (3, FinishReason.LENGTH)
     ignore = SamplingParams(max_tokens=10, min_tokens=1, ignore_eos=True, stop_token_ids=(7,))
     assert fed(ignore, [0, 0, 7]) == (3, FinishReason.STOP)
+
+
+def test_token_id_zero_may_be_biased():
+    assert SamplingParams(logit_bias={0: -100}).logit_bias == ((0, -100.0),)

@@ -224,3 +224,24 @@ def test_processed_rows_and_filtered_distributions_equal_the_reference(data):
     if not p.greedy and np.isfinite(want).any():
         got = torch.softmax(filter_logits(row, p), dim=-1).numpy()
         np.testing.assert_allclose(got, ref_probs(want, p), rtol=1e-9, atol=1e-12)
+
+
+def test_ids_beyond_the_vocabulary_are_left_out_and_min_p_one_keeps_every_top_token():
+    """The engine refuses such ids first; the sampler still never indexes past a row."""
+    s = Sampler()
+    p = SamplingParams(logit_bias={3: 50.0, 2: 1.0}, repetition_penalty=2.0, min_tokens=2,
+                       stop_token_ids=(3,), max_tokens=4)
+    s.register("r", p, [1, 3, 4], vocab_size=3, eos_token_id=3)
+    assert s.sample(torch.tensor([[0.0, 0.5, 0.0]]), ("r",), [p]) == [2]      # 0.5 / 2 < 0 + 1
+    assert [type(x) for x in build_processors(p, [], vocab_size=3, eos_token_id=None)] == [LogitBias,
+                                                                                          Penalties]
+    q = SamplingParams(temperature=1.0, min_p=1.0, seed=0)                     # ties at the top stay
+    s.register("q", q)
+    assert {s.sample(torch.tensor([[1.0, 1.0, 0.0]]), ("q",), [q])[0] for _ in range(100)} == {0, 1}
+
+
+def test_bad_words_keep_only_the_tail_they_can_match():
+    b = BadWords([[1, 2, 3]])
+    for t in range(50):
+        b.accept(t)
+    assert b.recent == [48, 49]
