@@ -113,8 +113,8 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens",
      "not supported"),
     ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
-    ({"prompt": "x", "structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"prompt": "x", "guided_json": 7}, "guided_json", "must be a JSON schema"),
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "not supported"),
 ])

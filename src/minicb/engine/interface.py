@@ -62,10 +62,12 @@ class Runner(Protocol):
 
     def register(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = (), *,
                  eos_token_id: int | None = None, tokenizer=None) -> None:
-        """A request was queued: keep what sampling it needs (its seeded generator, its logits
-        processors, built from ``params``, the prompt's token ids, the end-of-sequence token the engine
-        stops on and the tokenizer, which turns ``bad_words`` into token ids). May raise
-        ``InvalidArgument``: the request is then refused and nothing else changes."""
+        """A request is being queued: keep what sampling it needs (its seeded generator, its logits
+        processors: penalties, ``logit_bias``, ``min_tokens``, ``bad_words``, a structured output's
+        grammar), built from ``params``, the prompt's token ids, the end-of-sequence token the engine
+        stops on and the engine's tokenizer (``bad_words`` and grammars are text). Called before the
+        scheduler holds the request, so an ``InvalidArgument`` here (a grammar that cannot be built)
+        refuses it cleanly."""
         ...
 
     def release(self, request_id: str) -> None:

@@ -167,7 +167,8 @@ class LLMEngine:
             self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        # the runner first: a request it refuses (InvalidArgument) leaves the scheduler untouched
+        # the runner first: what it cannot build for the request (a bad grammar) raises before the
+        # scheduler holds anything of it
         self.runner.register(seq.request_id, seq.params, seq.prompt_token_ids,
                              eos_token_id=seq.eos_token_id, tokenizer=self.tokenizer)
         try:

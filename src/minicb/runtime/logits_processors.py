@@ -36,6 +36,7 @@ The knobs, in vLLM's order (``Sampler.sample`` applies them in this order, then 
 penalties            ``repetition_penalty`` over prompt + generated tokens (a positive logit divided by
                      it, a negative one multiplied), then ``frequency_penalty * count`` and
                      ``presence_penalty * (count > 0)`` subtracted, counts over generated tokens
+grammar              a structured output's token mask (``minicb.runtime.grammar``), last: it always holds
 ===================  ==================================================================================
 
 ``min_p`` is not a processor: like top-k and top-p it is a filter of the (temperature-scaled)
@@ -187,9 +188,15 @@ def bad_words_token_ids(words: Sequence[str], tokenizer) -> list[list[int]]:
     return out
 
 
-def build_processors(params: SamplingParams, prompt_token_ids: Sequence[int], *, vocab_size: int,
+def build_processors(params: SamplingParams, prompt_token_ids: Sequence[int] = (), *, vocab_size: int,
                      eos_token_id: int | None, tokenizer=None) -> list[RowProcessor]:
     """The processors ``params`` asks for, in the order they apply (empty: a plain row).
+
+    A structured output's grammar mask (``minicb.runtime.grammar``) comes last, so no knob can make
+    the output break the grammar: if the knobs banned every token the grammar allows (``min_tokens``
+    banning the EOS a complete grammar needs), the mask's own fallback shares the probability among
+    the grammar's tokens. Raises ``InvalidArgument`` for a constraint that cannot be built (a bad
+    grammar, no tokenizer).
 
     ``vocab_size`` bounds the token ids the processors may touch (ids beyond it are ignored: the
     engine refuses such a request before it is registered); ``eos_token_id`` is the token
@@ -212,4 +219,9 @@ def build_processors(params: SamplingParams, prompt_token_ids: Sequence[int], *,
     if params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
         procs.append(Penalties(params.repetition_penalty, params.frequency_penalty, params.presence_penalty,
                                [t for t in prompt_token_ids if 0 <= t < vocab_size]))
+    if params.structured_outputs is not None:     # last: whatever the knobs did, the grammar holds
+        from minicb.runtime.grammar import GrammarProcessor, new_matcher
+
+        matcher = new_matcher(params.structured_outputs, tokenizer, vocab_size, eos_token_id)
+        procs.append(GrammarProcessor(matcher, vocab_size, eos_token_id))
     return procs

@@ -10,10 +10,12 @@ The filters are applied in vLLM's order: temperature, then min-p, then top-k, th
 then a draw from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
 
 Before the filters, a row goes through its request's *logits processors* (penalties, ``logit_bias``,
-``min_tokens``, ``bad_words``: ``minicb.runtime.logits_processors``), built once at ``register`` from
-the request's parameters and prompt, applied to that row only, and told the token it drew. A batch in
-which no row has a processor and every row is greedy is one ``argmax`` over the whole matrix, as
-before processors existed; only rows with processors pay for them.
+``min_tokens``, ``bad_words``, a structured output's grammar mask: ``minicb.runtime.logits_processors``),
+built once at ``register`` from the request's parameters and prompt, applied to that row only, and
+told the token it drew. A row without any is sampled exactly as before (the batched greedy ``argmax``
+included), so a request without them gets the same tokens whatever its neighbours ask for; a batch
+in which no row has a processor and every row is greedy is one ``argmax`` over the whole matrix, as
+before processors existed.
 
 **One row never fails another.** Every row is sampled on its own, and the distribution a row draws
 from is valid by construction, whatever its logits hold:
@@ -94,18 +96,24 @@ class Sampler:
     left alone starts from the same constant in every process, so every unseeded request of every
     run would draw the same tokens."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, tokenizer=None, vocab_size: int | None = None,
+                 eos_token_id: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._processors: dict[str, list[RowProcessor]] = {}     # only requests that have some
+        self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._fallback = torch.Generator()
         self._fallback.manual_seed(secrets.randbits(63) if seed is None else seed)
 
     def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
                  vocab_size: int | None = None, eos_token_id: int | None = None, tokenizer=None) -> None:
-        """Keep what ``request_id`` needs to sample: its generator (not greedy) and its processors
-        (built from ``params`` and the prompt; ``vocab_size`` bounds the ids they touch)."""
-        procs = build_processors(params, prompt_token_ids, vocab_size=vocab_size or 2**63 - 1,
-                                 eos_token_id=eos_token_id, tokenizer=tokenizer)
+        """Keep what ``request_id`` samples with: its processors (built first from ``params`` and the
+        prompt: a bad grammar raises ``InvalidArgument`` before anything is kept) and, unless greedy,
+        its seeded generator. ``vocab_size``, ``eos_token_id`` and ``tokenizer`` default to the
+        sampler's own (``vocab_size`` bounds the ids a processor touches)."""
+        vocab = vocab_size or self.vocab_size
+        procs = build_processors(params, prompt_token_ids, vocab_size=vocab or 2**63 - 1,
+                                 eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
+                                 tokenizer=self.tokenizer if tokenizer is None else tokenizer)
         if procs:
             self._processors[request_id] = procs
         if params.greedy:
@@ -124,16 +132,26 @@ class Sampler:
         """One token per row; row ``i`` belongs to ``request_ids[i]``.
 
         Each row with processors goes through them first (in order); every processor then hears its
-        row's token, once all rows are sampled (so a row that raises leaves no processor advanced)."""
+        row's token, once all rows are sampled (so a row that raises leaves no processor advanced).
+        A row without processors is sampled as if there were none anywhere (the batched argmax of an
+        all-greedy step included)."""
         procs = self._processors
-        if all(p.greedy for p in params) and not (procs and any(r in procs for r in request_ids)):
+        greedy = None
+        if all(p.greedy for p in params):
             # widening bfloat16 is exact (the same argmax) and torch's float argmax is ~3x faster on the CPU
             wide = logits.float() if logits.dtype == torch.bfloat16 else logits
-            return torch.argmax(wide, dim=-1).tolist()
+            greedy = torch.argmax(wide, dim=-1).tolist()
+            if not (procs and any(r in procs for r in request_ids)):
+                return greedy
         tokens = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
+            mine = procs.get(rid)
+            if mine is None:           # untouched: the batched argmax, or the row as it is
+                tokens.append(greedy[i] if greedy is not None else sample_token(logits[i], p,
+                                                                                self._generators.get(rid)))
+                continue
             row = logits[i]
-            for proc in procs.get(rid, ()):
+            for proc in mine:
                 row = proc.process(row)
             tokens.append(sample_token(row, p, self._generators.get(rid)))
         for rid, token in zip(request_ids, tokens):

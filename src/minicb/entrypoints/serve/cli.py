@@ -62,6 +62,9 @@ def add_parser(sub, add_engine_args) -> None:
             ("max_logit_bias", int, "logit_bias entries of a request", d.max_logit_bias),
             ("max_bad_words", int, "bad_words of a request", d.max_bad_words),
             ("max_bad_words_chars", int, "characters of all bad_words together", d.max_bad_words_chars),
+            ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
+             "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
+            ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),
             ("header_timeout", float, "seconds for a request line and headers", d.header_timeout),
             ("body_timeout", float, "seconds for a request body", d.body_timeout),
             ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),
