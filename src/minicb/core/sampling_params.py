@@ -110,6 +110,9 @@ class SamplingParams:
             if self.ignore_eos:
                 raise InvalidArgument("structured_outputs cannot be combined with ignore_eos: a complete "
                                       "grammar ends the request with EOS")
+            if self.min_tokens:
+                raise InvalidArgument("structured_outputs cannot be combined with min_tokens: a complete "
+                                      "grammar ends the request with EOS, whatever its length")
 
     @property
     def greedy(self) -> bool:
