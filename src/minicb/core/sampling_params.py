@@ -17,6 +17,24 @@ a bad value is reported before any work starts.
   constrains the output with a per-row token mask (``minicb.runtime.grammar``); it cannot be combined
   with ``ignore_eos`` (the grammar ends a request by allowing only EOS once it is complete).
 
+The knobs beyond those, with vLLM's names and meaning (applied per row by
+``minicb.runtime.logits_processors``, each off at its default):
+
+* ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI's range): subtracted once per token
+  generated at least once / once per time it was generated;
+* ``repetition_penalty`` > 0 (1 = off): over prompt and generated tokens, a positive logit divided by
+  it, a negative one multiplied;
+* ``logit_bias``: token id -> bias in [-100, 100] (OpenAI's), given as a dict or as pairs, kept as a
+  tuple of ``(id, bias)`` pairs sorted by id (so the parameters stay hashable);
+* ``min_p`` in [0, 1]: tokens whose probability is below ``min_p`` times the top token's are dropped
+  (a filter beside top-k / top-p; greedy rows are unaffected);
+* ``min_tokens`` in [0, max_tokens]: EOS and ``stop_token_ids`` cannot end the request (nor be
+  sampled) before that many tokens are generated;
+* ``bad_words``: strings whose tokens may not be generated in sequence (the last token is banned
+  whenever the others were just generated);
+* ``include_stop_str_in_output``: a matched stop string stays in the text (``minicb serve``'s ``stop``);
+* ``skip_special_tokens`` (default True): special tokens are left out of the decoded text.
+
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
 small says "greedy" in a way the caller should spell ``0``. Every number may be a Python number, a
@@ -49,6 +67,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -67,11 +94,27 @@ class SamplingParams:
             raise InvalidArgument("stop_token_ids must be a tuple of token ids")
         set_(self, "stop_token_ids", tuple(_int64("stop_token_ids[i]", t, lo=0)
                                            for t in self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be a bool, got {describe(getattr(self, name))}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(self, name, check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, check_float(name, getattr(self, name), lo=-2.0, hi=2.0))
+        set_(self, "repetition_penalty", check_float("repetition_penalty", self.repetition_penalty, lo=0.0,
+                                                     lo_open=True, finite=True))
+        set_(self, "min_p", check_float("min_p", self.min_p, lo=0.0, hi=1.0))
+        set_(self, "min_tokens", _int64("min_tokens", self.min_tokens, lo=0))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be at most max_tokens ({self.max_tokens}), "
+                                  f"got {self.min_tokens}")
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (tuple, list)):
+            raise InvalidArgument("bad_words must be a list of strings")
+        if not all(isinstance(w, str) for w in self.bad_words):
+            raise InvalidArgument("bad_words must be a list of strings")
+        set_(self, "bad_words", tuple(self.bad_words))
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidArgument("structured_outputs must be a StructuredOutputsParams, got "
@@ -79,10 +122,32 @@ class SamplingParams:
             if self.ignore_eos:
                 raise InvalidArgument("structured_outputs cannot be combined with ignore_eos: a complete "
                                       "grammar ends the request with EOS")
+            if self.min_tokens:
+                raise InvalidArgument("structured_outputs cannot be combined with min_tokens: a complete "
+                                      "grammar ends the request with EOS, whatever its length")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A dict or pairs of token id -> bias, as a tuple of ``(id, bias)`` pairs sorted by id."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)):
+        pairs = list(value)
+        if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise InvalidArgument("logit_bias must be a dict of token id -> bias or (token id, bias) pairs")
+    else:
+        raise InvalidArgument(f"logit_bias must be a dict of token id -> bias, got {type(value).__name__}")
+    out = {}
+    for t, b in pairs:
+        t = _int64("logit_bias token id", t, lo=0)
+        if t in out:
+            raise InvalidArgument(f"logit_bias gives token id {t} twice")
+        out[t] = check_float(f"logit_bias[{t}]", b, lo=-100.0, hi=100.0)
+    return tuple(sorted(out.items()))
 
 
 def _int64(name: str, value, lo: int) -> int:

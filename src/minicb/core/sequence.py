@@ -123,6 +123,9 @@ class Sequence:
     def append_token(self, token_id: int, now: float) -> bool:
         """Record a sampled token; finish the sequence if it hit EOS, a stop id or max_tokens.
 
+        A stop id ends the request only once ``min_tokens`` tokens came before it (the sampler bans
+        stop ids until then, so this matters only for a runner that does not: the simulator's).
+
         Returns True when the sequence finished with this token.
         """
         self.output_token_ids.append(token_id)
@@ -130,7 +133,8 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         p = self.params
-        if (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids:
+        stop_id = (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids
+        if stop_id and self.num_output_tokens > p.min_tokens:
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= p.max_tokens:
             self.finish(FinishReason.LENGTH, now)

@@ -20,11 +20,12 @@ The engine never looks inside a runner, so one loop drives three of them:
 ====================================  ===========================================================
 
 A runner also keeps what is per request and lives outside the scheduler: a seeded sampler's
-generator (``register`` when a request is queued, ``release`` when it ends), and it says what a
-prompt may contain (``vocab_size``) and which token ends a request when no tokenizer says so
-(``eos_token_id``). ``failure`` is ``None`` while the runner can run steps; once it cannot (a
-tensor-parallel group whose rank died), it is the exception to report, and the engine refuses
-every further step with it. ``close()`` releases what the runner holds (other processes, for TP).
+generator and the request's logits processors (``register`` when a request is queued, ``release``
+when it ends), and it says what a prompt may contain (``vocab_size``) and which token ends a
+request when no tokenizer says so (``eos_token_id``). ``failure`` is ``None`` while the runner
+can run steps; once it cannot (a tensor-parallel group whose rank died), it is the exception to
+report, and the engine refuses every further step with it. ``close()`` releases what the runner
+holds (other processes, for TP).
 
 This module imports nothing but the core's types: ``Runner`` is a ``typing.Protocol``, so a runner
 needs no base class, only these names.
@@ -32,7 +33,7 @@ needs no base class, only these names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from minicb.core.plan import StepPlan
@@ -61,10 +62,14 @@ class Runner(Protocol):
         """None while the runner works; the exception that ended it for good otherwise."""
         ...
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = (), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
         """A request is being queued: keep what sampling it needs (its seeded generator, its logits
-        processors such as a structured output's grammar). Called before the scheduler holds the
-        request, so an ``InvalidArgument`` here (a grammar that cannot be built) refuses it cleanly."""
+        processors: penalties, ``logit_bias``, ``min_tokens``, ``bad_words``, a structured output's
+        grammar), built from ``params``, the prompt's token ids, the end-of-sequence token the engine
+        stops on and the engine's tokenizer (``bad_words`` and grammars are text). Called before the
+        scheduler holds the request, so an ``InvalidArgument`` here (a grammar that cannot be built)
+        refuses it cleanly."""
         ...
 
     def release(self, request_id: str) -> None:

@@ -39,6 +39,7 @@ The error contract (which argument, which range, which exception) is the table i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -135,6 +136,7 @@ class LLMEngine:
                       arrival_time: float | None = None, priority: int = 0) -> Sequence:
         """A checked, not yet queued ``Sequence`` (raises what ``add_request`` would; changes nothing)."""
         params = inputs.checked_params(params)
+        inputs.check_params_fit(params, self.runner.vocab_size, self.tokenizer)
         rid = inputs.checked_request_id(self.new_request_id() if request_id is None else request_id)
         priority = inputs.checked_priority(priority)
         now = self.clock() if arrival_time is None else inputs.checked_arrival_time(arrival_time)
@@ -169,15 +171,18 @@ class LLMEngine:
     def _enqueue(self, seq: Sequence) -> None:
         # the runner first: what it cannot build for the request (a bad grammar) raises before the
         # scheduler holds anything of it
-        self.runner.register(seq.request_id, seq.params)
+        self.runner.register(seq.request_id, seq.params, seq.prompt_token_ids,
+                             eos_token_id=seq.eos_token_id, tokenizer=self.tokenizer)
         try:
             self.scheduler.add(seq)
         except BaseException:
             self.runner.release(seq.request_id)
             raise
         tok = self.tokenizer
-        dec = tok.incremental_decoder() if tok is not None else None
-        tracker = OutputTracker(seq, dec, tok.decode if tok is not None else None)
+        skip = seq.params.skip_special_tokens
+        dec = tok.incremental_decoder(skip) if tok is not None else None
+        decode = functools.partial(tok.decode, skip_special_tokens=skip) if tok is not None else None
+        tracker = OutputTracker(seq, dec, decode)
         if seq.params.logprobs is not None:
             tracker.logprobs = []
         if seq.params.prompt_logprobs is not None:

@@ -98,8 +98,10 @@ class ModelRunner:
 
     failure: BaseException | None = None      # one process: a failed step never breaks the runner
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
-        self.sampler.register(request_id, params)
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
+        self.sampler.register(request_id, params, prompt_token_ids, vocab_size=self.vocab_size,
+                              eos_token_id=eos_token_id, tokenizer=tokenizer)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

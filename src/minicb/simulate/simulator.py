@@ -506,7 +506,8 @@ class SimRunner:
             out[s.request_id] = RowOutput(out.get(s.request_id), lp, prompt, s.start_pos + 1)
         return out
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
         """Nothing to keep: every sampled token is the dummy one."""
 
     def release(self, request_id: str) -> None:

@@ -60,6 +60,9 @@ def add_parser(sub, add_engine_args) -> None:
             ("max_stop", int, "stop strings of a request", d.max_stop),
             ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
             ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
+            ("max_logit_bias", int, "logit_bias entries of a request", d.max_logit_bias),
+            ("max_bad_words", int, "bad_words of a request", d.max_bad_words),
+            ("max_bad_words_chars", int, "characters of all bad_words together", d.max_bad_words_chars),
             ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
              "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
             ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),

@@ -305,8 +305,9 @@ class EngineThread:
         except RequestRejected as e:       # can never fit: the message names the limit
             self._send(handle, bad_request(str(e), "prompt", "context_length_exceeded"))
             return
-        except InvalidArgument as e:
-            self._send(handle, bad_request(str(e), "prompt"))
+        except InvalidArgument as e:       # the prompt, or a knob only the engine can judge
+            knob = next((k for k in ("logit_bias", "bad_words", "min_tokens") if str(e).startswith(k)), None)
+            self._send(handle, bad_request(str(e), knob or "prompt"))
             return
         except Exception:   # noqa: BLE001 - a bug must cost this request only, and never show a traceback
             log.exception("adding request %s failed", handle.request_id)
@@ -350,7 +351,8 @@ class EngineThread:
             self.metrics.observe_tokens(out, first=not live.seen_first_token and bool(out.new_token_ids))
         if out.new_token_ids:
             live.seen_first_token = True
-        text = live.stops.push(out.new_text)
+        # vLLM's min_tokens: no stop string ends a request before that many tokens
+        text = live.stops.push(out.new_text, len(out.token_ids) >= live.handle.request.params.min_tokens)
         if live.stops.stopped:
             new_ids, logprobs = out.new_token_ids, _new_logprobs(out)
             if not out.finished:                       # end it now: no step is spent past the stop

@@ -120,8 +120,10 @@ class Frontend:
                               f"one request ({flag('max_prompt_tokens')}, at most max_model_len)", "prompt",
                               "context_length_exceeded")
         self._compile(parsed)
-        stops = parsed.generate.stops
-        return Prepared(parsed, ids[0], StopMatcher(stops), tuple((i, StopMatcher(stops)) for i in ids[1:]))
+        gen = parsed.generate
+        stop = gen.params.include_stop_str_in_output
+        return Prepared(parsed, ids[0], StopMatcher(gen.stops, stop),
+                        tuple((i, StopMatcher(gen.stops, stop)) for i in ids[1:]))
 
     def _compile(self, parsed: ParsedRequest) -> None:
         """Compile the request's grammar here, off the engine thread: a bad one is a 400 now, a good one

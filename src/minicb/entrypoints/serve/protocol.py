@@ -32,10 +32,16 @@ Field by field (vLLM's choices where OpenAI leaves room):
 * ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` (``structured.py``) constrain
   the output with a grammar; ``tools`` / ``tool_choice`` on chat (``tools.py``) render the tools for
   the model and parse its calls (``required`` / a named function forced by a grammar).
-* ``n`` must be 1; ``best_of``, penalties, ``logit_bias``, chat's ``echo``, and vLLM's
-  ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
-  and ``stream_options.continuous_usage_stats``: a clear 400
-  naming the field rather than a silently different answer. Unknown fields are ignored (clients
+* The sampling knobs (``minicb.runtime.logits_processors``): OpenAI's ``presence_penalty`` and
+  ``frequency_penalty`` (in [-2, 2]) and ``logit_bias`` (an object of token id -> bias in [-100, 100],
+  at most ``--max-logit-bias`` entries, ids in the vocabulary); vLLM's ``repetition_penalty`` (> 0),
+  ``min_p`` (in [0, 1]), ``min_tokens`` (at most ``max_tokens``; stop strings are not matched before
+  it either, as vLLM), ``bad_words`` (at most ``--max-bad-words`` strings of
+  ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
+  string stays in the text) and ``skip_special_tokens`` (default true).
+* ``n`` must be 1; ``best_of``, chat's ``echo``, and vLLM's ``spaces_between_special_tokens``,
+  ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``: a clear
+  400 naming the field rather than a silently different answer. Unknown fields are ignored (clients
   send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
   1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
@@ -98,13 +104,10 @@ class ParsedRequest:
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
 _UNSUPPORTED = {
     "best_of": (None, 1),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "suffix": (None, ""), "functions": (None, []), "repetition_penalty": (None, 1, 1.0),
+    "suffix": (None, ""), "functions": (None, []),
     # vLLM's extensions that minicb does not implement (yet)
-    "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "guided_decoding_backend": (None,),
-    "bad_words": (None, []), "allowed_token_ids": (None,),
+    "spaces_between_special_tokens": (None, True), "guided_decoding_backend": (None,),
+    "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
 _UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
@@ -187,7 +190,7 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
         include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
     max_tokens = body.get("max_tokens")
     from_room = max_tokens is None and default_max_tokens is None
-    max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
+    max_tokens = MAX_INT if from_room else (default_max_tokens if max_tokens is None else max_tokens)
     stops = _stops(body.get("stop"), limits)
     # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
     scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
@@ -245,6 +248,48 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
                                   f"({flag('max_stop_token_ids')}), got {len(ids)}")
         return tuple(check_int("stop_token_ids[i]", t, lo=0, hi=MAX_INT) for t in ids)
 
+    def logit_bias():
+        bias = body.get("logit_bias")
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise InvalidArgument("logit_bias must be an object of token id -> bias, got "
+                                  f"{type(bias).__name__}")
+        if len(bias) > limits.max_logit_bias:
+            raise InvalidArgument(f"logit_bias may hold at most {limits.max_logit_bias:,} entries "
+                                  f"({flag('max_logit_bias')}), got {len(bias):,}")
+        out = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+                raise InvalidArgument(f"logit_bias keys must be token ids (decimal integers), got "
+                                      f"{describe(key)}")
+            if type(value) not in (int, float):
+                raise InvalidArgument(f"logit_bias[{key}] must be a number in [-100, 100], got "
+                                      f"{describe(value)}")
+            out[check_int("logit_bias token id", int(key), lo=0, hi=MAX_INT)] = \
+                check_float(f"logit_bias[{key}]", value, lo=-100.0, hi=100.0)
+        return out
+
+    def bad_words():
+        words = _list(body, "bad_words")
+        if len(words) > limits.max_bad_words:
+            raise InvalidArgument(f"bad_words may hold at most {limits.max_bad_words} strings "
+                                  f"({flag('max_bad_words')}), got {len(words):,}")
+        if not all(isinstance(w, str) for w in words):
+            raise InvalidArgument("bad_words must be a list of strings")
+        total = sum(map(len, words))
+        if total > limits.max_bad_words_chars:
+            cap = limits.max_bad_words_chars
+            raise InvalidArgument(f"the bad_words hold {total:,} characters; at most {cap:,} are allowed "
+                                  f"({flag('max_bad_words_chars')})")
+        return tuple(words)
+
+    def number(name, default, **bounds):
+        v = get(name, default)
+        if type(v) not in (int, float):
+            raise InvalidArgument(f"{name} must be a number, got {describe(v)}")
+        return check_float(name, v, **bounds)
+
     top_k = get("top_k", 0)
     args: dict[str, Any] = {}
     checks = [
@@ -257,6 +302,15 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
          else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
         ("stop_token_ids", stop_token_ids),
         ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
+        ("presence_penalty", lambda: number("presence_penalty", 0.0, lo=-2.0, hi=2.0)),
+        ("frequency_penalty", lambda: number("frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
+        ("repetition_penalty", lambda: number("repetition_penalty", 1.0, lo=0.0, lo_open=True, finite=True)),
+        ("min_p", lambda: number("min_p", 0.0, lo=0.0, hi=1.0)),
+        ("min_tokens", lambda: check_int("min_tokens", get("min_tokens", 0), lo=0, hi=MAX_INT)),
+        ("logit_bias", logit_bias),
+        ("bad_words", bad_words),
+        ("include_stop_str_in_output", lambda: _bool(body, "include_stop_str_in_output", False)),
+        ("skip_special_tokens", lambda: _bool(body, "skip_special_tokens", True)),
     ]
     for name, check in checks:
         try:
