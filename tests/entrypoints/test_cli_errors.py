@@ -309,7 +309,8 @@ def test_the_real_command_under_head_and_a_closed_or_full_stdout(tiny_gguf):
     p.stdout.close()
     err = p.stderr.read()
     p.wait(timeout=120)
-    assert len(first) == 10 and p.returncode == 141 and without_load_line(err.decode()) == "", (p.returncode, err)
+    assert len(first) == 10 and p.returncode == 141, (p.returncode, err)
+    assert without_load_line(err.decode()) == "", err
     # >&- : no stdout at all: the command runs, quietly
     p = subprocess.run(args[:-1] + ["5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                        timeout=120, preexec_fn=lambda: os.close(1))

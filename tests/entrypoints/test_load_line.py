@@ -64,19 +64,22 @@ def test_the_library_alone_prints_nothing():
             "from minicb.model.fast_paths import cpu_fast_paths; "
             "from minicb.model.llama import LlamaForCausalLM; "
             "print(cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float32), 'cpu'))")
+    env = dict(os.environ, PYTHONPATH=SRC, MINICB_LINEAR="mkl")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=pathlib.Path(SRC).parent, env=dict(os.environ, PYTHONPATH=SRC, MINICB_LINEAR="mkl"))
+                         cwd=pathlib.Path(SRC).parent, env=env)
     assert run.returncode == 0, run.stderr
     assert "packed-lm-head" in run.stdout and load_lines(run.stderr) == []
 
 
 @pytest.mark.slow
 def test_serve_says_which_path_before_it_listens(tiny_gguf):
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), MINICB_LINEAR="mkl")
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MINICB_LINEAR="mkl")
     p = subprocess.Popen([sys.executable, "-m", "minicb", "serve", "--model", str(tiny_gguf), "--port", "0",
-                          "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                          "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
     try:
-        line = p.stdout.readline()                    # "minicb serve: tiny on http://127.0.0.1:PORT ..."
+        line = p.stdout.readline()                    # "minicb serve: tiny on http://127.0.0.1:PORT"
         assert " on http://" in line, line
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)

@@ -10,8 +10,9 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
    pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32 ``F.linear`` with the
    LM head alone packed.
 
-Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb: float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32
-product (flags: ...)``). A library user sees it with ``logging``'s usual switches; the command line
+Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
+float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
+(flags: ...)``). A library user sees it with ``logging``'s usual switches; the command line
 shows it on stderr (``show_load_lines``), because a speed figure means little without it.
 """
 
