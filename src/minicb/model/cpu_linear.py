@@ -212,7 +212,9 @@ class PackedQKV:
 
     def project(self, x):
         q, k, v = self.qkv_packed(x).split(self.qkv_packed.sizes, dim=-1)
-        return q.contiguous(), k.contiguous(), v.contiguous()     # the rotary kernel wants rows whole
+        # the rotary kernel wants q's and k's rows whole; v is only copied into the cache (and
+        # gathered for a prompt chunk), which read a strided view as well: one copy a layer saved
+        return q.contiguous(), k.contiguous(), v
 
 
 class PackedGateUp:
@@ -221,7 +223,7 @@ class PackedGateUp:
 
     def forward(self, x):
         g, u = self.gate_up_packed(x).split(self.gate_up_packed.sizes, dim=-1)
-        return self.down_proj(F.silu(g).mul_(u))
+        return self.down_proj(F.silu(g, inplace=True).mul_(u))      # in the product's own buffer
 
 
 @functools.cache
