@@ -59,6 +59,9 @@ def add_parser(sub, add_engine_args) -> None:
             ("max_stop", int, "stop strings of a request", d.max_stop),
             ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
             ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
+            ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
+             "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
+            ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),
             ("header_timeout", float, "seconds for a request line and headers", d.header_timeout),
             ("body_timeout", float, "seconds for a request body", d.body_timeout),
             ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),

@@ -7,6 +7,8 @@
     read the body (bounded:   ──►   JSON -> checked fields (protocol.py)   ──►   add_request(ids)
     size, deadline, type)           -> chat template -> token ids               step, step, ...
                                     -> stop-string matcher
+                                    -> structured output: its grammar compiled
+                                       (cached per constraint)
 
 The event loop serves every client and the engine thread steps every request: neither may run
 anything whose cost grows with a request. Parsing a JSON body, rendering the chat template of a
@@ -99,7 +101,24 @@ class Frontend:
         else:
             parsed = parse_completion(body, self.limits)
         ids = self._token_ids(parsed)
+        self._compile(parsed)
         return Prepared(parsed, ids, StopMatcher(parsed.generate.stops))
+
+    def _compile(self, parsed: ParsedRequest) -> None:
+        """Compile the request's grammar here, off the engine thread: a bad one is a 400 now, a good one
+        is cached, and the engine thread's ``register`` only copies the compiled matcher."""
+        spec = parsed.generate.params.structured_outputs
+        if spec is None:
+            return
+        param = parsed.constraint_param
+        if self.tokenizer is None or self.tokenizer.eos_token_id is None:
+            raise bad_request("structured outputs need the model's tokenizer and its EOS token", param)
+        from minicb.runtime.grammar import compiled
+
+        try:
+            compiled(spec, self.tokenizer, self.vocab_size, self.tokenizer.eos_token_id)
+        except InvalidArgument as e:
+            raise bad_request(str(e), param) from None
 
     def _check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
