@@ -163,10 +163,11 @@ def _compute_dtype(weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.dt
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` (no bias) computed by oneDNN from a weight it reordered once (module docstring).
 
-    ``weight`` stays the original parameter (tied embeddings and ``state_dict`` unchanged);
-    ``weight_packed`` is oneDNN's copy in ``compute_dtype``: float32 (a bfloat16 layer's input is widened
-    and its output rounded back, as ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on
-    the CPU's bfloat16 instructions (a float32 layer always keeps float32 products)."""
+    ``weight`` stays the original parameter only with ``keep_weight`` (``pack_linears`` keeps it for
+    a tied LM head, whose weight is the embedding); ``weight_packed`` is oneDNN's copy in
+    ``compute_dtype``: float32 (a bfloat16 layer's input is widened and its output rounded back, as
+    ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on the CPU's bfloat16
+    instructions (a float32 layer always keeps float32 products)."""
 
     def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32,
                  keep_weight: bool = True) -> None:
@@ -189,7 +190,7 @@ class PackedProjections(nn.Module):
     """Linear layers that read the same input (q, k, v; gate, up) as ONE packed product: their weights
     stacked ``[sum(sizes), in]``, so one GEMM streams the input once. ``forward`` returns the stacked
     output ``[..., sum(sizes)]``; ``sizes`` says where to split it. It holds no parameter (the layers keep
-    theirs), so a model's ``state_dict`` does not change."""
+    theirs, until ``pack_linears`` drops them)."""
 
     def __init__(self, linears: list[nn.Module], compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
