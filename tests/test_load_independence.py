@@ -156,3 +156,15 @@ def test_the_scan_finds_what_it_must_and_only_that(tmp_path):
         "    assert ratio < 15\n"                 # 22: through a list's append
         "    assert all(r['seconds'] < 9 for r in results)\n")   # 23: a key that says it is a time
     assert [first for first, _, _ in clock_asserts(sample)] == [7, 9, 11, 13, 22, 23]
+
+
+def test_no_hypothesis_profile_has_a_deadline_or_a_speed_health_check():
+    """Hypothesis times every example (200 ms by default) and the generation of its data: a wall clock."""
+    from hypothesis import HealthCheck, settings
+
+    import hypothesis_profiles  # noqa: F401  (conftest loads it; imported here to be explicit)
+
+    for name in ("thorough", "quick"):
+        profile = settings.get_profile(name)
+        assert profile.deadline is None, name
+        assert HealthCheck.too_slow in profile.suppress_health_check, name

@@ -5,7 +5,8 @@ The picture (one module per box)::
     clients (openai, curl, a browser)
         │ HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /, /live/events
         ▼
-    app.py          FastAPI routes on uvicorn's event loop; checks bodies (protocol.py), streams SSE
+    app.py          FastAPI routes on uvicorn's event loop; checks bodies (protocol.py), streams SSE;
+                    extra_routes.py: /tokenize, /detokenize, /version, /ping, /v1/models/{id}
         │ RequestHandle ──► inbox            ◄── Deltas via loop.call_soon_threadsafe
         ▼
     engine_thread.py   the only thread that touches the LLMEngine: add / abort / step / sleep when idle;

@@ -46,6 +46,7 @@ from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
@@ -144,6 +145,7 @@ def build_app(server: Server) -> FastAPI:
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
+    app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
 
 

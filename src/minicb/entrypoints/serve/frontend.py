@@ -92,6 +92,12 @@ class Frontend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.prepare_now, kind, raw)
 
+    async def call(self, fn, *args):
+        """``fn(*args)`` in the pool (``/tokenize`` and ``/detokenize`` run the tokenizer there)."""
+        if self._pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     # --- the work, on a worker thread -----------------------------------------------------------
     def prepare_now(self, kind: str, raw: bytes) -> Prepared:
         body = parse_json(raw)
