@@ -155,7 +155,9 @@ def _serve(args, sock) -> int:
     from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
     from minicb.entrypoints.llm import LLM
     from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
+    from minicb.model.fast_paths import show_load_lines
 
+    show_load_lines()                    # which GEMM path the model gets, and why: one line on stderr
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
