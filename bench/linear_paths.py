@@ -4,6 +4,7 @@
     python bench/linear_paths.py --dtype bfloat16 --paths onednn-bf16,onednn-f32,mkl --rounds 2
     python bench/linear_paths.py --workload W1
     python bench/linear_paths.py --micro      # one layer-shaped product per path, and greedy argmax in bf16
+    python bench/linear_paths.py --memory     # resident memory after packing, unpacked weights kept or not
 
 ``mkl`` is what minicb did before every layer was packed: MKL's float32 ``F.linear`` for the layers and
 the LM head alone packed for oneDNN; ``onednn-f32`` / ``onednn-bf16`` pack every layer. One model per
@@ -19,14 +20,22 @@ product of SmolLM2 (``[rows, 576] x [576, 960]``) at 1-256 rows through MKL's fl
 packed oneDNN float32, packed oneDNN bfloat16 and torch's own bfloat16 ``F.linear`` (GFLOP/s); and the
 sampler's greedy argmax over a ``[64, 49152]`` bfloat16 logits matrix, as it is and widened to float32
 first (what ``Sampler.sample`` does now).
+
+``--memory`` loads SmolLM2 in a fresh process per case (float32 and bfloat16, on the path ``LLM()``
+picks) and prints the process's resident memory (``VmRSS``) after the load and after the fast paths,
+once with the unpacked layer weights kept beside the packed copies (``keep_unpacked=True``: what minicb
+did before) and once dropped (the default), with the bytes of the model's parameters and packed buffers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -81,6 +90,45 @@ def micro() -> None:
           f"{ms['widened']:.2f} ms widened to float32 first ({ms['bf16'] / ms['widened']:.1f}x)")
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def memory_child(dtype_name: str, keep: bool) -> None:
+    """One case of ``--memory``: load, fast paths (unpacked weights kept or dropped), print JSON."""
+    from minicb.model import cpu_fused, cpu_linear
+
+    dtype = getattr(torch, dtype_name)
+    model = load_smollm2(dtype)
+    gc.collect()
+    loaded = _rss_mb()
+    if cpu_fused.unavailable_reason() is None:
+        cpu_fused.fuse_elementwise(model)
+    cfg = model.config
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    path, _ = cpu_linear.choose_path(dtype, cfg.hidden_size, qkv)
+    cpu_linear.apply_path(model, path, keep_unpacked=keep)
+    gc.collect()
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    print(json.dumps({"path": path, "loaded_mb": loaded, "packed_mb": _rss_mb(),
+                      "tensor_mb": sum(t.numel() * t.element_size() for t in tensors) / 2 ** 20}))
+
+
+def memory() -> None:
+    print("resident memory (VmRSS, MiB) of a fresh process: after loading SmolLM2, after LLM()'s fast paths")
+    print(f"{'dtype':<9} {'path':<12} {'unpacked':<9} {'loaded':>7} {'packed':>7} {'growth':>7} "
+          f"{'tensors':>8}")
+    for dname in ("float32", "bfloat16"):
+        for keep in (True, False):
+            out = subprocess.run([sys.executable, __file__, "--memory-child", dname, str(int(keep))],
+                                 capture_output=True, text=True, check=True, timeout=600).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            print(f"{dname:<9} {r['path']:<12} {'kept' if keep else 'dropped':<9} {r['loaded_mb']:>7.0f} "
+                  f"{r['packed_mb']:>7.0f} {r['packed_mb'] - r['loaded_mb']:>+7.0f} {r['tensor_mb']:>8.0f}",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -89,11 +137,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workload", default="W2", choices=["W1", "W2"])
     ap.add_argument("--micro", action="store_true", help="time the pieces instead (see the docstring)")
+    ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
+    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args.memory_child[0], bool(int(args.memory_child[1])))
     print(cpu_header(), flush=True)
     if args.micro:
         return micro()
+    if args.memory:
+        return memory()
     wl = w2() if args.workload == "W2" else w1()
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     paths = args.paths.split(",")

@@ -60,11 +60,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "minicb"
 
-# The modules under test: every file of the torch-free core (whatever files it has when this runs) and
-# the sampler.
+# The modules under test: every file of the torch-free core (whatever files it has when this runs), the
+# sampler and its per-row logits processors.
 def target_files() -> list[pathlib.Path]:
     core = sorted(p for p in (PACKAGE / "core").glob("*.py") if p.name != "__init__.py")
-    return core + [PACKAGE / "runtime" / "sampling.py"]
+    return core + [PACKAGE / "runtime" / "sampling.py", PACKAGE / "runtime" / "logits_processors.py"]
 
 
 MODULES = [p.relative_to(PACKAGE).as_posix() for p in target_files()]
@@ -82,12 +82,12 @@ EXTRA_TESTS = {
                        "tests/engine/test_robust_inputs.py"],
     "core/kv_budget.py": ["tests/engine/test_kv_budget.py"],
 }
-SAMPLER_TESTS = ["tests/runtime", "tests/engine/test_robust_inputs.py"]
+SAMPLER_TESTS = ["tests/runtime", "tests/engine/test_robust_inputs.py", "tests/engine/test_knobs_engine.py"]
 
 
 def tests_for(rel: str) -> list[str]:
     """The test paths for the module at ``rel`` (``core/planner.py``); only those that exist."""
-    if rel == "runtime/sampling.py":
+    if rel in ("runtime/sampling.py", "runtime/logits_processors.py"):
         paths = SAMPLER_TESTS
     elif rel == "core/kv_budget.py":
         paths = EXTRA_TESTS[rel]
@@ -128,6 +128,12 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
      "a fast path: at equality the general branch gives the same slice (no prompt, the first outputs)"),
     ("", "admitted_index: int = -1             # order of the latest admission (the default "
      "preemption victim", "`1` -> `2`", "any negative value means never admitted; only `< 0` is ever asked"),
+    ("filter_logits", "if params.min_p > 0.0:", "`>` -> `>=`",
+     "a fast path: min_p == 0 masks nothing (no probability is below 0 x the top one)"),
+    ("accept", "if self.longest > 1:", "`>` -> `>=`",
+     "a word of one token matches no tail: with longest == 1 the kept tail is trimmed to nothing anyway"),
+    ("process", "if self.counts and (self.frequency or self.presence):", "`and` -> `or`",
+     "a fast path: no counts is an empty index, and zero penalties subtract 0"),
 ]
 
 

@@ -110,7 +110,8 @@ def start_vllm(args) -> Server:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib),
            "VLLM_CPU_OMP_THREADS_BIND": str(args.server_cpu)}
     venv = pathlib.Path(args.vllm_python).parents[1]
-    iomp = glob.glob(str(venv / "lib/python3*/site-packages/**/libiomp5.so"), recursive=True)
+    iomp = glob.glob(str(venv / "lib/libiomp5.so")) or \
+        glob.glob(str(venv / "lib/python3*/site-packages/**/libiomp5.so"), recursive=True)
     if iomp:
         env["LD_PRELOAD"] = iomp[0]
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),

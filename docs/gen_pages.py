@@ -50,11 +50,11 @@ API_MODULES = [
         ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
         ("model.cpu_linear", "model.cpu_linear"), ("model.ckernels", "model.ckernels"),
         ("model.loader", "model.weights.loader"), ("model.export", "model.weights.export"),
-        ("model.tokenizer", "model.text.tokenizer"), ("sampling", "runtime.sampling"),
+        ("model.tokenizer", "model.text.tokenizer"), ("sampling", ("runtime.sampling", "runtime.logprobs")),
         ("grammar", ("runtime.logits_processors", "runtime.grammar"))]),
     ("One step and the faces", [
         ("runner", "runtime.runner"), ("engine", ("engine.llm_engine", "engine.interface")),
-        ("events", "engine.events"), ("outputs", "engine.outputs"), ("arrivals", "engine.arrivals"),
+        ("events", "engine.events"), ("outputs", ("engine.outputs", "engine.logprobs")), ("arrivals", "engine.arrivals"),
         ("llm", "entrypoints.llm"), ("baseline", "runtime.baseline"),
         ("distributed", ("distributed", "distributed.sharding", "distributed.group", "distributed.runner",
                          "distributed.launch"))]),
@@ -64,8 +64,8 @@ API_MODULES = [
                          "simulate.cli")]),
     ("Serving", [
         (f"serve.{m}", f"entrypoints.serve.{m}")
-        for m in ("engine_thread", "app", "frontend", "protocol", "structured", "tools", "errors", "limits",
-                  "stops", "guard", "metrics", "live", "server")]),
+        for m in ("engine_thread", "app", "frontend", "protocol", "logprob_format", "structured", "tools",
+                  "errors", "limits", "stops", "guard", "metrics", "live", "server")]),
 ]
 
 

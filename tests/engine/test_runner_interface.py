@@ -36,7 +36,7 @@ class CountingRunner:
         self.raise_next: BaseException | None = None
         self.break_next = False
 
-    def register(self, request_id, params) -> None:
+    def register(self, request_id, params, prompt_token_ids=(), **kwargs) -> None:
         self.registered.append(request_id)
 
     def release(self, request_id) -> None:

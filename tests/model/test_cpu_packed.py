@@ -95,17 +95,23 @@ def _logits(model, prompts):
     return model(b.input_ids, b.positions, ReferenceAttention(None), b.attn)
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pack_linears_keeps_weights_tying_and_logits(dtype):
+def test_pack_linears_keeps_weights_tying_and_logits(dtype, keep):
     model = LlamaForCausalLM.random(TINY, seed=3, dtype=dtype, std=0.3)
     exact_model = LlamaForCausalLM.random(TINY, seed=3, dtype=torch.float64, std=0.3)   # same weights
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = [[5, 9, 11, 4, 20], [7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     reference = _logits(model, prompts)
-    assert cl.pack_linears(model, dtype) == 4 * TINY.num_hidden_layers + 1
-    assert cl.pack_linears(model, dtype) == 0                            # idempotent
+    assert cl.pack_linears(model, dtype, keep_unpacked=keep) == 4 * TINY.num_hidden_layers + 1
+    assert cl.pack_linears(model, dtype, keep_unpacked=keep) == 0        # idempotent
     after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # kept: the state_dict as it was; dropped: everything but the layers' projections, unchanged
+    kept = before.keys() if keep else {k for k in before if k.split(".")[-2] not in PROJECTIONS}
+    assert after.keys() == kept and all(torch.equal(before[k], after[k]) for k in kept)
     assert model.lm_head.weight is model.model.embed_tokens.weight       # still tied
     assert cl.linear_path(model) == ("onednn-bf16" if dtype == torch.bfloat16 else "onednn-f32")
     packed = _logits(model, prompts)
@@ -217,13 +223,40 @@ def test_llm_bfloat16_tokens_on_native_bfloat16(monkeypatch):
     assert sum(a == b for a, b in zip(*runs)) >= len(prompts) - 3, runs
 
 
-def test_one_logged_line_names_the_path(monkeypatch, caplog):
-    import minicb.entrypoints.llm as llm_module
-
-    monkeypatch.setattr(llm_module, "_PATH_LOGGED", set())     # once per process: start afresh
+def test_one_logged_line_per_load_names_the_path(monkeypatch, caplog):
     monkeypatch.setenv("MINICB_LINEAR", "onednn-f32")
     with caplog.at_level(logging.INFO, logger="minicb"):
         for _ in range(2):
             cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float32), "cpu")
     lines = [r.getMessage() for r in caplog.records if "linear layers on" in r.getMessage()]
-    assert lines == ["minicb: float32 linear layers on onednn-f32: MINICB_LINEAR=onednn-f32"]
+    assert lines == ["minicb: float32 linear layers on onednn-f32: MINICB_LINEAR=onednn-f32"] * 2
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_drops_the_unpacked_weights(dtype, tied):
+    """After packing, the layers' weights live once, packed: what is left unpacked is the embedding,
+    the norms and, untied, nothing of the LM head; the logits are the reference's (float32: to float32
+    rounding, as ``bench/agreement.py``'s 16/16; bfloat16: within bfloat16 noise)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    model = LlamaForCausalLM.random(cfg, seed=4, dtype=dtype, std=0.3)
+    plain = copy.deepcopy(model)
+    cl.pack_linears(model, dtype)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    norms = (2 * cfg.num_hidden_layers + 1) * h
+    left = v * h + norms              # the embedding and the norms; an untied head's weight is dropped
+    assert _param_bytes(model) == left * dtype.itemsize < _param_bytes(plain)
+    assert not [n for n, _ in model.named_parameters() if n.split(".")[-2] in PROJECTIONS]
+    assert (getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight) == tied
+    prompts = [[5, 9, 11, 4, 20], [7, 3, 8]]
+    packed, reference = _logits(model, prompts), _logits(plain, prompts)
+    if dtype == torch.float32:
+        torch.testing.assert_close(packed, reference, rtol=1e-4, atol=1e-4)
+    else:
+        assert (packed.double() - reference.double()).abs().max() < 0.05 * reference.double().abs().max()

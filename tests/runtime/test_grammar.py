@@ -150,3 +150,17 @@ def test_without_a_tokenizer_structured_outputs_are_refused():
     with pytest.raises(InvalidArgument, match="tokenizer"):
         s.register("r", SamplingParams(structured_outputs=S(regex="a")))
     assert not s._processors
+
+
+def test_the_grammar_holds_whatever_the_sampling_knobs_ask(llm, eos):
+    """The mask is the last processor: bad words covering every choice, EOS pushed down, penalties
+    cannot take the output out of the grammar (the knobs only choose among what it allows)."""
+    choices = ("yes", "no", "maybe")
+    knobs = dict(bad_words=choices, logit_bias={eos: -100.0}, repetition_penalty=3.0, presence_penalty=2.0)
+    outs = generate(llm, [SamplingParams(max_tokens=40, temperature=t, seed=s,
+                                         structured_outputs=S(choice=choices), **knobs)
+                          for t, s in [(0.0, None), (1.0, 3), (1.0, 4)]])
+    for o in outs:
+        assert o.text in choices and o.token_ids[-1] == eos and o.finish_reason == "stop", o.text
+    with pytest.raises(InvalidArgument, match="min_tokens"):
+        SamplingParams(max_tokens=9, min_tokens=2, structured_outputs=S(choice=choices))

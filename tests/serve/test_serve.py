@@ -328,16 +328,21 @@ def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
                                      stream=True, extra_body={"ignore_eos": True}) for i in range(2)]
         for s in busy:
             next(iter(s))
+        # The engine thread is held until all 8 are in its inbox (not for a fixed time: a busy machine
+        # can take long to deliver them, and a gate that opened early would admit them one by one).
         gate = threading.Event()
-        server.engine_thread.call(lambda engine: gate.wait(30))
+        server.engine_thread.call(lambda engine: gate.wait(600))
         results = []
         threads = [threading.Thread(target=lambda i=i: results.append(http(
             "POST", url + "/v1/completions", {"model": MODEL, "prompt": [7, i + 6], "max_tokens": 2})[0]))
             for i in range(8)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: server.engine_thread.num_pending == 8, timeout=60, what="8 requests in the inbox")
-        gate.set()
+        try:
+            for t in threads:
+                t.start()
+            wait_for(lambda: server.engine_thread.num_pending == 8, timeout=300,
+                     what="8 requests in the inbox")
+        finally:
+            gate.set()
         for t in threads:
             t.join()
         for s in busy:

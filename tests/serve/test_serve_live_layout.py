@@ -66,12 +66,15 @@ def page(browser, url: str, width: int, height: int, mobile: bool) -> str:
                                                         "deviceScaleFactor": 1, "mobile": mobile},
                  session=session)
     browser.call("Page.navigate", {"url": url + "/"}, session=session)
-    assert browser.wait_event("Page.loadEventFired", session, 30)
+    assert browser.wait_event("Page.loadEventFired", session, 120)
     return session
 
 
 def measure(browser, session: str, ready) -> dict:
-    deadline = time.monotonic() + 30
+    # Polls until the page shows what ``ready`` wants; the deadline only ends a wait that would never
+    # end (it is long: 280 streams and Chromium share a busy machine's cores, and a page measured before
+    # it is ready fails the asserts below).
+    deadline = time.monotonic() + 240
     while True:
         reply = browser.call("Runtime.evaluate", {"expression": LAYOUT, "returnByValue": True},
                              session=session)

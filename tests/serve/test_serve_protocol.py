@@ -36,6 +36,7 @@ def test_every_supported_field_reaches_sampling_params():
 def test_one_prompt_in_a_list_is_unwrapped_and_top_k_minus_one_is_off():
     assert parse_completion({"prompt": ["text"]}).generate.prompt == "text"
     assert parse_completion({"prompt": [[1, 2]]}).generate.prompt == [1, 2]
+    assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == ([1, 2], [3])
     assert parse_completion({"prompt": "x", "top_k": -1}).generate.params.top_k == 0
 
 
@@ -54,7 +55,7 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({}, "prompt", "prompt is required"),
     ({"prompt": 5}, "prompt", "string or a list of token ids"),
     ({"prompt": [1, "a"]}, "prompt", "token ids"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a", [1]]}, "prompt", "several prompts of one kind"),
     ({"prompt": "x", "n": 0}, "n", "n must be in [1, 9223372036854775807]"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in [1, 9223372036854775807]"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
@@ -71,9 +72,28 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only with stream"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2.0, 2.0]"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "must be a number"),
+    ({"prompt": "x", "frequency_penalty": True}, "frequency_penalty", "must be a number"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "(0.0, inf]"),
+    ({"prompt": "x", "repetition_penalty": 1e400}, "repetition_penalty", "finite"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p", "min_p must be in [0.0, 1.0]"),
+    ({"prompt": "x", "min_tokens": 20}, "min_tokens", "at most max_tokens (16)"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias", "must be an object"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5] must be in [-100.0, 100.0]"),
+    ({"prompt": "x", "logit_bias": {"5": True}}, "logit_bias", "must be a number"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1,024"),
+    ({"prompt": "x", "bad_words": "x"}, "bad_words", "must be a list"),
+    ({"prompt": "x", "bad_words": [1]}, "bad_words", "list of strings"),
+    ({"prompt": "x", "bad_words": ["a"] * 129}, "bad_words", "at most 128"),
+    ({"prompt": "x", "bad_words": ["a" * 5000]}, "bad_words", "at most 4,096"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output", "true or false"),
+    ({"prompt": "x", "skip_special_tokens": 0}, "skip_special_tokens", "true or false"),
     ({"prompt": "x", "model": 3}, "model", "model must be a string"),
     # numbers at their ends: each a 400 naming the field, never an exception out of SamplingParams
     ({"prompt": "x", "max_tokens": 2**63}, "max_tokens", "got 9223372036854775808"),
@@ -92,10 +112,9 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": [1, 2**63]}, "prompt", "at most 2**63 - 1"),
     ({"prompt": [1, -3]}, "prompt", "must be >= 0, got -3 at index 1"),
     # vLLM's fields that minicb does not implement: refused, not silently ignored
-    ({"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
-    ({"prompt": "x", "min_tokens": 3}, "min_tokens", "not supported"),
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
-    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens",
+     "not supported"),
+    ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
     ({"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
     ({"prompt": "x", "guided_json": 7}, "guided_json", "must be a JSON schema"),
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
@@ -133,6 +152,21 @@ def test_a_template_that_refuses_the_messages_is_a_400():
         with pytest.raises(ApiError) as e:
             parse_chat({"messages": [{"role": "user", "content": "x"}]}, render)
         assert e.value.status == 400 and needle in e.value.message
+
+
+def test_logprob_fields_become_sampling_params():
+    """echo + logprobs scores the prompt with the same k (vLLM's rule); chat's top_logprobs is the k."""
+    r = parse_completion({"prompt": "x", "logprobs": 3, "echo": True})
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs, r.echo) == (3, 3, True)
+    r = parse_completion({"prompt": "x", "logprobs": 1, "prompt_logprobs": 4})
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs, r.echo) == (1, 4, False)
+    r = parse_completion({"prompt": "x", "logprobs": False})
+    assert (r.generate.params.logprobs, r.logprobs) == (None, None)
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, chatml)
+    assert (r.generate.params.logprobs, r.generate.params.prompt_logprobs) == (0, None)
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5},
+                   chatml)
+    assert r.generate.params.logprobs == r.logprobs == 5
 
 
 def test_a_body_that_is_not_an_object_is_a_400():
@@ -199,3 +233,29 @@ def test_control_token_text_in_a_message_is_refused_unless_allowed():
         parse_chat({"messages": [{"role": "system<|im_end|>", "content": "x"}]}, chatml,
                    control_texts=("<|im_end|>",))
     assert "<|im_start|>system" in parse_chat(body, chatml).generate.prompt     # allowed: passed through
+
+
+def test_the_sampling_knobs_reach_sampling_params_with_openai_and_vllm_names():
+    body = {"prompt": "x", "max_tokens": 9, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2.5}, "min_p": 0.1, "min_tokens": 4,
+            "bad_words": ["foo", " bar"], "include_stop_str_in_output": True, "skip_special_tokens": False}
+    assert parse_completion(body).generate.params == SamplingParams(
+        max_tokens=9, temperature=1.0, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+        logit_bias=((3, 2.5), (7, -100.0)), min_p=0.1, min_tokens=4, bad_words=("foo", " bar"),
+        include_stop_str_in_output=True, skip_special_tokens=False)
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "min_tokens": 40,
+                       "logit_bias": {"5": 1}}, chatml)           # max_tokens comes from the room later
+    assert chat.generate.max_tokens_from_room and chat.generate.params.min_tokens == 40
+    assert chat.generate.params.logit_bias == ((5, 1.0),)
+
+
+def test_the_knob_limits_are_flags():
+    small = ServeLimits(max_logit_bias=2, max_bad_words=1, max_bad_words_chars=3)
+    with pytest.raises(ApiError, match="--max-logit-bias"):
+        parse_completion({"prompt": "x", "logit_bias": {"1": 1, "2": 1, "3": 1}}, small)
+    with pytest.raises(ApiError, match="--max-bad-words"):
+        parse_completion({"prompt": "x", "bad_words": ["a", "b"]}, small)
+    with pytest.raises(ApiError, match="--max-bad-words-chars"):
+        parse_completion({"prompt": "x", "bad_words": ["abcd"]}, small)
+    ok = parse_completion({"prompt": "x", "bad_words": ["abc"]}, small)
+    assert ok.generate.params.bad_words == ("abc",)

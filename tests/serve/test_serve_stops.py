@@ -104,3 +104,47 @@ def test_long_stop_strings_cost_memory_in_their_length_not_its_square():
     assert not m.stopped
     assert peak < 100 * sum(map(len, stops)), peak          # linear: 12 MB, against gigabytes before
     assert m.push("ab" * 5_000) == "" and m.stopped      # 30,000 characters: "abab...ab" appeared at 0
+
+
+def run_with(stops, chunks, include: bool, first_allowed: int) -> tuple[str, bool]:
+    m = StopMatcher(tuple(stops), include)
+    sent = []
+    for j, c in enumerate(chunks):
+        sent.append(m.push(c, can_stop=j >= first_allowed))
+        if m.stopped:
+            return "".join(sent), True
+    return "".join(sent) + m.flush(), False
+
+
+def expected_with(stops, chunks, include: bool, first_allowed: int) -> tuple[str, bool]:
+    """The oracle with ``str.find``: from chunk ``first_allowed`` on (vLLM's min_tokens), the earliest
+    stop occurrence that ends in the chunk's new text; cut before it, or after it with ``include``."""
+    text = ""
+    for j, c in enumerate(chunks):
+        before, text = len(text), text + c
+        if j < first_allowed:
+            continue
+        spans = []
+        for s in (s for s in stops if s):
+            i = text.find(s, max(0, before - len(s) + 1))
+            if i >= 0:
+                spans.append((i, i + len(s)))
+        if spans:
+            start, end = min(spans)
+            return text[:end if include else start], True
+    return text, False
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=5), min_size=1, max_size=3),
+       chunks=st.lists(st.text(alphabet="ab", max_size=4), max_size=12), include=st.booleans(),
+       first_allowed=st.integers(0, 6))
+def test_include_stop_str_and_min_tokens_against_find(stops, chunks, include, first_allowed):
+    assert run_with(stops, chunks, include, first_allowed) == expected_with(stops, chunks, include,
+                                                                            first_allowed)
+
+
+def test_include_keeps_the_stop_string_and_a_stop_before_min_tokens_is_passed_over():
+    assert run_with(["END"], ["The", " E", "N", "D!"], True, 0) == ("The END", True)
+    assert run_with(["ab"], ["xab", "yab", "z"], False, 1) == ("xaby", True)     # the first "ab" is early
+    assert run_with(["aa"], ["a", "a", "a"], False, 2) == ("a", True)         # "aa" again, ending later

@@ -165,8 +165,10 @@ class ContinuousPolicy(Policy):
         bm = self.blocks
         while self.waiting and self.slots.num_free:
             seq = self._next_waiting()
+            # A request that still needs prompt logprobs takes no cached blocks: a hit would skip
+            # the rows whose logits it asked for (its own blocks are still offered to the cache).
             hits = []
-            if self.config.prefix_caching:
+            if self.config.prefix_caching and not seq.wants_prompt_rows:
                 tokens = seq.all_token_ids
                 hits = bm.computed_blocks(tokens)
                 hits += self._same_step_hits(tokens, hits, work)

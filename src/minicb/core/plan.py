@@ -56,6 +56,11 @@ class ScheduledSeq:
     block_table: tuple[int, ...]    # device blocks covering positions [0, start_pos + len(token_ids))
     sample: bool                    # True when this step reaches the sequence's last token
     forks: tuple[str, ...] = ()     # children (n > 1) that also sample from this row, then fork from it
+    # Prompt logprobs (``SamplingParams.prompt_logprobs``): the first ``len(prompt_targets)`` rows of this
+    # chunk also return their logits, and row ``i`` scores ``prompt_targets[i]``, the prompt token at
+    # position ``start_pos + i + 1`` (it may lie in the next chunk, which is why the plan carries it).
+    # Empty for every other row, so the default step computes logits for the sampled rows only.
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -233,6 +233,8 @@ class Scheduler:
         finished = []
         for s, seq in live:
             seq.num_computed_tokens += s.num_tokens
+            if s.prompt_targets:
+                seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, s.start_pos + len(s.prompt_targets))
             self.stats.num_batched_tokens += s.num_tokens
             self._policy.computed(seq)
             if not s.sample:
@@ -286,7 +288,7 @@ class Scheduler:
         forks = tuple(c.request_id for c in self._attached.get(seq.request_id, ())) if sample else ()
         return ScheduledSeq(request_id=seq.request_id, slot_id=seq.slot_id, start_pos=start,
                             token_ids=_token_slice(seq, start, n), block_table=table,
-                            sample=sample, forks=forks)
+                            sample=sample, forks=forks, prompt_targets=_prompt_targets(seq, start, n))
 
     def _is_live(self, s: ScheduledSeq) -> bool:
         """Is the row ``s`` still about the running sequence it was planned for?"""
@@ -457,6 +459,19 @@ class Scheduler:
         assert set(self.block_manager.block_tables) == holders, "device tables != running requests"
         assert set(self.block_manager.host_tables) == {s.request_id for s in self._swapped}
         assert len(holders) <= self.config.max_num_seqs
+
+
+def _prompt_targets(seq: Sequence, start: int, n: int) -> tuple[int, ...]:
+    """The prompt tokens that rows ``start .. start + n - 1`` score for prompt logprobs: row ``p``
+    scores token ``p + 1`` while that is a prompt token. Empty unless the request asks for prompt
+    logprobs and this chunk reaches rows it has not had yet (a recompute after preemption asks again
+    only for rows past those, from the chunk's start: the engine keeps the first copy of each)."""
+    if not seq.wants_prompt_rows:
+        return ()
+    end = min(start + n, seq.num_prompt_tokens - 1)       # rows past this one score generated tokens
+    if end <= max(start, seq.num_prompt_logprobs):
+        return ()
+    return tuple(seq.prompt_token_ids[start + 1:end + 1])
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> tuple[int, ...]:

@@ -75,6 +75,8 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # tokens served from the prefix cache at the latest admission
                                          # (0 while waiting; after recompute they may include outputs)
+    num_prompt_logprobs: int = 0         # prompt positions whose logits were returned (prompt_logprobs):
+                                         # kept across preemption, so a recompute asks for none twice
     # timestamps (seconds, caller's clock)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -113,12 +115,22 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     @property
+    def wants_prompt_rows(self) -> bool:
+        """Does this request still need logits of prompt rows (``params.prompt_logprobs``)? Row ``p``
+        scores prompt token ``p + 1``, so rows ``0 .. num_prompt_tokens - 2`` are needed, once each."""
+        return (self.params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < self.num_prompt_tokens - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     # --- transitions ---------------------------------------------------------------------------
     def append_token(self, token_id: int, now: float) -> bool:
         """Record a sampled token; finish the sequence if it hit EOS, a stop id or max_tokens.
+
+        A stop id ends the request only once ``min_tokens`` tokens came before it (the sampler bans
+        stop ids until then, so this matters only for a runner that does not: the simulator's).
 
         Returns True when the sequence finished with this token.
         """
@@ -127,7 +139,8 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         p = self.params
-        if (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids:
+        stop_id = (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids
+        if stop_id and self.num_output_tokens > p.min_tokens:
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= p.max_tokens:
             self.finish(FinishReason.LENGTH, now)

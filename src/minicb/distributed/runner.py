@@ -29,6 +29,7 @@ from minicb.core.config import SchedulerConfig
 from minicb.core.errors import DistributedError
 from minicb.distributed.group import CommStats, TPGroup
 from minicb.distributed.sharding import ShardedLlama
+from minicb.engine.logprobs import RowOutput
 from minicb.runtime.runner import ModelRunner
 
 
@@ -51,7 +52,7 @@ class TPRunner(ModelRunner):
     def comm_stats(self) -> CommStats:
         return self.tp.stats
 
-    def run(self, plan, params=None) -> dict[str, int]:
+    def run(self, plan, params=None) -> dict[str, int | RowOutput]:
         """Send ``plan`` to ranks 1..N-1, then run it here (``ModelRunner.run``)."""
         if self.failure is not None:
             raise self.failure.with_traceback(None)

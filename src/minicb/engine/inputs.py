@@ -59,6 +59,18 @@ def checked_params(params) -> SamplingParams:
     return params
 
 
+def check_params_fit(params: SamplingParams, vocab_size: int, tokenizer) -> None:
+    """What only the engine can judge about ``params``: ``logit_bias`` names tokens of this model's
+    vocabulary, and ``bad_words`` (text) has a tokenizer to become token ids."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise InvalidArgument(f"logit_bias token ids must be in the vocabulary [0, {vocab_size - 1}], "
+                              f"got {bad[0]}")
+    if params.bad_words and tokenizer is None:
+        raise InvalidArgument("bad_words needs a tokenizer (this engine has none): ban token ids with "
+                              "logit_bias -100 instead")
+
+
 def checked_request_id(rid) -> str:
     if not isinstance(rid, str) or not rid:
         raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")

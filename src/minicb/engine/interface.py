@@ -5,6 +5,7 @@ a *runner* does the work a plan describes and says which token each finishing ro
 
     plan    = scheduler.schedule()          # engine: who runs, which tokens, which blocks
     sampled = runner.run(plan, params)      # runner: {request_id: token} for rows with sample=True
+                                            #   (or a RowOutput: the token and its logprobs)
     scheduler.update(plan, sampled)         # engine: append tokens, finish, free
 
 The engine never looks inside a runner, so one loop drives three of them:
@@ -19,11 +20,12 @@ The engine never looks inside a runner, so one loop drives three of them:
 ====================================  ===========================================================
 
 A runner also keeps what is per request and lives outside the scheduler: a seeded sampler's
-generator (``register`` when a request is queued, ``release`` when it ends), and it says what a
-prompt may contain (``vocab_size``) and which token ends a request when no tokenizer says so
-(``eos_token_id``). ``failure`` is ``None`` while the runner can run steps; once it cannot (a
-tensor-parallel group whose rank died), it is the exception to report, and the engine refuses
-every further step with it. ``close()`` releases what the runner holds (other processes, for TP).
+generator and the request's logits processors (``register`` when a request is queued, ``release``
+when it ends), and it says what a prompt may contain (``vocab_size``) and which token ends a
+request when no tokenizer says so (``eos_token_id``). ``failure`` is ``None`` while the runner
+can run steps; once it cannot (a tensor-parallel group whose rank died), it is the exception to
+report, and the engine refuses every further step with it. ``close()`` releases what the runner
+holds (other processes, for TP).
 
 This module imports nothing but the core's types: ``Runner`` is a ``typing.Protocol``, so a runner
 needs no base class, only these names.
@@ -31,11 +33,12 @@ needs no base class, only these names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.logprobs import RowOutput
 
 __all__ = ["Runner"]
 
@@ -59,21 +62,28 @@ class Runner(Protocol):
         """None while the runner works; the exception that ended it for good otherwise."""
         ...
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids: Sequence[int] = (), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
         """A request is being queued: keep what sampling it needs (its seeded generator, its logits
-        processors such as a structured output's grammar). Called before the scheduler holds the
-        request, so an ``InvalidArgument`` here (a grammar that cannot be built) refuses it cleanly."""
+        processors: penalties, ``logit_bias``, ``min_tokens``, ``bad_words``, a structured output's
+        grammar), built from ``params``, the prompt's token ids, the end-of-sequence token the engine
+        stops on and the engine's tokenizer (``bad_words`` and grammars are text). Called before the
+        scheduler holds the request, so an ``InvalidArgument`` here (a grammar that cannot be built)
+        refuses it cleanly."""
         ...
 
     def release(self, request_id: str) -> None:
         """A request ended (any reason): forget it."""
         ...
 
-    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams]) -> dict[str, int]:
+    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams]) -> Mapping[str, int | RowOutput]:
         """Execute ``plan`` (swaps, then the forward over every scheduled token) and return the
-        sampled token of every row with ``sample=True``, keyed by request id. ``params`` holds the
-        sampling parameters of those rows. Raising fails this step's requests (``finish_reason ==
-        "error"``); the engine serves on unless ``failure`` is set afterwards."""
+        sampled token of every row with ``sample=True``, keyed by request id: a plain ``int``, or a
+        ``RowOutput`` carrying the token and the logprobs the request asked for (and, for a row with
+        ``prompt_targets``, the prompt logprobs it scored, with ``token=None`` if it does not sample;
+        ``minicb.engine.logprobs``). ``params`` holds the sampling parameters of those rows. Raising
+        fails this step's requests (``finish_reason == "error"``); the engine serves on unless
+        ``failure`` is set afterwards."""
         ...
 
     def close(self) -> None:

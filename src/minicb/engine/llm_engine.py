@@ -46,6 +46,7 @@ The error contract (which argument, which range, which exception) is the table i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -70,6 +71,7 @@ from minicb.engine import inputs
 from minicb.engine.events import Listeners, PlanEvent, StepEvent
 from minicb.engine.interface import Runner
 from minicb.engine.interrupts import DeferredInterrupts
+from minicb.engine.logprobs import PromptLogprobs, RowOutput, token_of
 from minicb.engine.outputs import CompletionOutput, OutputTracker, RequestOutput, RequestTracker
 
 __all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "child_id"]
@@ -112,6 +114,7 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
         self.dead: str | None = None              # why the engine died (EngineDeadError), or None
         self._closed = False                      # shutdown() was called
+        self._token_texts: dict[int, str] = {}    # token id -> its text alone (logprobs' decoded_token)
 
     # --- what the outside may read --------------------------------------------------------------
     @property
@@ -154,6 +157,7 @@ class LLMEngine:
     def _make_sequences(self, prompt, params, request_id, arrival_time, priority) -> list[Sequence]:
         """The request's ``n`` checked, not yet queued sequences (module docstring)."""
         params = inputs.checked_params(params)
+        inputs.check_params_fit(params, self.runner.vocab_size, self.tokenizer)
         rid = inputs.checked_request_id(self.new_request_id() if request_id is None else request_id)
         priority = inputs.checked_priority(priority)
         now = self.clock() if arrival_time is None else inputs.checked_arrival_time(arrival_time)
@@ -192,12 +196,13 @@ class LLMEngine:
             self._enqueue(request_id, seqs)
 
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
-        # the runner first (each child: its own generator): what it cannot build for the request (a
-        # bad grammar) raises before the scheduler holds anything of it
+        # the runner first (each child: its own generator and logits processors): what it cannot build
+        # for the request (a bad grammar) raises before the scheduler holds anything of it
         registered = []
         try:
             for seq in seqs:
-                self.runner.register(seq.request_id, seq.params)
+                self.runner.register(seq.request_id, seq.params, seq.prompt_token_ids,
+                                     eos_token_id=seq.eos_token_id, tokenizer=self.tokenizer)
                 registered.append(seq.request_id)
             self.scheduler.add(seqs[0], seqs[1:])
         except BaseException:
@@ -207,8 +212,15 @@ class LLMEngine:
         tok = self.tokenizer
         children = []
         for seq in seqs:
-            dec = tok.incremental_decoder() if tok is not None else None
-            children.append(OutputTracker(seq, dec, tok.decode if tok is not None else None))
+            skip = seq.params.skip_special_tokens
+            dec = tok.incremental_decoder(skip) if tok is not None else None
+            decode = functools.partial(tok.decode, skip_special_tokens=skip) if tok is not None else None
+            child = OutputTracker(seq, dec, decode)
+            if seq.params.logprobs is not None:
+                child.logprobs = []
+            if seq.params.prompt_logprobs is not None and seq is seqs[0]:   # child 0 prefills for all
+                child.prompt = PromptLogprobs()
+            children.append(child)
             self._owner[seq.request_id] = request_id
         self._live[request_id] = RequestTracker(request_id, children)
 
@@ -411,27 +423,42 @@ class LLMEngine:
         self._owner.clear()
         self._deferred_aborts.clear()
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
+    def execute(self, plan: StepPlan) -> dict[str, int | RowOutput]:
         """The tensor half of a step: the runner's ``run`` (whatever the runner is: a model, rank 0 of a
         tensor-parallel group, a simulated clock). A row whose request was aborted since planning is
-        computed but samples with default params."""
+        computed but samples with default params. The result maps request ids to a token, or to a
+        ``RowOutput`` (the token and the logprobs its request asked for; ``minicb.engine.logprobs``)."""
         params = {}
         for s in plan.seqs:
-            if s.sample:
+            if s.sample or s.prompt_targets:
                 for sid in (s.request_id, *s.forks):       # a fork samples the row once per child
                     params[sid] = self._seq_params(sid)
         return self.runner.run(plan, params)
 
-    def _seq_params(self, seq_id: str) -> SamplingParams:
+    def _child(self, seq_id: str) -> OutputTracker | None:
+        """The output tracker of the live sequence ``seq_id`` (a child of some request), or None."""
         tracker = self._live.get(self._owner.get(seq_id, ""))
         if tracker is None:
-            return _GREEDY
-        return next(c.seq.params for c in tracker.children if c.seq.request_id == seq_id)
+            return None
+        return next((c for c in tracker.children if c.seq.request_id == seq_id), None)
 
-    def _record(self, plan: StepPlan, sampled: dict[str, int]) -> None:
+    def _seq_params(self, seq_id: str) -> SamplingParams:
+        child = self._child(seq_id)
+        return _GREEDY if child is None else child.seq.params
+
+    def _record(self, plan: StepPlan, sampled: dict[str, int | RowOutput]) -> None:
         """Record the step in the scheduler and make the outputs of the requests it touched."""
-        finished = {s.request_id for s in self.scheduler.update(plan, sampled, self.clock())}
-        self._outputs_of(list(sampled) + sorted(finished - sampled.keys()))
+        tokens = {}
+        for sid, value in sampled.items():
+            token = token_of(value)
+            if token is not None:
+                tokens[sid] = token
+            if isinstance(value, RowOutput):
+                child = self._child(sid)
+                if child is not None:
+                    self._keep_logprobs(child, value)
+        finished = {s.request_id for s in self.scheduler.update(plan, tokens, self.clock())}
+        self._outputs_of(list(tokens) + sorted(finished - tokens.keys()))
 
     def _outputs_of(self, seq_ids: list[str]) -> None:
         """Make the outputs of the requests these sequences belong to, each once, in that order: the
@@ -443,6 +470,24 @@ class LLMEngine:
                 self._finish(rid)
             else:
                 self._pending.append(tracker.output())
+
+    def _keep_logprobs(self, tracker: OutputTracker, row: RowOutput) -> None:
+        """File a row's logprobs with its request, beside the token they describe (appended before
+        ``scheduler.update`` appends the token; ``OutputTracker`` copies both into an output)."""
+        if tracker.logprobs is not None and row.logprobs is not None and row.token is not None:
+            del tracker.logprobs[tracker.seq.num_output_tokens:]     # none left from a failed record
+            tracker.logprobs.append(row.logprobs.as_dict(self._token_text))
+        if tracker.prompt is not None and row.prompt:
+            tracker.prompt.add(row.prompt_start, row.prompt, self._token_text)
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text alone (``Logprob.decoded_token``): cached, at most one per vocabulary entry."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _fail_step(self, plan: StepPlan, error: str) -> None:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""

@@ -17,6 +17,13 @@ completion too, so ``outputs`` reads the same for every request. The flat fields
 ``text``, ``finish_reason``, ``new_*``) are those of ``outputs[0]``, so code written for ``n == 1``
 reads as before; ``finished`` is True once *every* child has finished, ``first_token_time`` is the
 earliest child's, ``finish_time`` the last one's, ``num_preemptions`` their sum.
+
+Logprobs (``SamplingParams.logprobs`` / ``prompt_logprobs``) are vLLM's shapes: ``logprobs[i]`` is a
+``{token_id: Logprob}`` for ``token_ids[i]`` (that token first, then the top-k), ``prompt_logprobs[j]``
+the same for prompt token ``j`` (``None`` for ``j == 0``). Both are ``None`` when not asked for; the
+tracker holds them beside the tokens they describe, so an output copies both or neither. With
+``n > 1`` each ``CompletionOutput`` carries its child's ``logprobs``; ``prompt_logprobs`` are the
+request's (child 0 prefills the prompt for all children, so it alone computes them).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minicb.core.sequence import Sequence
+from minicb.engine.logprobs import Logprob, PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -37,6 +45,7 @@ class CompletionOutput:
     new_token_ids: list[int] = field(default_factory=list)   # tokens added since the previous output
     new_text: str = ""
     error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None                 # one per token_ids entry
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -64,6 +73,8 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None                 # one per token_ids entry
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # one per prompt token
 
 
 @dataclass(slots=True)
@@ -83,6 +94,8 @@ class OutputTracker:
     emitted: int = 0
     final: RequestOutput | None = None   # the finished request's last output, once made
     handed_out: bool = False             # ... and whether it went to the engine's outputs
+    logprobs: list[dict[int, Logprob]] | None = None   # per output token, when params.logprobs is set
+    prompt: PromptLogprobs | None = None               # when params.prompt_logprobs is set
 
     def output(self) -> RequestOutput:
         """The request's output now; advances what counts as already handed out."""
@@ -117,6 +130,7 @@ class OutputTracker:
     def _make(self, new: list[int], new_text: str, text: str) -> RequestOutput:
         s = self.seq
         reason = s.finish_reason.value if s.finish_reason else None
+        logprobs = None if self.logprobs is None else self.logprobs[:len(s.output_token_ids)]
         return RequestOutput(
             request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
             token_ids=list(s.output_token_ids), text=text, finished=s.is_finished,
@@ -125,8 +139,9 @@ class OutputTracker:
             first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
             token_times=list(s.token_times), finish_time=s.finish_time,
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
+            logprobs=logprobs, prompt_logprobs=None if self.prompt is None else list(self.prompt.entries),
             outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), reason, list(new), new_text,
-                                      s.error)],
+                                      s.error, logprobs)],
         )
 
 
@@ -175,7 +190,7 @@ def _merged(prev: RequestOutput, out: RequestOutput) -> RequestOutput:
     c = out.outputs[0]
     return _replace(out, new_token_ids=new, new_text=text,
                     outputs=[CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, new, text,
-                                              c.error)])
+                                              c.error, c.logprobs)])
 
 
 def _group(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -288,7 +288,9 @@ def cmd_generate(args) -> int:
         from minicb.core.sampling_params import SamplingParams
         from minicb.engine.arrivals import Arrival, drive
         from minicb.entrypoints.llm import LLM
+        from minicb.model.fast_paths import show_load_lines
 
+        show_load_lines()                # which GEMM path the model gets, and why: one line on stderr
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,

@@ -30,12 +30,12 @@ from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.outputs import RequestOutput
-from minicb.model import cpu_fused, cpu_linear
 from minicb.model.backends import check_device
+from minicb.model.fast_paths import cpu_fast_paths
 from minicb.model.llama import LlamaForCausalLM, as_dtype
 from minicb.runtime.runner import engine_for
 
-__all__ = ["LLM", "RequestOutput"]
+__all__ = ["LLM", "RequestOutput", "cpu_fast_paths"]
 
 # LLM()'s scheduler defaults where the caller gives none (SchedulerConfig's own stay small, for tests):
 # as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
@@ -137,36 +137,6 @@ class LLM:
         return [results[rid] for rid in ids]
 
 
-def cpu_fast_paths(model: LlamaForCausalLM, device) -> list[str]:
-    """What ``LLM`` does to a model it loads itself, on the CPU: the fused norms and rotary embedding in
-    float32 and bfloat16 (``cpu_fused``; one logged line when they cannot be built), then every linear
-    layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (one logged line saying which and
-    why; ``MINICB_LINEAR`` pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32
-    ``F.linear`` with the LM head alone packed. The names of what was applied. Benchmarks that build
-    their model by hand call it to run what ``LLM()`` runs."""
-    applied = []
-    if torch.device(device).type != "cpu":
-        return applied
-    if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
-        reason = cpu_fused.unavailable_reason()
-        if reason is None:
-            cpu_fused.fuse_elementwise(model)          # before packing: it knows the modules by class
-            applied.append("fused-ops")
-        elif reason not in _FUSED_FALLBACK_LOGGED:
-            _FUSED_FALLBACK_LOGGED.add(reason)
-            _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
-    qkv = model.config.hidden_size, (model.config.num_attention_heads
-                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
-    path, why = cpu_linear.choose_path(model.dtype, *qkv)
-    linears = cpu_linear.apply_path(model, path)
-    if (model.dtype, path, why) not in _PATH_LOGGED and model.dtype in cpu_fused.DTYPES:
-        _PATH_LOGGED.add((model.dtype, path, why))
-        _log.info("minicb: %s linear layers on %s: %s", str(model.dtype).removeprefix("torch."), path, why)
-    return linears + applied
-
-
-_PATH_LOGGED: set[tuple] = set()
-_FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
 

@@ -216,6 +216,9 @@ def cmd_bench(args) -> int:
     with Progress("loading torch", enabled=quiet):
         import torch
 
+        from minicb.model.fast_paths import cpu_fast_paths, show_load_lines
+    show_load_lines()
+
     if args.threads:
         torch.set_num_threads(args.threads)
     rate = None if args.replay else (1.0 if args.rate is None else args.rate)
@@ -227,6 +230,7 @@ def cmd_bench(args) -> int:
     with Progress(f"loading the {args.model} model" if args.model in ("tiny", "default")
                   else f"loading {args.model}", enabled=quiet):
         model, _ = build_model(args.model, args.dtype, args.seed)
+        cpu_fast_paths(model, "cpu")     # what LLM() runs (fused ops, the GEMM path: one line on stderr)
     prompts = make_prompts(requests, model.config.vocab_size, args.seed)
     max_len = max(r.prompt_len + r.output_len for r in requests)
     sched_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -54,6 +54,12 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _c_function(name: str, dtype: torch.dtype):
+    """The C function ``minicb_<name>_<f32|bf16>``, looked up once (a norm is called 61 times a step)."""
+    return getattr(load(), f"minicb_{name}_{DTYPES[dtype]}")
+
+
 def unavailable_reason() -> str | None:
     """None when the fused ops build and load here, else why not."""
     return ckernels.why_not(load)
@@ -76,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
     if x.numel():
-        getattr(load(), f"minicb_rmsnorm_{DTYPES[x.dtype]}")(
+        _c_function("rmsnorm", x.dtype)(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
             torch.get_num_threads())
     return out
@@ -92,7 +98,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"rope_: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     if n:
-        getattr(load(), f"minicb_rope_{DTYPES[q.dtype]}")(
+        _c_function("rope", q.dtype)(
             q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, q.shape[1], k.shape[1], d,
             torch.get_num_threads())
 

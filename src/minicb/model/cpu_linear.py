@@ -32,9 +32,14 @@ ops inductor uses when it freezes a CPU model::
 
 ``pack_linears`` packs the whole model: the q, k and v projections as ONE matrix (their weights
 stacked, one GEMM, its output split), the MLP's gate and up projections as one, o_proj, down_proj and
-the LM head each as one. The original parameters stay where they were, so ``state_dict`` and the tied
-embedding are unchanged; the packed copies are non-persistent buffers beside them (the price: the
-weights twice in memory, though a step reads only the packed copy).
+the LM head each as one. The packed copies are non-persistent buffers, and once they exist the
+unpacked layer weights are dropped (``keep_unpacked=False``, the default): a step reads only the
+packed copy, so keeping both would hold every weight twice (538 MB more for SmolLM2 in float32). What
+stays is what something else still reads: the embedding, the norms, and a tied LM head's weight,
+which *is* the embedding matrix (``lm_head.weight is embed_tokens.weight``: the token lookup needs it,
+so only the head's packed copy is extra, 113 MB in float32, 57 MB in bfloat16). The packed model's
+``state_dict`` then lacks the layers' projections; ``keep_unpacked=True`` keeps them (and the old
+``state_dict``), and the reference path (``torch``) packs nothing, so it keeps every weight it reads.
 
 **Which GEMM: the paths.** ``choose_path`` picks one per model dtype at load, ``LLM`` logs one line
 saying which and why, and ``MINICB_LINEAR`` pins it, so every path runs (and is tested) on any CPU:
@@ -158,18 +163,21 @@ def _compute_dtype(weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.dt
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` (no bias) computed by oneDNN from a weight it reordered once (module docstring).
 
-    ``weight`` stays the original parameter (tied embeddings and ``state_dict`` unchanged);
-    ``weight_packed`` is oneDNN's copy in ``compute_dtype``: float32 (a bfloat16 layer's input is widened
-    and its output rounded back, as ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on
-    the CPU's bfloat16 instructions (a float32 layer always keeps float32 products)."""
+    ``weight`` stays the original parameter only with ``keep_weight`` (``pack_linears`` keeps it for
+    a tied LM head, whose weight is the embedding); ``weight_packed`` is oneDNN's copy in
+    ``compute_dtype``: float32 (a bfloat16 layer's input is widened and its output rounded back, as
+    ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on the CPU's bfloat16
+    instructions (a float32 layer always keeps float32 products)."""
 
-    def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32,
+                 keep_weight: bool = True) -> None:
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("PackedLinear takes linear layers without bias (LLaMA has none)")
         self.compute_dtype = _compute_dtype(linear.weight, compute_dtype)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
+        if keep_weight:                  # else the packed copy is the only one (pack_linears drops it)
+            self.weight = linear.weight
         w = getattr(linear, "weight_f32", None)          # a Float32ComputeLinear's copy, if any
         w = linear.weight if w is None or self.compute_dtype != torch.float32 else w
         self.register_buffer("weight_packed", _pack(w, self.compute_dtype), persistent=False)
@@ -182,7 +190,7 @@ class PackedProjections(nn.Module):
     """Linear layers that read the same input (q, k, v; gate, up) as ONE packed product: their weights
     stacked ``[sum(sizes), in]``, so one GEMM streams the input once. ``forward`` returns the stacked
     output ``[..., sum(sizes)]``; ``sizes`` says where to split it. It holds no parameter (the layers keep
-    theirs), so a model's ``state_dict`` does not change."""
+    theirs, until ``pack_linears`` drops them)."""
 
     def __init__(self, linears: list[nn.Module], compute_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -205,7 +213,9 @@ class PackedQKV:
 
     def project(self, x):
         q, k, v = self.qkv_packed(x).split(self.qkv_packed.sizes, dim=-1)
-        return q.contiguous(), k.contiguous(), v.contiguous()     # the rotary kernel wants rows whole
+        # the rotary kernel wants q's and k's rows whole; v is only copied into the cache (and
+        # gathered for a prompt chunk), which read a strided view as well: one copy a layer saved
+        return q.contiguous(), k.contiguous(), v
 
 
 class PackedGateUp:
@@ -214,7 +224,7 @@ class PackedGateUp:
 
     def forward(self, x):
         g, u = self.gate_up_packed(x).split(self.gate_up_packed.sizes, dim=-1)
-        return self.down_proj(F.silu(g).mul_(u))
+        return self.down_proj(F.silu(g, inplace=True).mul_(u))      # in the product's own buffer
 
 
 @functools.cache
@@ -223,32 +233,62 @@ def _packed_class(mixin: type, cls: type) -> type:
     return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
 
 
-def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> int:
+def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
+                 keep_unpacked: bool = False) -> int:
     """Pack every linear layer of a float32 or bfloat16 LLaMA for oneDNN, in place: q/k/v as one
     product, gate/up as one, o_proj, down_proj and the LM head each as one (module docstring). Returns
-    how many products were packed (0 the second time: idempotent). Call it after
-    ``cpu_fused.fuse_elementwise``, which recognises the modules by their class."""
+    how many products were packed (0 the second time: idempotent). Unless ``keep_unpacked``, each
+    layer's unpacked weight is dropped as soon as its packed copy exists (the q/k/v and gate/up
+    ``nn.Linear`` modules are removed; a tied LM head keeps the embedding it shares), so the weights
+    are never all held twice. Call it after ``cpu_fused.fuse_elementwise``, which recognises the
+    modules by their class."""
     from minicb.model.llama import LlamaAttention, LlamaMLP
 
     if not can_pack():
         raise RuntimeError("this torch has no oneDNN packed linear ops (torch.ops.mkldnn)")
-    count = 0
+    keep, count = keep_unpacked, 0
     for m in list(model.modules()):
         if isinstance(m, LlamaAttention) and not isinstance(m, PackedQKV):
             m.qkv_packed = PackedProjections([m.q_proj, m.k_proj, m.v_proj], compute_dtype)
-            m.o_proj = PackedLinear(m.o_proj, compute_dtype)
+            m.o_proj = PackedLinear(m.o_proj, compute_dtype, keep_weight=keep)
+            if not keep:
+                del m.q_proj, m.k_proj, m.v_proj
             m.__class__ = _packed_class(PackedQKV, type(m))
             count += 2
         elif isinstance(m, LlamaMLP) and not isinstance(m, PackedGateUp):
             m.gate_up_packed = PackedProjections([m.gate_proj, m.up_proj], compute_dtype)
-            m.down_proj = PackedLinear(m.down_proj, compute_dtype)
+            m.down_proj = PackedLinear(m.down_proj, compute_dtype, keep_weight=keep)
+            if not keep:
+                del m.gate_proj, m.up_proj
             m.__class__ = _packed_class(PackedGateUp, type(m))
             count += 2
     head = getattr(model, "lm_head", None)
     if head is not None and not isinstance(head, PackedLinear):
-        model.lm_head = PackedLinear(head, compute_dtype)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        tied = embed is not None and head.weight is embed.weight       # the lookup still reads it
+        model.lm_head = PackedLinear(head, compute_dtype, keep_weight=keep or tied)
         count += 1
+    if count and not keep:
+        return_freed_memory()
     return count
+
+
+def return_freed_memory() -> None:
+    """Hand the memory of freed tensors back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Needed after dropping the unpacked weights: glibc serves large blocks from its heap
+    once a large block has been freed (its mmap threshold grows), and a free block in the middle of
+    the heap stays resident until trimmed: SmolLM2 float32 measured 1,380 MiB resident with the
+    weights dropped, 933 MiB after the trim (``bench/linear_paths.py --memory``)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 def packed_lm_head_enabled() -> bool:
@@ -332,8 +372,9 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
     return "mkl", f"packed oneDNN only {ratio:.2f}x MKL on a {shape}"
 
 
-def apply_path(model: nn.Module, path: str) -> list[str]:
-    """Put ``model``'s linear layers on ``path``, in place; the names of what was applied."""
+def apply_path(model: nn.Module, path: str, keep_unpacked: bool = False) -> list[str]:
+    """Put ``model``'s linear layers on ``path``, in place; the names of what was applied. The packed
+    paths drop the unpacked layer weights unless ``keep_unpacked`` (``pack_linears``)."""
     if path not in PATHS:
         raise ValueError(f"unknown linear path {path!r}; one of {', '.join(PATHS)}")
     dtype = next(model.parameters()).dtype
@@ -343,7 +384,7 @@ def apply_path(model: nn.Module, path: str) -> list[str]:
         applied = ["float32-linears"] if dtype == torch.bfloat16 and compute_linears_in_float32(model) else []
         return applied + (["packed-lm-head"] if pack_lm_head(model) else [])
     compute = torch.bfloat16 if path == "onednn-bf16" and dtype == torch.bfloat16 else torch.float32
-    pack_linears(model, compute)
+    pack_linears(model, compute, keep_unpacked)
     return ["packed-linears-bf16" if compute == torch.bfloat16 else "packed-linears-f32"]
 
 

@@ -43,14 +43,16 @@ class BaselineResult:
 
 
 def _is_stop(token: int, n_out: int, p: SamplingParams, eos: int | None) -> bool:
-    return (not p.ignore_eos and token == eos) or token in p.stop_token_ids or n_out >= p.max_tokens
+    stop_id = (not p.ignore_eos and token == eos) or token in p.stop_token_ids
+    return (stop_id and n_out > p.min_tokens) or n_out >= p.max_tokens
 
 
 @torch.inference_mode()
 def generate_padded(model: LlamaForCausalLM, prompts: list[list[int]],
                     params: SamplingParams | list[SamplingParams], eos_token_id: int | None = None,
-                    pad_token_id: int = 0) -> BaselineResult:
-    """Generate for ``prompts`` as one left-padded static batch; returns each row's new tokens."""
+                    pad_token_id: int = 0, tokenizer=None) -> BaselineResult:
+    """Generate for ``prompts`` as one left-padded static batch; returns each row's new tokens.
+    (``tokenizer`` is needed only for ``bad_words``.)"""
     b = len(prompts)
     plist = params if isinstance(params, list) else [params] * b
     cfg, dev = model.config, model.device
@@ -69,7 +71,8 @@ def generate_padded(model: LlamaForCausalLM, prompts: list[list[int]],
 
     sampler = Sampler()
     for r, p in enumerate(plist):
-        sampler.register(f"row{r}", p)
+        sampler.register(f"row{r}", p, prompts[r], vocab_size=cfg.vocab_size, eos_token_id=eos_token_id,
+                         tokenizer=tokenizer)
     rids = tuple(f"row{r}" for r in range(b))
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b

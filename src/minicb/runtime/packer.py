@@ -13,6 +13,11 @@ chunk ``c`` (4 cached), with block size 4::
     logits_indices the rows to sample: the last row of every sequence whose plan says ``sample``
                    (named once more per child a fork samples from it: ``ScheduledSeq.forks``)
 
+A row asking for prompt logprobs (``ScheduledSeq.prompt_targets``) adds the chunk's leading rows to
+``logits_indices``, before its sampled row; ``sample_rows`` then says which logits rows are sampled and
+``prompt_spans`` which score prompt tokens. Without any, ``logits_indices`` is the sampled rows alone,
+exactly as before, and ``sample_rows`` is None: the default step pays nothing for the feature.
+
 A prompt admitted with a prefix-cache hit is just a chunk that starts late: its ``start_pos`` is the
 cached length, only the rest is packed, and attention reads the shared blocks through its block table
 like any earlier chunk. ``slot_mapping`` only ever names positions ``>= start_pos``, so a shared
@@ -49,6 +54,10 @@ class RaggedBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor   # int64 [M]
     sample_request_ids: tuple[str, ...]   # row i of the logits belongs to this request
+    # With prompt logprobs only: which logits rows are sampled (else all of them, in order), and per
+    # request (request id, first logits row, position of the first prompt token scored, the tokens).
+    sample_rows: torch.Tensor | None = None
+    prompt_spans: tuple[tuple[str, int, int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +75,8 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
     tables: list[tuple[int, ...]] = []
     logits_rows: list[int] = []
     sample_ids: list[str] = []
+    sample_pos: list[int] = []          # where each sampled row sits among logits_rows
+    spans: list[tuple[str, int, int, tuple[int, ...]]] = []
     bs = plan.block_size
     # A sequence's new tokens sit at positions start_pos .. start_pos + n - 1 of its own sequence. Each
     # one's K/V goes to a slot of the paged cache: the block its position falls in (found through the
@@ -80,8 +91,13 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         q_lens.append(n)
         starts.append(p0)
         tables.append(s.block_table)
+        if s.prompt_targets:            # prompt logprobs: the chunk's leading rows return logits too
+            first = len(ids) - n
+            spans.append((s.request_id, len(logits_rows), p0 + 1, s.prompt_targets))
+            logits_rows.extend(range(first, first + len(s.prompt_targets)))
         if s.sample:                      # a fork's children draw from the same row, one each
             for rid in (s.request_id, *s.forks):
+                sample_pos.append(len(logits_rows))
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(rid)
     # Padding rows (static and dynamic policies only) come last: pad tokens at positions 0.., slot -1
@@ -93,8 +109,12 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         q_lens.append(n)
         starts.append(0)
         tables.append(())
-    return _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
-                       num_padding_rows=len(plan.padding))
+    batch = _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
+                        num_padding_rows=len(plan.padding))
+    if spans:
+        batch.sample_rows = torch.tensor(sample_pos, dtype=torch.long, device=device)
+        batch.prompt_spans = tuple(spans)
+    return batch
 
 
 def _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,

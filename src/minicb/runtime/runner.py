@@ -11,6 +11,11 @@ promises::
         logits = model(batch)                # one forward over every scheduled token, writes new K/V
         return sampler.sample(logits)        # {request_id: token} for the rows that reached their end
 
+A request that asks for logprobs gets a ``RowOutput`` instead of a bare token (``minicb.engine.logprobs``):
+the sampled token's logprob and top-k (``SamplingParams.logprobs``), and for a prompt chunk the
+logprobs of the prompt tokens its rows score (``prompt_logprobs``; the packer asked the model for
+those rows' logits in the same forward).
+
 The runner owns the model, the paged KV cache, the attention backend and the sampler's per-request
 generators. It knows nothing about slots, queues or policies: it gets a frozen plan and returns the
 sampled tokens, so the scheduler's state never depends on it.
@@ -44,10 +49,12 @@ from minicb.core.errors import check_int
 from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
+from minicb.engine.logprobs import RowOutput
 from minicb.model.backends import make_backend
 from minicb.model.kv_cache import KVCache
 from minicb.model.llama import LlamaForCausalLM
-from minicb.runtime.packer import pack
+from minicb.runtime.logprobs import row_logprobs
+from minicb.runtime.packer import RaggedBatch, pack
 from minicb.runtime.sampling import Sampler
 
 
@@ -92,8 +99,10 @@ class ModelRunner:
 
     failure: BaseException | None = None      # one process: a failed step never breaks the runner
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
-        self.sampler.register(request_id, params)
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
+        self.sampler.register(request_id, params, prompt_token_ids, vocab_size=self.vocab_size,
+                              eos_token_id=eos_token_id, tokenizer=tokenizer)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
@@ -101,7 +110,8 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release: the model and the KV cache go with the runner."""
 
-    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams] | None = None) -> dict[str, int]:
+    def run(self, plan: StepPlan, params: Mapping[str, SamplingParams] | None = None
+            ) -> dict[str, int | RowOutput]:
         """Swap, pack, forward, sample. ``params`` maps each request of the plan to its sampling
         parameters; ``None`` (tensor-parallel worker ranks) runs every layer but samples nothing."""
         self.kv_cache.swap_out(plan.swap_out)
@@ -112,11 +122,38 @@ class ModelRunner:
             return {}
         rows = batch.logits_indices if params is not None else self._no_rows
         logits = self.model(batch.input_ids, batch.positions, self.backend, batch.attn, rows)
-        if params is None or not batch.sample_request_ids:
+        if params is None or not (batch.sample_request_ids or batch.prompt_spans):
             return {}
+        if batch.prompt_spans:
+            return self._with_prompt_logprobs(batch, logits, params)
+        return self._sample(batch, logits, params)
+
+    def _sample(self, batch: RaggedBatch, logits: torch.Tensor,
+                params: Mapping[str, SamplingParams]) -> dict[str, int | RowOutput]:
+        """The sampled rows' tokens (``logits``: one row per sampled request, in order): plain ints,
+        or ``RowOutput``s for the requests that want logprobs."""
         ids = batch.sample_request_ids
-        tokens = self.sampler.sample(logits, ids, [params[r] for r in ids])
-        return dict(zip(ids, tokens))
+        if not ids:
+            return {}
+        plist = [params[r] for r in ids]
+        if all(p.logprobs is None for p in plist):            # the usual step: tokens only
+            return dict(zip(ids, self.sampler.sample(logits, ids, plist)))
+        tokens, lps = self.sampler.sample_with_logprobs(logits, ids, plist)
+        return {r: t if lp is None else RowOutput(t, lp) for r, t, lp in zip(ids, tokens, lps)}
+
+    def _with_prompt_logprobs(self, batch: RaggedBatch, logits: torch.Tensor,
+                              params: Mapping[str, SamplingParams]) -> dict[str, int | RowOutput]:
+        """A step with prompt rows: sample the sampled rows, score each chunk's prompt rows (the raw
+        model distribution: no processor applies to a prompt) and join them per request."""
+        out = self._sample(batch, logits[batch.sample_rows], params)
+        for rid, first, start, targets in batch.prompt_spans:
+            rows = row_logprobs(logits[first:first + len(targets)], targets, params[rid].prompt_logprobs)
+            sampled = out.get(rid)
+            if isinstance(sampled, RowOutput):
+                out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start)
+            else:
+                out[rid] = RowOutput(sampled, None, tuple(rows), start)
+        return out
 
 
 def engine_for(model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None, *, seed: int | None = None,

@@ -6,8 +6,16 @@ Each request with a ``seed`` owns a ``torch.Generator`` seeded once and advanced
 generated token, so its tokens are the same alone, in a batch of 8, under any policy, and across
 preemptions (the generator lives in the engine, not in the preempted state).
 
-The filters are applied in vLLM's order: temperature, then top-k, then top-p (nucleus), then a draw
-from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
+The filters are applied in vLLM's order: temperature, then min-p, then top-k, then top-p (nucleus),
+then a draw from the renormalised distribution. ``temperature == 0`` is greedy argmax and draws nothing.
+
+Before the filters, a row goes through its request's *logits processors* (penalties, ``logit_bias``,
+``min_tokens``, ``bad_words``, a structured output's grammar mask: ``minicb.runtime.logits_processors``),
+built once at ``register`` from the request's parameters and prompt, applied to that row only, and
+told the token it drew. A row without any is sampled exactly as before (the batched greedy ``argmax``
+included), so a request without them gets the same tokens whatever its neighbours ask for; a batch
+in which no row has a processor and every row is greedy is one ``argmax`` over the whole matrix, as
+before processors existed.
 
 **One row never fails another.** Every row is sampled on its own, and the distribution a row draws
 from is valid by construction, whatever its logits hold:
@@ -23,11 +31,6 @@ as the padded baseline does).
 
 So ``torch.multinomial`` never sees a bad distribution, and nothing one request asks for (or one
 row's numbers) can raise in the middle of a batch and take the other requests of the step with it.
-
-**Per-row processors** (``minicb.runtime.logits_processors``: a grammar's mask, ...) are built when a
-request is registered and applied to its row only, before the filters; a row without any is sampled
-exactly as before (the batched greedy ``argmax`` included), so a request without them gets the same
-tokens whatever its neighbours ask for.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ import secrets
 import torch
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.logprobs import TokenLogprobs
 from minicb.runtime.logits_processors import RowProcessor, build_processors
+from minicb.runtime.logprobs import row_logprobs
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -62,6 +67,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     The result's maximum is 0 (``usable_scores``), so ``softmax`` of it is always a distribution."""
     x = usable_scores(logits) / params.temperature
+    if params.min_p > 0.0:
+        # vLLM's min-p: drop tokens less likely than min_p times the most likely one (after temperature)
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -92,19 +101,23 @@ class Sampler:
     def __init__(self, seed: int | None = None, *, tokenizer=None, vocab_size: int | None = None,
                  eos_token_id: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
-        self._processors: dict[str, list[RowProcessor]] = {}
+        self._processors: dict[str, list[RowProcessor]] = {}     # only requests that have some
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._fallback = torch.Generator()
         self._fallback.manual_seed(secrets.randbits(63) if seed is None else seed)
 
-    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=()) -> None:
-        """Keep what ``request_id`` samples with: its processors (built first: a bad grammar raises
-        ``InvalidArgument`` before anything is kept) and, unless greedy, its seeded generator."""
-        if params.structured_outputs is not None:
-            procs = build_processors(params, prompt_token_ids, vocab_size=self.vocab_size,
-                                     eos_token_id=self.eos_token_id, tokenizer=self.tokenizer)
-            if procs:
-                self._processors[request_id] = procs
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 vocab_size: int | None = None, eos_token_id: int | None = None, tokenizer=None) -> None:
+        """Keep what ``request_id`` samples with: its processors (built first from ``params`` and the
+        prompt: a bad grammar raises ``InvalidArgument`` before anything is kept) and, unless greedy,
+        its seeded generator. ``vocab_size``, ``eos_token_id`` and ``tokenizer`` default to the
+        sampler's own (``vocab_size`` bounds the ids a processor touches)."""
+        vocab = vocab_size or self.vocab_size
+        procs = build_processors(params, prompt_token_ids, vocab_size=vocab or 2**63 - 1,
+                                 eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
+                                 tokenizer=self.tokenizer if tokenizer is None else tokenizer)
+        if procs:
+            self._processors[request_id] = procs
         if params.greedy:
             return
         seed = params.seed
@@ -118,26 +131,47 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: tuple[str, ...],
                params: list[SamplingParams]) -> list[int]:
-        """One token per row; row ``i`` belongs to ``request_ids[i]``."""
+        """One token per row; row ``i`` belongs to ``request_ids[i]``.
+
+        Each row with processors goes through them first (in order); every processor then hears its
+        row's token, once all rows are sampled (so a row that raises leaves no processor advanced).
+        A row without processors is sampled as if there were none anywhere (the batched argmax of an
+        all-greedy step included)."""
+        return self._sample(logits, request_ids, params, None)
+
+    def sample_with_logprobs(self, logits: torch.Tensor, request_ids: tuple[str, ...],
+                             params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``sample``, and for each row whose request asks for ``logprobs = k`` the sampled token's
+        logprob, rank and the row's top-k (None for the others), taken from the row the token was
+        drawn from: after the request's processors, before temperature / top-k / top-p
+        (``minicb.runtime.logprobs`` says why)."""
+        lps: list[TokenLogprobs | None] = [None] * len(params)
+        return self._sample(logits, request_ids, params, lps), lps
+
+    def _sample(self, logits: torch.Tensor, request_ids: tuple[str, ...], params: list[SamplingParams],
+                lps: list | None) -> list[int]:
+        procs = self._processors
         greedy = None
         if all(p.greedy for p in params):
             # widening bfloat16 is exact (the same argmax) and torch's float argmax is ~3x faster on the CPU
             wide = logits.float() if logits.dtype == torch.bfloat16 else logits
             greedy = torch.argmax(wide, dim=-1).tolist()
-            if not self._processors:
+            if lps is None and not (procs and any(r in procs for r in request_ids)):
                 return greedy
-        out = []
+        tokens = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
-            procs = self._processors.get(rid)
-            if procs is None:          # untouched: the batched argmax, or the row as it is
-                out.append(greedy[i] if greedy is not None else sample_token(logits[i], p,
-                                                                             self._generators.get(rid)))
-                continue
+            mine = procs.get(rid)
             row = logits[i]
-            for proc in procs:
-                row = proc.process(row)
-            token = sample_token(row, p, self._generators.get(rid))
-            for proc in procs:
+            if mine is None:           # untouched: the batched argmax, or the row as it is
+                token = greedy[i] if greedy is not None else sample_token(row, p, self._generators.get(rid))
+            else:
+                for proc in mine:
+                    row = proc.process(row)
+                token = sample_token(row, p, self._generators.get(rid))
+            if lps is not None and p.logprobs is not None:     # the row sampled from, before accept()
+                lps[i] = row_logprobs(row[None], [token], p.logprobs)[0]
+            tokens.append(token)
+        for rid, token in zip(request_ids, tokens):
+            for proc in procs.get(rid, ()):
                 proc.accept(token)
-            out.append(token)
-        return out
+        return tokens

@@ -59,6 +59,7 @@ from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.arrivals import Arrival, NoProgress, drive
 from minicb.engine.llm_engine import LLMEngine
+from minicb.engine.logprobs import RowOutput, TokenLogprobs
 from minicb.measure.metrics import RequestRecord, StepRecord, StepRecorder, Summary, causal_pairs, summarize
 from minicb.measure.workloads import Request, data_path
 
@@ -491,11 +492,25 @@ class SimRunner:
     def clock(self) -> float:
         return self.now
 
-    def run(self, plan: StepPlan, params=None) -> dict[str, int]:
+    def run(self, plan: StepPlan, params=None) -> dict[str, int | RowOutput]:
+        """Advance the clock; every sampled row gets the dummy token. Logprobs, where asked for, are
+        those of a model certain of every token it sees: logprob 0, rank 1."""
         self.now += self._step_time(plan)
-        return {r: self._token for s in plan.seqs if s.sample for r in (s.request_id, *s.forks)}
+        out: dict[str, int | RowOutput] = {r: self._token for s in plan.seqs if s.sample
+                                           for r in (s.request_id, *s.forks)}
+        for s in plan.seqs:
+            for r in (s.request_id, *s.forks) if s.sample else (s.request_id,):
+                p = params.get(r) if params else None
+                targets = s.prompt_targets if r == s.request_id else ()     # the row's own request's
+                if p is None or (p.logprobs is None and not targets):
+                    continue
+                lp = _certain(self._token, p.logprobs) if s.sample and p.logprobs is not None else None
+                prompt = tuple(_certain(t, p.prompt_logprobs or 0) for t in targets)
+                out[r] = RowOutput(out.get(r), lp, prompt, s.start_pos + 1)
+        return out
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
+                 eos_token_id: int | None = None, tokenizer=None) -> None:
         """Nothing to keep: every sampled token is the dummy one."""
 
     def release(self, request_id: str) -> None:
@@ -503,6 +518,11 @@ class SimRunner:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _certain(token: int, k: int) -> TokenLogprobs:
+    """The logprobs of a token that had probability 1 (the simulator's model is never in doubt)."""
+    return TokenLogprobs(token, 0.0, 1, (token,) if k else (), (0.0,) if k else ())
 
 
 class SimulatedEngine(LLMEngine):

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
+from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
@@ -203,23 +204,35 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
 
 
 async def generate(server: Server, request: Request, prepared: Prepared):
+    """One engine request per prompt (a completions ``prompt`` may list several), all submitted at
+    once so they join the same step; answered together, in prompt order."""
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    gen = dataclasses.replace(parsed.generate, prompt=prepared.prompt_token_ids)
-    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", gen, server.clock(), prepared.stops)
-    server.engine_thread.submit(handle)
+    handles = [RequestHandle(f"{prefix}-{uuid.uuid4().hex}", dataclasses.replace(parsed.generate, prompt=ids),
+                             server.clock(), stops) for ids, stops in prepared.requests]
+    for handle in handles:
+        server.engine_thread.submit(handle)
+
+    def abort_all() -> None:
+        for h in handles:
+            server.engine_thread.abort(h.request_id)
+
+    verdicts = []
     try:
-        verdict = await handle.queue.get()
+        for handle in handles:
+            verdicts.append(await handle.queue.get())
     except asyncio.CancelledError:
-        server.engine_thread.abort(handle.request_id)
+        abort_all()
         raise
-    if isinstance(verdict, ApiError):
-        raise verdict
-    assert isinstance(verdict, Accepted)
-    answer = _Answer(server, parsed, handle, verdict)
+    refused = next((v for v in verdicts if isinstance(v, ApiError)), None)
+    if refused is not None:          # one prompt refused: the request is (its accepted prompts abort)
+        abort_all()
+        raise refused
+    assert all(isinstance(v, Accepted) for v in verdicts)
+    answer = _Answer(server, parsed, handles, verdicts)
     if parsed.stream:
-        return EventStream(answer.stream(), lambda: server.engine_thread.abort(handle.request_id))
-    return await answer.whole(request)
+        return EventStream(answer.stream(), abort_all)
+    return await answer.whole(request, abort_all)
 
 
 class EventStream(StreamingResponse):
@@ -251,154 +264,244 @@ class EventStream(StreamingResponse):
 
 
 class _Answer:
-    """Builds OpenAI's response (or its SSE chunks) from one request's ``Delta``s.
+    """Builds OpenAI's response (or its SSE chunks) from the ``Delta``s of a request's prompts: ``n``
+    choices per prompt, ``index = prompt_index * n + child`` (OpenAI's rule). With ``n > 1`` the Deltas
+    of one prompt's ``n`` children arrive interleaved on its handle, each with its ``Delta.index``; a
+    prompt is complete when every child has sent its finished Delta. Usage counts each prompt once and
+    every choice's completion tokens."""
 
-    With ``n > 1`` the Deltas of the ``n`` choices arrive interleaved, each with its ``index``; the
-    answer is complete when every choice has sent its finished Delta (or one carries a failure).
-    Usage counts the prompt once and every choice's completion tokens."""
+    N = 1       # choices per prompt (``n``: set per request)
 
-    def __init__(self, server: Server, parsed, handle: RequestHandle, accepted: Accepted):
-        self.server, self.parsed, self.handle, self.accepted = server, parsed, handle, accepted
+    def __init__(self, server: Server, parsed, handles: list[RequestHandle], accepted: list[Accepted]):
+        self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
-        self.n = parsed.generate.params.n
+        self.tokenizer = getattr(server.frontend, "tokenizer", None)
+        self.N = parsed.generate.params.n
 
-    def _usage(self, d: Delta, completion_tokens: int | None = None) -> dict:
-        done = d.num_output_tokens if completion_tokens is None else completion_tokens
-        return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": done,
-                "total_tokens": d.num_prompt_tokens + done}
+    def index(self, prompt_index: int, child: int = 0) -> int:
+        return prompt_index * self.N + child
+
+    def _usage(self, finals: list[tuple[int, Delta]]) -> dict:
+        prompt = sum({i: d.num_prompt_tokens for i, d in finals}.values())    # each prompt once
+        done = sum(d.num_output_tokens for _, d in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     def _envelope(self, obj: str) -> dict:
-        env = {"id": self.handle.request_id, "object": obj, "created": self.created,
+        env = {"id": self.handles[0].request_id, "object": obj, "created": self.created,
                "model": self.server.model_name}
         return env
+
+    # --- echo and logprobs ------------------------------------------------------------------------
+    def _name(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _echo_text(self, i: int) -> str:
+        """The prompt as given (text), or its ids decoded (vLLM's echo of a token-id prompt)."""
+        prompt = self.parsed.prompts[i] if self.parsed.prompts else self.parsed.generate.prompt
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(self.accepted[i].prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _choice_logprobs(self, i: int, state: dict, d: Delta, first: bool, prompt_scores=None):
+        """This Delta's ``logprobs`` object (completions: the prompt's tokens first when echoing)."""
+        k = self.parsed.logprobs
+        if k is None:
+            return None
+        ids, entries = list(d.token_ids), list(d.logprobs or [])
+        if self.chat:
+            return logprob_format.chat_logprobs(ids, entries, k)
+        if first and self.parsed.echo:
+            prompt = self.accepted[i].prompt_token_ids
+            scored = d.prompt_logprobs or prompt_scores or [None] * len(prompt)
+            ids, entries = prompt + ids, scored + entries
+        fmt = state.setdefault("fmt", logprob_format.CompletionLogprobs(k))
+        return fmt.add(ids, entries, self._name)
+
+    def _prompt_logprobs(self, d: Delta):
+        k = self.parsed.prompt_logprobs
+        return None if k is None or d.prompt_logprobs is None else \
+            logprob_format.prompt_logprobs(d.prompt_logprobs, k)
 
     # --- streaming ------------------------------------------------------------------------------
     async def stream(self):
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         p = self.parsed
-        first = True
+        states = [{"first": True} for _ in range(len(self.handles) * self.N)]
+        prompt_scores: dict[int, list] = {}      # a prompt's logprobs, once one of its Deltas had them
 
-        def chunk(text: str | None, ids: list[int], reason: str | None, index: int = 0,
-                  role: bool = False) -> str:
-            nonlocal first
+        def chunk(i: int, c: int, text: str | None, d: Delta | None, reason: str | None) -> str:
+            j = self.index(i, c)
+            st = states[j]
+            first = st["first"]
+            ids = list(d.token_ids) if d is not None else []
+            if d is not None and d.prompt_logprobs:
+                prompt_scores[i] = d.prompt_logprobs
+            logprobs = self._choice_logprobs(i, st, d, first, prompt_scores.get(i)) if d is not None else None
             if self.chat:
-                delta = {"role": "assistant", "content": text or ""} if role else \
+                delta = {"role": "assistant", "content": text or ""} if first else \
                     ({"content": text} if text else {})
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+                if first and p.echo:
+                    text = self._echo_text(i) + (text or "")
+                choice = {"index": j, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if p.return_token_ids:
                 choice["token_ids"] = ids
             body = {**self._envelope(obj), "choices": [choice]}
             if p.return_token_ids and first:
-                body["prompt_token_ids"] = self.accepted.prompt_token_ids
+                body["prompt_token_ids"] = self.accepted[i].prompt_token_ids
+            if d is not None and not self.chat and self._prompt_logprobs(d) is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(d)
+            elif d is not None and self._prompt_logprobs(d) is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(d)
             if p.include_usage:
                 body["usage"] = None
-            first = False
+            st["first"] = False
             return _sse(body)
 
-        if self.chat:                  # OpenAI's first chat chunk per choice: the role, no content yet
-            for i in range(self.n):
-                yield chunk("", [], None, i, role=True)
-        # with tools: each choice's whole answer, sent at its end (a call or content)
-        held: dict[int, list[str]] = {i: [] for i in range(self.n)}
-        held_ids: dict[int, list[int]] = {i: [] for i in range(self.n)}
-        ended: dict[int, int] = {}     # index -> its completion tokens, once it has finished
-        while True:
-            d: Delta = await self.handle.queue.get()
-            if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
-                yield _sse(d.failure.body(), ascii_only=True)
-                break
-            if p.tools is not None and not d.finished:
-                held[d.index].append(d.text)
-                held_ids[d.index] += d.token_ids
-                continue
-            if d.finished:
-                if p.tools is not None:
-                    yield self._tool_chunk(chunk, obj, d, "".join(held[d.index]) + d.text,
-                                           held_ids[d.index] + d.token_ids)
-                else:
-                    yield chunk(d.text, d.token_ids, d.finish_reason, d.index)
-                ended[d.index] = d.num_output_tokens
-                if len(ended) < self.n:
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle) -> None:
+            ended = 0
+            while ended < self.N:
+                d = await handle.queue.get()
+                merged.put_nowait((i, d))
+                ended += d.finished
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(self.handles)]
+        # with tools: each choice's whole answer, sent at its end
+        held: list[list[Delta]] = [[] for _ in range(len(self.handles) * self.N)]
+        try:
+            if self.chat:              # OpenAI's first chat chunk per choice: the role, no content yet
+                for i in range(len(self.handles)):
+                    for c in range(self.N):
+                        yield chunk(i, c, "", None, None)
+            finals: list[tuple[int, Delta]] = []
+            while len(finals) < len(self.handles) * self.N:
+                i, d = await merged.get()
+                c, j = d.index, self.index(i, d.index)
+                if d.failure is not None and d.finish_reason != "abort":   # a failed step, a dead engine
+                    yield _sse(d.failure.body(), ascii_only=True)
+                    break
+                if p.tools is not None and not d.finished:
+                    held[j].append(d)
                     continue
+                if d.finished and p.tools is not None:
+                    finals.append((i, d))
+                    whole = _joined(held[j] + [d])
+                    calls = parse_calls(whole.text)
+                    if calls is None:
+                        yield chunk(i, c, whole.text, whole, d.finish_reason)
+                        continue
+                    content, tool_calls = calls
+                    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
+                    if content:
+                        delta["content"] = content
+                    choice = {"index": j, "delta": delta,
+                              "logprobs": self._choice_logprobs(i, states[j], whole, states[j]["first"]),
+                              "finish_reason": "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
+                    if p.return_token_ids:
+                        choice["token_ids"] = whole.token_ids
+                    yield _sse({**self._envelope(obj), "choices": [choice]}
+                               | ({"usage": None} if p.include_usage else {}))
+                elif d.finished:
+                    finals.append((i, d))
+                    yield chunk(i, c, d.text, d, d.finish_reason)
+                elif d.text or (p.return_token_ids and d.token_ids) or d.logprobs or d.prompt_logprobs:
+                    yield chunk(i, c, d.text, d, None)
+            else:
                 if p.include_usage:
-                    yield _sse({**self._envelope(obj), "choices": [],
-                                "usage": self._usage(d, sum(ended.values()))})
-                break
-            if d.text or (p.return_token_ids and d.token_ids):
-                yield chunk(d.text, d.token_ids, None, d.index)
+                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(finals)})
+        finally:
+            for task in pumps:
+                task.cancel()
         yield "data: [DONE]\n\n"
 
-    def _tool_chunk(self, chunk, obj: str, d: Delta, text: str, ids: list[int]) -> str:
-        """The last chunk of choice ``d.index`` with tools: its tool calls, or its held content."""
-        p = self.parsed
-        calls = parse_calls(text)
-        if calls is None:
-            return chunk(text, ids, d.finish_reason, d.index)
-        content, tool_calls = calls
-        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
-        if content:
-            delta["content"] = content
-        choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason":
-                  "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
-        if p.return_token_ids:
-            choice["token_ids"] = ids
-        body = {**self._envelope(obj), "choices": [choice]}
-        return _sse(body | ({"usage": None} if p.include_usage else {}))
-
     # --- one response ---------------------------------------------------------------------------
-    async def whole(self, request: Request):
+    async def whole(self, request: Request, abort_all):
         disconnected = asyncio.ensure_future(_disconnect(request))
-        texts: list[list[str]] = [[] for _ in range(self.n)]
-        token_ids: list[list[int]] = [[] for _ in range(self.n)]
-        ended: dict[int, Delta] = {}
+        gathered = [asyncio.ensure_future(self._gather(h, self.N)) for h in self.handles]
         try:
-            while True:
-                nxt = asyncio.ensure_future(self.handle.queue.get())
-                done, _ = await asyncio.wait({nxt, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()
-                    self.server.engine_thread.abort(self.handle.request_id)
+            pending = set(gathered)
+            while pending:
+                done, _ = await asyncio.wait(pending | {disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    abort_all()
                     return Response(status_code=499)      # nobody reads it; nginx's "client closed"
-                d: Delta = nxt.result()
-                texts[d.index].append(d.text)
-                token_ids[d.index] += d.token_ids
-                if d.failure is not None:
-                    break
-                if d.finished:
-                    ended[d.index] = d
-                    if len(ended) == self.n:
-                        break
+                pending -= done
+                failed = next((d.failure for t in done for d in t.result() if d.failure), None)
+                if failed is not None:
+                    abort_all()
+                    raise failed
         except asyncio.CancelledError:
-            self.server.engine_thread.abort(self.handle.request_id)
+            abort_all()
             raise
         finally:
             disconnected.cancel()
-        if d.failure is not None:
-            raise d.failure
-        choices = []
-        for i in range(self.n):
-            out, reason = "".join(texts[i]), ended[i].finish_reason
-            choice = ({"index": i, "message": {"role": "assistant", "content": out}} if self.chat
-                      else {"index": i, "text": out})
-            choice |= {"logprobs": None, "finish_reason": reason}
-            calls = parse_calls(out) if self.parsed.tools is not None else None
-            if calls is not None:          # the model called tools: OpenAI's tool_calls message
-                content, tool_calls = calls
-                choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-                if reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-            if self.parsed.return_token_ids:
-                choice["token_ids"] = token_ids[i]
-            choices.append(choice)
-        usage = self._usage(d, sum(e.num_output_tokens for e in ended.values()))
+            for task in gathered:
+                task.cancel()
+        choices, finals = [], []
+        joined = None
+        for i, task in enumerate(gathered):
+            deltas = task.result()
+            scores = next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None)
+            for c in range(self.N):
+                mine = [x for x in deltas if x.index == c]
+                d = mine[-1]
+                finals.append((i, d))
+                joined = dataclasses.replace(_joined(mine), prompt_logprobs=scores)
+                text, ids = joined.text, joined.token_ids
+                logprobs = self._choice_logprobs(i, {}, joined, True)
+                if self.chat:
+                    choice = {"index": self.index(i, c), "message": {"role": "assistant", "content": text}}
+                else:
+                    echo = self._echo_text(i) if self.parsed.echo else ""
+                    choice = {"index": self.index(i, c), "text": echo + text}
+                choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason}
+                calls = parse_calls(text) if self.chat and self.parsed.tools is not None else None
+                if calls is not None:          # the model called tools: OpenAI's tool_calls message
+                    content, tool_calls = calls
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                    if d.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+                if self.parsed.return_token_ids:
+                    choice["token_ids"] = ids
+                    if len(self.handles) > 1:
+                        choice["prompt_token_ids"] = self.accepted[i].prompt_token_ids
+                if not self.chat and self._prompt_logprobs(joined) is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(joined)
+                choices.append(choice)
         body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage}
+                "usage": self._usage(finals)}
         if self.parsed.return_token_ids:
-            body["prompt_token_ids"] = self.accepted.prompt_token_ids
+            body["prompt_token_ids"] = self.accepted[0].prompt_token_ids
+        if self.chat and joined is not None and self._prompt_logprobs(joined) is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(joined)
         return JSONResponse(body)
+
+    @staticmethod
+    async def _gather(handle: RequestHandle, n: int) -> list[Delta]:
+        """Every Delta of one prompt until each of its ``n`` children has sent its last."""
+        deltas: list[Delta] = []
+        ended = 0
+        while ended < n:
+            d: Delta = await handle.queue.get()
+            deltas.append(d)
+            ended += d.finished
+        return deltas
+
+
+def _joined(deltas: list[Delta]) -> Delta:
+    """A choice's Deltas as one (the last one's counts and reason; texts, ids, logprobs joined)."""
+    d = deltas[-1]
+    logprobs = None if all(x.logprobs is None for x in deltas) else \
+        [e for x in deltas for e in x.logprobs or []]
+    return Delta("".join(x.text for x in deltas), [t for x in deltas for t in x.token_ids],
+                 d.num_prompt_tokens, d.num_output_tokens, d.finished, d.finish_reason, d.error, d.failure,
+                 logprobs, next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None), d.index)
 
 
 async def _disconnect(request: Request) -> None:

@@ -60,6 +60,9 @@ def add_parser(sub, add_engine_args) -> None:
             ("max_stop", int, "stop strings of a request", d.max_stop),
             ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
             ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
+            ("max_logit_bias", int, "logit_bias entries of a request", d.max_logit_bias),
+            ("max_bad_words", int, "bad_words of a request", d.max_bad_words),
+            ("max_bad_words_chars", int, "characters of all bad_words together", d.max_bad_words_chars),
             ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
              "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
             ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),
@@ -152,7 +155,9 @@ def _serve(args, sock) -> int:
     from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
     from minicb.entrypoints.llm import LLM
     from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
+    from minicb.model.fast_paths import show_load_lines
 
+    show_load_lines()                    # which GEMM path the model gets, and why: one line on stderr
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minicb.core.errors import EngineDeadError, InvalidArgument, RequestRejected
-from minicb.engine.outputs import RequestOutput
+from minicb.engine.outputs import CompletionOutput, RequestOutput
 from minicb.entrypoints.serve.protocol import ApiError, GenerateRequest, bad_request
 from minicb.entrypoints.serve.stops import StopMatcher
 
@@ -80,6 +80,8 @@ class Delta:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     error: str | None = None
     failure: ApiError | None = None       # the request ended without its answer: what a client is told
+    logprobs: list | None = None          # one {token_id: Logprob} per token of token_ids (if asked for)
+    prompt_logprobs: list | None = None   # the prompt's, once (on the first Delta that has them)
     index: int = 0                        # which of the request's n choices (parallel sampling)
 
 
@@ -104,6 +106,7 @@ class _Live:
     seen_first_token: bool = False
     children: list[StopMatcher] = field(default_factory=list)   # n > 1: each child's matcher
     done: set[int] = field(default_factory=set)                  # n > 1: children that ended
+    prompt_sent: bool = False             # its prompt logprobs went out already
 
 
 class EngineThread:
@@ -311,8 +314,9 @@ class EngineThread:
         except RequestRejected as e:       # can never fit: the message names the limit
             self._send(handle, bad_request(str(e), "prompt", "context_length_exceeded"))
             return
-        except InvalidArgument as e:
-            self._send(handle, bad_request(str(e), "prompt"))
+        except InvalidArgument as e:       # the prompt, or a knob only the engine can judge
+            knob = next((k for k in ("logit_bias", "bad_words", "min_tokens") if str(e).startswith(k)), None)
+            self._send(handle, bad_request(str(e), knob or "prompt"))
             return
         except Exception:   # noqa: BLE001 - a bug must cost this request only, and never show a traceback
             log.exception("adding request %s failed", handle.request_id)
@@ -320,7 +324,8 @@ class EngineThread:
             return
         live = _Live(handle, handle.stops, len(ids))
         if params.n > 1:
-            live.children = [handle.stops] + [StopMatcher(handle.stops.stops) for _ in range(params.n - 1)]
+            live.children = [handle.stops] + [StopMatcher(handle.stops.stops, handle.stops.include)
+                                              for _ in range(params.n - 1)]
         self._live[handle.request_id] = live
         self._send(handle, Accepted(ids, params.max_tokens))
 
@@ -363,53 +368,69 @@ class EngineThread:
         if live.children:
             self._output_children(live, out)
             return
-        text = live.stops.push(out.new_text)
+        # vLLM's min_tokens: no stop string ends a request before that many tokens
+        text = live.stops.push(out.new_text, len(out.token_ids) >= live.handle.request.params.min_tokens)
         if live.stops.stopped:
-            new_ids = out.new_token_ids
+            new_ids, logprobs = out.new_token_ids, _new_logprobs(out)
             if not out.finished:                       # end it now: no step is spent past the stop
                 out = self.engine.abort_request(out.request_id) or out
-            self._finish(live, out, "stop", text, new_ids)
+            self._finish(live, out, "stop", text, new_ids, logprobs=logprobs)
         elif out.finished:
             self._finish(live, out, out.finish_reason, text + live.stops.flush())
         else:
             self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
-                                          len(out.token_ids)))
+                                          len(out.token_ids), logprobs=_new_logprobs(out),
+                                          prompt_logprobs=self._prompt_once(live, out)))
+
+    @staticmethod
+    def _prompt_once(live: _Live, out: RequestOutput) -> list | None:
+        """The prompt's logprobs on the first Delta that can carry them, None after."""
+        if live.prompt_sent or out.prompt_logprobs is None:
+            return None
+        live.prompt_sent = True
+        return out.prompt_logprobs
 
     def _output_children(self, live: _Live, out: RequestOutput) -> None:
         """``n > 1``: each child's new text through its own stop matcher, a Delta per child."""
+        min_tokens = live.handle.request.params.min_tokens
         for c in out.outputs:
             i = c.index
             if i in live.done:
                 continue
             stops = live.children[i]
-            text = stops.push(c.new_text)
+            text = stops.push(c.new_text, len(c.token_ids) >= min_tokens)
             if stops.stopped:
+                new_ids, logprobs = c.new_token_ids, _new_logprobs(c)
                 if not c.finished():                   # end this child now; the others go on
                     out = self.engine.abort_request(out.request_id, index=i) or out
-                self._child_done(live, out, i, "stop", text, c.new_token_ids, len(c.token_ids))
+                self._child_done(live, out, i, "stop", text, new_ids, len(c.token_ids), logprobs=logprobs)
             elif c.finished():
                 self._child_done(live, out, i, c.finish_reason, text + stops.flush(), c.new_token_ids,
-                                 len(c.token_ids), c.error)
+                                 len(c.token_ids), c.error, logprobs=_new_logprobs(c))
             elif text or c.new_token_ids:
                 self._send(live.handle, Delta(text, list(c.new_token_ids), live.num_prompt_tokens,
-                                              len(c.token_ids), index=i))
+                                              len(c.token_ids), logprobs=_new_logprobs(c),
+                                              prompt_logprobs=self._prompt_once(live, out), index=i))
 
-    def _child_done(self, live: _Live, out: RequestOutput, i: int, reason: str | None, text: str,
+    def _child_done(self, live: _Live, out: RequestOutput | None, i: int, reason: str | None, text: str,
                     new_ids: list[int], num_output_tokens: int, error: str | None = None,
-                    failure: ApiError | None = None) -> None:
+                    failure: ApiError | None = None, logprobs: list | None = None) -> None:
         """Child ``i`` ended: its finished Delta; the request is over once every child's is sent."""
         live.done.add(i)
         if failure is None and reason == "error":
             failure = ApiError(500, f"the engine step serving this request failed: {error}", "server_error")
+        prompt = self._prompt_once(live, out) if out is not None else None
         self._send(live.handle, Delta(text, list(new_ids), live.num_prompt_tokens, num_output_tokens, True,
-                                      reason, error if failure is None else failure.message, failure, i))
+                                      reason, error if failure is None else failure.message, failure,
+                                      logprobs, prompt, i))
         if len(live.done) == len(live.children):
             del self._live[live.handle.request_id]
             if self.metrics is not None and out is not None:
                 self.metrics.observe_finished(out, reason)
 
     def _finish(self, live: _Live, out: RequestOutput | None, reason: str | None, text: str | None,
-                new_ids: list[int] | None = None, failure: ApiError | None = None) -> None:
+                new_ids: list[int] | None = None, failure: ApiError | None = None,
+                logprobs: list | None = None) -> None:
         """End the whole request (``text`` None: what is left of each child's text); ``out`` None:
         the engine could not say (a broken engine)."""
         if live.children:                              # n > 1: every child not yet ended
@@ -418,7 +439,8 @@ class EngineThread:
                 c = by_index.get(i)
                 left = "" if c is None or text is not None else live.children[i].push(c.new_text)
                 self._child_done(live, out, i, reason, left, c.new_token_ids if c else [],
-                                 len(c.token_ids) if c else 0, c.error if c else None, failure)
+                                 len(c.token_ids) if c else 0, c.error if c else None, failure,
+                                 _new_logprobs(c) if c else None)
             return
         if out is None:
             del self._live[live.handle.request_id]
@@ -435,7 +457,9 @@ class EngineThread:
                                "server_error")
         self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
                                       live.num_prompt_tokens, len(out.token_ids), True, reason,
-                                      out.error if failure is None else failure.message, failure))
+                                      out.error if failure is None else failure.message, failure,
+                                      _new_logprobs(out) if new_ids is None else logprobs,
+                                      self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -480,6 +504,14 @@ class EngineThread:
             self._loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:          # the loop is closed: nobody is listening any more
             pass
+
+
+def _new_logprobs(out: RequestOutput | CompletionOutput) -> list | None:
+    """The logprobs of ``out.new_token_ids`` (None when the request asked for none); of a request, or
+    of one of its ``n`` choices."""
+    if out.logprobs is None:
+        return None
+    return out.logprobs[len(out.token_ids) - len(out.new_token_ids):]
 
 
 def _reason(e: BaseException) -> str:

@@ -52,8 +52,14 @@ class Prepared:
     """A request ready for the engine thread: checked, tokenized, with its stop-string matcher."""
 
     parsed: ParsedRequest
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]            # the (first) prompt's
     stops: StopMatcher
+    more: tuple[tuple[list[int], StopMatcher], ...] = ()   # the other prompts of a list, each its own matcher
+
+    @property
+    def requests(self) -> list[tuple[list[int], StopMatcher]]:
+        """(token ids, stop matcher) of every prompt, in order: one engine request each."""
+        return [(self.prompt_token_ids, self.stops), *self.more]
 
 
 def default_workers() -> int:
@@ -106,9 +112,18 @@ class Frontend:
             parsed = parse_chat(body, self._render, self.limits, self.control_texts)
         else:
             parsed = parse_completion(body, self.limits)
-        ids = self._token_ids(parsed)
+        prompts = parsed.prompts or (parsed.generate.prompt,)
+        ids = [self._token_ids(parsed, p) for p in prompts]
+        total, cap = sum(map(len, ids)), self.limits.max_prompt_tokens
+        if len(ids) > 1 and total > cap:          # the bound holds for the whole body, as for one prompt
+            raise bad_request(f"the {len(ids)} prompts have {total:,} tokens; at most {cap:,} are allowed in "
+                              f"one request ({flag('max_prompt_tokens')}, at most max_model_len)", "prompt",
+                              "context_length_exceeded")
         self._compile(parsed)
-        return Prepared(parsed, ids, StopMatcher(parsed.generate.stops))
+        gen = parsed.generate
+        stop = gen.params.include_stop_str_in_output
+        return Prepared(parsed, ids[0], StopMatcher(gen.stops, stop),
+                        tuple((i, StopMatcher(gen.stops, stop)) for i in ids[1:]))
 
     def _compile(self, parsed: ParsedRequest) -> None:
         """Compile the request's grammar here, off the engine thread: a bad one is a 400 now, a good one
@@ -141,8 +156,7 @@ class Frontend:
                                   "with token ids")
         return self.tokenizer.apply_chat_template(messages)
 
-    def _token_ids(self, parsed: ParsedRequest) -> list[int]:
-        prompt = parsed.generate.prompt
+    def _token_ids(self, parsed: ParsedRequest, prompt) -> list[int]:
         param = "messages" if parsed.kind == "chat" else "prompt"
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -17,6 +17,9 @@ messages                    ``--max-messages``            1,024        400 ``mes
 stop strings                ``--max-stop``                16           400 ``stop``
 their total length          ``--max-stop-chars``          4,096        400 ``stop``
 ``stop_token_ids``          ``--max-stop-token-ids``      256          400 ``stop_token_ids``
+``logit_bias`` entries      ``--max-logit-bias``          1,024        400 ``logit_bias``
+``bad_words``               ``--max-bad-words``           128          400 ``bad_words``
+their total length          ``--max-bad-words-chars``     4,096        400 ``bad_words``
 a structured-output         ``--max-grammar-chars``       65,536       400 ``response_format`` /
 constraint or tools'                                                   ``structured_outputs`` / ``tools``
 schemas (characters)
@@ -60,6 +63,9 @@ class ServeLimits:
     max_stop: int = 16
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024          # each entry is one indexed add per step of the request
+    max_bad_words: int = 128            # vLLM's own cap (MAX_NUM_BAD_WORDS); each is tokenized once
+    max_bad_words_chars: int = 4096
     max_grammar_chars: int = 65_536
     max_schema_depth: int = 16
     header_timeout: float = 10.0
@@ -70,9 +76,10 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_stop_chars",
-                     "max_connections", "max_grammar_chars", "max_schema_depth"):
+                     "max_connections", "max_bad_words_chars", "max_grammar_chars", "max_schema_depth"):
             check_int(flag(name), getattr(self, name), lo=1)
-        for name in ("max_stop", "max_stop_token_ids", "max_live_watchers"):
+        for name in ("max_stop", "max_stop_token_ids", "max_live_watchers", "max_logit_bias",
+                     "max_bad_words"):
             check_int(flag(name), getattr(self, name), lo=0)
         if self.max_prompt_tokens is not None:
             check_int(flag("max_prompt_tokens"), self.max_prompt_tokens, lo=1)

@@ -19,13 +19,29 @@ Field by field (vLLM's choices where OpenAI leaves room):
   prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
 * ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
   ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
+* ``prompt`` (completions) may be a list of strings or of token-id lists: each is its own engine
+  request, batched by the engine like any other, answered in prompt order with OpenAI's choice
+  ``index`` (``prompt_index * n + child``). The cost bounds hold for the whole body (characters or
+  ids summed over the prompts) and so for each prompt.
+* Logprobs: completions ``logprobs: k`` (the sampled token's logprob and the top ``k``: OpenAI's
+  ``{tokens, token_logprobs, top_logprobs, text_offset}``) and ``echo: true`` (the prompt is returned
+  before the completion, and with ``logprobs`` its tokens' logprobs too, the first one ``null``);
+  chat ``logprobs: true`` + ``top_logprobs: k`` (``{content: [{token, logprob, bytes, top_logprobs}]}``);
+  vLLM's ``prompt_logprobs: k`` on both (``prompt_logprobs``: per prompt token ``{id: {logprob, rank,
+  decoded_token}}``, ``null`` first). ``k`` is at most 20; ``-inf`` is sent as -9999.0 (vLLM's floor).
 * ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` (``structured.py``) constrain
   the output with a grammar; ``tools`` / ``tool_choice`` on chat (``tools.py``) render the tools for
   the model and parse its calls (``required`` / a named function forced by a grammar).
-* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, and vLLM's
-  ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
-  and ``stream_options.continuous_usage_stats``: a clear 400
-  naming the field rather than a silently different answer. Unknown fields are ignored (clients
+* The sampling knobs (``minicb.runtime.logits_processors``): OpenAI's ``presence_penalty`` and
+  ``frequency_penalty`` (in [-2, 2]) and ``logit_bias`` (an object of token id -> bias in [-100, 100],
+  at most ``--max-logit-bias`` entries, ids in the vocabulary); vLLM's ``repetition_penalty`` (> 0),
+  ``min_p`` (in [0, 1]), ``min_tokens`` (at most ``max_tokens``; stop strings are not matched before
+  it either, as vLLM), ``bad_words`` (at most ``--max-bad-words`` strings of
+  ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
+  string stays in the text) and ``skip_special_tokens`` (default true).
+* ``n`` must be 1; ``best_of``, chat's ``echo``, and vLLM's ``spaces_between_special_tokens``,
+  ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``: a clear
+  400 naming the field rather than a silently different answer. Unknown fields are ignored (clients
   send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
   1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
@@ -46,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
-from minicb.core.sampling_params import MAX_INT, SamplingParams
+from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
 from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.structured import parse_structured
@@ -79,18 +95,19 @@ class ParsedRequest:
     return_token_ids: bool
     tools: ToolRequest | None = None          # chat with tools shown: the output is parsed for calls
     constraint_param: str | None = None       # the field a structured-output constraint came from
+    prompts: tuple = ()               # every prompt of the body, in order (``generate.prompt`` is the first)
+    echo: bool = False                # completions: return the prompt before the completion
+    logprobs: int | None = None       # top logprobs per token in the answer (None: no logprobs field)
+    prompt_logprobs: int | None = None   # vLLM's ``prompt_logprobs`` asked for (None: not in the answer)
 
 
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
 _UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "suffix": (None, ""), "functions": (None, []), "repetition_penalty": (None, 1, 1.0),
+    "best_of": (None, 1),
+    "suffix": (None, ""), "functions": (None, []),
     # vLLM's extensions that minicb does not implement (yet)
-    "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "guided_decoding_backend": (None,),
-    "prompt_logprobs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "spaces_between_special_tokens": (None, True), "guided_decoding_backend": (None,),
+    "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
 _UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
@@ -103,8 +120,8 @@ def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedR
     check_model(body)
     if body.get("tools") or body.get("tool_choice") is not None:
         raise bad_request("tools and tool_choice are for /v1/chat/completions", "tools")
-    prompt = _prompt(body["prompt"], limits)
-    return _parse(body, "completion", prompt, default_max_tokens=16, limits=limits)
+    prompts = _prompts(body["prompt"], limits)
+    return _parse(body, "completion", prompts, default_max_tokens=16, limits=limits)
 
 
 def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
@@ -124,7 +141,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", prompt, default_max_tokens=None, limits=limits, tools=tools)
+    return _parse(body, "chat", [prompt], default_max_tokens=None, limits=limits, tools=tools)
 
 
 def check_model(body: dict) -> None:
@@ -146,9 +163,10 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
                               prefix + name)
 
 
-def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
+def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
            limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
+    logprobs, echo, prompt_logprobs = _logprob_fields(body, kind)
     structured, param = parse_structured(body, limits)
     forced = constraint(tools) if tools is not None else None
     if forced is not None:
@@ -169,12 +187,44 @@ def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
         include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
     max_tokens = body.get("max_tokens")
     from_room = max_tokens is None and default_max_tokens is None
-    max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
+    max_tokens = MAX_INT if from_room else (default_max_tokens if max_tokens is None else max_tokens)
     stops = _stops(body.get("stop"), limits)
-    params = _sampling_params(body, max_tokens, limits, structured)
-    return ParsedRequest(kind, model, GenerateRequest(prompt, params, stops, from_room), stream,
+    # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
+    scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
+    params = _sampling_params(body, max_tokens, limits, structured, logprobs=logprobs,
+                              prompt_logprobs=max(scored) if scored else None)
+    return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room), stream,
                          include_usage, _bool(body, "return_token_ids", False),
-                         tools if tools is not None and tools.shown else None, param)
+                         tools if tools is not None and tools.shown else None, param, tuple(prompts), echo,
+                         logprobs, prompt_logprobs)
+
+
+def _logprob_fields(body: dict, kind: str) -> tuple[int | None, bool, int | None]:
+    """(top logprobs per generated token or None, echo, prompt_logprobs or None), checked.
+
+    Completions: ``logprobs`` is the count (OpenAI's legacy field); chat: ``logprobs`` is a bool and
+    ``top_logprobs`` the count, which needs ``logprobs: true`` (OpenAI's rule)."""
+    def count(name):
+        v = body.get(name)
+        if v is None or (v is False and name == "logprobs"):    # completions' logprobs: false = unset
+            return None
+        if type(v) is bool:
+            raise bad_request(f"{name} must be an integer, got {describe(v)}", name)
+        try:
+            return check_int(name, v, lo=0, hi=MAX_LOGPROBS)
+        except InvalidArgument as e:
+            raise bad_request(str(e), name) from None
+
+    prompt_logprobs = count("prompt_logprobs")
+    if kind == "completion":
+        return count("logprobs"), _bool(body, "echo", False), prompt_logprobs
+    if body.get("echo") not in (None, False):
+        raise bad_request("echo is not supported by minicb serve for chat (leave it unset)", "echo")
+    wanted = _bool(body, "logprobs", False)
+    top = count("top_logprobs")
+    if top and not wanted:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return ((top or 0) if wanted else None), False, prompt_logprobs
 
 
 def _is_default(value, defaults: tuple) -> bool:
@@ -182,8 +232,8 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS,
-                     structured=None) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, structured=None, *,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     def get(name, default):
         v = body.get(name)
         return default if v is None else v
@@ -194,6 +244,48 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
             raise InvalidArgument(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids "
                                   f"({flag('max_stop_token_ids')}), got {len(ids)}")
         return tuple(check_int("stop_token_ids[i]", t, lo=0, hi=MAX_INT) for t in ids)
+
+    def logit_bias():
+        bias = body.get("logit_bias")
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise InvalidArgument("logit_bias must be an object of token id -> bias, got "
+                                  f"{type(bias).__name__}")
+        if len(bias) > limits.max_logit_bias:
+            raise InvalidArgument(f"logit_bias may hold at most {limits.max_logit_bias:,} entries "
+                                  f"({flag('max_logit_bias')}), got {len(bias):,}")
+        out = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+                raise InvalidArgument(f"logit_bias keys must be token ids (decimal integers), got "
+                                      f"{describe(key)}")
+            if type(value) not in (int, float):
+                raise InvalidArgument(f"logit_bias[{key}] must be a number in [-100, 100], got "
+                                      f"{describe(value)}")
+            out[check_int("logit_bias token id", int(key), lo=0, hi=MAX_INT)] = \
+                check_float(f"logit_bias[{key}]", value, lo=-100.0, hi=100.0)
+        return out
+
+    def bad_words():
+        words = _list(body, "bad_words")
+        if len(words) > limits.max_bad_words:
+            raise InvalidArgument(f"bad_words may hold at most {limits.max_bad_words} strings "
+                                  f"({flag('max_bad_words')}), got {len(words):,}")
+        if not all(isinstance(w, str) for w in words):
+            raise InvalidArgument("bad_words must be a list of strings")
+        total = sum(map(len, words))
+        if total > limits.max_bad_words_chars:
+            cap = limits.max_bad_words_chars
+            raise InvalidArgument(f"the bad_words hold {total:,} characters; at most {cap:,} are allowed "
+                                  f"({flag('max_bad_words_chars')})")
+        return tuple(words)
+
+    def number(name, default, **bounds):
+        v = get(name, default)
+        if type(v) not in (int, float):
+            raise InvalidArgument(f"{name} must be a number, got {describe(v)}")
+        return check_float(name, v, **bounds)
 
     top_k = get("top_k", 0)
     args: dict[str, Any] = {}
@@ -207,6 +299,15 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
          else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
         ("stop_token_ids", stop_token_ids),
         ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
+        ("presence_penalty", lambda: number("presence_penalty", 0.0, lo=-2.0, hi=2.0)),
+        ("frequency_penalty", lambda: number("frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
+        ("repetition_penalty", lambda: number("repetition_penalty", 1.0, lo=0.0, lo_open=True, finite=True)),
+        ("min_p", lambda: number("min_p", 0.0, lo=0.0, hi=1.0)),
+        ("min_tokens", lambda: check_int("min_tokens", get("min_tokens", 0), lo=0, hi=MAX_INT)),
+        ("logit_bias", logit_bias),
+        ("bad_words", bad_words),
+        ("include_stop_str_in_output", lambda: _bool(body, "include_stop_str_in_output", False)),
+        ("skip_special_tokens", lambda: _bool(body, "skip_special_tokens", True)),
         # n choices: parallel sampling, the children share the prompt's KV blocks (engine: max_n)
         ("n", lambda: 1 if body.get("n") is None else check_int("n", body["n"], lo=1, hi=MAX_INT)),
     ]
@@ -220,7 +321,7 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
     if structured is not None:
         args["structured_outputs"] = structured
     try:
-        return SamplingParams(**args)
+        return SamplingParams(**args, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400
         message = str(e)
         param = next((name for name in args if message.startswith(name)), None)
@@ -264,22 +365,31 @@ def _stops(stop, limits: ServeLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _prompt(prompt, limits: ServeLimits = DEFAULT_LIMITS):
-    """A completion prompt: text or token ids; a list holding exactly one of them is unwrapped.
-    Its length is checked first, then (ids) its types and range all at once."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt holds {len(prompt)} prompts; minicb serve takes one prompt per "
-                              "request (send several requests: they are batched anyway)", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if len(prompt) > limits.max_prompt_chars:
-            raise bad_request(f"the prompt has {len(prompt):,} characters; at most "
-                              f"{limits.max_prompt_chars:,} are allowed ({flag('max_prompt_chars')})",
-                              "prompt")
-        return prompt
-    if isinstance(prompt, list):
-        return token_ids(prompt, limits)
+def _prompts(prompt, limits: ServeLimits = DEFAULT_LIMITS) -> list:
+    """A completion's prompts: text, token ids, or a list of several of one kind. The bounds are
+    checked on the whole body first (characters, ids summed over the prompts), then each prompt's
+    ids (types and range, all at once)."""
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if several else [prompt]
+    kinds = {type(p) for p in prompts}
+    if several and (len(kinds) > 1 or not kinds <= {str, list}):
+        raise bad_request("prompt must be a string, a list of token ids, or a list of several prompts of "
+                          "one kind (strings, or token-id lists)", "prompt")
+    if str in kinds:
+        chars = sum(map(len, prompts))
+        if chars > limits.max_prompt_chars:
+            what = "the prompt has" if len(prompts) == 1 else f"the {len(prompts)} prompts have"
+            raise bad_request(f"{what} {chars:,} characters; at most {limits.max_prompt_chars:,} are "
+                              f"allowed ({flag('max_prompt_chars')})", "prompt")
+        return prompts
+    if kinds == {list}:
+        cap = limits.max_prompt_tokens
+        total = sum(map(len, prompts))
+        if cap is not None and len(prompts) > 1 and total > cap:
+            raise bad_request(f"the {len(prompts)} prompts have {total:,} token ids; at most {cap:,} are "
+                              f"allowed in one request ({flag('max_prompt_tokens')}, at most max_model_len)",
+                              "prompt", "context_length_exceeded")
+        return [token_ids(p, limits) for p in prompts]
     raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
 
 

@@ -45,20 +45,27 @@ def _failure(s: str) -> list[int]:
 
 
 class StopMatcher:
-    """Incremental stop-string matching with hold-back; one per request."""
+    """Incremental stop-string matching with hold-back; one per request.
 
-    __slots__ = ("stops", "stopped", "held", "_fail", "_state")
+    ``include`` (vLLM's ``include_stop_str_in_output``) keeps the matched stop string in the text: the
+    cut comes right after it instead of right before. ``push(text, can_stop=False)`` feeds text that
+    may not end the request (vLLM's ``min_tokens``: no stop string is matched before that many tokens):
+    a stop string completed there is passed over, and the automaton carries on as if it had not
+    matched (its state falls back along the failure table), so a later occurrence is still found."""
 
-    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+    __slots__ = ("stops", "include", "stopped", "held", "_fail", "_state")
+
+    def __init__(self, stops: tuple[str, ...] = (), include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)          # "" would match everywhere: ignore it
+        self.include = include
         self.stopped = False
         self.held = ""
         self._fail = [_failure(s) for s in self.stops]
         self._state = [0] * len(self.stops)
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, can_stop: bool = True) -> str:
         """Add newly decoded text; return what may be sent now. After a match ``stopped`` is True
-        and the return value ends right before the stop string."""
+        and the return value ends right before the stop string (right after it with ``include``)."""
         if self.stopped:
             return ""
         buf = self.held + text
@@ -66,7 +73,7 @@ class StopMatcher:
             self.held = ""
             return buf
         base = len(self.held)                # buf[:base] was fed before; feed only ``text``
-        first = None                         # earliest start of a stop string completed by this text
+        first = None                         # (start, end) of the earliest stop string this text completes
         for j, (s, fail) in enumerate(zip(self.stops, self._fail)):
             k, n = self._state[j], len(s)
             for i, ch in enumerate(text):
@@ -75,13 +82,16 @@ class StopMatcher:
                 if ch == s[k]:
                     k += 1
                 if k == n:                   # s ends at buf[base + i]: its first occurrence
-                    start = base + i + 1 - n
-                    first = start if first is None else min(first, start)
+                    if not can_stop:         # too early to stop: go on as after a mismatch
+                        k = fail[n - 1]
+                        continue
+                    span = (base + i + 1 - n, base + i + 1)
+                    first = span if first is None else min(first, span)
                     break
             self._state[j] = k
         if first is not None:
             self.stopped, self.held = True, ""
-            return buf[:first]
+            return buf[:first[1] if self.include else first[0]]
         keep = max(self._state)              # the longest suffix that is a proper prefix of a stop
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]

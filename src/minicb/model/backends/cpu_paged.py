@@ -150,12 +150,13 @@ def check_decode_args(q, k_cache, v_cache, block_tables, context_lens, block_siz
 
 def decode_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_context: int,
-                scale: float | None = None) -> None:
+                scale: float | None = None, kernel=None) -> None:
     """``paged_decode`` into ``out`` (contiguous, like ``q``) with arguments ``check_decode_args`` has
-    passed: no checks here, one C call."""
+    passed: no checks here, one C call (``kernel``: the C function, when the caller looked it up)."""
     rows, q_heads, head_dim = q.shape
     scale = head_dim ** -0.5 if scale is None else scale
-    failed = getattr(load(), kernel_name(q.dtype))(
+    kernel = getattr(load(), kernel_name(q.dtype)) if kernel is None else kernel
+    failed = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), rows, q_heads, k_cache.shape[1], head_dim,
         block_tables.shape[1], block_size, max_context, scale, torch.get_num_threads())
@@ -172,6 +173,7 @@ class _DecodeRows:
     context_lens: torch.Tensor   # int32 [n]: keys each attends over, its new one included
     max_context: int
     checked: bool = False        # True once check_decode_args has passed, at the first layer
+    kernel: object = None        # the C function, looked up at the first layer (kernel_name)
 
 
 class CpuPagedAttention(ReferenceAttention):
@@ -200,10 +202,11 @@ class CpuPagedAttention(ReferenceAttention):
         qd = q if g.tokens is None else q.index_select(0, g.tokens)
         if not g.checked:         # the tables are the same for every layer: check them at the first
             check_decode_args(qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
-            g.checked = True
+            g.checked, g.kernel = True, getattr(load(), kernel_name(qd.dtype))
         if g.tokens is None:
-            decode_into(out, qd.contiguous(), kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
+            decode_into(out, qd.contiguous(), kc, vc, g.block_tables, g.context_lens, bs, g.max_context,
+                        kernel=g.kernel)
         else:
             od = torch.empty_like(qd)
-            decode_into(od, qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
+            decode_into(od, qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context, kernel=g.kernel)
             out.index_copy_(0, g.tokens, od)

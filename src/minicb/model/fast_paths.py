@@ -1,0 +1,76 @@
+"""What a model loaded for serving gets on the CPU: fused elementwise ops, then the fastest GEMM.
+
+``cpu_fast_paths(model, device)`` is what ``LLM`` (and so ``minicb generate`` and ``minicb serve``) and
+``minicb bench`` do to a model they load themselves; benchmarks that build their model by hand call
+it to run the same thing. A model built by hand and given to ``LLM`` is left as it is.
+
+1. the norms and rotary embedding in float32 and bfloat16 as small C loops (``cpu_fused``; one
+   warning line when they cannot be built, and the reference ops stay);
+2. every linear layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (``MINICB_LINEAR``
+   pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32 ``F.linear`` with the
+   LM head alone packed.
+
+Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
+float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
+(flags: ...)``). A library user sees it with ``logging``'s usual switches; the command line
+shows it on stderr (``show_load_lines``), because a speed figure means little without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from minicb.model import cpu_fused, cpu_linear
+
+LOAD_LOGGER = "minicb.load"
+_log = logging.getLogger("minicb")
+_load_log = logging.getLogger(LOAD_LOGGER)
+_FUSED_FALLBACK_LOGGED: set[str] = set()
+
+
+def cpu_fast_paths(model, device) -> list[str]:
+    """Put ``model`` on the CPU's fast paths, in place (module docstring); the names of what was
+    applied (``["packed-linears-f32", "fused-ops"]``, ...). Nothing on another device."""
+    applied = []
+    if torch.device(device).type != "cpu":
+        return applied
+    if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
+        reason = cpu_fused.unavailable_reason()
+        if reason is None:
+            cpu_fused.fuse_elementwise(model)          # before packing: it knows the modules by class
+            applied.append("fused-ops")
+        elif reason not in _FUSED_FALLBACK_LOGGED:
+            _FUSED_FALLBACK_LOGGED.add(reason)
+            _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
+    qkv = model.config.hidden_size, (model.config.num_attention_heads
+                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
+    path, why = cpu_linear.choose_path(model.dtype, *qkv)
+    linears = cpu_linear.apply_path(model, path)
+    if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
+        _load_log.info("minicb: %s linear layers on %s: %s", str(model.dtype).removeprefix("torch."),
+                       path, why)
+    return linears + applied
+
+
+class _StderrHandler(logging.Handler):
+    """Writes each record's message to whatever ``sys.stderr`` is when it is emitted (a test's
+    captured stream, a closed one: then nothing)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if sys.stderr is not None:
+                sys.stderr.write(record.getMessage() + "\n")
+                sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def show_load_lines() -> None:
+    """Show the ``minicb.load`` lines (which GEMM path, and why) on stderr: the commands call this
+    before they load a model. Idempotent."""
+    if not any(isinstance(h, _StderrHandler) for h in _load_log.handlers):
+        _load_log.addHandler(_StderrHandler())
+    _load_log.setLevel(logging.INFO)
