@@ -148,3 +148,38 @@ def test_llm_generate_returns_n_completions():
     assert [len(o.outputs) for o in outs] == [4, 1]
     assert children(outs[0]) == alone(SAMPLED)
     assert outs[1].outputs[0].token_ids == outs[1].token_ids
+
+
+def _scores(entries) -> list:
+    """Logprob entries as comparable rows: per position, (token id, rank, logprob) in order."""
+    return [None if e is None else [(t, lp.rank, lp.logprob) for t, lp in e.items()] for e in entries]
+
+
+def _close(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all(x is None and y is None or (x is not None and y is not None and len(x) == len(y) and all(
+        p[:2] == q[:2] and p[2] == pytest.approx(q[2], abs=1e-9) for p, q in zip(x, y)))
+        for x, y in zip(a, b, strict=True))
+
+
+def test_each_childs_logprobs_and_knobs_equal_its_seed_alone():
+    """Logprobs and a per-row logits processor (presence penalty) with ``n > 1``: every child has its
+    own processor state and logprobs, equal to the same request run alone with ``n=1`` and the child's
+    seed; the prompt's logprobs are computed once (child 0) and equal the lone request's."""
+    params = dataclasses.replace(SAMPLED, n=3, logprobs=2, prompt_logprobs=1, presence_penalty=1.5)
+    outs, _ = run_engine(tiny_model(), config(), [PROMPT], params)
+    out = outs[0]
+    lone = []
+    for i in range(params.n):
+        one = dataclasses.replace(params, n=1, seed=params.seed + i)
+        lone.append(run_engine(tiny_model(), config(), [PROMPT], one)[0][0])
+    assert children(out) == [o.token_ids for o in lone]
+    assert len({tuple(o.token_ids) for o in lone}) == 3, "the children must differ (seeds s + i)"
+    for c, o in zip(out.outputs, lone, strict=True):
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        assert [next(iter(e)) for e in c.logprobs] == c.token_ids      # the sampled token first
+        assert _close(_scores(c.logprobs), _scores(o.logprobs))
+    assert out.logprobs == out.outputs[0].logprobs
+    assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
+    assert _close(_scores(out.prompt_logprobs), _scores(lone[0].prompt_logprobs))

@@ -101,3 +101,24 @@ def test_a_stop_string_ends_only_the_choice_that_produced_it(url, reference):
 def test_n_beyond_max_n_is_a_400_naming_n(url):
     s, _, b = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 7})
     assert s == 400 and b["error"]["param"] == "n" and "max_n=6" in b["error"]["message"]
+
+
+def test_a_prompt_list_with_n_numbers_choices_prompt_index_times_n_plus_child(url, reference):
+    prompts = [PROMPT, "Hello there"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "seed": 5, "logprobs": 1, **KNOBS}
+    s, _, b = http("POST", url + "/v1/completions", body)
+    assert s == 200, b
+    want = [o for p in prompts for o in alone(reference, 5, 2, prompt=p)]
+    assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in b["choices"]] == [o.text for o in want]
+    assert all(len(c["logprobs"]["tokens"]) == 12 for c in b["choices"])
+    prompt_tokens = len(want[0].prompt_token_ids) + len(want[2].prompt_token_ids)     # each prompt once
+    assert b["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 4 * 12,
+                          "total_tokens": prompt_tokens + 48}
+    chunks = sse(url + "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    texts = {i: "" for i in range(4)}
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        texts[c["index"]] += c["text"]
+    assert [texts[i] for i in range(4)] == [o.text for o in want]
+    assert chunks[-1]["usage"] == b["usage"]
