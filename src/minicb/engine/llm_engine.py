@@ -81,6 +81,10 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # make each output's text (the tokenizer's incremental decoder, on the stepping thread); a
+        # caller that decodes elsewhere (``minicb serve``: its event loop) turns it off before adding
+        # requests, and outputs then carry token ids only (``text == ""``)
+        self.detokenize = True
         self.clock = clock
         self.runner = runner
         self.scheduler = Scheduler(config)
@@ -167,7 +171,7 @@ class LLMEngine:
     def _enqueue(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.runner.register(seq.request_id, seq.params)
-        tok = self.tokenizer
+        tok = self.tokenizer if self.detokenize else None
         dec = tok.incremental_decoder() if tok is not None else None
         self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)
 

@@ -6,11 +6,12 @@
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
 A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in the worker pool (``frontend``: JSON, fields, chat template,
+``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: JSON, fields, chat template,
 token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
-its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s as SSE chunks, or gather them into
-one response. The handlers never call the engine, and nothing on this loop grows with a request
-beyond copying its bytes.
+its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s (token ids from the engine thread,
+text made on this loop by its ``RequestText``) as SSE chunks, or gather them into one response. The
+handlers never call the engine, and nothing on this loop grows with a request beyond copying its
+bytes and decoding its generated tokens, one at a time.
 
 How a request that cannot be answered ends: a stream always ends with a last event and
 ``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib.resources
 import json
 import logging
@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
+from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
@@ -65,7 +66,7 @@ def build_app(server: Server) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.frontend.start()
+        await server.frontend.start()               # the worker processes, ready before the first request
         server.engine_thread.start(asyncio.get_running_loop())
         try:
             yield
@@ -202,8 +203,10 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
 async def generate(server: Server, request: Request, prepared: Prepared):
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    gen = dataclasses.replace(parsed.generate, prompt=prepared.prompt_token_ids)
-    handle = RequestHandle(f"{prefix}-{uuid.uuid4().hex}", gen, server.clock(), prepared.stops)
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    decoder = server.tokenizer.incremental_decoder() if server.tokenizer is not None else None
+    text = RequestText(decoder, prepared.stops, lambda: server.engine_thread.abort(rid, "stop"))
+    handle = RequestHandle(rid, parsed.generate, server.clock(), text)
     server.engine_thread.submit(handle)
     try:
         verdict = await handle.queue.get()
