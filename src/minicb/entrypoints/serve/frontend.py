@@ -68,6 +68,7 @@ from minicb.entrypoints.serve.stops import StopMatcher
 log = logging.getLogger("minicb.entrypoints.serve")
 
 CLOSE_WAIT_S = 1.0            # close(): how long a terminated worker gets before it is killed
+WORKER_NICE = 10               # the workers yield the CPU to the engine thread and the event loop
 ORPHAN_CHECK_S = 0.5          # a worker checks this often that the server's process is still there
 
 
@@ -271,6 +272,8 @@ def _init_worker(setup: dict, server_pid: int) -> None:
     """Runs once in each worker: ignore Ctrl-C, watch for the server's end, build the ``Preparer``."""
     global _PREPARER
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if WORKER_NICE:
+        os.nice(WORKER_NICE)
     threading.Thread(target=_leave_with, args=(server_pid,), name="minicb-frontend-orphan-check",
                      daemon=True).start()
     _PREPARER = Preparer(**setup)
