@@ -260,6 +260,50 @@ def test_live_watchers_are_capped(served):
     c.close()
 
 
+def test_the_fixed_limits_are_flags_now(gguf):
+    """JSON depth, header bytes, the frontend's queue and the linger of a refused body: each set
+    small here, each refusal an OpenAI error object naming its flag (``minicb serve --help`` lists
+    them with their defaults: ``test_serve_process``)."""
+    limits = ServeLimits(max_json_depth=4, max_header_bytes=2048, max_frontend_queue=1, body_linger=0.0,
+                         max_messages=20_000, max_prompt_chars=400_000)
+    with running_server(gguf, limits=limits, frontend_workers=1, **SMALL) as (server, url):
+        ok = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1, "stop": [["x"]]}).encode()
+        deep = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1, "x": [[[[[1]]]]]}).encode()
+        status, got = post(url, "/v1/completions", ok)           # 3 levels: parsed (and refused for its type)
+        assert status == 400 and "--max-json-depth" not in got["error"]["message"], got
+        status, got = post(url, "/v1/completions", deep)
+        assert status == 400 and "than 4 levels (--max-json-depth)" in got["error"]["message"], got
+        body = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1}).encode()
+        assert post(url, "/v1/completions", body, {"X-Pad": "a" * 1500})[0] == 200
+        status, got = post(url, "/v1/completions", body, {"X-Pad": "a" * 3000})
+        assert status == 431 and "--max-header-bytes" in got["error"]["message"], got
+        host, port = url.removeprefix("http://").rsplit(":", 1)        # a head still arriving: h11's buffer
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Pad: " + b"a" * 3000)
+        s.settimeout(20)
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 431") and b"--max-header-bytes" in answer, answer
+        slow = json.dumps({"model": MODEL, "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "hello there"}] * 20_000}).encode()
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(post(url, "/v1/chat/completions", slow)))
+        t.start()
+        wait_for(lambda: server.frontend.queued == 1, what="one request in the frontend")
+        status, got = post(url, "/v1/completions", body)
+        t.join(60)
+        assert status == 503 and "--max-frontend-queue 1" in got["error"]["message"], got
+        assert first[0][0] == 400 and "--max-frontend-queue" not in first[0][1]["error"]["message"]
+        # --body-linger 0: a 413, then closed
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 9999999\r\n\r\n{")
+        assert _closed_by_server(s, 20)
+        s.close()
+
+
 # --- the doors ---------------------------------------------------------------------------------------
 def test_host_allow_list_cors_and_api_key(gguf):
     with running_server(gguf, api_key="sesame", allowed_origins=("http://ok.example",), **SMALL) as (_, url):

@@ -148,6 +148,10 @@ def _refused(url: str) -> bool:
     (["serve", "--threads", "-1"], "--threads must be in [0, inf]"),
     (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number of GiB"),
     (["serve", "--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
+    (["serve", "--max-json-depth", "0"], "--max-json-depth must be in [1, 256], got 0"),
+    (["serve", "--max-header-bytes", "10"], "--max-header-bytes must be in [1024, inf], got 10"),
+    (["serve", "--max-frontend-queue", "0"], "--max-frontend-queue must be in [1, inf], got 0"),
+    (["serve", "--body-linger", "-1"], "--body-linger must be"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == EXIT_USAGE

@@ -228,7 +228,7 @@ class Server:
         if hosts is None:
             hosts = guard.default_allowed_hosts(sock.getsockname()[0])
         asgi = guard.wrap(self.app, allowed_hosts=hosts, api_key=self.api_key,
-                          allowed_origins=self.allowed_origins)
+                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes)
         lim = self.limits
         protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout,
                                                          "body_linger": lim.body_linger,
