@@ -42,14 +42,16 @@ API_MODULES = [
         ("planner", "core.planner"), ("preemption", "core.preemption"), ("policy", "core.policy"),
         ("continuous", "core.continuous"), ("padded", "core.padded"), ("scheduler", "core.scheduler"),
         ("stats", "core.stats"), ("plan", "core.plan"), ("config", "core.config"),
-        ("sampling_params", "core.sampling_params"), ("errors", "core.errors")]),
+        ("sampling_params", "core.sampling_params"), ("structured_outputs", "core.structured_outputs"),
+        ("errors", "core.errors")]),
     ("Model side", [
         ("packer", "runtime.packer"), ("kv_cache", "model.kv_cache"), ("kv_budget", "core.kv_budget"),
         ("model.llama", "model.llama"), ("model.attention", "model.attention"),
         ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
         ("model.cpu_linear", "model.cpu_linear"), ("model.ckernels", "model.ckernels"),
         ("model.loader", "model.weights.loader"), ("model.export", "model.weights.export"),
-        ("model.tokenizer", "model.text.tokenizer"), ("sampling", "runtime.sampling")]),
+        ("model.tokenizer", "model.text.tokenizer"), ("sampling", "runtime.sampling"),
+        ("grammar", ("runtime.logits_processors", "runtime.grammar"))]),
     ("One step and the faces", [
         ("runner", "runtime.runner"), ("engine", ("engine.llm_engine", "engine.interface")),
         ("events", "engine.events"), ("outputs", "engine.outputs"), ("arrivals", "engine.arrivals"),
@@ -62,8 +64,8 @@ API_MODULES = [
                          "simulate.cli")]),
     ("Serving", [
         (f"serve.{m}", f"entrypoints.serve.{m}")
-        for m in ("engine_thread", "app", "frontend", "protocol", "limits", "stops", "guard", "metrics", "live",
-                  "server")]),
+        for m in ("engine_thread", "app", "frontend", "protocol", "structured", "tools", "errors", "limits",
+                  "stops", "guard", "metrics", "live", "server")]),
 ]
 
 

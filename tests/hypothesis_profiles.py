@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
-settings.register_profile("thorough", max_examples=100)       # hypothesis' own default
-settings.register_profile("quick", max_examples=10)
+# No wall clock in any profile: hypothesis' default 200 ms ``deadline`` per example and its ``too_slow``
+# health check (on the time spent generating data) both fail a correct test on a busy machine, so they
+# are off everywhere (tests/test_load_independence.py checks it).
+NO_CLOCK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=100, **NO_CLOCK)       # hypothesis' own default count
+settings.register_profile("quick", max_examples=10, **NO_CLOCK)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "thorough"))
 
 

@@ -30,9 +30,10 @@ Heavy names load lazily, so ``import minicb`` stays cheap (no torch).
 
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, RequestRejected
 from minicb.core.sampling_params import SamplingParams
+from minicb.core.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "SchedulerConfig", "MinicbError",
-           "InvalidArgument", "RequestRejected", "ModelLoadError"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "SchedulerConfig", "MinicbError", "InvalidArgument", "RequestRejected", "ModelLoadError"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "minicb.entrypoints.llm", "LLMEngine": "minicb.engine.llm_engine",

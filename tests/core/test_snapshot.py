@@ -98,3 +98,17 @@ def test_a_sequence_records_each_token_s_time_and_the_first_one():
     assert s.append_token(6, now=2.5) is False
     assert s.first_token_time == 1.5 and s.token_times == [1.5, 2.5] and s.output_token_ids == [5, 6]
     assert s.append_token(7, now=4.0) is True and s.first_token_time == 1.5
+
+
+def test_a_snapshot_lists_the_blocks_in_the_prefix_cache_held_or_free():
+    from test_scheduler import drive
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_blocks=12)
+    sched = Scheduler(cfg)
+    assert sched.snapshot().cached_blocks == ()
+    run = drive(cfg, [Req("a", list(range(1, 10)), 4)])      # 9 prompt tokens: 2 full blocks, then more
+    s = run.scheduler.snapshot()
+    bm = run.scheduler.block_manager
+    assert s.block_tables == ()                                 # finished: every block is free again
+    assert sorted(s.cached_blocks) == [b for b in range(12) if bm.is_cached(b)]
+    assert len(s.cached_blocks) == s.num_cached_blocks >= 2     # its prompt's full blocks at least

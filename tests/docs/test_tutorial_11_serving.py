@@ -57,12 +57,14 @@ def test_chapter_11(clients, slots):
         span[ch] = (slot, cells[0], cells[-1])
     waited = re.search(r"^waited for a slot: \[(.*)\]$", out, re.M).group(1)
     waited = [w.strip(" '") for w in waited.split(",") if w.strip()]
-    assert len(waited) >= clients - slots
+    assert len(waited) >= clients - slots  # load-independent: counts of requests, steps of the printed grid
+    # load-independent: counts of requests
     assert f"{len(waited)} of {clients} requests waited for a slot" in out
     assert "each took its slot the step after the holder left: True" in out
     for ch, slot, step, prev, left in re.findall(r"^  (\w) took slot (\d+) at step (\d+): (\w) left it at "
                                                  r"step (\d+)$", out, re.M):
         assert int(step) == int(left) + 1                           # refilled at the very next step
+        # load-independent: grid columns (steps), not time
         assert span[ch][0] == span[prev][0] == int(slot) and ch in waited
         assert span[ch][1] == span[prev][2] + 1                     # and so the grid says
     assert re.search(rf"^vllm:time_to_first_token_seconds_count\s+{clients}$", out, re.M)

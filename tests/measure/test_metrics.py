@@ -50,10 +50,11 @@ def test_percentile_interpolates_linearly():
 def test_request_record_timeline():
     r = RequestRecord("a", arrival=10.0, first_scheduled=11.0, first_token=12.0,
                       token_times=[12.0, 12.5, 13.5], finish=13.5, num_prompt_tokens=4)
-    assert r.queueing_delay == 1.0 and r.ttft == 2.0 and r.latency == 3.5
+    assert r.queueing_delay == 1.0 and r.ttft == 2.0 and r.latency == 3.5  # load-independent: a fake clock
     assert r.inter_token_latencies == [0.5, 1.0]
     assert r.num_output_tokens == 3 and r.finished_ok
     waiting = RequestRecord("b", arrival=0.0)
+    # load-independent: a fake clock
     assert waiting.queueing_delay is None and waiting.ttft is None and waiting.inter_token_latencies == []
 
 
@@ -73,14 +74,17 @@ def _timeline():
 def test_summary_of_a_known_timeline():
     reqs, steps = _timeline()
     s = summarize(reqs, steps, label="x", num_slots=2, num_blocks=8, peak_flops=25.0)
+    # load-independent: a fake clock
     assert s.duration == 4.0                                   # first arrival 0 .. last finish 4
     assert s.output_tokens == 5 and s.output_tokens_per_s == pytest.approx(5 / 4)
     assert s.queueing_delay_mean == pytest.approx(0.5)         # delays 0 and 1
     assert s.queueing_delay_p50 == pytest.approx(0.5)
     assert s.queueing_delay_p99 == pytest.approx(0.99)
+    # load-independent: a fake clock
     assert s.ttft_mean == pytest.approx(1.5) and s.ttft_p99 == pytest.approx(1.99)   # TTFTs 1 and 2
+    # load-independent: a fake clock
     assert s.itl_p50 == pytest.approx(1.0) and s.itl_p99 == pytest.approx(1.0)       # gaps 1, 1, 1
-    assert s.latency_mean == pytest.approx((3 + 3) / 2)
+    assert s.latency_mean == pytest.approx((3 + 3) / 2)  # load-independent: a fake clock
     assert s.padding_waste == pytest.approx(3 / 13)            # 3 padding of 10 real + 3 padding
     assert s.slot_occupancy == pytest.approx((1 + 1 + 2 + 1) / (2 * 4))
     assert s.kv_block_utilisation == pytest.approx((2 + 2 + 4 + 4) / (8 * 4))
@@ -93,7 +97,7 @@ def test_summary_idle_gaps_count_in_the_duration():
     reqs = [RequestRecord("a", 0.0, 0.0, 1.0, [1.0], 1.0), RequestRecord("b", 9.0, 9.0, 10.0, [10.0], 10.0)]
     steps = [StepRecord(0, 0.0, 1.0, 1, 3, 0), StepRecord(1, 9.0, 10.0, 1, 3, 0)]
     s = summarize(reqs, steps, num_slots=1)
-    assert s.duration == 10.0 and s.slot_occupancy == pytest.approx(0.2)
+    assert s.duration == 10.0 and s.slot_occupancy == pytest.approx(0.2)  # load-independent: a fake clock
     assert s.compute_utilisation is None and s.kv_block_utilisation is None    # no peak / no capacity
 
 
@@ -160,10 +164,11 @@ def test_static_batch_padding_waste_is_computable(policy, waste):
     s = res.summary
     assert s.padding_waste == pytest.approx(waste)
     assert [st.num_seqs for st in res.steps] == [2, 1, 1]
+    # load-independent: a fake clock
     assert s.duration == 3.0 and s.output_tokens_per_s == pytest.approx(4 / 3)
     assert s.slot_occupancy == pytest.approx((2 + 1 + 1) / (2 * 3))
-    assert s.queueing_delay_mean == 0.0 and s.ttft_mean == 1.0
-    assert s.itl_p50 == 1.0 and s.itl_p99 == 1.0
+    assert s.queueing_delay_mean == 0.0 and s.ttft_mean == 1.0  # load-independent: a fake clock
+    assert s.itl_p50 == 1.0 and s.itl_p99 == 1.0  # load-independent: a fake clock
     held = [st.num_slots_held for st in res.steps]
     assert held == ([2, 2, 2] if policy != "continuous" else [2, 1, 1])
     # KV, block size 4, counted when the step is planned. Padded policies reserve prompt + max_tokens up

@@ -140,13 +140,15 @@ def test_policies_picture_shares_arrivals_and_requests():
     w = data["workload"]
     expected = {f"r{i}": i * w["arrival_gap"] for i in range(w["num_requests"])}
     for policy, trace in data["traces"].items():
+        # load-independent: arrivals in steps of a committed trace
         assert trace["arrivals"] == expected, policy             # arrivals in steps, as the workload says
-        assert sorted(trace["request_ids"]) == sorted(expected), policy
+        assert sorted(trace["request_ids"]) == sorted(expected), policy  # load-independent: request ids
         first = {}
         for t, step in enumerate(trace["cells"]):
             for kind, rid, _, _ in step:
                 if kind in "PD":
                     first.setdefault(rid, t)
+        # load-independent: steps of a committed trace
         assert all(first[r] >= expected[r] for r in expected), policy   # nobody runs before it arrives
     waste = {p: trace["summary"]["padding_waste"] for p, trace in data["traces"].items()}
     assert waste["static"] > 0 and waste["dynamic"] > 0 and waste["continuous"] == 0

@@ -394,6 +394,7 @@ def test_first_divergence_margin():
 
     flat = pack_prompts([prompt + [9]])
     logits = model(flat.input_ids, flat.positions, ReferenceAttention(None), flat.attn)[-1]
+    # load-independent: a gap between logits, not a time
     assert i == 1 and gap == pytest.approx(float((logits[10] - logits[12]).abs()), rel=1e-12)
     i, _ = gpu_check.first_divergence_margin(model, prompt, [9, 10], [9, 10, 11])   # one stopped at EOS
     assert i == 2

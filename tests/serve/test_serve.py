@@ -431,17 +431,23 @@ def test_the_live_feed_is_throttled_and_loses_no_step(url):
     c.completions.create(model=MODEL, prompt=[5], max_tokens=1)      # one more frame: the watcher ends
     watcher.join(timeout=30)
     assert not watcher.is_alive()
+    # load-independent: frame contents
     assert frames[0][1]["type"] == "init" and frames[0][1]["max_num_seqs"] == SMALL["max_num_seqs"]
     steps = [c["step"] for _, f in frames[1:] for c in f["columns"]]
+    # load-independent: step numbers
     assert steps == list(range(steps[0], steps[0] + len(steps)))        # every step, once, in order
     busy = [c for _, f in frames[1:] for c in f["columns"] if c["rows"]]
+    # load-independent: frame contents
     assert {r[1] for c in busy for r in c["rows"]} and any(len(c["rows"]) >= 2 for c in busy)
     # Throttled to one frame per 0.1 s: the server sleeps 0.1 s after each frame, so n frames need at
     # least 0.1 * (n - 1) s between the connection and the last frame's arrival. A busy machine only
     # lengthens that span (the gaps the client sees can bunch up when it reads late, so they are not
     # what is checked).
     span = frames[-1][0] - connected
+    # load-independent: a lower bound on the span (load only lengthens it)
     assert len(frames) - 1 <= span / 0.1 + 1, (len(frames), span)
+    # load-independent: a frame carries every step since the last one and the server sleeps 0.1 s after each
+    # frame, so this fails only if every one of ~45 tiny-model steps (~1 ms each) took over 0.1 s
     assert len(steps) > len(frames)                                   # several steps per frame
 
 

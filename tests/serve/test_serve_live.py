@@ -31,12 +31,33 @@ DOCS_IMAGE = ROOT / "docs" / "images" / "live-page.png"
 
 pytestmark = pytest.mark.slow
 
+# the slot grid is a canvas: its rows come from the page's data, and ``painted`` checks the pixels: the
+# middle of every decode cell has the colour of the request the hover's hit test names there
 FACTS = """JSON.stringify({
   title: document.title,
   status: document.getElementById("status").textContent,
-  slotRids: [...document.querySelectorAll("#slots .cell[data-rid]")].map(c => c.dataset.rid),
-  kinds: [...new Set([...document.querySelectorAll("#slots .cell[data-rid]")].map(c => c.classList[1]))],
-  labels: [...document.querySelectorAll("#slots .slotlabel")].map(l => l.textContent),
+  slotRids: window.minicbLive.rows().map(r => r[1]),
+  kinds: [...new Set(window.minicbLive.rows().map(r => r[2]))],
+  labels: [...document.querySelectorAll("#slots .slotlabel")].map(l => l.title),
+  ...(() => {
+    const live = window.minicbLive, g = live.geom(), grid = document.getElementById("grid");
+    if (!g) return {checked: 0, painted: 0};                  // before the first frame
+    const dpr = window.devicePixelRatio || 1;
+    const px = grid.getContext("2d").getImageData(0, 0, grid.width, grid.height);
+    const probe = document.createElement("canvas").getContext("2d");
+    const rgb = css => { probe.fillStyle = css; probe.fillRect(0, 0, 1, 1);
+                         return [...probe.getImageData(0, 0, 1, 1).data]; };
+    let checked = 0, painted = 0;
+    for (let y = g.row / 2; y < grid.height / dpr; y += g.row + 1)
+      for (let x = g.cell / 2; x < grid.width / dpr; x += g.cell + 1) {
+        const r = live.cellAt(x, y);
+        if (!r || r[2] !== "decode") continue;
+        const k = 4 * (Math.floor(y * dpr) * grid.width + Math.floor(x * dpr)), want = rgb(live.colour(r[1]));
+        checked++;
+        painted += [0, 1, 2].every(c => Math.abs(px.data[k + c] - want[c]) <= 2);
+      }
+    return {checked, painted};
+  })(),
   blockRids: [...document.querySelectorAll("#blocks .blk[data-rid]")].map(b => b.dataset.rid),
   numBlocks: document.querySelectorAll("#blocks .blk").length,
   tps: parseFloat(document.getElementById("tps").textContent),
@@ -129,6 +150,7 @@ def test_the_live_page_shows_the_slots_of_running_requests(tmp_path):
     shown = set(facts["slotRids"])
     assert len(shown) >= 2 and shown <= clients.ids, (shown, clients.ids)   # real requests, >= 2 of them
     assert "decode" in facts["kinds"]
+    assert facts["checked"] > 0 and facts["painted"] == facts["checked"], facts
     assert sum(any(r in label for r in clients.ids) for label in facts["labels"]) >= 2   # slot holders
     assert len(facts["labels"]) == 4 and facts["numBlocks"] == 96
     assert set(facts["blockRids"]) <= clients.ids and facts["tps"] > 0

@@ -85,6 +85,7 @@ def test_an_idle_server_uses_no_cpu_and_ctrl_c_exits_0(serve):
     time.sleep(5.0)
     used, wall = p.cpu_seconds() - c0, time.monotonic() - t0
     print(f"idle server: {used:.3f} s of CPU in {wall:.1f} s")
+    # load-independent: CPU seconds of an idle process, which load does not add to
     assert used <= 0.05, f"an idle server used {used:.3f} s of CPU in {wall:.1f} s"
     p.proc.send_signal(signal.SIGINT)
     rc, out, err = p.finish(timeout=20)
@@ -129,7 +130,7 @@ def test_sigterm_finishes_running_requests_aborts_the_rest_and_exits_0(serve):
     # did not reach its 4000 tokens, and the server took at least the timeout to stop (a lower bound:
     # a busy machine can only make it longer; no upper bound on wall time, which is the machine's).
     assert results["long"]["chunks"] > chunks_at_sigterm
-    assert took >= 1.5, took
+    assert took >= 1.5, took  # load-independent: a lower bound on a wait (load only lengthens it)
     assert "Traceback" not in err
 
 

@@ -95,8 +95,8 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "min_tokens": 3}, "min_tokens", "not supported"),
     ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens", "not supported"),
-    ({"prompt": "x", "structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", "not supported"),
+    ({"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"prompt": "x", "guided_json": 7}, "guided_json", "must be a JSON schema"),
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "not supported"),
 ])

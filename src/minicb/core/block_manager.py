@@ -88,6 +88,12 @@ class BlockManager:
         """Blocks in the prefix cache (held or free)."""
         return len(self.cache.blocks) if self.cache is not None else 0
 
+    @property
+    def cached_blocks(self) -> tuple[int, ...]:
+        """The blocks in the prefix cache (held or free), in the order they were cached: one C-level
+        copy of the cache's keys (the live page marks them)."""
+        return tuple(self.cache.blocks) if self.cache is not None else ()
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that cover ``num_tokens`` token positions: ceil(num_tokens / block_size)."""
         check_int("num_tokens", num_tokens, lo=0)

@@ -55,6 +55,9 @@ class ContinuousPolicy(Policy):
         if not work.preempted and not self.swapped:
             self._schedule_waiting(work, budget)      # 3. admit from the front, no overtaking
         budget.check_integrity()
+        # the budget spent is exactly what was granted: a preempted victim's grant was given back
+        assert budget.num_batched_tokens == sum(work.scheduled.values()), "budget out of step with grants"
+        assert budget.num_seqs == len(work.scheduled), "budget's sequence count out of step with grants"
         return work
 
     # --- 1. running ---------------------------------------------------------------------------------

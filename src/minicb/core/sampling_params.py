@@ -7,6 +7,9 @@ a bad value is reported before any work starts.
 * ``temperature == 0`` means greedy (argmax); ``top_k == 0`` means no top-k; ``top_p == 1`` no top-p.
 * ``seed`` gives the request its own random generator, so its tokens do not depend on which other
   requests share its batch (the per-request generator is the whole trick).
+* ``structured_outputs`` (``StructuredOutputsParams``: a JSON schema, a regex, a choice, a grammar)
+  constrains the output with a per-row token mask (``minicb.runtime.grammar``); it cannot be combined
+  with ``ignore_eos`` (the grammar ends a request by allowing only EOS once it is complete).
 
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
+from minicb.core.structured_outputs import StructuredOutputsParams
 
 # Below this a temperature has no sampling meaning left (vLLM's _SAMPLING_EPS): use 0 for greedy.
 MIN_TEMPERATURE = 1e-5
@@ -36,6 +40,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -55,6 +60,13 @@ class SamplingParams:
                                            for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgument(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidArgument("structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise InvalidArgument("structured_outputs cannot be combined with ignore_eos: a complete "
+                                      "grammar ends the request with EOS")
 
     @property
     def greedy(self) -> bool:

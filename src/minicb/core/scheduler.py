@@ -123,7 +123,7 @@ class Scheduler:
             num_free_host_blocks=bm.num_free_host_blocks,
             waiting=tuple(s.request_id for s in self._waiting),
             running=tuple(self._running), swapped=tuple(s.request_id for s in self._swapped),
-            arrivals_open=self._arrivals_open)
+            arrivals_open=self._arrivals_open, cached_blocks=bm.cached_blocks)
 
     # --- requests in -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -51,6 +51,7 @@ class SchedulerSnapshot:
     running: tuple[str, ...]
     swapped: tuple[str, ...]
     arrivals_open: bool
+    cached_blocks: tuple[int, ...] = ()                    # the blocks in the prefix cache (held or free)
 
     @property
     def num_held_slots(self) -> int:

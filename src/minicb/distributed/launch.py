@@ -112,7 +112,8 @@ def launch(model: LlamaForCausalLM, config: SchedulerConfig, tensor_parallel_siz
     device = torch.device(device) if device is not None else model.device
 
     def engine(shard_model: ShardedLlama, tp: TPGroup, workers: Workers) -> LLMEngine:
-        runner = TPRunner(shard_model, config, tp, workers, attn_backend=attn_backend, seed=seed)
+        runner = TPRunner(shard_model, config, tp, workers, attn_backend=attn_backend, seed=seed,
+                          tokenizer=tokenizer)
         return LLMEngine(runner, config, tokenizer, clock=clock)
 
     env = _torchrun_env()

@@ -37,9 +37,11 @@ class TPRunner(ModelRunner):
     runs rank 0's shard. ``failure`` is set, and the workers stopped, once the group has broken."""
 
     def __init__(self, model: ShardedLlama, config: SchedulerConfig, tp: TPGroup, workers: Workers, *,
-                 attn_backend: str = "auto", seed: int | None = None) -> None:
+                 attn_backend: str = "auto", seed: int | None = None, tokenizer=None) -> None:
+        # the tokenizer: rank 0 samples, so a structured output's grammar mask lives here only
         super().__init__(model, num_blocks=config.num_blocks, block_size=config.block_size,
-                         num_host_blocks=config.num_host_blocks, attn_backend=attn_backend, seed=seed)
+                         num_host_blocks=config.num_host_blocks, attn_backend=attn_backend, seed=seed,
+                         tokenizer=tokenizer)
         self.tp = tp
         self.workers = workers
         self.failure: DistributedError | None = None

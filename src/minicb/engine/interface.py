@@ -60,7 +60,9 @@ class Runner(Protocol):
         ...
 
     def register(self, request_id: str, params: SamplingParams) -> None:
-        """A request was queued: keep what sampling it needs (its seeded generator)."""
+        """A request is being queued: keep what sampling it needs (its seeded generator, its logits
+        processors such as a structured output's grammar). Called before the scheduler holds the
+        request, so an ``InvalidArgument`` here (a grammar that cannot be built) refuses it cleanly."""
         ...
 
     def release(self, request_id: str) -> None:

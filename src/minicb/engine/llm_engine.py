@@ -169,8 +169,14 @@ class LLMEngine:
             self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        # the runner first: what it cannot build for the request (a bad grammar) raises before the
+        # scheduler holds anything of it
         self.runner.register(seq.request_id, seq.params)
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            self.runner.release(seq.request_id)
+            raise
         tok = self.tokenizer if self.detokenize else None
         dec = tok.incremental_decoder() if tok is not None else None
         self._live[seq.request_id] = OutputTracker(seq, dec, tok.decode if tok is not None else None)

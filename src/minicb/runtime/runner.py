@@ -55,7 +55,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, attn_backend: str = "auto", seed: int | None = None,
-                 pad_token_id: int = 0) -> None:
+                 pad_token_id: int = 0, tokenizer=None) -> None:
         if seed is not None:
             seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
         cfg = model.config
@@ -63,7 +63,10 @@ class ModelRunner:
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, model.dtype, model.device, num_host_blocks)
         self.backend = make_backend(attn_backend, self.kv_cache, model.device)
-        self.sampler = Sampler(seed)
+        # the tokenizer is for structured outputs only: a grammar is over text, its mask over token ids
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        eos = cfg.eos_token_id if eos is None else eos
+        self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos)
         self.pad_token_id = pad_token_id
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)
 
@@ -117,7 +120,8 @@ class ModelRunner:
 def engine_for(model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None, *, seed: int | None = None,
                clock: Callable[[], float] = time.perf_counter, attn_backend: str = "auto") -> LLMEngine:
     """An ``LLMEngine`` that runs ``model``: a ``ModelRunner`` with ``config``'s KV pool, driven by the
-    engine's one step loop. ``seed`` seeds the sampler of requests without their own seed;
+    engine's one step loop. ``seed`` seeds the sampler of requests without their own seed; the runner
+    gets ``tokenizer`` too, for structured outputs (a grammar's mask is built from the vocabulary's text);
     ``attn_backend`` picks the attention implementation (``minicb.model.backends``)."""
-    runner = ModelRunner.for_config(model, config, attn_backend=attn_backend, seed=seed)
+    runner = ModelRunner.for_config(model, config, attn_backend=attn_backend, seed=seed, tokenizer=tokenizer)
     return LLMEngine(runner, config, tokenizer, clock=clock)

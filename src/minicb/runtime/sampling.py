@@ -23,6 +23,11 @@ as the padded baseline does).
 
 So ``torch.multinomial`` never sees a bad distribution, and nothing one request asks for (or one
 row's numbers) can raise in the middle of a batch and take the other requests of the step with it.
+
+**Per-row processors** (``minicb.runtime.logits_processors``: a grammar's mask, ...) are built when a
+request is registered and applied to its row only, before the filters; a row without any is sampled
+exactly as before (the batched greedy ``argmax`` included), so a request without them gets the same
+tokens whatever its neighbours ask for.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import secrets
 import torch
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.runtime.logits_processors import RowProcessor, build_processors
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -83,12 +89,22 @@ class Sampler:
     left alone starts from the same constant in every process, so every unseeded request of every
     run would draw the same tokens."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, tokenizer=None, vocab_size: int | None = None,
+                 eos_token_id: int | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._processors: dict[str, list[RowProcessor]] = {}
+        self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
         self._fallback = torch.Generator()
         self._fallback.manual_seed(secrets.randbits(63) if seed is None else seed)
 
-    def register(self, request_id: str, params: SamplingParams) -> None:
+    def register(self, request_id: str, params: SamplingParams, prompt_token_ids=()) -> None:
+        """Keep what ``request_id`` samples with: its processors (built first: a bad grammar raises
+        ``InvalidArgument`` before anything is kept) and, unless greedy, its seeded generator."""
+        if params.structured_outputs is not None:
+            procs = build_processors(params, prompt_token_ids, vocab_size=self.vocab_size,
+                                     eos_token_id=self.eos_token_id, tokenizer=self.tokenizer)
+            if procs:
+                self._processors[request_id] = procs
         if params.greedy:
             return
         seed = params.seed
@@ -98,13 +114,30 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._processors.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: tuple[str, ...],
                params: list[SamplingParams]) -> list[int]:
         """One token per row; row ``i`` belongs to ``request_ids[i]``."""
+        greedy = None
         if all(p.greedy for p in params):
             # widening bfloat16 is exact (the same argmax) and torch's float argmax is ~3x faster on the CPU
             wide = logits.float() if logits.dtype == torch.bfloat16 else logits
-            return torch.argmax(wide, dim=-1).tolist()
-        return [sample_token(logits[i], p, self._generators.get(rid))
-                for i, (rid, p) in enumerate(zip(request_ids, params))]
+            greedy = torch.argmax(wide, dim=-1).tolist()
+            if not self._processors:
+                return greedy
+        out = []
+        for i, (rid, p) in enumerate(zip(request_ids, params)):
+            procs = self._processors.get(rid)
+            if procs is None:          # untouched: the batched argmax, or the row as it is
+                out.append(greedy[i] if greedy is not None else sample_token(logits[i], p,
+                                                                             self._generators.get(rid)))
+                continue
+            row = logits[i]
+            for proc in procs:
+                row = proc.process(row)
+            token = sample_token(row, p, self._generators.get(rid))
+            for proc in procs:
+                proc.accept(token)
+            out.append(token)
+        return out

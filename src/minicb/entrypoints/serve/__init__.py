@@ -5,7 +5,8 @@ The picture (one module per box)::
     clients (openai, curl, a browser)
         │ HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /, /live/events
         ▼
-    app.py          FastAPI routes on uvicorn's event loop; reads bodies (bounded), streams SSE
+    app.py          FastAPI routes on uvicorn's event loop; reads bodies (bounded), streams SSE;
+                    extra_routes.py: /tokenize, /detokenize, /version, /ping, /v1/models/{id}
         │ raw body ──► frontend.py: worker processes parse (protocol.py), render, tokenize
         │ RequestHandle ──► inbox            ◄── Deltas (token ids) via loop.call_soon_threadsafe
         │                                        detokenizer.py: text and stop strings (stops.py), on the loop

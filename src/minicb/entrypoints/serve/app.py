@@ -47,10 +47,12 @@ from starlette.requests import ClientDisconnect
 from minicb.core.errors import describe
 from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.tools import parse_calls
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -144,6 +146,7 @@ def build_app(server: Server) -> FastAPI:
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
+    app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
 
 
@@ -293,10 +296,35 @@ class _Answer:
 
         if self.chat:                  # OpenAI's first chat chunk: the role, no content yet
             yield chunk("", [], None)
+        held: list[str] = []           # with tools: the whole answer, sent at its end (call or content)
+        held_ids: list[int] = []
         while True:
             d: Delta = await self.handle.queue.get()
             if d.failure is not None and d.finish_reason != "abort":     # a failed step, a dead engine
                 yield _sse(d.failure.body(), ascii_only=True)
+                break
+            if p.tools is not None and not d.finished:
+                held.append(d.text)
+                held_ids += d.token_ids
+                continue
+            if d.finished and p.tools is not None:
+                text, ids = "".join(held) + d.text, held_ids + d.token_ids
+                calls = parse_calls(text)
+                if calls is None:
+                    yield chunk(text, ids, d.finish_reason)
+                else:
+                    content, tool_calls = calls
+                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+                    if content:
+                        delta["content"] = content
+                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason":
+                              "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
+                    if p.return_token_ids:
+                        choice["token_ids"] = ids
+                    yield _sse({**self._envelope(obj), "choices": [choice]}
+                               | ({"usage": None} if p.include_usage else {}))
+                if p.include_usage:
+                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(d)})
                 break
             if d.finished:
                 yield chunk(d.text, d.token_ids, d.finish_reason)
@@ -336,6 +364,12 @@ class _Answer:
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if self.chat
                   else {"index": 0, "text": out})
         choice |= {"logprobs": None, "finish_reason": d.finish_reason}
+        calls = parse_calls(out) if self.parsed.tools is not None else None
+        if calls is not None:          # the model called tools: OpenAI's tool_calls message
+            content, tool_calls = calls
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+            if d.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
         if self.parsed.return_token_ids:
             choice["token_ids"] = ids
         body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],

@@ -30,8 +30,9 @@ def add_parser(sub, add_engine_args) -> None:
     """Add ``serve`` to the ``minicb`` subcommands (``add_engine_args``: ``minicb.entrypoints.cli``'s)."""
     p = sub.add_parser("serve", help="an OpenAI-compatible server with a live page of the slots",
                        description="Serve the model over HTTP: /v1/completions, /v1/chat/completions "
-                                   "(streaming or not), /v1/models, /health, /metrics (Prometheus, "
-                                   "vLLM's names) and a live page of the scheduler at /.")
+                                   "(streaming or not), /v1/models, /tokenize, /detokenize, /version, "
+                                   "/ping, /health, /metrics (Prometheus, vLLM's names) and a live page "
+                                   "of the scheduler at /.")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
@@ -59,6 +60,9 @@ def add_parser(sub, add_engine_args) -> None:
             ("max_stop", int, "stop strings of a request", d.max_stop),
             ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
             ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
+            ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
+             "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
+            ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),
             ("header_timeout", float, "seconds for a request line and headers", d.header_timeout),
             ("body_timeout", float, "seconds for a request body", d.body_timeout),
             ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),

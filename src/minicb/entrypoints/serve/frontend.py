@@ -8,6 +8,8 @@
     size, deadline, type)       -> chat template -> token ids                    step, step, ...
     at most --max-frontend-     -> stop-string matcher
     queue in here, else 503     (a Prepared comes back: ids, fields, matcher)
+    a structured output: its grammar compiled in a thread here (Rust; cached in this process, where
+    the engine thread's ``register`` copies it)
 
 The event loop serves every client and the engine thread steps every request: neither may run
 anything whose cost grows with a request. Parsing a JSON body, rendering the chat template of a
@@ -123,6 +125,23 @@ class Preparer:
         parsed = replace(parsed, generate=replace(parsed.generate, prompt=ids))   # the text stays here
         return Prepared(parsed, ids, StopMatcher(parsed.generate.stops))
 
+    def _compile(self, parsed: ParsedRequest) -> None:
+        """Compile the request's grammar off the engine thread, in the server's process (``Frontend``
+        runs it in a thread: the cache must be the engine thread's): a bad one is a 400 now, a good
+        one is cached, and the engine thread's ``register`` only copies the compiled matcher."""
+        spec = parsed.generate.params.structured_outputs
+        if spec is None:
+            return
+        param = parsed.constraint_param
+        if self.tokenizer is None or self.tokenizer.eos_token_id is None:
+            raise bad_request("structured outputs need the model's tokenizer and its EOS token", param)
+        from minicb.runtime.grammar import compiled
+
+        try:
+            compiled(spec, self.tokenizer, self.vocab_size, self.tokenizer.eos_token_id)
+        except InvalidArgument as e:
+            raise bad_request(str(e), param) from None
+
     def _check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
         if isinstance(model, str) and model != self.model_name:
@@ -178,6 +197,7 @@ class Frontend:
             raise InvalidArgument(f"--frontend-workers must be >= 1, got {self.workers}")
         self._setup = dict(model_name=model_name, tokenizer=tokenizer, vocab_size=vocab_size,
                            max_model_len=max_model_len, limits=limits, allow_control_text=allow_control_text)
+        self._local = Preparer(**self._setup)    # the small routes' checks; never a request's work
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
         self.queued = 0                        # requests in the frontend now (on the event loop only)
@@ -206,6 +226,23 @@ class Frontend:
         if pool is not None:
             _terminate(pool)
 
+    # --- what the small routes need here, in the server's process (extra_routes.py) ---------------
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        return self._local.control_texts
+
+    @property
+    def vocab_size(self) -> int:
+        return self._local.vocab_size
+
+    def _check_model(self, body) -> None:
+        self._local._check_model(body)
+
+    async def call(self, fn, *args):
+        """``fn(*args)`` in a thread of this process (``/tokenize`` and ``/detokenize``: one tokenizer
+        call on text bounded by the body limit; the ``tokenizers`` library releases the GIL)."""
+        return await asyncio.to_thread(fn, *args)
+
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids (tests check that none outlives the server)."""
@@ -232,6 +269,8 @@ class Frontend:
             self.queued -= 1
         if not ok:
             raise ApiError(*value)
+        if value.parsed.generate.params.structured_outputs is not None:
+            await asyncio.to_thread(self._local._compile, value.parsed)   # this process's grammar cache
         return value
 
     def _worker_lost(self, pool, e: Exception) -> ApiError:

@@ -20,7 +20,8 @@ A server on a shared machine is reachable by more than its operator:
   ``vllm serve --allowed-origins`` does (Starlette's ``CORSMiddleware``).
 * **Other users.** ``--api-key KEY`` (or ``MINICB_API_KEY``) makes every ``/v1/*`` request need
   ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time), as ``vllm serve
-  --api-key``; ``/health``, ``/metrics`` and the live page stay open, as vLLM's do.
+  --api-key``, and so do ``/tokenize`` and ``/detokenize``; ``/health``, ``/ping``, ``/version``,
+  ``/metrics`` and the live page stay open, as vLLM's do.
 
 Every refusal is OpenAI's error object.
 """
@@ -32,6 +33,7 @@ import ipaddress
 import json
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})     # outside /v1/, and keyed too (extra_routes.py)
 
 
 def default_allowed_hosts(bound_host: str) -> tuple[str, ...]:
@@ -82,7 +84,8 @@ class Guard:
                 return await _refuse(send, 400, f"the Host header names {host or 'nothing'!r}, which this "
                                                 "server does not answer to (--allowed-hosts)",
                                      "invalid_host")
-        guarded = scope.get("path", "").startswith("/v1/") and scope.get("method") != "OPTIONS"
+        path = scope.get("path", "")
+        guarded = (path.startswith("/v1/") or path in KEYED_PATHS) and scope.get("method") != "OPTIONS"
         if self._key is not None and guarded:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):

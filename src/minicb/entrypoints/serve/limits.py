@@ -17,6 +17,10 @@ messages                    ``--max-messages``            1,024        400 ``mes
 stop strings                ``--max-stop``                16           400 ``stop``
 their total length          ``--max-stop-chars``          4,096        400 ``stop``
 ``stop_token_ids``          ``--max-stop-token-ids``      256          400 ``stop_token_ids``
+a structured-output         ``--max-grammar-chars``       65,536       400 ``response_format`` /
+constraint or tools'                                                   ``structured_outputs`` / ``tools``
+schemas (characters)
+its JSON nesting            ``--max-schema-depth``        16 levels    400 (the same)
 JSON nesting                ``--max-json-depth``          32 levels    400
 requests being prepared     ``--max-frontend-queue``      256          503 + ``Retry-After``
 (parsed, rendered, tokenized
@@ -62,6 +66,8 @@ class ServeLimits:
     max_stop: int = 16
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 256
+    max_grammar_chars: int = 65_536
+    max_schema_depth: int = 16
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
@@ -74,7 +80,7 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_stop_chars",
-                     "max_connections", "max_frontend_queue"):
+                     "max_connections", "max_frontend_queue", "max_grammar_chars", "max_schema_depth"):
             check_int(flag(name), getattr(self, name), lo=1)
         for name in ("max_stop", "max_stop_token_ids", "max_live_watchers"):
             check_int(flag(name), getattr(self, name), lo=0)

@@ -2,7 +2,11 @@
 
 The page at ``GET /`` draws the scheduler at work: a grid of slots x recent steps, each cell coloured
 by the request that held the slot in that step (a prompt chunk striped, a decode plain), the KV block
-pool coloured by owner, the waiting queue and tokens/s. It gets its data from ``GET /live/events``,
+pool coloured by owner (blocks in the prefix cache outlined: free ones are reused on a hit, held ones
+are a shared prefix), the waiting queue and tokens/s. It fits any size: the header stays pinned, the
+slot grid scrolls inside its panel and the pool's blocks shrink to fit theirs, so the pool and the queue
+are on the first screen at 256 slots; requests are labelled by a short form of their id (the full id
+on hover). It gets its data from ``GET /live/events``,
 a Server-Sent Events stream fed by this module::
 
     engine thread                                event loop (one task per open page)
@@ -43,7 +47,8 @@ from minicb.measure.trace import PromptLengths
 
 HISTORY = 96                  # steps the page shows
 MAX_QUEUE_SHOWN = 64          # waiting request ids sent per frame (the count is always exact)
-RATE_WINDOW_S = 2.0           # tokens/s over the steps of the last two seconds
+MAX_BLOCKS_DRAWN = 4096       # the page draws the pool's first blocks; cached ones beyond are not sent
+RATE_WINDOW_S = 2.0           # tokens/s over the steps of the last two seconds (two steps at least)
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,7 +153,7 @@ class LiveFeed:
         with self._lock:
             self._watchers.add(w)
         try:
-            yield _sse({"type": "init", **self.info})
+            yield _sse({"type": "init", **self.info, "max_blocks_drawn": MAX_BLOCKS_DRAWN})
             while not self._closed:
                 with self._lock:
                     news = self._version != w.version and self._state is not None
@@ -174,6 +179,8 @@ class LiveFeed:
             w.seen = cols[-1].index + 1
         last = history[-1].end if history else 0.0
         window = [c for c in history if c.end >= last - RATE_WINDOW_S]
+        if len(window) < 2:                       # steps longer than the window (256 slots on a CPU)
+            window = history[-2:]
         frame = {"type": "steps", "columns": [_column_json(c) for c in cols], "tps": _rate(window),
                  "state": _state_json(state)}
         out = _sse(frame)
@@ -207,6 +214,7 @@ def _state_json(s) -> dict:
         "num_blocks": s.num_blocks,
         "num_free_blocks": s.num_free_blocks,
         "num_cached_blocks": s.num_cached_blocks,
+        "cached": sorted(b for b in s.cached_blocks if b < MAX_BLOCKS_DRAWN),
         "waiting": list(s.waiting[:MAX_QUEUE_SHOWN]),
         "num_waiting": len(s.waiting),
         "num_running": len(s.running),

@@ -12,13 +12,32 @@ Where vLLM (V1) has a metric for a concept, minicb uses its name, type and ``mod
     vllm:inter_token_latency_seconds      histogram, gap between consecutive tokens of a request
     vllm:e2e_request_latency_seconds      histogram, arrival -> finish
     vllm:request_queue_time_seconds       histogram, arrival -> first scheduled
+    vllm:request_prefill_time_seconds     histogram, first scheduled -> first token
+    vllm:request_decode_time_seconds      histogram, first token -> last token
+    vllm:request_inference_time_seconds   histogram, first scheduled -> last token
+    vllm:request_prompt_tokens            histogram, prompt tokens per finished request
+    vllm:request_generation_tokens        histogram, generated tokens per finished request
+    vllm:request_max_num_generation_tokens  histogram, the most tokens any sequence of a finished
+                                          request generated (one sequence per request: its count)
     vllm:iteration_tokens_total           histogram, tokens computed per engine step
+    vllm:prefix_cache_queries_total       counter, prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits_total          counter, of those, tokens found there (hits / queries: the
+                                          hit rate vLLM's dashboards plot)
+
+The phases are vLLM V1's (``vllm/v1/metrics/stats.py``): *queued* from arrival to the first time the
+scheduler gives the request a slot, *prefill* from then to its first token (chunked prompts and any
+wait between chunks included), *decode* from the first token to the last, *inference* the two
+together; a request preempted and run again keeps its first schedule. The token histograms use vLLM's
+1-2-5 buckets up to ``max_model_len`` (``build_1_2_5_buckets``), the times its request-latency ones.
+The prefix-cache counters count a request's *first* admission, as vLLM's do (a recompute-preempted
+request finding its own blocks again is not a hit), from the scheduler's running totals
+(``SchedulerStats.num_prompt_tokens`` / ``num_cached_prompt_tokens``), read once per step.
 
 The gauges and per-step figures come from the engine's step events (``on_step``: the plan and the
 snapshot after it); the per-request figures from the outputs the engine thread hands on
-(``observe_tokens`` / ``observe_finished``). All of it runs on the engine thread; prometheus_client
-is thread-safe, so the event loop renders ``/metrics`` at any time. Each server has its own
-registry (tests run several servers in one process).
+(``observe_tokens`` / ``observe_finished``: a few additions per request, nothing per step). All of
+it runs on the engine thread; prometheus_client is thread-safe, so the event loop renders
+``/metrics`` at any time. Each server has its own registry (tests run several servers in one process).
 """
 
 from __future__ import annotations
@@ -45,13 +64,24 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (inclusive)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
     """The server's Prometheus metrics; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         disable_created_metrics()     # no ``*_created`` series (process-wide, as vLLM does)
         self.registry = CollectorRegistry()
         r, labels, name = self.registry, ["model_name"], {"model_name": model_name}
@@ -85,10 +115,39 @@ class ServerMetrics:
                                     "waiting before the first step in seconds.", REQUEST_BUCKETS)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens "
                                           "per engine step.", TOKEN_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in "
+                                      "PREFILL phase for request.", REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "Histogram of time spent in "
+                                     "DECODE phase for request.", REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "Histogram of time spent "
+                                        "in RUNNING phase for request.", REQUEST_BUCKETS)
+        lengths = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens "
+                                               "processed.", lengths)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of "
+                                                   "generation tokens processed.", lengths)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens", "Histogram of "
+                                               "maximum number of requested generation tokens.", lengths)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+                                      "number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                   "cached tokens.")
+        self._stats = None                      # the scheduler's SchedulerStats (watch_stats)
+        self._queried = self._hit = 0           # its prefix-cache totals already counted
 
     # --- from step events -------------------------------------------------------------------------
+    def watch_stats(self, stats) -> None:
+        """Read the prefix-cache totals of ``stats`` (the engine's live ``SchedulerStats``) each step."""
+        self._stats = stats
+        self._queried, self._hit = stats.num_prompt_tokens, stats.num_cached_prompt_tokens
+
     def on_step(self, event: StepEvent) -> None:
         self.observe_state(event.after)
+        st = self._stats
+        if st is not None and st.num_prompt_tokens != self._queried:
+            self.prefix_queries.inc(st.num_prompt_tokens - self._queried)
+            self.prefix_hits.inc(st.num_cached_prompt_tokens - self._hit)
+            self._queried, self._hit = st.num_prompt_tokens, st.num_cached_prompt_tokens
         if event.plan.preempted:
             self.preemptions.inc(len(event.plan.preempted))
         if event.plan.num_batched_tokens:
@@ -120,8 +179,19 @@ class ServerMetrics:
         self._success.labels(model_name=self._model_name, finished_reason=reason or "abort").inc()
         if out.finish_time is not None:
             self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
-        if out.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
+        scheduled, first = out.first_scheduled_time, out.first_token_time
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - out.arrival_time))
+        if first is not None:                 # it got a token (an abort in the queue did not)
+            last = out.token_times[-1] if out.token_times else first
+            if scheduled is not None:
+                self.prefill_time.observe(max(0.0, first - scheduled))
+                self.inference_time.observe(max(0.0, last - scheduled))
+            self.decode_time.observe(max(0.0, last - first))
+        n = len(out.token_ids)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(n)
+        self.max_generation_tokens.observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

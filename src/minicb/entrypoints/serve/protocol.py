@@ -19,9 +19,12 @@ Field by field (vLLM's choices where OpenAI leaves room):
   prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
 * ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
   ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
-* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, tools, and vLLM's
+* ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` (``structured.py``) constrain
+  the output with a grammar; ``tools`` / ``tool_choice`` on chat (``tools.py``) render the tools for
+  the model and parse its calls (``required`` / a named function forced by a grammar).
+* ``n`` must be 1; ``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``, and vLLM's
   ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens: false``,
-  ``structured_outputs`` / ``guided_*`` and ``stream_options.continuous_usage_stats``: a clear 400
+  and ``stream_options.continuous_usage_stats``: a clear 400
   naming the field rather than a silently different answer. Unknown fields are ignored (clients
   send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
@@ -44,33 +47,13 @@ import numpy as np
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 from minicb.core.sampling_params import MAX_INT, SamplingParams
+from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
+from minicb.entrypoints.serve.structured import parse_structured
+from minicb.entrypoints.serve.tools import ToolRequest, constraint, parse_tools, template_messages
 
 DEFAULT_LIMITS = ServeLimits()
 MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
-
-
-@dataclass(slots=True)
-class ApiError(Exception):
-    """An error a client receives as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    retry_after: float | None = None        # seconds, sent as ``Retry-After`` (503)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,19 +77,19 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    tools: ToolRequest | None = None          # chat with tools shown: the output is parsed for calls
+    constraint_param: str | None = None       # the field a structured-output constraint came from
 
 
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
 _UNSUPPORTED = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
+    "suffix": (None, ""), "functions": (None, []), "repetition_penalty": (None, 1, 1.0),
     # vLLM's extensions that minicb does not implement (yet)
     "min_p": (None, 0, 0.0), "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_decoding_backend": (None,),
     "prompt_logprobs": (None,), "bad_words": (None, []), "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
@@ -118,6 +101,8 @@ def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedR
     if "prompt" not in body:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
     check_model(body)
+    if body.get("tools") or body.get("tool_choice") is not None:
+        raise bad_request("tools and tool_choice are for /v1/chat/completions", "tools")
     prompt = _prompt(body["prompt"], limits)
     return _parse(body, "completion", prompt, default_max_tokens=16, limits=limits)
 
@@ -128,7 +113,8 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     A message whose text contains one of ``control_texts`` (the model's control tokens) is refused."""
     body = _object(body)
     check_model(body)
-    messages = _messages(body.get("messages"), limits)
+    tools = parse_tools(body, limits)
+    messages = _messages(template_messages(body.get("messages"), tools), limits)
     _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
@@ -138,7 +124,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", prompt, default_max_tokens=None, limits=limits)
+    return _parse(body, "chat", prompt, default_max_tokens=None, limits=limits, tools=tools)
 
 
 def check_model(body: dict) -> None:
@@ -161,8 +147,15 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
 
 
 def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
-           limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
+           limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
+    structured, param = parse_structured(body, limits)
+    forced = constraint(tools) if tools is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise bad_request(f"tool_choice {tools.choice!r} forces a tool call; it cannot be combined with "
+                              f"{param}", param)
+        structured, param = forced, "tools"
     n = body.get("n", 1)
     if n is not None and (type(n) is not int or n != 1):
         raise bad_request(f"n must be 1 (one choice per request), got {describe(n)}", "n")
@@ -181,9 +174,10 @@ def _parse(body: dict, kind: str, prompt, default_max_tokens: int | None,
     from_room = max_tokens is None and default_max_tokens is None
     max_tokens = 1 if from_room else (default_max_tokens if max_tokens is None else max_tokens)
     stops = _stops(body.get("stop"), limits)
-    params = _sampling_params(body, max_tokens, limits)
+    params = _sampling_params(body, max_tokens, limits, structured)
     return ParsedRequest(kind, model, GenerateRequest(prompt, params, stops, from_room), stream,
-                         include_usage, _bool(body, "return_token_ids", False))
+                         include_usage, _bool(body, "return_token_ids", False),
+                         tools if tools is not None and tools.shown else None, param)
 
 
 def _is_default(value, defaults: tuple) -> bool:
@@ -191,7 +185,8 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS,
+                     structured=None) -> SamplingParams:
     def get(name, default):
         v = body.get(name)
         return default if v is None else v
@@ -223,6 +218,8 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
             raise bad_request(str(e), name) from None
     if not math.isfinite(args["temperature"]):
         raise bad_request("temperature must be finite", "temperature")
+    if structured is not None:
+        args["structured_outputs"] = structured
     try:
         return SamplingParams(**args)
     except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400

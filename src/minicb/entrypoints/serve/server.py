@@ -210,7 +210,7 @@ class Server:
                                  vocab_size=engine.runner.vocab_size, max_model_len=cfg.max_model_len,
                                  limits=self.limits, allow_control_text=allow_control_text,
                                  workers=frontend_workers)
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, max_model_len=cfg.max_model_len)
         self.live = LiveFeed({"model": model_name, "policy": cfg.policy, "max_num_seqs": cfg.max_num_seqs,
                               "num_blocks": cfg.num_blocks, "block_size": cfg.block_size,
                               "max_num_batched_tokens": cfg.max_num_batched_tokens, "history": 96},
@@ -242,6 +242,7 @@ class Server:
 
     def _attach(self, engine) -> None:
         """On the engine thread, before its first step: metrics and the live feed listen to steps."""
+        self.metrics.watch_stats(engine.stats)
         engine.listen(on_step=self.metrics.on_step)
         engine.listen(on_step=self.live.on_step)
 
