@@ -304,6 +304,26 @@ def test_the_fixed_limits_are_flags_now(gguf):
         s.close()
 
 
+def test_a_worker_that_dies_costs_its_requests_a_503_and_the_pool_starts_afresh(gguf):
+    """The frontend's worker processes can die (the tokenizers library aborts its process when an
+    allocation fails): the request that finds the pool broken gets a 503, the pool is started anew,
+    and the next request is answered exactly as before."""
+    import os
+    import signal
+
+    with running_server(gguf, frontend_workers=1, **SMALL) as (server, url):
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
+        status, first = post(url, "/v1/completions", body)
+        assert status == 200
+        (pid,) = server.frontend.pids
+        os.kill(pid, signal.SIGKILL)
+        status, got = post(url, "/v1/completions", body)            # the only worker is gone
+        assert status == 503 and got["error"]["code"] == "frontend_worker_died", got
+        status, got = post(url, "/v1/completions", body)
+        assert server.frontend.restarts == 1 and server.frontend.pids != [pid]
+        assert status == 200 and got["choices"][0]["text"] == first["choices"][0]["text"], got
+
+
 # --- the doors ---------------------------------------------------------------------------------------
 def test_host_allow_list_cors_and_api_key(gguf):
     with running_server(gguf, api_key="sesame", allowed_origins=("http://ok.example",), **SMALL) as (_, url):
