@@ -46,11 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -214,9 +216,9 @@ class Frontend:
         """Start the workers and wait until each has run its initializer (a broken setup fails here,
         not at the first request); the pool starts its processes one per task, so ``workers`` pings."""
         self._pool = self._new_pool()
-        loop = asyncio.get_running_loop()
-        pids = await asyncio.gather(*[loop.run_in_executor(self._pool, _ping, 0.05)
-                                      for _ in range(self.workers)])
+        with _main_not_imported():            # the processes are launched by these submits
+            futs = [asyncio.wrap_future(self._pool.submit(_ping, 0.05)) for _ in range(self.workers)]
+        pids = await asyncio.gather(*futs)
         log.debug("frontend workers ready: %s", sorted(set(pids)))
 
     def close(self) -> None:
@@ -262,7 +264,9 @@ class Frontend:
                            "service_unavailable_error", code="server_shutting_down", retry_after=5)
         self.queued += 1
         try:
-            ok, value = await asyncio.wrap_future(pool.submit(_prepare_in_worker, kind, raw))
+            with _main_not_imported():        # a fresh pool launches its processes here
+                fut = pool.submit(_prepare_in_worker, kind, raw)
+            ok, value = await asyncio.wrap_future(fut)
         except (BrokenProcessPool, RuntimeError) as e:   # a worker died; RuntimeError: shut down meanwhile
             raise self._worker_lost(pool, e) from None
         finally:
@@ -284,6 +288,24 @@ class Frontend:
             _terminate(pool)
         return ApiError(503, "the worker process preparing this request died; retry",
                         "service_unavailable_error", code="frontend_worker_died", retry_after=1)
+
+
+@contextlib.contextmanager
+def _main_not_imported():
+    """Launch worker processes without the program's main module: ``multiprocessing`` would import
+    a script (``python tutorial.py``) once more in every worker, running whatever is not behind
+    ``if __name__ == "__main__"`` (a second server). The workers need nothing from it: their
+    initializer and task are this module's functions. (It looks for ``__main__.__file__``.)"""
+    main = sys.modules.get("__main__")
+    hidden = main is not None and getattr(main, "__spec__", None) is None and hasattr(main, "__file__")
+    if hidden:
+        path = main.__file__
+        del main.__file__
+    try:
+        yield
+    finally:
+        if hidden:
+            main.__file__ = path
 
 
 def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
