@@ -83,6 +83,10 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # make each output's text (the tokenizer's incremental decoder, on the stepping thread); a
+        # caller that decodes elsewhere (``minicb serve``: its event loop) turns it off before adding
+        # requests, and outputs then carry token ids only (``text == ""``)
+        self.detokenize = True
         self.clock = clock
         self.runner = runner
         self.scheduler = Scheduler(config)
@@ -178,7 +182,7 @@ class LLMEngine:
         except BaseException:
             self.runner.release(seq.request_id)
             raise
-        tok = self.tokenizer
+        tok = self.tokenizer if self.detokenize else None
         skip = seq.params.skip_special_tokens
         dec = tok.incremental_decoder(skip) if tok is not None else None
         decode = functools.partial(tok.decode, skip_special_tokens=skip) if tok is not None else None

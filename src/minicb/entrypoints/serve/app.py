@@ -6,11 +6,12 @@
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
 A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in the worker pool (``frontend``: JSON, fields, chat template,
+``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: JSON, fields, chat template,
 token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
-its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s as SSE chunks, or gather them into
-one response. The handlers never call the engine, and nothing on this loop grows with a request
-beyond copying its bytes.
+its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s (token ids from the engine thread,
+text made on this loop by its ``RequestText``) as SSE chunks, or gather them into one response. The
+handlers never call the engine, and nothing on this loop grows with a request beyond copying its
+bytes and decoding its generated tokens, one at a time.
 
 How a request that cannot be answered ends: a stream always ends with a last event and
 ``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.resources
 import json
 import logging
@@ -46,6 +48,7 @@ from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
+from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
@@ -68,7 +71,7 @@ def build_app(server: Server) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.frontend.start()
+        await server.frontend.start()               # the worker processes, ready before the first request
         server.engine_thread.start(asyncio.get_running_loop())
         try:
             yield
@@ -208,8 +211,16 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     once so they join the same step; answered together, in prompt order."""
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    handles = [RequestHandle(f"{prefix}-{uuid.uuid4().hex}", dataclasses.replace(parsed.generate, prompt=ids),
-                             server.clock(), stops) for ids, stops in prepared.requests]
+    params = parsed.generate.params
+    handles = []
+    for ids, stops in prepared.requests:      # each prompt: its own request, decoder and stop strings
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        decoder = (server.tokenizer.incremental_decoder(params.skip_special_tokens)
+                   if server.tokenizer is not None else None)
+        text = RequestText(decoder, stops, functools.partial(server.engine_thread.abort, rid, "stop"),
+                           params.min_tokens)
+        handles.append(RequestHandle(rid, dataclasses.replace(parsed.generate, prompt=ids), server.clock(),
+                                     text))
     for handle in handles:
         server.engine_thread.submit(handle)
 
@@ -273,7 +284,7 @@ class _Answer:
         self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
-        self.tokenizer = getattr(server.frontend, "tokenizer", None)
+        self.tokenizer = server.tokenizer
 
     def index(self, prompt_index: int, child: int = 0) -> int:
         return prompt_index * self.N + child

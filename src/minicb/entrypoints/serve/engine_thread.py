@@ -10,16 +10,19 @@ thread-safe doors, never anywhere else::
       abort(id)      ──►                              step() while there is work; else sleep on
                                                        the Condition (no polling: zero CPU idle)
       handle.queue   ◄── loop.call_soon_threadsafe ◄── per-request Deltas of every step, in one batch
+        ▲ handle.text: token ids -> text, stop strings (detokenizer.py, on the loop)
 
 * A request that arrives while the engine runs waits in the inbox for at most the current step and
   joins the batch at the next one: that *is* continuous batching, seen from a client.
 * The inbox is drained completely before every step, so a burst of requests is admitted (or refused
   with 503) together, in arrival order. ``max_waiting`` counts the requests that would actually
   *wait*: a burst that finds free slots has those many accepted on top (they start at the next step).
-* Requests arrive prepared (``frontend.py``, in a worker pool): token ids and a stop-string matcher.
-  This thread adds them and steps; nothing here grows faster than a request.
-* Stop strings are matched here, on the text of each step's output (``StopMatcher``): a match aborts
-  the request at once (no wasted step) and reports ``finish_reason == "stop"``.
+* Requests arrive prepared (``frontend.py``, in worker processes): token ids. This thread adds them
+  and steps, and sends each step's *token ids*: the engine makes no text here (the server sets its
+  ``detokenize = False``). Text and stop strings are made on the event loop, per request, as the
+  Deltas arrive (``detokenizer.py``); a stop string found there comes back as ``abort(id, "stop")``,
+  which ends the request before the next step (the step already running may make one more token
+  for it, which the loop drops). Nothing here grows faster than a request.
 * If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
   engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
   the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
@@ -50,7 +53,6 @@ from typing import Any
 from minicb.core.errors import EngineDeadError, InvalidArgument, RequestRejected
 from minicb.engine.outputs import RequestOutput
 from minicb.entrypoints.serve.protocol import ApiError, GenerateRequest, bad_request
-from minicb.entrypoints.serve.stops import StopMatcher
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -67,7 +69,8 @@ class Accepted:
 
 @dataclass(slots=True)
 class Delta:
-    """What one step added to one request, ready to send (stop strings already applied)."""
+    """What one step added to one request. The engine thread sends token ids and ``text == ""``;
+    the loop's ``RequestText`` fills in the text (stop strings applied) before a client sees it."""
 
     text: str
     token_ids: list[int]
@@ -88,7 +91,7 @@ class RequestHandle:
     request_id: str
     request: GenerateRequest              # its prompt: token ids (the frontend tokenized it)
     arrival_time: float
-    stops: StopMatcher = field(default_factory=StopMatcher)
+    text: Any = None                      # its detokenizer.RequestText (None: Deltas pass as they are)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -97,7 +100,6 @@ class _Live:
     """The engine thread's side of one request."""
 
     handle: RequestHandle
-    stops: StopMatcher
     num_prompt_tokens: int
     seen_first_token: bool = False
     prompt_sent: bool = False             # its prompt logprobs went out already
@@ -138,9 +140,10 @@ class EngineThread:
         if not self._post(("add", handle)):          # the thread has ended: answer here (on the loop)
             handle.queue.put_nowait(self._refusal())
 
-    def abort(self, request_id: str) -> None:
-        """Abort if still running (a finished or unknown id is ignored): a client went away."""
-        self._post(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort if still running (a finished or unknown id is ignored): a client went away
+        (``reason == "abort"``), or the loop found a stop string (``"stop"``: what the metrics count)."""
+        self._post(("abort", request_id, reason))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between two steps; its result (or exception)."""
@@ -264,7 +267,7 @@ class EngineThread:
             if live is not None:
                 out = self.engine.abort_request(msg[1])
                 if out is not None:
-                    self._finish(live, out, "abort", "")
+                    self._finish(live, out, msg[2])
         elif kind == "call":
             fut = msg[2]
             if fut.set_running_or_notify_cancel():
@@ -313,7 +316,7 @@ class EngineThread:
             log.exception("adding request %s failed", handle.request_id)
             self._send(handle, ApiError(500, "internal error while adding the request", "server_error"))
             return
-        self._live[handle.request_id] = _Live(handle, handle.stops, len(ids))
+        self._live[handle.request_id] = _Live(handle, len(ids))
         self._send(handle, Accepted(ids, params.max_tokens))
 
     def _room(self, prompt_len: int) -> int:
@@ -351,17 +354,10 @@ class EngineThread:
             self.metrics.observe_tokens(out, first=not live.seen_first_token and bool(out.new_token_ids))
         if out.new_token_ids:
             live.seen_first_token = True
-        # vLLM's min_tokens: no stop string ends a request before that many tokens
-        text = live.stops.push(out.new_text, len(out.token_ids) >= live.handle.request.params.min_tokens)
-        if live.stops.stopped:
-            new_ids, logprobs = out.new_token_ids, _new_logprobs(out)
-            if not out.finished:                       # end it now: no step is spent past the stop
-                out = self.engine.abort_request(out.request_id) or out
-            self._finish(live, out, "stop", text, new_ids, logprobs=logprobs)
-        elif out.finished:
-            self._finish(live, out, out.finish_reason, text + live.stops.flush())
+        if out.finished:
+            self._finish(live, out, out.finish_reason)
         else:
-            self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
+            self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
                                           len(out.token_ids), logprobs=_new_logprobs(out),
                                           prompt_logprobs=self._prompt_once(live, out)))
 
@@ -373,20 +369,18 @@ class EngineThread:
         live.prompt_sent = True
         return out.prompt_logprobs
 
-    def _finish(self, live: _Live, out: RequestOutput, reason: str | None, text: str,
-                new_ids: list[int] | None = None, failure: ApiError | None = None,
-                logprobs: list | None = None) -> None:
+    def _finish(self, live: _Live, out: RequestOutput, reason: str | None,
+                failure: ApiError | None = None) -> None:
         del self._live[live.handle.request_id]
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
         if failure is None and reason == "error":
             failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
                                "server_error")
-        self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
-                                      live.num_prompt_tokens, len(out.token_ids), True, reason,
+        self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
+                                      len(out.token_ids), True, reason,
                                       out.error if failure is None else failure.message, failure,
-                                      _new_logprobs(out) if new_ids is None else logprobs,
-                                      self._prompt_once(live, out)))
+                                      _new_logprobs(out), self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -407,7 +401,7 @@ class EngineThread:
                 self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
                                               failure.message, failure))
             else:
-                self._finish(live, out, reason, live.stops.push(out.new_text), failure=failure)
+                self._finish(live, out, reason, failure=failure)
         return n
 
     def _die(self, reason: str) -> None:
@@ -433,9 +427,27 @@ class EngineThread:
             return
         batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._loop.call_soon_threadsafe(self._deliver, batch)
         except RuntimeError:          # the loop is closed: nobody is listening any more
             pass
+
+    def _deliver(self, batch: list[tuple[RequestHandle, Any]]) -> None:
+        """On the event loop: each request's Deltas get their text (``handle.text``), then its queue."""
+        for handle, item in batch:
+            if isinstance(item, Delta) and handle.text is not None:
+                try:
+                    item = handle.text.push(item)
+                except Exception as e:   # noqa: BLE001 - a bug costs this request only
+                    log.exception("making the text of %s failed", handle.request_id)
+                    handle.text.done = True
+                    self.abort(handle.request_id)
+                    failure = ApiError(500, f"internal error while decoding the output: {_reason(e)}",
+                                       "server_error")
+                    item = Delta("", [], item.num_prompt_tokens, item.num_output_tokens, True, "error",
+                                 failure.message, failure)
+                if item is None:
+                    continue
+            handle.queue.put_nowait(item)
 
 
 def _new_logprobs(out: RequestOutput) -> list | None:
@@ -450,7 +462,3 @@ def _reason(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
-
-def _deliver(batch: list[tuple[RequestHandle, Any]]) -> None:
-    for handle, item in batch:
-        handle.queue.put_nowait(item)
