@@ -327,7 +327,8 @@ def test_the_command_line_takes_any_argv(cli_paths):
             assert result in EXIT_CODES, (argv, result, err[-300:])
         assert "Traceback" not in err, (argv, err[-600:])
         if result in (2, ("exit", 2)):
-            said = [ln for ln in err.strip().splitlines() if " linear layers on " not in ln]  # not the load line
+            # one line, not counting the model's load line
+            said = [ln for ln in err.strip().splitlines() if " linear layers on " not in ln]
             assert len(said) == 1, (argv, err)
 
     run()
