@@ -13,8 +13,8 @@ a refused watcher) or *broke* (a 500, a traceback, a hang, a non-JSON answer, an
 * ``json``: nesting 1,000 deep, a lone surrogate as the model name, invalid UTF-8, truncated JSON;
 * ``ignored_fields``: ``min_p``, ``min_tokens``, ``include_stop_str_in_output``, ... must be a 400;
 * ``cost``: 4 stop strings x 30,000 characters, a 100 MB body, 2M token ids, 0.7 MB of text,
-  100K messages; the peak RSS growth of the server (``/proc/<pid>/status``) is recorded for the
-  first two;
+  100K messages; the peak RSS growth of the server and its worker processes (``/proc/<pid>/status``)
+  is recorded for the first two;
 * ``security``: a ``text/plain`` body, a foreign ``Host``, control-token text in a user message;
 * ``connections``: 50 silent connections and 20 slowloris bodies (closed by the server or not within
   ``--conn-wait`` s), 64 live-page watchers (some refused or not);
@@ -70,11 +70,20 @@ class Serve:
             self.err.append(line)
 
     def rss_kib(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        return 0
+        """The resident memory of the server and its descendants (the frontend's worker processes do
+        the parsing, rendering and tokenizing: what a request costs shows there)."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        return total
 
     def model_name(self) -> str:
         return request(self, "GET", "/v1/models")[1]["data"][0]["id"]

@@ -17,8 +17,11 @@ from __future__ import annotations
 import http.client as httpc
 import json
 import logging
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -257,6 +260,70 @@ def test_live_watchers_are_capped(served):
     c.close()
 
 
+def test_the_fixed_limits_are_flags_now(gguf):
+    """JSON depth, header bytes, the frontend's queue and the linger of a refused body: each set
+    small here, each refusal an OpenAI error object naming its flag (``minicb serve --help`` lists
+    them with their defaults: ``test_serve_process``)."""
+    limits = ServeLimits(max_json_depth=4, max_header_bytes=2048, max_frontend_queue=1, body_linger=0.0,
+                         max_messages=20_000, max_prompt_chars=400_000)
+    with running_server(gguf, limits=limits, frontend_workers=1, **SMALL) as (server, url):
+        ok = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1, "stop": [["x"]]}).encode()
+        deep = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1, "x": [[[[[1]]]]]}).encode()
+        status, got = post(url, "/v1/completions", ok)           # 3 levels: parsed (and refused for its type)
+        assert status == 400 and "--max-json-depth" not in got["error"]["message"], got
+        status, got = post(url, "/v1/completions", deep)
+        assert status == 400 and "than 4 levels (--max-json-depth)" in got["error"]["message"], got
+        body = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 1}).encode()
+        assert post(url, "/v1/completions", body, {"X-Pad": "a" * 1500})[0] == 200
+        status, got = post(url, "/v1/completions", body, {"X-Pad": "a" * 3000})
+        assert status == 431 and "--max-header-bytes" in got["error"]["message"], got
+        host, port = url.removeprefix("http://").rsplit(":", 1)        # a head still arriving: h11's buffer
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Pad: " + b"a" * 3000)
+        s.settimeout(20)
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 431") and b"--max-header-bytes" in answer, answer
+        slow = json.dumps({"model": MODEL, "max_tokens": 1,
+                           "messages": [{"role": "user", "content": "hello there"}] * 20_000}).encode()
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(post(url, "/v1/chat/completions", slow)))
+        t.start()
+        wait_for(lambda: server.frontend.queued == 1, what="one request in the frontend")
+        status, got = post(url, "/v1/completions", body)
+        t.join(60)
+        assert status == 503 and "--max-frontend-queue 1" in got["error"]["message"], got
+        assert first[0][0] == 400 and "--max-frontend-queue" not in first[0][1]["error"]["message"]
+        # --body-linger 0: a 413, then closed
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 9999999\r\n\r\n{")
+        assert _closed_by_server(s, 20)
+        s.close()
+
+
+def test_a_worker_that_dies_costs_its_requests_a_503_and_the_pool_starts_afresh(gguf):
+    """The frontend's worker processes can die (the tokenizers library aborts its process when an
+    allocation fails): the request that finds the pool broken gets a 503, the pool is started anew,
+    and the next request is answered exactly as before."""
+    import os
+    import signal
+
+    with running_server(gguf, frontend_workers=1, **SMALL) as (server, url):
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
+        status, first = post(url, "/v1/completions", body)
+        assert status == 200
+        (pid,) = server.frontend.pids
+        os.kill(pid, signal.SIGKILL)
+        status, got = post(url, "/v1/completions", body)            # the only worker is gone
+        assert status == 503 and got["error"]["code"] == "frontend_worker_died", got
+        status, got = post(url, "/v1/completions", body)
+        assert server.frontend.restarts == 1 and server.frontend.pids != [pid]
+        assert status == 200 and got["choices"][0]["text"] == first["choices"][0]["text"], got
+
+
 # --- the doors ---------------------------------------------------------------------------------------
 def test_host_allow_list_cors_and_api_key(gguf):
     with running_server(gguf, api_key="sesame", allowed_origins=("http://ok.example",), **SMALL) as (_, url):
@@ -296,19 +363,65 @@ def test_host_allow_list_cors_and_api_key(gguf):
 
 # --- nothing blocks the loop or the engine thread ----------------------------------------------------
 STEP_S = 0.02     # the tiny model steps in ~1 ms; a real one in tens (kernels release the GIL, as sleep does)
+FLOOD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flood_client.py")
+
+
+def _runqueue_s(tids: list[int]) -> tuple[float, ...] | None:
+    """Seconds each of the threads ``tids`` of this process has spent runnable but not running,
+    waiting for a CPU (``/proc/<pid>/task/<tid>/schedstat``, Linux); None where the kernel does not say."""
+    try:
+        waits = []
+        for tid in tids:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                waits.append(int(f.read().split()[1]) / 1e9)
+        return tuple(waits)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _sse_times(url: str, body: dict, tids: list[int]) -> list[tuple[float, float | None]]:
+    """(arrival time, ``_runqueue_s(tids)`` then) of every chunk of one streamed completion (raw
+    HTTP, no client library: the reader should cost the test process as little as possible)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    c = httpc.HTTPConnection(host, int(port), timeout=120)
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    times, last = [], b""
+    for line in r:
+        if line.startswith(b"data: "):
+            times.append((time.perf_counter(), _runqueue_s(tids)))
+            last = line
+    c.close()
+    assert last.strip() == b"data: [DONE]", last
+    return times[:-1]                  # the chunks (not [DONE], which follows the last chunk at once)
 
 
 @pytest.mark.timing
-def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf):
-    """One stream of 60 tokens, while three clients keep sending the largest legal requests (1,024
-    messages, 30,000 characters of text, stop strings of 4,096 characters, 4,096 token ids). The
-    stream gets a token at every step, so its chunks come one step apart unless something holds the
-    event loop or the engine thread. Each step is given a real model's duration (a GIL-free sleep of
-    ``STEP_S``: the tiny model's millisecond is shorter than one GIL switch interval), and the longest
-    gap between chunks is compared with the median step measured from the engine's step events in the
-    same run. Rendering 1,024 messages on the loop (~0.15 s here) or tokenizing 30,000 characters on
-    the engine thread (~0.08 s) would each be several steps."""
+def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf, tmp_path):
+    """One stream of 80 tokens while another process keeps four clients sending large-but-legal
+    requests: 20,000 chat messages (0.8 MB, a 1.5 s render), a 300-token prompt and 300 token ids
+    (prefilled beside the stream), a prompt of 2,400 tokens (tokenized, then refused by the engine: the
+    KV pool is 1,024 tokens), 16 stop strings of 256 characters, 150,000 characters of text.
+
+    The stream gets a token, and a chunk, at every step, so its chunks come one step apart unless
+    something holds the event loop or the engine thread. Each step is given a real model's duration
+    (a GIL-free sleep of ``STEP_S``), and the gaps between chunks are compared with the median step
+    measured on the engine thread in the same run: the longest gap at most 3 steps, the median at
+    most 1.3.
+
+    What the machine does is not the server's doing: on a loaded machine a thread that is ready to
+    run may wait for a CPU for a quarter of a second (measured here: 229 ms of one 249 ms gap). So
+    from each gap the time the three threads on the stream's path (the engine thread, the event
+    loop, this reader) spent *runnable but not running* is taken off (the kernel's per-thread
+    ``schedstat``; where it is not available, the raw gaps are judged). Waiting for the interpreter's
+    lock is not taken off: a thread blocked on the GIL is asleep, not runnable, so work that holds
+    it (a chat template rendered in a thread of the server, as before the frontend moved to
+    processes: a longest gap of 5-40 steps here) still counts in full."""
     steps: list[float] = []
+    busy: list[int] = []
+    box: dict = {}
 
     def hook(engine):
         inner = engine.step
@@ -318,58 +431,61 @@ def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf):
             time.sleep(STEP_S)
             out = inner()
             steps.append(time.perf_counter() - t0)
+            if "server" in box:
+                busy.append(box["server"].frontend.queued)
             return out
 
         engine.step = slow_step
 
-    cfg = dict(SMALL, max_num_seqs=2)
-    with running_server(gguf, engine_hook=hook, **cfg) as (_, url):
-        loads = [("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
-                                           "messages": [{"role": "user", "content": "hello there"}] * 1024}),
-                 ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "word " * 6_000}),
-                 ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "x",
-                                      "stop": ["ab" * 1024] * 2}),
-                 ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": [7] * 4096})]
-        raws = [(p, json.dumps(b).encode()) for p, b in loads]
-        times: list[float] = []
-        done = threading.Event()
-        answered: list[int] = []
-
-        def flood():
-            while not done.is_set():
-                for path, raw in raws:
-                    answered.append(post(url, path, raw)[0])
-
-        c = client(url)
-        stream = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=60, temperature=0,
-                                      stream=True, extra_body={"ignore_eos": True})
-        it = iter(stream)
-        next(it)
-        floods = [threading.Thread(target=flood) for _ in range(3)]
-        for f in floods:
-            f.start()
-        wait_for(lambda: len(answered) >= 3, what="the large requests flowing")
-        first = len(steps)
-        for _ in it:
-            times.append(time.perf_counter())
-        done.set()
-        for f in floods:
-            f.join()
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    step = statistics.median(steps[first:])
-    assert len(gaps) > 20 and len(answered) >= 8, (len(gaps), len(answered))  # load-independent: counts
-    assert set(answered) <= {200, 400}, set(answered)
-    ratio = max(gaps) / step
+    limits = ServeLimits(max_messages=20_000, max_prompt_chars=400_000)
+    cfg = dict(SMALL, num_blocks=256, limits=limits)
+    loads = [("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                       "messages": [{"role": "user", "content": "hello there"}] * 20_000}),
+             ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "word " * 60}),
+             ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": [7] * 300}),
+             ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "word " * 480}),
+             ("/v1/completions", {"model": MODEL, "max_tokens": 4, "prompt": [5],
+                                  "stop": [f"{i:x}" * 256 for i in range(16)]}),
+             ("/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "x" * 150_000})]
+    bodies = tmp_path / "loads.json"
+    bodies.write_text(json.dumps(loads))
+    with running_server(gguf, engine_hook=hook, **cfg) as (server, url):
+        box["server"] = server
+        flood = subprocess.Popen([sys.executable, FLOOD, url, str(bodies), "4"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout.readline().strip() == "flooding"
+            wait_for(lambda: server.frontend.queued >= 2, what="large requests in the frontend")
+            first = len(steps)
+            tids = [server.engine_thread._thread.native_id, server._thread.native_id,   # engine, loop
+                    threading.get_native_id()]                                         # and this reader
+            chunks = _sse_times(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 80, "temperature": 0,
+                                      "stream": True, "ignore_eos": True, "return_token_ids": True}, tids)
+            last = len(steps)
+        finally:
+            out, _ = flood.communicate("", timeout=120)
+    answered = json.loads(out.strip().splitlines()[-1])
+    raw = [b - a for (a, _), (b, _) in zip(chunks, chunks[1:])]
+    waited = [None if wa is None or wb is None else max(b - a for a, b in zip(wa, wb))
+              for (_, wa), (_, wb) in zip(chunks, chunks[1:])]
+    gaps = [g - (w or 0.0) for g, w in zip(raw, waited)]       # the machine's scheduling taken off
+    step = statistics.median(steps[first:last])
+    assert len(gaps) == 79, len(gaps)                     # load-independent: a count of chunks
+    assert len(answered) >= 12 and set(answered) <= {200, 400}, (len(answered), set(answered))
+    # load-independent: requests in the frontend, counted at each step (the flood keeps it full)
+    assert statistics.mean(busy[first:last]) >= 1, busy[first:last]
+    ratio, median = max(gaps) / step, statistics.median(gaps) / step
     print(f"longest gap {max(gaps) * 1e3:.1f} ms = {ratio:.2f} x the median step {step * 1e3:.1f} ms "
-          f"(median gap {statistics.median(gaps) / step:.2f} steps); {len(answered)} large requests")
-    # Measured on a 2-core machine shared with other work (and the test's clients share the server's
-    # GIL): the longest gap 3-6 steps, the median gap 1.0-1.3 steps; the code before the frontend gave
-    # 9-10 steps and a median gap of 2.1 steps (1,024 messages rendered on the event loop, the text
-    # tokenized on the engine thread: the stream's chunks came in bursts).
-    # load-independent: a ratio to the step time measured in the same test
-    assert statistics.median(gaps) < 1.6 * step, (statistics.median(gaps), step)
-    # load-independent: a ratio to the step time measured in the same test
-    assert ratio < 15, (ratio, max(gaps), step)
+          f"(median gap {median:.2f} steps); raw (waits for a CPU included): longest {max(raw) / step:.2f}, "
+          f"median {statistics.median(raw) / step:.2f} steps; waits for a CPU "
+          f"{'unknown' if None in waited else f'{sum(waited) * 1e3:.0f} ms in all'}; "
+          f"{len(answered)} large requests answered, {statistics.mean(busy[first:last]):.1f} in the "
+          f"frontend on average")
+    # load-independent: a ratio to the step time measured in the same test, the machine's own
+    # scheduling delays (schedstat) taken off each gap
+    assert median <= 1.3, (median, statistics.median(gaps), step)
+    # load-independent: the same ratio
+    assert ratio <= 3, (ratio, max(gaps), step, sorted(gaps)[-5:])
 
 
 # --- a dead engine -----------------------------------------------------------------------------------

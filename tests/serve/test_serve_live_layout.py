@@ -133,6 +133,7 @@ def test_the_live_page_at_256_slots_keeps_the_pool_and_the_queue_on_the_first_sc
     assert snap.running == () and snap.block_tables == ()
     assert {int(t.split()[1].rstrip(":")) for t in quiet["idle"]} == set(snap.cached_blocks)
     assert len(snap.cached_blocks) >= 10                            # the shared prefix, at least
+    assert quiet["idlePaint"] and set(quiet["idlePaint"]).isdisjoint(quiet["freePaint"])   # drawn apart
     for width, f in results.items():
         assert f["status"] == "live", (width, f["status"])
         assert f["pool"] < f["height"] and f["queue"] < f["height"], (width, f["pool"], f["queue"])
@@ -144,8 +145,9 @@ def test_the_live_page_at_256_slots_keeps_the_pool_and_the_queue_on_the_first_sc
             rid = title.split(": ", 1)[1]
             assert rid == "free" or (rid.startswith("cmpl-") and len(rid) == 37 and rid[-5:] in text), title
         assert f["chips"] and all(t[-5:] == rid[-5:] and len(t) < len(rid) for t, rid in f["chips"])
-        # cached and free: drawn apart from free blocks, and exactly where the scheduler says they are
-        assert f["idle"], width
+        # cached and free: drawn apart from free blocks (where they are is checked against the scheduler
+        # on the quiet page above; under this load the pool fills and may evict every cached block by
+        # the time the page is read, which depends on the machine's speed, so none is required here)
         assert set(f["idlePaint"]).isdisjoint(f["freePaint"]), (f["idlePaint"], f["freePaint"])
         assert any("prefix cache" in s for s in f["legend"]) and len(f["legend"]) == 4
     assert results[1280]["pageHeight"] < 2 * 800, results[1280]["pageHeight"]   # was 6,138 px

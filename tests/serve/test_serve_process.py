@@ -149,6 +149,10 @@ def _refused(url: str) -> bool:
     (["serve", "--threads", "-1"], "--threads must be in [0, inf]"),
     (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number of GiB"),
     (["serve", "--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:8000"),
+    (["serve", "--max-json-depth", "0"], "--max-json-depth must be in [1, 256], got 0"),
+    (["serve", "--max-header-bytes", "10"], "--max-header-bytes must be in [1024, inf], got 10"),
+    (["serve", "--max-frontend-queue", "0"], "--max-frontend-queue must be in [1, inf], got 0"),
+    (["serve", "--body-linger", "-1"], "--body-linger must be"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == EXIT_USAGE
@@ -275,3 +279,123 @@ def test_an_abuse_replay_leaves_the_server_small_and_responsive(serve):
     p.proc.send_signal(signal.SIGTERM)
     rc, out, err = p.finish(timeout=30)
     assert rc == 0 and "Traceback" not in err, err
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (``/proc/<pid>/task/*/children``, Linux)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:                           # it has exited
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    """Every descendant of ``pid``."""
+    found, todo = [], [pid]
+    while todo:
+        for c in _children(todo.pop()):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_real_engine_failure_ends_every_request_with_a_503_and_exits_1(serve):
+    """A real internal failure, nothing injected: the server runs the model on two tensor-parallel
+    ranks (``--tp 2``) and rank 1's process is killed (SIGKILL) while a stream and a non-stream
+    request run. Rank 0's next all-reduce fails, the step raises ``DistributedError``, the engine is
+    dead: the stream ends with OpenAI's error object (``engine_dead``, the reason) and ``[DONE]``, the
+    non-stream client gets that error object with a 503, ``/health`` answers 503 while the server
+    shuts down, and the process exits with code 1 saying why."""
+    if not os.path.exists("/proc/self/task"):
+        unavailable("finding the rank's process reads /proc (Linux)")
+    p = serve("--tp", "2", "--frontend-workers", "1", "--shutdown-timeout", "30")
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    ends: list = []
+    go = threading.Event()
+    threads = [threading.Thread(target=_sse_ends, args=(p.url, body, ends, go))]
+    whole: list = []
+    threads.append(threading.Thread(target=lambda: whole.append(http(
+        "POST", p.url + "/v1/completions", {**body, "stream": False}, timeout=60))))
+    for t in threads:
+        t.start()
+    assert go.wait(60)
+    wait_for(lambda: http("GET", p.url + "/health")[2].get("num_requests_running") == 2, timeout=30,
+             what="both requests running")
+    # rank 1 is a process forked by multiprocessing's fork server, as the frontend's workers are;
+    # those run at nice +10 (frontend.WORKER_NICE), the rank at the server's own priority
+    ranks = [c for c in _tree(p.proc.pid) if _nice(c) == _nice(p.proc.pid)
+             and "forkserver" in open(f"/proc/{c}/cmdline").read() and c not in _children(p.proc.pid)]
+    assert len(ranks) == 1, [(c, _nice(c)) for c in _tree(p.proc.pid)]
+    health: list = []
+
+    def poll() -> None:                       # /health, as often as it answers, until it does not
+        while True:
+            try:
+                status, _, got = http("GET", p.url + "/health", timeout=5)
+            except OSError:
+                return
+            health.append((status, got))
+            if status != 200:
+                return
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    family = _tree(p.proc.pid)                # the fork server, its children, multiprocessing's tracker
+    os.kill(ranks[0], signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    poller.join(60)
+    rc, out, err = p.finish(timeout=60)
+    assert rc == 1, (rc, err[-2000:])
+    assert "minicb serve: the engine failed: DistributedError" in err
+    assert "minicb serve: stopped (the engine died)" in out, out
+    (last, done), = ends
+    assert done and last["error"]["code"] == "engine_dead", last
+    assert "DistributedError" in last["error"]["message"], last
+    status, _, got = whole[0]
+    assert status == 503 and got["error"]["code"] == "engine_dead" and "DistributedError" in \
+        got["error"]["message"], (status, got)
+    assert health and health[-1][0] == 503 and "engine" in health[-1][1]["error"]["message"], health[-3:]
+    wait_for(lambda: not any(_alive(c) for c in family), timeout=15, what="no process left behind")
+
+
+@pytest.mark.slow
+def test_the_frontend_workers_end_with_the_server_even_when_it_is_killed(serve):
+    """The worker processes that parse and tokenize requests: gone when the server stops (SIGTERM),
+    and gone by themselves when the server's process is killed (SIGKILL: nobody shut them down)."""
+    if not os.path.exists("/proc/self/task"):
+        unavailable("finding the worker processes reads /proc (Linux)")
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        p = serve("--frontend-workers", "2")
+        r = client(p.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+        workers = [c for c in _tree(p.proc.pid) if _nice(c) > _nice(p.proc.pid)]
+        assert len(workers) == 2, [(c, _nice(c)) for c in _tree(p.proc.pid)]
+        p.proc.send_signal(how)
+        p.proc.wait(30)
+        wait_for(lambda ws=workers: not any(_alive(w) for w in ws), timeout=15,
+                 what=f"the workers gone ({how!r})")
+        p.finish(timeout=30)

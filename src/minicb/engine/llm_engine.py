@@ -98,6 +98,10 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # make each output's text (the tokenizer's incremental decoder, on the stepping thread); a
+        # caller that decodes elsewhere (``minicb serve``: its event loop) turns it off before adding
+        # requests, and outputs then carry token ids only (``text == ""``)
+        self.detokenize = True
         self.clock = clock
         self.runner = runner
         self.scheduler = Scheduler(config)
@@ -209,7 +213,7 @@ class LLMEngine:
             for sid in registered:
                 self.runner.release(sid)
             raise
-        tok = self.tokenizer
+        tok = self.tokenizer if self.detokenize else None
         children = []
         for seq in seqs:
             skip = seq.params.skip_special_tokens

@@ -6,11 +6,12 @@
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
 A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in the worker pool (``frontend``: JSON, fields, chat template,
+``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: JSON, fields, chat template,
 token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
-its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s as SSE chunks, or gather them into
-one response. The handlers never call the engine, and nothing on this loop grows with a request
-beyond copying its bytes.
+its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s (token ids from the engine thread,
+text made on this loop by its ``RequestText``) as SSE chunks, or gather them into one response. The
+handlers never call the engine, and nothing on this loop grows with a request beyond copying its
+bytes and decoding its generated tokens, one at a time.
 
 How a request that cannot be answered ends: a stream always ends with a last event and
 ``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.resources
 import json
 import logging
@@ -46,12 +48,14 @@ from starlette.requests import ClientDisconnect
 
 from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
+from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
 from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.stops import StopMatcher
 from minicb.entrypoints.serve.tools import parse_calls
 
 log = logging.getLogger("minicb.entrypoints.serve")
@@ -68,7 +72,7 @@ def build_app(server: Server) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.frontend.start()
+        await server.frontend.start()               # the worker processes, ready before the first request
         server.engine_thread.start(asyncio.get_running_loop())
         try:
             yield
@@ -208,8 +212,16 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     once so they join the same step; answered together, in prompt order."""
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-    handles = [RequestHandle(f"{prefix}-{uuid.uuid4().hex}", dataclasses.replace(parsed.generate, prompt=ids),
-                             server.clock(), stops) for ids, stops in prepared.requests]
+    params = parsed.generate.params
+    handles = []
+    for ids, stops in prepared.requests:      # each prompt: its own request, decoder and stop strings
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        # n > 1: each choice its own decoder and stop strings (a stop ends that choice only)
+        text = _request_text(server, params, rid, stops) if params.n == 1 else \
+            [_request_text(server, params, rid, StopMatcher(stops.stops, stops.include), i)
+             for i in range(params.n)]
+        handles.append(RequestHandle(rid, dataclasses.replace(parsed.generate, prompt=ids), server.clock(),
+                                     text))
     for handle in handles:
         server.engine_thread.submit(handle)
 
@@ -233,6 +245,15 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     if parsed.stream:
         return EventStream(answer.stream(), abort_all)
     return await answer.whole(request, abort_all)
+
+
+def _request_text(server: Server, params, rid: str, stops: StopMatcher,
+                  index: int | None = None) -> RequestText:
+    """The loop's decoder and stop strings of request ``rid`` (or of its choice ``index``)."""
+    decoder = (server.tokenizer.incremental_decoder(params.skip_special_tokens)
+               if server.tokenizer is not None else None)
+    return RequestText(decoder, stops, functools.partial(server.engine_thread.abort, rid, "stop", index),
+                       params.min_tokens)
 
 
 class EventStream(StreamingResponse):
@@ -276,7 +297,7 @@ class _Answer:
         self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
-        self.tokenizer = getattr(server.frontend, "tokenizer", None)
+        self.tokenizer = server.tokenizer
         self.N = parsed.generate.params.n
 
     def index(self, prompt_index: int, child: int = 0) -> int:

@@ -70,7 +70,14 @@ def add_parser(sub, add_engine_args) -> None:
             ("body_timeout", float, "seconds for a request body", d.body_timeout),
             ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),
             ("max_connections", int, "open connections", d.max_connections),
-            ("max_live_watchers", int, "open live pages (/live/events)", d.max_live_watchers)]:
+            ("max_live_watchers", int, "open live pages (/live/events)", d.max_live_watchers),
+            ("max_json_depth", int, "levels of nesting in a JSON body", d.max_json_depth),
+            ("max_header_bytes", int, "bytes of a request line and its headers (431 past it)",
+             d.max_header_bytes),
+            ("max_frontend_queue", int, "requests being parsed, rendered and tokenized at once (503 past "
+             "it)", d.max_frontend_queue),
+            ("body_linger", float, "seconds a refused body (413, 408) is still read and dropped, so "
+             "that its client reads the answer, before the connection closes", d.body_linger)]:
         lim.add_argument(flag(field), type=kind, default=None, metavar="N",
                          help=f"at most N {unit} (default {default:,})" if isinstance(default, int)
                          else f"at most N {unit} (default {default})")
@@ -87,7 +94,7 @@ def add_parser(sub, add_engine_args) -> None:
                      help="pass chat message text that contains control tokens (<|im_start|>) to the "
                           "template; default: refuse it with 400 (a user could forge a system turn)")
     p.add_argument("--frontend-workers", type=int, default=None, metavar="N",
-                   help="threads that parse, render and tokenize requests (default min(4, CPUs))")
+                   help="worker processes that parse, render and tokenize requests (default min(4, CPUs))")
     p.set_defaults(run=cmd_serve)
 
 

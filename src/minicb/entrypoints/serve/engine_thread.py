@@ -10,19 +10,23 @@ thread-safe doors, never anywhere else::
       abort(id)      ──►                              step() while there is work; else sleep on
                                                        the Condition (no polling: zero CPU idle)
       handle.queue   ◄── loop.call_soon_threadsafe ◄── per-request Deltas of every step, in one batch
+        ▲ handle.text: token ids -> text, stop strings (detokenizer.py, on the loop)
 
 * A request that arrives while the engine runs waits in the inbox for at most the current step and
   joins the batch at the next one: that *is* continuous batching, seen from a client.
 * The inbox is drained completely before every step, so a burst of requests is admitted (or refused
   with 503) together, in arrival order. ``max_waiting`` counts the requests that would actually
   *wait*: a burst that finds free slots has those many accepted on top (they start at the next step).
-* Requests arrive prepared (``frontend.py``, in a worker pool): token ids and a stop-string matcher.
-  This thread adds them and steps; nothing here grows faster than a request.
-* Stop strings are matched here, on the text of each step's output (``StopMatcher``): a match aborts
-  the request at once (no wasted step) and reports ``finish_reason == "stop"``.
+* Requests arrive prepared (``frontend.py``, in worker processes): token ids. This thread adds them
+  and steps, and sends each step's *token ids*: the engine makes no text here (the server sets its
+  ``detokenize = False``). Text and stop strings are made on the event loop, per request, as the
+  Deltas arrive (``detokenizer.py``); a stop string found there comes back as ``abort(id, "stop")``,
+  which ends the request before the next step (the step already running may make one more token
+  for it, which the loop drops). Nothing here grows faster than a request.
 * ``n > 1`` choices (parallel sampling: the engine forks the request after its prompt): every child
-  has its own stop matcher and its own ``Delta``s (``index``); a stop string ends that child only
-  (``abort_request(id, index)``). The request is done when every child has sent its finished Delta.
+  has its own ``Delta``s (``index``) and, on the loop, its own ``RequestText``; a stop string ends that
+  child only (``abort(id, "stop", index)``: ``abort_request(id, index)``). The request is done when
+  every child has sent its finished Delta.
 * If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
   engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
   the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
@@ -53,7 +57,6 @@ from typing import Any
 from minicb.core.errors import EngineDeadError, InvalidArgument, RequestRejected
 from minicb.engine.outputs import CompletionOutput, RequestOutput
 from minicb.entrypoints.serve.protocol import ApiError, GenerateRequest, bad_request
-from minicb.entrypoints.serve.stops import StopMatcher
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -70,7 +73,8 @@ class Accepted:
 
 @dataclass(slots=True)
 class Delta:
-    """What one step added to one request, ready to send (stop strings already applied)."""
+    """What one step added to one request. The engine thread sends token ids and ``text == ""``;
+    the loop's ``RequestText`` fills in the text (stop strings applied) before a client sees it."""
 
     text: str
     token_ids: list[int]
@@ -92,7 +96,8 @@ class RequestHandle:
     request_id: str
     request: GenerateRequest              # its prompt: token ids (the frontend tokenized it)
     arrival_time: float
-    stops: StopMatcher = field(default_factory=StopMatcher)
+    text: Any = None                      # its detokenizer.RequestText, a list of one per choice (n > 1),
+                                          # or None (Deltas pass as they are)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -101,10 +106,9 @@ class _Live:
     """The engine thread's side of one request."""
 
     handle: RequestHandle
-    stops: StopMatcher
     num_prompt_tokens: int
     seen_first_token: bool = False
-    children: list[StopMatcher] = field(default_factory=list)   # n > 1: each child's matcher
+    n: int = 1                            # choices (parallel sampling)
     done: set[int] = field(default_factory=set)                  # n > 1: children that ended
     prompt_sent: bool = False             # its prompt logprobs went out already
 
@@ -144,9 +148,11 @@ class EngineThread:
         if not self._post(("add", handle)):          # the thread has ended: answer here (on the loop)
             handle.queue.put_nowait(self._refusal())
 
-    def abort(self, request_id: str) -> None:
-        """Abort if still running (a finished or unknown id is ignored): a client went away."""
-        self._post(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort", index: int | None = None) -> None:
+        """Abort if still running (a finished or unknown id is ignored): a client went away
+        (``reason == "abort"``), or the loop found a stop string (``"stop"``: what the metrics count).
+        ``index``: only that choice of an ``n > 1`` request (its stop string), the others go on."""
+        self._post(("abort", request_id, reason, index))
 
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread between two steps; its result (or exception)."""
@@ -267,10 +273,14 @@ class EngineThread:
             self._add(msg[1])
         elif kind == "abort":
             live = self._live.get(msg[1])
-            if live is not None:
+            if live is not None and live.n > 1 and msg[3] is not None:
+                if msg[3] not in live.done:
+                    out = self.engine.abort_request(msg[1], index=msg[3])
+                    self._finish_children(live, out, msg[2], index=msg[3])
+            elif live is not None:
                 out = self.engine.abort_request(msg[1])
                 if out is not None:
-                    self._finish(live, out, "abort", "")
+                    self._finish(live, out, msg[2])
         elif kind == "call":
             fut = msg[2]
             if fut.set_running_or_notify_cancel():
@@ -322,10 +332,7 @@ class EngineThread:
             log.exception("adding request %s failed", handle.request_id)
             self._send(handle, ApiError(500, "internal error while adding the request", "server_error"))
             return
-        live = _Live(handle, handle.stops, len(ids))
-        if params.n > 1:
-            live.children = [handle.stops] + [StopMatcher(handle.stops.stops, handle.stops.include)
-                                              for _ in range(params.n - 1)]
+        live = _Live(handle, len(ids), n=params.n)
         self._live[handle.request_id] = live
         self._send(handle, Accepted(ids, params.max_tokens))
 
@@ -360,25 +367,18 @@ class EngineThread:
         return bool(outs) or (plan is not None and not plan.is_empty)
 
     def _output(self, live: _Live, out: RequestOutput) -> None:
-        new = any(c.new_token_ids for c in out.outputs) if live.children else bool(out.new_token_ids)
+        new = any(c.new_token_ids for c in out.outputs) if live.n > 1 else bool(out.new_token_ids)
         if self.metrics is not None:
             self.metrics.observe_tokens(out, first=not live.seen_first_token and new)
         if new:
             live.seen_first_token = True
-        if live.children:
+        if live.n > 1:
             self._output_children(live, out)
             return
-        # vLLM's min_tokens: no stop string ends a request before that many tokens
-        text = live.stops.push(out.new_text, len(out.token_ids) >= live.handle.request.params.min_tokens)
-        if live.stops.stopped:
-            new_ids, logprobs = out.new_token_ids, _new_logprobs(out)
-            if not out.finished:                       # end it now: no step is spent past the stop
-                out = self.engine.abort_request(out.request_id) or out
-            self._finish(live, out, "stop", text, new_ids, logprobs=logprobs)
-        elif out.finished:
-            self._finish(live, out, out.finish_reason, text + live.stops.flush())
+        if out.finished:
+            self._finish(live, out, out.finish_reason)
         else:
-            self._send(live.handle, Delta(text, list(out.new_token_ids), live.num_prompt_tokens,
+            self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
                                           len(out.token_ids), logprobs=_new_logprobs(out),
                                           prompt_logprobs=self._prompt_once(live, out)))
 
@@ -391,75 +391,60 @@ class EngineThread:
         return out.prompt_logprobs
 
     def _output_children(self, live: _Live, out: RequestOutput) -> None:
-        """``n > 1``: each child's new text through its own stop matcher, a Delta per child."""
-        min_tokens = live.handle.request.params.min_tokens
+        """``n > 1``: a Delta per child with new tokens; a child that finished sends its last."""
         for c in out.outputs:
             i = c.index
             if i in live.done:
                 continue
-            stops = live.children[i]
-            text = stops.push(c.new_text, len(c.token_ids) >= min_tokens)
-            if stops.stopped:
-                new_ids, logprobs = c.new_token_ids, _new_logprobs(c)
-                if not c.finished():                   # end this child now; the others go on
-                    out = self.engine.abort_request(out.request_id, index=i) or out
-                self._child_done(live, out, i, "stop", text, new_ids, len(c.token_ids), logprobs=logprobs)
-            elif c.finished():
-                self._child_done(live, out, i, c.finish_reason, text + stops.flush(), c.new_token_ids,
-                                 len(c.token_ids), c.error, logprobs=_new_logprobs(c))
-            elif text or c.new_token_ids:
-                self._send(live.handle, Delta(text, list(c.new_token_ids), live.num_prompt_tokens,
+            if c.finished():
+                self._child_done(live, out, i, c.finish_reason, c)
+            elif c.new_token_ids:
+                self._send(live.handle, Delta("", list(c.new_token_ids), live.num_prompt_tokens,
                                               len(c.token_ids), logprobs=_new_logprobs(c),
                                               prompt_logprobs=self._prompt_once(live, out), index=i))
 
-    def _child_done(self, live: _Live, out: RequestOutput | None, i: int, reason: str | None, text: str,
-                    new_ids: list[int], num_output_tokens: int, error: str | None = None,
-                    failure: ApiError | None = None, logprobs: list | None = None) -> None:
-        """Child ``i`` ended: its finished Delta; the request is over once every child's is sent."""
+    def _child_done(self, live: _Live, out: RequestOutput | None, i: int, reason: str | None,
+                    c: CompletionOutput | None, failure: ApiError | None = None) -> None:
+        """Child ``i`` ended (``c``: its completion, None if the engine could not say): its finished
+        Delta; the request is over once every child's is sent."""
         live.done.add(i)
+        error = c.error if c is not None else None
         if failure is None and reason == "error":
             failure = ApiError(500, f"the engine step serving this request failed: {error}", "server_error")
         prompt = self._prompt_once(live, out) if out is not None else None
-        self._send(live.handle, Delta(text, list(new_ids), live.num_prompt_tokens, num_output_tokens, True,
-                                      reason, error if failure is None else failure.message, failure,
-                                      logprobs, prompt, i))
-        if len(live.done) == len(live.children):
+        self._send(live.handle, Delta("", list(c.new_token_ids) if c else [], live.num_prompt_tokens,
+                                      len(c.token_ids) if c else 0, True, reason,
+                                      error if failure is None else failure.message, failure,
+                                      _new_logprobs(c) if c else None, prompt, i))
+        if len(live.done) == live.n:
             del self._live[live.handle.request_id]
             if self.metrics is not None and out is not None:
                 self.metrics.observe_finished(out, reason)
 
-    def _finish(self, live: _Live, out: RequestOutput | None, reason: str | None, text: str | None,
-                new_ids: list[int] | None = None, failure: ApiError | None = None,
-                logprobs: list | None = None) -> None:
-        """End the whole request (``text`` None: what is left of each child's text); ``out`` None:
-        the engine could not say (a broken engine)."""
-        if live.children:                              # n > 1: every child not yet ended
-            by_index = {c.index: c for c in out.outputs} if out is not None else {}
-            for i in sorted(set(range(len(live.children))) - live.done):
-                c = by_index.get(i)
-                left = "" if c is None or text is not None else live.children[i].push(c.new_text)
-                self._child_done(live, out, i, reason, left, c.new_token_ids if c else [],
-                                 len(c.token_ids) if c else 0, c.error if c else None, failure,
-                                 _new_logprobs(c) if c else None)
+    def _finish_children(self, live: _Live, out: RequestOutput | None, reason: str | None,
+                         failure: ApiError | None = None, index: int | None = None) -> None:
+        """``n > 1``: end child ``index`` (default: every child not yet ended)."""
+        by_index = {c.index: c for c in out.outputs} if out is not None else {}
+        left = sorted(set(range(live.n)) - live.done) if index is None else \
+            ([index] if index not in live.done else [])
+        for i in left:
+            self._child_done(live, out, i, reason, by_index.get(i), failure)
+
+    def _finish(self, live: _Live, out: RequestOutput, reason: str | None,
+                failure: ApiError | None = None) -> None:
+        if live.n > 1:
+            self._finish_children(live, out, reason, failure)
             return
-        if out is None:
-            del self._live[live.handle.request_id]
-            self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
-                                          failure.message, failure))
-            return
-        if text is None:
-            text = live.stops.push(out.new_text)
         del self._live[live.handle.request_id]
         if self.metrics is not None:
             self.metrics.observe_finished(out, reason)
         if failure is None and reason == "error":
             failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
                                "server_error")
-        self._send(live.handle, Delta(text, list(out.new_token_ids if new_ids is None else new_ids),
-                                      live.num_prompt_tokens, len(out.token_ids), True, reason,
+        self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
+                                      len(out.token_ids), True, reason,
                                       out.error if failure is None else failure.message, failure,
-                                      _new_logprobs(out) if new_ids is None else logprobs,
-                                      self._prompt_once(live, out)))
+                                      _new_logprobs(out), self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -475,7 +460,14 @@ class EngineThread:
                     out = self.engine.abort_request(rid)
                 except Exception:   # noqa: BLE001 - a broken engine must still let clients go
                     log.exception("abort of %s failed", rid)
-            self._finish(live, out, reason, None, failure=failure)
+            if live.n > 1:
+                self._finish_children(live, out, reason, failure)
+            elif out is None:
+                del self._live[rid]
+                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
+                                              failure.message, failure))
+            else:
+                self._finish(live, out, reason, failure=failure)
         return n
 
     def _die(self, reason: str) -> None:
@@ -501,9 +493,28 @@ class EngineThread:
             return
         batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._loop.call_soon_threadsafe(self._deliver, batch)
         except RuntimeError:          # the loop is closed: nobody is listening any more
             pass
+
+    def _deliver(self, batch: list[tuple[RequestHandle, Any]]) -> None:
+        """On the event loop: each request's Deltas get their text (``handle.text``), then its queue."""
+        for handle, item in batch:
+            if isinstance(item, Delta) and handle.text is not None:
+                text = handle.text[item.index] if isinstance(handle.text, list) else handle.text
+                try:
+                    item = text.push(item)
+                except Exception as e:   # noqa: BLE001 - a bug costs this request only
+                    log.exception("making the text of %s failed", handle.request_id)
+                    text.done = True
+                    self.abort(handle.request_id, index=item.index if isinstance(handle.text, list) else None)
+                    failure = ApiError(500, f"internal error while decoding the output: {_reason(e)}",
+                                       "server_error")
+                    item = Delta("", [], item.num_prompt_tokens, item.num_output_tokens, True, "error",
+                                 failure.message, failure, index=item.index)
+                if item is None:
+                    continue
+            handle.queue.put_nowait(item)
 
 
 def _new_logprobs(out: RequestOutput | CompletionOutput) -> list | None:
@@ -519,7 +530,3 @@ def _reason(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
-
-def _deliver(batch: list[tuple[RequestHandle, Any]]) -> None:
-    for handle, item in batch:
-        handle.queue.put_nowait(item)

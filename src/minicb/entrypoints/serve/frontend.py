@@ -1,42 +1,65 @@
-"""The frontend: everything a request needs before the engine sees it, in a worker pool.
+"""The frontend: everything a request needs before the engine sees it, in worker *processes*.
 
 ::
 
-    event loop                      worker pool (threads)                        engine thread
-    ──────────                      ─────────────────────                        ─────────────
-    read the body (bounded:   ──►   JSON -> checked fields (protocol.py)   ──►   add_request(ids)
-    size, deadline, type)           -> chat template -> token ids               step, step, ...
-                                    -> stop-string matcher
-                                    -> structured output: its grammar compiled
-                                       (cached per constraint)
+    event loop                  worker processes (a pool)                       engine thread
+    ──────────                  ─────────────────────────                       ─────────────
+    read the body (bounded:  ─► JSON -> checked fields (protocol.py)      ─►    add_request(ids)
+    size, deadline, type)       -> chat template -> token ids                    step, step, ...
+    at most --max-frontend-     -> stop-string matcher
+    queue in here, else 503     (a Prepared comes back: ids, fields, matcher)
+    a structured output: its grammar compiled in a thread here (Rust; cached in this process, where
+    the engine thread's ``register`` copies it)
 
 The event loop serves every client and the engine thread steps every request: neither may run
 anything whose cost grows with a request. Parsing a JSON body, rendering the chat template of a
 thousand messages, tokenizing 200,000 characters, building a matcher for long stop strings: each is
-linear in the request but takes milliseconds to seconds, and on the loop or the engine thread it
-would freeze every stream for that long. So they run here, in a ``ThreadPoolExecutor`` (vLLM V1 does
-the same work in its frontend process, SGLang in a tokenizer process): the HF tokenizer and the JSON
-parser are C / Rust code, and the engine thread's torch kernels release the GIL, so the threads
-overlap. The engine thread gets token ids and a ready matcher and does only what is its own: add the
-request (its own checks, linear in a prompt of at most ``max_model_len`` tokens) and step.
+linear in the request but takes milliseconds to seconds. In a *thread* it would still hold the
+interpreter's lock (GIL) for most of that time (the chat template is pure-Python Jinja2, traced line
+by line by its sandbox; JSON parsing builds Python objects), and every stream's chunks would wait for
+it. So the work runs in a pool of processes, each with its own interpreter (vLLM V1 does it in its
+API server process, apart from the engine core; SGLang in its tokenizer process):
 
-Detokenizing stays in the engine's step: it is incremental, a table lookup per generated token
-(``IncrementalDecoder``), the same cost as sampling the token.
+* **Started once, with everything they need.** ``start()`` launches ``workers`` processes
+  (``forkserver``: forked from a small clean process, never from this threaded one) and waits until
+  each has run its initializer: the tokenizer (sent once, pickled: the ``tokenizers`` library's own
+  JSON; reading it from the GGUF file would import torch in every worker), the model's name,
+  vocabulary size, ``max_model_len`` and the limits. Per request only the raw body goes out and a
+  ``Prepared`` (token ids, checked fields, a ready stop matcher; never the prompt text) comes back.
+* **Bounded.** At most ``--max-frontend-queue`` requests are in here at once (being prepared or
+  waiting for a worker); one more is refused with 503 and ``Retry-After`` before its body is sent.
+* **Errors are answers.** A worker returns an ``ApiError``'s fields (400 / 404 / 413), and the
+  caller raises the same ``ApiError`` it would have raised in-process. A worker that dies (the
+  ``tokenizers`` library aborts the process when an allocation fails) costs the requests it held a
+  503; the pool is started afresh for the next ones, and the server's own process is untouched.
+* **Never an orphan, never a slow exit.** The workers ignore Ctrl-C (the terminal sends it to the
+  whole process group: the server decides what it means), leave by themselves within a second if the
+  server's process disappears (``kill -9``), and ``close()`` terminates them and waits at most
+  ``CLOSE_WAIT_S`` for each (they hold nothing that needs a clean end).
 
-Every bound of ``limits.py`` is checked here in the order the work happens, so the work a request
-can cause is known before it starts; any bad input is an ``ApiError`` (400 / 404 / 413), never a 500.
+Every bound of ``limits.py`` is checked in the worker in the order the work happens, so the work a
+request can cause is known before it starts; any bad input is an ``ApiError``, never a 500.
+What is *not* here: detokenizing, which is incremental and per token (``detokenizer.py``, on the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
+import logging
+import multiprocessing
 import os
-from dataclasses import dataclass
+import signal
+import sys
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
 
 from minicb.core.errors import InvalidArgument, describe
-from minicb.entrypoints.serve.limits import MAX_JSON_DEPTH, ServeLimits, flag
+from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.protocol import (
     ApiError,
     ParsedRequest,
@@ -46,10 +69,17 @@ from minicb.entrypoints.serve.protocol import (
 )
 from minicb.entrypoints.serve.stops import StopMatcher
 
+log = logging.getLogger("minicb.entrypoints.serve")
+
+CLOSE_WAIT_S = 1.0            # close(): how long a terminated worker gets before it is killed
+WORKER_NICE = 10               # the workers yield the CPU to the engine thread and the event loop
+ORPHAN_CHECK_S = 0.5          # a worker checks this often that the server's process is still there
+
 
 @dataclass(slots=True)
 class Prepared:
-    """A request ready for the engine thread: checked, tokenized, with its stop-string matcher."""
+    """A request ready for the engine thread: checked, tokenized (``parsed.generate.prompt`` is the
+    token ids), with its stop-string matcher."""
 
     parsed: ParsedRequest
     prompt_token_ids: list[int]            # the (first) prompt's
@@ -66,11 +96,12 @@ def default_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-class Frontend:
-    """Turns request bodies into ``Prepared`` requests on a pool of worker threads."""
+class Preparer:
+    """The work itself: a body in, a ``Prepared`` out, or an ``ApiError``. Each worker process holds
+    one (built by its initializer); tests call ``prepare`` directly."""
 
     def __init__(self, *, model_name: str, tokenizer, vocab_size: int, max_model_len: int,
-                 limits: ServeLimits, allow_control_text: bool = False, workers: int | None = None) -> None:
+                 limits: ServeLimits, allow_control_text: bool = False) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -80,33 +111,19 @@ class Frontend:
         if tokenizer is not None and not allow_control_text:
             texts = (tokenizer.id_to_token(i) for i in sorted(tokenizer.all_special_ids))
             self.control_texts = tuple(t for t in texts if t)
-        self.workers = default_workers() if workers is None else workers
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def start(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="minicb-frontend")
+    def warm(self) -> None:
+        """Build the tables the first request would otherwise build (the longest token, the template)."""
+        if self.tokenizer is not None:
+            _ = self.tokenizer.max_token_chars
+            if self.tokenizer.chat_template:
+                try:
+                    self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+                except Exception:   # noqa: BLE001 - a broken template is each request's 400, not ours
+                    pass
 
-    def close(self) -> None:
-        """Stop the workers; requests still being prepared finish (they are refused by the engine)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-    async def prepare(self, kind: str, raw: bytes) -> Prepared:
-        """Run ``prepare_now`` in the pool (the caller's loop keeps serving meanwhile)."""
-        if self._pool is None:
-            return self.prepare_now(kind, raw)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.prepare_now, kind, raw)
-
-    async def call(self, fn, *args):
-        """``fn(*args)`` in the pool (``/tokenize`` and ``/detokenize`` run the tokenizer there)."""
-        if self._pool is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    # --- the work, on a worker thread -----------------------------------------------------------
-    def prepare_now(self, kind: str, raw: bytes) -> Prepared:
-        body = parse_json(raw)
+    def prepare(self, kind: str, raw: bytes) -> Prepared:
+        body = parse_json(raw, self.limits.max_json_depth)
         self._check_model(body)
         if kind == "chat":
             parsed = parse_chat(body, self._render, self.limits, self.control_texts)
@@ -119,15 +136,16 @@ class Frontend:
             raise bad_request(f"the {len(ids)} prompts have {total:,} tokens; at most {cap:,} are allowed in "
                               f"one request ({flag('max_prompt_tokens')}, at most max_model_len)", "prompt",
                               "context_length_exceeded")
-        self._compile(parsed)
         gen = parsed.generate
+        parsed = replace(parsed, generate=replace(gen, prompt=ids[0]))   # the texts stay here
         stop = gen.params.include_stop_str_in_output
         return Prepared(parsed, ids[0], StopMatcher(gen.stops, stop),
                         tuple((i, StopMatcher(gen.stops, stop)) for i in ids[1:]))
 
     def _compile(self, parsed: ParsedRequest) -> None:
-        """Compile the request's grammar here, off the engine thread: a bad one is a 400 now, a good one
-        is cached, and the engine thread's ``register`` only copies the compiled matcher."""
+        """Compile the request's grammar off the engine thread, in the server's process (``Frontend``
+        runs it in a thread: the cache must be the engine thread's): a bad one is a 400 now, a good
+        one is cached, and the engine thread's ``register`` only copies the compiled matcher."""
         spec = parsed.generate.params.structured_outputs
         if spec is None:
             return
@@ -182,23 +200,208 @@ class Frontend:
         return ids
 
 
-def parse_json(raw: bytes):
+
+
+class Frontend:
+    """The pool of worker processes that turn request bodies into ``Prepared`` requests."""
+
+    def __init__(self, *, model_name: str, tokenizer, vocab_size: int, max_model_len: int,
+                 limits: ServeLimits, allow_control_text: bool = False, workers: int | None = None) -> None:
+        self.limits = limits.with_model_len(max_model_len)
+        self.workers = default_workers() if workers is None else workers
+        if self.workers < 1:
+            raise InvalidArgument(f"--frontend-workers must be >= 1, got {self.workers}")
+        self._setup = dict(model_name=model_name, tokenizer=tokenizer, vocab_size=vocab_size,
+                           max_model_len=max_model_len, limits=limits, allow_control_text=allow_control_text)
+        self._local = Preparer(**self._setup)    # the small routes' checks; never a request's work
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._closed = False
+        self.queued = 0                        # requests in the frontend now (on the event loop only)
+        self.restarts = 0                      # pools started afresh after a worker died
+
+    # --- the pool's life ---------------------------------------------------------------------------
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        return concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
+                                                      initargs=(self._setup, os.getpid()))
+
+    async def start(self) -> None:
+        """Start the workers and wait until each has run its initializer (a broken setup fails here,
+        not at the first request); the pool starts its processes one per task, so ``workers`` pings."""
+        self._pool = self._new_pool()
+        with _main_not_imported():            # the processes are launched by these submits
+            futs = [asyncio.wrap_future(self._pool.submit(_ping, 0.05)) for _ in range(self.workers)]
+        pids = await asyncio.gather(*futs)
+        log.debug("frontend workers ready: %s", sorted(set(pids)))
+
+    def close(self) -> None:
+        """Stop the workers now: requests still in here get a 503 (the server is going away anyway)."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            _terminate(pool)
+
+    # --- what the small routes need here, in the server's process (extra_routes.py) ---------------
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        return self._local.control_texts
+
+    @property
+    def vocab_size(self) -> int:
+        return self._local.vocab_size
+
+    def _check_model(self, body) -> None:
+        self._local._check_model(body)
+
+    async def call(self, fn, *args):
+        """``fn(*args)`` in a thread of this process (``/tokenize`` and ``/detokenize``: one tokenizer
+        call on text bounded by the body limit; the ``tokenizers`` library releases the GIL)."""
+        return await asyncio.to_thread(fn, *args)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (tests check that none outlives the server)."""
+        return sorted(getattr(self._pool, "_processes", None) or ())
+
+    # --- one request ---------------------------------------------------------------------------------
+    async def prepare(self, kind: str, raw: bytes) -> Prepared:
+        """``Preparer.prepare`` in a worker process; the caller's loop keeps serving meanwhile."""
+        cap = self.limits.max_frontend_queue
+        if self.queued >= cap:
+            raise ApiError(503, f"{cap} requests are being prepared already ({flag('max_frontend_queue')} "
+                                f"{cap}); retry later", "service_unavailable_error", code="server_overloaded",
+                           retry_after=1)
+        pool = self._pool
+        if pool is None:
+            raise ApiError(503, "the server is shutting down and takes no new requests",
+                           "service_unavailable_error", code="server_shutting_down", retry_after=5)
+        self.queued += 1
+        try:
+            with _main_not_imported():        # a fresh pool launches its processes here
+                fut = pool.submit(_prepare_in_worker, kind, raw)
+            ok, value = await asyncio.wrap_future(fut)
+        except (BrokenProcessPool, RuntimeError) as e:   # a worker died; RuntimeError: shut down meanwhile
+            raise self._worker_lost(pool, e) from None
+        finally:
+            self.queued -= 1
+        if not ok:
+            raise ApiError(*value)
+        if value.parsed.generate.params.structured_outputs is not None:
+            await asyncio.to_thread(self._local._compile, value.parsed)   # this process's grammar cache
+        return value
+
+    def _worker_lost(self, pool, e: Exception) -> ApiError:
+        if self._closed:
+            return ApiError(503, "the server is shutting down and takes no new requests",
+                            "service_unavailable_error", code="server_shutting_down", retry_after=5)
+        if self._pool is pool:                 # the first request to notice starts a fresh pool
+            log.error("a frontend worker process died (%s); starting the pool afresh", e)
+            self._pool = self._new_pool()
+            self.restarts += 1
+            _terminate(pool)
+        return ApiError(503, "the worker process preparing this request died; retry",
+                        "service_unavailable_error", code="frontend_worker_died", retry_after=1)
+
+
+@contextlib.contextmanager
+def _main_not_imported():
+    """Launch worker processes without the program's main module: ``multiprocessing`` would import
+    a script (``python tutorial.py``) once more in every worker, running whatever is not behind
+    ``if __name__ == "__main__"`` (a second server). The workers need nothing from it: their
+    initializer and task are this module's functions. (It looks for ``__main__.__file__``.)"""
+    main = sys.modules.get("__main__")
+    hidden = main is not None and getattr(main, "__spec__", None) is None and hasattr(main, "__file__")
+    if hidden:
+        path = main.__file__
+        del main.__file__
+    try:
+        yield
+    finally:
+        if hidden:
+            main.__file__ = path
+
+
+def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down without waiting for its work: terminate its processes (SIGTERM), give each
+    ``CLOSE_WAIT_S`` in all, then kill. (Python 3.14 has ``terminate_workers()``; before it the
+    processes are only reachable as ``_processes``.)"""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(CLOSE_WAIT_S)
+
+
+# --- inside a worker process ---------------------------------------------------------------------------
+_PREPARER: Preparer | None = None
+
+
+def _init_worker(setup: dict, server_pid: int) -> None:
+    """Runs once in each worker: ignore Ctrl-C, watch for the server's end, build the ``Preparer``."""
+    global _PREPARER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if WORKER_NICE:
+        os.nice(WORKER_NICE)
+    threading.Thread(target=_leave_with, args=(server_pid,), name="minicb-frontend-orphan-check",
+                     daemon=True).start()
+    _PREPARER = Preparer(**setup)
+    _PREPARER.warm()
+
+
+def _leave_with(server_pid: int) -> None:
+    """Exit as soon as the server's process is gone (it was killed: nobody will shut us down)."""
+    while True:
+        time.sleep(ORPHAN_CHECK_S)
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:      # the id was reused by another user's process: ours is gone
+            os._exit(0)
+
+
+def _ping(delay: float) -> int:
+    time.sleep(delay)                # long enough that each ping of ``start()`` gets a process of its own
+    return os.getpid()
+
+
+def _prepare_in_worker(kind: str, raw: bytes):
+    """``(True, Prepared)`` or ``(False, ApiError's fields)``: the fields, not the exception, cross
+    the process boundary (an exception pickles only its positional arguments)."""
+    try:
+        return True, _PREPARER.prepare(kind, raw)
+    except ApiError as e:
+        return False, (e.status, e.message, e.type, e.param, e.code, e.retry_after)
+
+
+def parse_json(raw: bytes, max_depth: int = ServeLimits().max_json_depth):
     """The body as JSON, or a 400: invalid JSON or UTF-8, an integer of more than 4,300 digits,
-    nesting deeper than ``MAX_JSON_DEPTH``."""
+    nesting deeper than ``max_depth`` (``--max-json-depth``)."""
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        raise _too_deep(max_depth) from None
     except (ValueError, UnicodeDecodeError) as e:        # JSONDecodeError is a ValueError; so is 10**5000
         raise bad_request(f"the request body is not valid JSON: {_one_line(e)}") from None
-    _check_depth(body)
+    _check_depth(body, max_depth)
     return body
 
 
-def _check_depth(body) -> None:
+def _too_deep(max_depth: int) -> ApiError:
+    return bad_request(f"the request body nests deeper than {max_depth} levels ({flag('max_json_depth')})")
+
+
+def _check_depth(body, max_depth: int) -> None:
     """Walk the containers only (no recursion): a body of 100,000 ints costs one pass over them."""
     level: list = [body]
-    for _depth in range(MAX_JSON_DEPTH + 1):
+    for _depth in range(max_depth + 1):
         nxt = []
         for v in level:
             if isinstance(v, dict):
@@ -208,7 +411,7 @@ def _check_depth(body) -> None:
         if not nxt:
             return
         level = nxt
-    raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    raise _too_deep(max_depth)
 
 
 def _encodable(text: str) -> bool:

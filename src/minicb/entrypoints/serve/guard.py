@@ -2,7 +2,10 @@
 
 ::
 
-    request ─► Host allow-list ─► CORS (only with --allowed-origins) ─► API key (/v1/*) ─► the app
+    request ─► head size ─► Host allow-list ─► CORS (with --allowed-origins) ─► API key (/v1/*) ─► app
+
+A request's line and headers larger than ``--max-header-bytes`` are refused first (431): h11 bounds
+only a head that is still *arriving* (its buffer), so one that arrives whole is measured here.
 
 A server on a shared machine is reachable by more than its operator:
 
@@ -55,8 +58,10 @@ def host_name(header: str) -> str:
 class Guard:
     """ASGI middleware: the Host allow-list, then (``/v1/*``) the API key, around ``app``."""
 
-    def __init__(self, app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None) -> None:
+    def __init__(self, app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None,
+                 max_header_bytes: int | None = None) -> None:
         self.app = app
+        self.max_header_bytes = max_header_bytes
         self.allowed = None if allowed_hosts is None or "*" in allowed_hosts else \
             frozenset(host_name(h) for h in allowed_hosts)
         self._key = None if not api_key else f"Bearer {api_key}".encode()
@@ -64,7 +69,15 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or ())
+        raw = scope.get("headers") or ()
+        if self.max_header_bytes is not None:
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + \
+                sum(len(k) + len(v) + 4 for k, v in raw)           # "name: value\r\n"
+            if size > self.max_header_bytes:
+                return await _refuse(send, 431, f"the request line and headers exceed "
+                                                f"{self.max_header_bytes:,} bytes (--max-header-bytes)",
+                                     "request_header_fields_too_large")
+        headers = dict(raw)
         if self.allowed is not None:
             host = host_name(headers.get(b"host", b"").decode("latin-1"))
             if host not in self.allowed:
@@ -92,12 +105,13 @@ async def _refuse(send, status: int, message: str, code: str, extra: dict | None
 
 
 def wrap(app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None,
-         allowed_origins: tuple[str, ...] = ()):
-    """``app`` behind the Host check, CORS (when ``allowed_origins``) and the API key, in that order."""
+         allowed_origins: tuple[str, ...] = (), max_header_bytes: int | None = None):
+    """``app`` behind the head size, the Host check, CORS (when ``allowed_origins``) and the API key,
+    in that order."""
     inner = Guard(app, allowed_hosts=None, api_key=api_key)
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
         inner = CORSMiddleware(inner, allow_origins=list(allowed_origins), allow_methods=["*"],
                                allow_headers=["*"], allow_credentials=False)
-    return Guard(inner, allowed_hosts=allowed_hosts, api_key=None)
+    return Guard(inner, allowed_hosts=allowed_hosts, api_key=None, max_header_bytes=max_header_bytes)

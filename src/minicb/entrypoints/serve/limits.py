@@ -24,7 +24,10 @@ a structured-output         ``--max-grammar-chars``       65,536       400 ``res
 constraint or tools'                                                   ``structured_outputs`` / ``tools``
 schemas (characters)
 its JSON nesting            ``--max-schema-depth``        16 levels    400 (the same)
-JSON nesting                (fixed)                       32 levels    400
+JSON nesting                ``--max-json-depth``          32 levels    400
+requests being prepared     ``--max-frontend-queue``      256          503 + ``Retry-After``
+(parsed, rendered, tokenized
+in the worker processes)
 ==========================  ============================  ===========  ===============================
 
 And what a *connection* may cost (``server.py`` applies these to uvicorn):
@@ -34,8 +37,11 @@ the request line + headers  ``--header-timeout``          10 s         the conne
 the body                    ``--body-timeout``            30 s         408
 an idle keep-alive          ``--keep-alive-timeout``      5 s          the connection is closed
 open connections            ``--max-connections``         1,024        503 (uvicorn)
-header bytes                (h11's limit)                 16 KiB       400 (uvicorn)
+their size                  ``--max-header-bytes``        16 KiB       431, then closed
 live-page watchers          ``--max-live-watchers``       8            503
+a refused body (413, 408)   ``--body-linger``             2 s          read and dropped this long, so
+                                                                       the client, still sending,
+                                                                       reads its answer; then closed
 ==========================  ============================  ===========  ===============================
 
 A token-id prompt is at most ``max_model_len`` ids anyway (the engine refuses a longer one), so its
@@ -49,7 +55,7 @@ from dataclasses import dataclass
 
 from minicb.core.errors import InvalidArgument, check_float, check_int
 
-MAX_JSON_DEPTH = 32           # an OpenAI body nests 5 levels at most (messages, parts, ...)
+MAX_JSON_DEPTH = 256          # the most --max-json-depth allows (json's recursion limit is ~1,000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +79,28 @@ class ServeLimits:
     keep_alive_timeout: float = 5.0
     max_connections: int = 1024
     max_live_watchers: int = 8
+    max_json_depth: int = 32                      # an OpenAI body nests 5 levels at most (messages, parts)
+    max_header_bytes: int = 16 * 2**10            # h11's default
+    body_linger: float = 2.0
+    max_frontend_queue: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_stop_chars",
-                     "max_connections", "max_bad_words_chars", "max_grammar_chars", "max_schema_depth"):
+                     "max_connections", "max_bad_words_chars", "max_frontend_queue", "max_grammar_chars",
+                     "max_schema_depth"):
             check_int(flag(name), getattr(self, name), lo=1)
         for name in ("max_stop", "max_stop_token_ids", "max_live_watchers", "max_logit_bias",
                      "max_bad_words"):
             check_int(flag(name), getattr(self, name), lo=0)
         if self.max_prompt_tokens is not None:
             check_int(flag("max_prompt_tokens"), self.max_prompt_tokens, lo=1)
+        check_int(flag("max_json_depth"), self.max_json_depth, lo=1, hi=MAX_JSON_DEPTH)
+        check_int(flag("max_header_bytes"), self.max_header_bytes, lo=1024)
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             v = check_float(flag(name), getattr(self, name), finite=True)
             if not v > 0:
                 raise InvalidArgument(f"{flag(name)} must be > 0 seconds, got {v}")
+        check_float(flag("body_linger"), self.body_linger, lo=0.0, finite=True)
 
     def with_model_len(self, max_model_len: int) -> ServeLimits:
         """These limits with ``max_prompt_tokens`` filled in (and never above ``max_model_len``)."""

@@ -30,15 +30,23 @@ live pages are ended; the engine thread stops; ``run`` returns the exit code:
 **Connections** get deadlines (``limits.py``): the request line and headers within
 ``header_timeout`` seconds of connecting or of the previous response (a silent or slowloris
 connection is closed), the body within ``body_timeout`` (408), an idle keep-alive
-``keep_alive_timeout``; at most ``max_connections`` open (uvicorn answers 503 past it), and h11's
-16 KiB limit on a request's head. ``guard.py`` puts the Host allow-list, CORS and the API key in
-front of the app.
+``keep_alive_timeout``; at most ``max_connections`` open (uvicorn answers 503 past it), and at most
+``max_header_bytes`` of request line and headers (431, OpenAI's error object naming the flag). A
+refused body is read and dropped for ``body_linger`` seconds before the connection closes.
+``guard.py`` puts the Host allow-list, CORS and the API key in front of the app.
+
+**Where the work runs.** The event loop reads bodies and writes answers, and makes each request's
+text from its token ids (``detokenizer.py``); worker processes parse, render and tokenize
+(``frontend.py``); the engine thread only steps (``engine_thread.py``). The engine is told to make no
+text (``engine.detokenize = False``) while it is served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import json
 import signal
 import socket
 import threading
@@ -53,13 +61,12 @@ from minicb.entrypoints.serve import guard
 from minicb.entrypoints.serve.app import build_app
 from minicb.entrypoints.serve.engine_thread import EngineThread
 from minicb.entrypoints.serve.frontend import Frontend
-from minicb.entrypoints.serve.limits import ServeLimits
+from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.live import LiveFeed
 from minicb.entrypoints.serve.metrics import ServerMetrics
 
 DEFAULT_MAX_WAITING = 256
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-LINGER_S = 2.0                # a refused body: read and dropped this long, so its client sees the 413
 FORCE_GRACE_S = 2.0           # after a second signal: the aborted requests' last chunks get this long
 
 EXIT_STOPPED = 0
@@ -116,9 +123,12 @@ class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
     that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
     or of its previous response, is closed; so is one whose response is done while its body is still
-    arriving (a 413 or a 408), after ``LINGER_S`` seconds of reading and dropping what still comes."""
+    arriving (a 413 or a 408), after ``body_linger`` seconds of reading and dropping what still comes.
+    A head larger than ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag."""
 
     header_timeout = 10.0
+    body_linger = 2.0
+    max_header_bytes = 16 * 2**10
     _discarding = False
 
     def connection_made(self, transport) -> None:
@@ -140,10 +150,25 @@ class _DeadlineH11(H11Protocol):
         if body_left:                         # the body was refused half way (413, 408): read and drop
             self._discarding = True           # the rest for a moment, so that the client, still
             self._unset_keepalive_if_required()   # sending, gets to read the answer; then close
-            self.loop.call_later(LINGER_S, self.transport.close)
+            self.loop.call_later(self.body_linger, self.transport.close)
             return
         self._head_timer.cancel()
         self._arm()
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 refused the request's head: too large (its buffer outgrew the limit) is a 431 that
+        names the flag; anything else is uvicorn's own 400."""
+        if len(self.conn.trailing_data[0]) <= self.max_header_bytes:
+            return super().send_400_response(msg)
+        body = json.dumps({"error": {
+            "message": f"the request line and headers exceed {self.max_header_bytes:,} bytes "
+                       f"({flag('max_header_bytes')})", "type": "invalid_request_error", "param": None,
+            "code": "request_header_fields_too_large"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        head = h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large")
+        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if not self._discarding:
@@ -175,6 +200,9 @@ class Server:
         self.max_model_len = cfg.max_model_len
         self.clock = engine.clock                 # the engine's clock: arrival times must be on it
         self.tokenizer = engine.tokenizer
+        engine.detokenize = False                 # the event loop makes the text (detokenizer.py)
+        if self.tokenizer is not None:
+            self.tokenizer.incremental_decoder()  # its byte table, built now rather than at a first request
         self.limits = (limits or ServeLimits()).with_model_len(cfg.max_model_len)
         self.allowed_hosts, self.allowed_origins, self.api_key = allowed_hosts, allowed_origins, api_key
         self.exit_on_engine_death = exit_on_engine_death
@@ -201,13 +229,16 @@ class Server:
         if hosts is None:
             hosts = guard.default_allowed_hosts(sock.getsockname()[0])
         asgi = guard.wrap(self.app, allowed_hosts=hosts, api_key=self.api_key,
-                          allowed_origins=self.allowed_origins)
+                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes)
         lim = self.limits
-        protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout})
+        protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout,
+                                                         "body_linger": lim.body_linger,
+                                                         "max_header_bytes": lim.max_header_bytes})
         config = uvicorn.Config(asgi, log_level=self.log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=self.shutdown_timeout + 2.0, http=protocol,
                                 timeout_keep_alive=lim.keep_alive_timeout,
-                                limit_concurrency=lim.max_connections)
+                                limit_concurrency=lim.max_connections,
+                                h11_max_incomplete_event_size=lim.max_header_bytes)
         return _Uvicorn(config, self.begin_shutdown, self.force_shutdown)
 
     def _attach(self, engine) -> None:
@@ -229,11 +260,18 @@ class Server:
             # there before it: make that one harmless, so a graceful shutdown ends with exit code 0
             for sig in quiet:
                 signal.signal(sig, _ignore)
+        # What exists now (the model, the tokenizer, every import) lives as long as the server: take it
+        # out of the garbage collector's scans. A full collection runs on whichever thread allocates at
+        # that moment (the engine thread, the event loop) and holds the GIL while it walks every tracked
+        # object: with the start-up heap frozen it walks only what requests made.
+        gc.collect()
+        gc.freeze()
         try:
             asyncio.run(self._serve(sock))
         finally:
             self.engine_thread.stop()
             self.frontend.close()
+            gc.unfreeze()
             if in_main:
                 for sig, handler in quiet.items():
                     signal.signal(sig, handler)

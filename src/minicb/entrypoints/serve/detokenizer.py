@@ -1,0 +1,68 @@
+"""Each request's text, made on the event loop from the token ids the engine thread sends.
+
+::
+
+    engine thread                         event loop (this module, per request)
+    ─────────────                         ─────────────────────────────────────────────────────
+    step -> token ids of each request ──► RequestText.push(delta): ids -> IncrementalDecoder -> text
+            (no text: the server's            -> StopMatcher -> the text that may be sent now
+            engine runs with                  a stop string found: the request is cut there and
+            ``detokenize = False``)           aborted (``abort(request_id, "stop")``)
+
+The engine thread only steps: turning ids into text is the frontend's work, as in vLLM V1 (its API
+server process detokenizes; its engine core only schedules and runs the model). It runs here, on the
+loop, because it is small and sequential: one table lookup and one incremental UTF-8 decode per
+generated token (``IncrementalDecoder``, byte-level BPE), then the stop-string automata, amortised
+constant time per character and stop string (``StopMatcher``; at most ``--max-stop-chars`` of state).
+Per step that is at most one token per running request: microseconds, the same order as writing its
+SSE chunk. Nothing here grows with a prompt.
+
+The consistency contract of ``docs/errors.md`` holds for what a client receives: the token ids it
+is sent concatenate to the final ``token_ids``, and a request that ends without a stop string has
+``text == tokenizer.decode(token_ids)`` (the decoder is flushed at the end, the held-back text is
+released). A stop string cuts the text right before it; the token ids are those up to the token that
+completed it, and whatever the engine made after that (the step that was already running when the
+abort arrived) is dropped, never sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from minicb.entrypoints.serve.stops import StopMatcher
+
+
+class RequestText:
+    """One request's decoder and stop strings; ``push`` turns the engine thread's token-only ``Delta``
+    into the ``Delta`` a client is sent (``None``: nothing more is sent for this request)."""
+
+    __slots__ = ("decoder", "stops", "abort", "done", "num_output_tokens", "min_tokens")
+
+    def __init__(self, decoder, stops: StopMatcher, abort: Callable[[], None], min_tokens: int = 0) -> None:
+        self.decoder = decoder                # the tokenizer's IncrementalDecoder, or None (ids only)
+        self.stops = stops
+        self.abort = abort                    # ends the request on the engine thread ("stop")
+        self.done = False                     # the last Delta went out (a stop, or the engine's end)
+        self.num_output_tokens = 0
+        self.min_tokens = min_tokens          # vLLM's min_tokens: no stop string ends it before that many
+
+    def push(self, d):
+        """``d`` is an ``engine_thread.Delta`` without text; returns it with its text, or None."""
+        if self.done:
+            return None                       # after a stop: the rest of the engine's output is dropped
+        if d.finished:
+            self.done = True
+        clean = d.failure is None and d.finish_reason in ("stop", "length")
+        text = "" if self.decoder is None else self.decoder.push_many(d.token_ids, final=d.finished)
+        self.num_output_tokens += len(d.token_ids)
+        sent = self.stops.push(text, self.num_output_tokens >= self.min_tokens)
+        if self.stops.stopped:
+            if not d.finished:                # end it now on the engine thread; drop what it still makes
+                self.done = True
+                self.abort()
+            return dataclasses.replace(d, text=sent, finished=True, finish_reason="stop", error=None,
+                                       failure=None, num_output_tokens=self.num_output_tokens)
+        if d.finished and clean:              # no stop string appeared: the held-back text is text
+            sent += self.stops.flush()
+        return dataclasses.replace(d, text=sent)
