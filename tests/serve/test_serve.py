@@ -339,8 +339,13 @@ def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
         try:
             for t in threads:
                 t.start()
-            wait_for(lambda: server.engine_thread.num_pending == 8, timeout=300,
-                     what="8 requests in the inbox")
+            # the 8 "add" messages (other messages may sit beside them: a watcher's snapshot call)
+            et = server.engine_thread
+
+            def adds():
+                with et._cond:
+                    return sum(1 for m in et._inbox if m[0] == "add")
+            wait_for(lambda: adds() == 8, timeout=300, what="8 requests in the inbox")
         finally:
             gate.set()
         for t in threads:
