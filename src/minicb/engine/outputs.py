@@ -177,10 +177,11 @@ class RequestTracker:
             if prev is not None:                       # a failed join handed this delta out to nobody
                 out = _merged(prev, out)
             self._carry[i] = out
-        outs, self._carry = [self._carry[i] for i in range(len(self.children))], {}
+        outs = [self._carry[i] for i in range(len(self.children))]
         out = outs[0] if len(outs) == 1 else _group(self.request_id, outs)
         if self.finished:
             self.final = out
+        self._carry = {}                               # only now is every delta in ``out``, handed out
         return out
 
 
