@@ -356,7 +356,12 @@ def _init_worker(setup: dict, server_pid: int) -> None:
 
 
 def _leave_with(server_pid: int) -> None:
-    """Exit as soon as the server's process is gone (it was killed: nobody will shut us down)."""
+    """Exit as soon as the server's process is gone (it was killed: nobody will shut us down).
+
+    Gone includes a zombie: a server that has exited but whose parent has not reaped it yet still has
+    its process id. A parent that reads the server's output until end of file before reaping it
+    (``subprocess.communicate``, ``$(minicb serve ...)``) would then wait forever on the pipes a worker
+    inherited, while the worker waited for the id to disappear."""
     while True:
         time.sleep(ORPHAN_CHECK_S)
         try:
@@ -365,6 +370,17 @@ def _leave_with(server_pid: int) -> None:
             os._exit(0)
         except PermissionError:      # the id was reused by another user's process: ours is gone
             os._exit(0)
+        if _is_zombie(server_pid):
+            os._exit(0)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (Linux's /proc; False where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _ping(delay: float) -> int:
