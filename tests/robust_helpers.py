@@ -109,5 +109,6 @@ def finishes(fn: Callable[[], object], bound_s: float = 30.0):
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(bound_s)
+    # load-independent: a hang bound (30 s default) far beyond any call it guards, not a speed check
     assert not t.is_alive(), f"still running after {bound_s} s: a hang"
     return box["error"] if "error" in box else box.get("value")
