@@ -1,9 +1,17 @@
 """Shared pytest fixtures. The src/ layout is put on the path so the suite also runs uninstalled."""
 
 import pathlib
+import signal
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+
+# A run started as a background job of a non-interactive shell (``nohup make test &``) begins with SIGINT
+# ignored, and an ignored signal is inherited by every program the tests start: the Ctrl-C tests and the
+# servers the tests stop with SIGINT would then never see it. Python's own handler (what an interactive
+# run has) is reset to the default at exec, so children start as they would from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import hypothesis_profiles  # noqa: E402, F401  (registers and loads the hypothesis profile: quick / thorough)
 
