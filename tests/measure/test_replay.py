@@ -209,16 +209,24 @@ def test_the_replay_page_says_what_the_recording_shows(committed):
     # step 11: swapped this time; step 12: swap pending
     assert fr[11]["victims"]["r3"]["mode"] == "swap" and fr[11]["state"]["refs"] == {}
     assert set(why(12).values()) == {"swap pending"}
-    # step 15: 1 + 2 + 8 + 5 tokens; r7 no slot
-    assert rows(15) == {"r2": ("decode", 17, 1), "r4": ("prefill", 8, 2), "r5": ("chunk", 0, 8),
-                        "r6": ("chunk", 8, 5)} and why(15) == {"r7": "no slot"}
-    assert "(1 + 2 + 8 + 5 = 16 tokens)" in text
-    # steps 16, 17: one-token prefills
-    r5 = next(s for s in fr[16]["seqs"] if s["id"] == "r5")
+    # step 14: r3 swapped in, decodes its last token; r4 hits two of its blocks; 1 + 1 + 2 + 8 tokens
+    assert fr[14]["swap_in"] and len(fr[14]["swap_in"]) == 6 and "r3" in fr[14]["finished"]
+    assert rows(14) == {"r2": ("decode", 16, 1), "r3": ("decode", 23, 1), "r4": ("prefill", 8, 2),
+                        "r5": ("chunk", 0, 8)} and why(14) == {"r6": "no slot", "r7": "no slot"}
+    swapped_in = {dst for _, dst in fr[14]["swap_in"]}
+    assert fr[14]["state"]["block_tables"]["r3"] and set(fr[14]["state"]["block_tables"]["r3"]) == swapped_in
+    shared = fr[14]["state"]["block_tables"]["r4"][:2]
+    assert shared == [10, 8] and set(shared) <= swapped_in and fr[14]["state"]["refs"] == {"10": 2, "8": 2}
+    assert "(10 and 8, now `×2`)" in text and "(1 + 1 + 2 + 8 = 12 tokens)" in text
+    # step 15: r6 hits the same blocks; r5's one-token prefill at position 8 of 9; r4 decodes
+    assert fr[15]["state"]["block_tables"]["r6"][:2] == shared and rows(15)["r6"] == ("prefill", 8, 6)
+    r5 = next(s for s in fr[15]["seqs"] if s["id"] == "r5")
     assert (r5["kind"], r5["start"], r5["n"], r5["prompt"]) == ("prefill", 8, 1, 9)
-    r6 = next(s for s in fr[17]["seqs"] if s["id"] == "r6")
-    assert (r6["kind"], r6["start"], r6["n"], r6["prompt"]) == ("prefill", 13, 1, 14) and fr[17]["swap_in"]
-    for k in (2, 4, 7, 10, 11, 12, 15, 16, 17):
+    assert rows(15)["r4"] == ("decode", 10, 1) and "position 8 of 9" in text
+    # step 17: r2 finished at 16, r7 takes its slot with its whole 3-token prompt; only decodes after
+    assert "r2" in fr[16]["finished"] and rows(17)["r7"] == ("prefill", 0, 3)
+    assert all(s["kind"] == "decode" for f in fr[18:] for s in f["seqs"])
+    for k in (2, 4, 7, 10, 11, 12, 14, 15, 17):
         assert f"?step={k})" in text
 
 
