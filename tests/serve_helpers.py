@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minicb.entrypoints.llm import LLM
@@ -18,6 +19,31 @@ from minicb.entrypoints.serve.server import Server, listen
 MODEL = "tiny"
 SERVER_OPTIONS = ("limits", "allowed_hosts", "allowed_origins", "api_key", "allow_control_text",
                   "frontend_workers", "exit_on_engine_death")
+
+
+def tiny_server_fixtures(name: str, **limits):
+    """The three module fixtures a server test file most often starts from: ``gguf`` (a tiny random
+    GGUF, written once), ``reference`` (the offline ``LLM`` on it in float64 with default limits: the
+    oracle) and ``url`` (a running server on it with ``limits``). A test module binds them by name::
+
+        gguf, reference, url = tiny_server_fixtures("knobs", **SMALL)
+    """
+    from tiny_files import write_gguf
+
+    @pytest.fixture(scope="module", name="gguf")
+    def gguf_(tmp_path_factory):
+        return write_gguf(tmp_path_factory.mktemp(name) / "tiny.gguf")
+
+    @pytest.fixture(scope="module", name="reference")
+    def reference_(gguf):
+        return LLM(str(gguf), dtype="float64")
+
+    @pytest.fixture(scope="module", name="url")
+    def url_(gguf):
+        with running_server(gguf, **limits) as (_, url):
+            yield url
+
+    return gguf_, reference_, url_
 
 
 @contextlib.contextmanager

@@ -8,31 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from minicb.core.sampling_params import SamplingParams
-from minicb.entrypoints.llm import LLM
-from serve_helpers import MODEL, client, http, running_server
-from tiny_files import write_gguf
+from serve_helpers import MODEL, client, http, tiny_server_fixtures
 
 SMALL = dict(max_num_seqs=4, num_blocks=48, block_size=4, max_num_batched_tokens=32)   # 192 KV tokens
 OPENAI = ("presence_penalty", "frequency_penalty", "logit_bias", "seed", "temperature", "top_p")
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("knobs") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(gguf):
-    return LLM(str(gguf), dtype="float64")
-
-
-@pytest.fixture(scope="module")
-def url(gguf):
-    with running_server(gguf, **SMALL) as (_, url):
-        yield url
+gguf, reference, url = tiny_server_fixtures("knobs", **SMALL)
 
 
 def body_of(p: SamplingParams) -> tuple[dict, dict]:

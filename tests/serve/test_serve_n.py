@@ -9,32 +9,15 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import pytest
-
 from minicb.core.sampling_params import SamplingParams
-from minicb.entrypoints.llm import LLM
-from serve_helpers import MODEL, http, running_server
-from tiny_files import write_gguf
+from serve_helpers import MODEL, http, tiny_server_fixtures
 
 SMALL = dict(max_num_seqs=4, num_blocks=48, block_size=4, max_num_batched_tokens=32, max_n=6)
 PROMPT = "The quick brown fox"
 KNOBS = dict(max_tokens=12, temperature=0.9, top_k=30, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("serve_n") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(gguf):
-    return LLM(str(gguf), dtype="float64")
-
-
-@pytest.fixture(scope="module")
-def url(gguf):
-    with running_server(gguf, **SMALL) as (_, url):
-        yield url
+gguf, reference, url = tiny_server_fixtures("serve_n", **SMALL)
 
 
 def alone(reference, seed: int, n: int, prompt=PROMPT):
