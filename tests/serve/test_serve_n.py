@@ -81,9 +81,24 @@ def test_a_stop_string_ends_only_the_choice_that_produced_it(url, reference):
     assert b["choices"][1]["finish_reason"] == "stop"
 
 
-def test_n_beyond_max_n_is_a_400_naming_n(url):
-    s, _, b = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 7})
-    assert s == 400 and b["error"]["param"] == "n" and "max_n=6" in b["error"]["message"]
+def test_n_beyond_max_n_is_a_400_naming_n_before_anything_is_made_per_choice(url, monkeypatch):
+    """A million choices were once a 22-second 400: a decoder and a stop matcher were made for each on
+    the event loop before the engine thread looked at ``max_n``. Now nothing per choice is made."""
+    from minicb.entrypoints.serve import app
+
+    made = []
+    real = app._request_text
+    monkeypatch.setattr(app, "_request_text", lambda *a, **k: made.append(1) or real(*a, **k))
+    for n in (7, 10**6):
+        s, _, b = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": n})
+        assert s == 400 and b["error"]["param"] == "n" and "max_n=6" in b["error"]["message"]
+        s, _, b = http("POST", url + "/v1/chat/completions",
+                       {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": n})
+        assert s == 400 and b["error"]["param"] == "n" and "max_n=6" in b["error"]["message"]
+    assert made == []
+    s, _, b = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 6,
+                                                     "max_tokens": 2})
+    assert s == 200 and len(b["choices"]) == 6 and len(made) == 6      # the spy sees what is made
 
 
 def test_a_prompt_list_with_n_numbers_choices_prompt_index_times_n_plus_child(url, reference):

@@ -141,6 +141,58 @@ def test_bad_messages_are_400(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("turn, param", [
+    ({"role": "assistant", "tool_calls": [{"function": 5}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": []}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": "f"}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [5]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": 5}}]}, "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
+     "messages[1].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": {"function": {"name": "f"}}}, "messages[1].tool_calls"),
+    ({"role": "assistant", "content": 5, "tool_calls": [{"function": {"name": "f"}}]}, "messages[1].content"),
+    ({"role": "tool", "tool_call_id": "c", "content": 5}, "messages[1].content"),
+    ({"role": "tool", "tool_call_id": "c", "content": {"t": 1}}, "messages[1].content"),
+])
+def test_a_malformed_tool_turn_is_a_400_naming_it(turn, param):
+    """The turns the tool format rewrites are checked before they are rewritten (they were a 500)."""
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [USER, turn]}, chatml)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_well_formed_tool_turns_render_their_text_parts_and_calls():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "ok "}], "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}
+    r = parse_chat({"messages": [USER, answer, result]}, chatml)
+    assert r.generate.prompt == ('<user>hi<assistant>ok <tool_call>[\n{"name": "f", "arguments": {"x": 1}}\n]'
+                                 '</tool_call><user><tool_response>\n42\n</tool_response><assistant>')
+
+
+@pytest.mark.parametrize("field, value", [
+    ("continue_final_message", True), ("add_generation_prompt", False), ("chat_template", "{{ x }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", "yes"),
+])
+def test_chat_fields_that_would_change_the_prompt_are_refused_not_ignored(field, value):
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [USER], field: value}, chatml)
+    assert e.value.status == 400 and e.value.param == field and "not supported" in e.value.message
+
+
+def test_their_defaults_and_a_string_user_are_accepted_and_any_other_user_is_a_400():
+    r = parse_chat({"messages": [USER], "continue_final_message": False, "add_generation_prompt": True,
+                    "chat_template_kwargs": {}, "user": "u-1"}, chatml)
+    assert r.generate.prompt == "<user>hi<assistant>"
+    for user in (5, True, [], {}):
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "x", "user": user})
+        assert e.value.status == 400 and e.value.param == "user"
+
+
 def test_a_template_that_refuses_the_messages_is_a_400():
     def refuse(messages):
         raise RuntimeError("Conversation roles must alternate user/assistant")

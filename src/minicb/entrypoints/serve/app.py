@@ -49,7 +49,7 @@ from starlette.requests import ClientDisconnect
 from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.detokenizer import RequestText
-from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle
+from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle, check_choices
 from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
@@ -213,6 +213,7 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     parsed = prepared.parsed
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
     params = parsed.generate.params
+    check_choices(params.n, server.engine_thread.engine.config.max_n)
     handles = []
     for ids, stops in prepared.requests:      # each prompt: its own request, decoder and stop strings
         rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -39,10 +39,12 @@ Field by field (vLLM's choices where OpenAI leaves room):
   it either, as vLLM), ``bad_words`` (at most ``--max-bad-words`` strings of
   ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
   string stays in the text) and ``skip_special_tokens`` (default true).
-* ``n`` must be 1; ``best_of``, chat's ``echo``, and vLLM's ``spaces_between_special_tokens``,
-  ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``: a clear
-  400 naming the field rather than a silently different answer. Unknown fields are ignored (clients
-  send extras).
+* ``n`` choices (parallel sampling) up to the engine's ``max_n``. ``best_of``, chat's ``echo``, vLLM's
+  ``spaces_between_special_tokens``, ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``,
+  and the chat fields that would change the rendered prompt (``add_generation_prompt: false``,
+  ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``): a clear 400 naming the field
+  rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
+  are ignored (clients send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
   1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
 * The cost bounds of ``limits.py`` (prompt characters and ids, messages, stop strings) are checked
@@ -110,6 +112,12 @@ _UNSUPPORTED = {
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
 }
+# chat fields of vLLM's that change the rendered prompt: refused unless they ask for what minicb does
+_UNSUPPORTED_CHAT = {
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
+    "documents": (None, []),
+}
 _UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
 
 
@@ -131,7 +139,8 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     body = _object(body)
     check_model(body)
     tools = parse_tools(body, limits)
-    messages = _messages(template_messages(body.get("messages"), tools), limits)
+    _unsupported(body, _UNSUPPORTED_CHAT)
+    messages = _messages(template_messages(body.get("messages"), tools, _content), limits)
     _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
@@ -166,6 +175,8 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
 def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
            limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_request(f"user must be a string, got {describe(body['user'])}", "user")
     logprobs, echo, prompt_logprobs = _logprob_fields(body, kind)
     structured, param = parse_structured(body, limits)
     forced = constraint(tools) if tools is not None else None

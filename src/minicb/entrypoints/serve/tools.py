@@ -138,25 +138,26 @@ def system_prompt(req: ToolRequest) -> str:
     return SYSTEM_PROMPT.format(tools=json.dumps(list(req.functions), ensure_ascii=False))
 
 
-def template_messages(messages: Any, req: ToolRequest | None) -> Any:
+def template_messages(messages: Any, req: ToolRequest | None, content_of) -> Any:
     """The messages as SmolLM2's template can render them: tools' system prompt first (a client's own
     system message before it), earlier assistant ``tool_calls`` in the tool-call format, ``tool``
-    messages as user turns in ``<tool_response>``. Anything malformed is left for ``_messages`` to
-    refuse."""
+    messages as user turns in ``<tool_response>``. ``content_of(content, i)`` is the protocol's check of
+    message ``i``'s content (a string, ``null``, or text parts): the turns rewritten here are checked
+    before they are rewritten, so a malformed one is a 400 naming it, never a crash. Anything else
+    malformed is left for the protocol's ``_messages`` to refuse."""
     if not isinstance(messages, list):
         return messages
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict):
             out.append(m)
             continue
         role = m.get("role")
         if role == "assistant" and m.get("tool_calls"):
-            content = (m.get("content") or "") + render_calls(m["tool_calls"])
+            content = content_of(m.get("content"), i) + render_calls(m["tool_calls"], i)
             out.append({"role": "assistant", "content": content})
         elif role == "tool":
-            content = m.get("content")
-            content = content if isinstance(content, str) else json.dumps(content)
+            content = content_of(m.get("content"), i)
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
             out.append(m)
@@ -170,17 +171,26 @@ def template_messages(messages: Any, req: ToolRequest | None) -> Any:
     return out
 
 
-def render_calls(tool_calls: Any) -> str:
-    """OpenAI ``tool_calls`` of an earlier assistant turn, in the model's own format."""
+def render_calls(tool_calls: Any, i: int = 0) -> str:
+    """OpenAI ``tool_calls`` of an earlier assistant turn (message ``i``), in the model's own format.
+    Each call must be ``{"function": {"name": str, "arguments": str | object}}`` (``id`` and ``type``
+    are not read); anything else is a 400 naming the call."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(tool_calls, list):
+        raise bad_request(f"{where} must be a list of tool calls, got {describe(tool_calls)}", where)
     calls = []
-    for c in tool_calls if isinstance(tool_calls, list) else []:
-        f = c.get("function", {}) if isinstance(c, dict) else {}
-        args = f.get("arguments", "{}")
+    for j, c in enumerate(tool_calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        args = f.get("arguments", "{}") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not isinstance(args, (str, dict)):
+            raise bad_request(f"{where}[{j}] must be {{function: {{name: string, arguments: string}}}}, "
+                              f"got {describe(c)}", f"{where}[{j}]")
         try:
             args = json.loads(args) if isinstance(args, str) else args
         except ValueError:
             pass
-        calls.append(json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False))
+        calls.append(json.dumps({"name": name, "arguments": args}, ensure_ascii=False))
     return OPEN + "[\n" + ",\n".join(calls) + "\n]" + CLOSE
 
 
