@@ -42,7 +42,8 @@ Field by field (vLLM's choices where OpenAI leaves room):
 * ``n`` choices (parallel sampling) up to the engine's ``max_n``. ``best_of``, chat's ``echo``, vLLM's
   ``spaces_between_special_tokens``, ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``,
   and the chat fields that would change the rendered prompt (``add_generation_prompt: false``,
-  ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``): a clear 400 naming the field
+  ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, ``mm_processor_kwargs``,
+  ``documents``): a clear 400 naming the field
   rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
   are ignored (clients send extras).
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and

@@ -171,7 +171,7 @@ def template_messages(messages: Any, req: ToolRequest | None, content_of) -> Any
     return out
 
 
-def render_calls(tool_calls: Any, i: int = 0) -> str:
+def render_calls(tool_calls: Any, i: int) -> str:
     """OpenAI ``tool_calls`` of an earlier assistant turn (message ``i``), in the model's own format.
     Each call must be ``{"function": {"name": str, "arguments": str | object}}`` (``id`` and ``type``
     are not read); anything else is a 400 naming the call."""
@@ -181,8 +181,7 @@ def render_calls(tool_calls: Any, i: int = 0) -> str:
     calls = []
     for j, c in enumerate(tool_calls):
         f = c.get("function") if isinstance(c, dict) else None
-        name = f.get("name") if isinstance(f, dict) else None
-        args = f.get("arguments", "{}") if isinstance(f, dict) else None
+        name, args = (f.get("name"), f.get("arguments", "{}")) if isinstance(f, dict) else (None, None)
         if not isinstance(name, str) or not isinstance(args, (str, dict)):
             raise bad_request(f"{where}[{j}] must be {{function: {{name: string, arguments: string}}}}, "
                               f"got {describe(c)}", f"{where}[{j}]")
