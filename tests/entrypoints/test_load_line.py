@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from minicb.entrypoints.cli import main
-from minicb.model import cpu_linear
+from minicb.model import cpu_linear, skinny_gemm
 from tiny_files import write_gguf
 
 SRC = str(pathlib.Path(__file__).resolve().parents[2] / "src")
@@ -46,6 +46,10 @@ def test_generate_names_the_path_and_reason_choose_path_gives(tiny_gguf, capsys,
 
     monkeypatch.delenv("MINICB_LINEAR")
     path, why = cpu_linear.choose_path(torch.float32, 32, 64)  # the tiny q/k/v: 32 -> (2 + 2 x 1) x 16
+    rows, rows_why = skinny_gemm.choose_rows(torch.float32)
+    if path.startswith("onednn"):                  # the packed paths say whether few-row steps use the kernel
+        why += f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else \
+            f"; no skinny kernel ({rows_why})"
     assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "1"]) == 0
     assert load_lines(capsys.readouterr().err) == [f"minicb: float32 linear layers on {path}: {why}"]
 
@@ -82,7 +86,7 @@ def test_serve_says_which_path_before_it_listens(tiny_gguf):
         line = p.stdout.readline()                    # "minicb serve: tiny on http://127.0.0.1:PORT"
         assert " on http://" in line, line
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        _, err = p.communicate(timeout=300)       # a bound on a hang: a loaded machine stops it slowly
     finally:
         if p.poll() is None:
             p.kill()

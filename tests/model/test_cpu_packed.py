@@ -11,7 +11,7 @@ from torch import nn
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model import cpu_fused
+from minicb.model import cpu_fused, skinny_gemm
 from minicb.model import cpu_linear as cl
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM
@@ -25,6 +25,7 @@ def packing(monkeypatch):
         unavailable("this torch has no oneDNN packed linear ops (torch.ops.mkldnn._reorder_linear_weight)")
     monkeypatch.delenv("MINICB_LINEAR", raising=False)
     monkeypatch.delenv("MINICB_PACKED_LM_HEAD", raising=False)
+    monkeypatch.delenv("MINICB_SKINNY_ROWS", raising=False)
 
 
 def _linear(out_f: int, in_f: int, seed: int, dtype=torch.float32) -> nn.Linear:
@@ -223,13 +224,18 @@ def test_llm_bfloat16_tokens_on_native_bfloat16(monkeypatch):
     assert sum(a == b for a, b in zip(*runs)) >= len(prompts) - 3, runs
 
 
-def test_one_logged_line_per_load_names_the_path(monkeypatch, caplog):
+@pytest.mark.parametrize("rows, says", [("8", "; steps of up to 8 rows on the skinny kernel (MINICB_SKINNY_ROWS=8)"),
+                                        ("0", "; no skinny kernel (MINICB_SKINNY_ROWS=0)")])
+def test_one_logged_line_per_load_names_the_path(monkeypatch, caplog, rows, says):
+    if rows != "0" and skinny_gemm.unavailable_reason():
+        unavailable(f"the skinny kernel: {skinny_gemm.unavailable_reason()}")
     monkeypatch.setenv("MINICB_LINEAR", "onednn-f32")
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", rows)
     with caplog.at_level(logging.INFO, logger="minicb"):
         for _ in range(2):
             cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float32), "cpu")
     lines = [r.getMessage() for r in caplog.records if "linear layers on" in r.getMessage()]
-    assert lines == ["minicb: float32 linear layers on onednn-f32: MINICB_LINEAR=onednn-f32"] * 2
+    assert lines == ["minicb: float32 linear layers on onednn-f32: MINICB_LINEAR=onednn-f32" + says] * 2
 
 
 def _param_bytes(model) -> int:

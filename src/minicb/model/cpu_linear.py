@@ -79,6 +79,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minicb.model import skinny_gemm
+
 
 def fast_bf16_matmul() -> bool:
     """Whether torch multiplies bfloat16 matrices with the CPU's own bfloat16 instructions."""
@@ -170,7 +172,7 @@ class PackedLinear(nn.Module):
     instructions (a float32 layer always keeps float32 products)."""
 
     def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32,
-                 keep_weight: bool = True) -> None:
+                 keep_weight: bool = True, skinny_rows: int = 0) -> None:
         super().__init__()
         if getattr(linear, "bias", None) is not None:
             raise ValueError("PackedLinear takes linear layers without bias (LLaMA has none)")
@@ -181,8 +183,11 @@ class PackedLinear(nn.Module):
         w = getattr(linear, "weight_f32", None)          # a Float32ComputeLinear's copy, if any
         w = linear.weight if w is None or self.compute_dtype != torch.float32 else w
         self.register_buffer("weight_packed", _pack(w, self.compute_dtype), persistent=False)
+        _add_panels(self, w, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
+            return skinny_gemm.matmul(x, self.weight_panels, self.out_features)
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
 
 
@@ -192,7 +197,8 @@ class PackedProjections(nn.Module):
     output ``[..., sum(sizes)]``; ``sizes`` says where to split it. It holds no parameter (the layers keep
     theirs, until ``pack_linears`` drops them)."""
 
-    def __init__(self, linears: list[nn.Module], compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, linears: list[nn.Module], compute_dtype: torch.dtype = torch.float32,
+                 skinny_rows: int = 0) -> None:
         super().__init__()
         if any(getattr(lin, "bias", None) is not None for lin in linears):
             raise ValueError("PackedProjections takes linear layers without bias (LLaMA has none)")
@@ -203,9 +209,23 @@ class PackedProjections(nn.Module):
         self.sizes = [lin.out_features for lin in linears]
         stacked = torch.cat([lin.weight.detach().to(self.compute_dtype) for lin in linears])
         self.register_buffer("weight_packed", _pack(stacked, self.compute_dtype), persistent=False)
+        self.out_features = sum(self.sizes)
+        _add_panels(self, stacked, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_matmul(x, self.weight_packed, sum(self.sizes), self.compute_dtype)
+        if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
+            return skinny_gemm.matmul(x, self.weight_panels, self.out_features)
+        return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
+
+
+def _add_panels(layer: nn.Module, weight: torch.Tensor, skinny_rows: int) -> None:
+    """Give a packed ``layer`` the skinny kernel's panels of ``weight`` for products of up to
+    ``skinny_rows`` rows (``skinny_gemm``): only where the product's dtype is the model's (a bfloat16
+    layer computed in float32 keeps oneDNN for every step)."""
+    layer.skinny_rows = 0
+    if skinny_rows > 0 and weight.dtype == layer.compute_dtype:
+        layer.register_buffer("weight_panels", skinny_gemm.pack(weight), persistent=False)
+        layer.skinny_rows = skinny_rows
 
 
 class PackedQKV:
@@ -234,14 +254,15 @@ def _packed_class(mixin: type, cls: type) -> type:
 
 
 def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
-                 keep_unpacked: bool = False) -> int:
+                 keep_unpacked: bool = False, skinny_rows: int = 0) -> int:
     """Pack every linear layer of a float32 or bfloat16 LLaMA for oneDNN, in place: q/k/v as one
     product, gate/up as one, o_proj, down_proj and the LM head each as one (module docstring). Returns
     how many products were packed (0 the second time: idempotent). Unless ``keep_unpacked``, each
     layer's unpacked weight is dropped as soon as its packed copy exists (the q/k/v and gate/up
     ``nn.Linear`` modules are removed; a tied LM head keeps the embedding it shares), so the weights
     are never all held twice. Call it after ``cpu_fused.fuse_elementwise``, which recognises the
-    modules by their class."""
+    modules by their class. ``skinny_rows`` > 0 also gives every product the skinny kernel's panels,
+    for steps of up to that many rows (``skinny_gemm``)."""
     from minicb.model.llama import LlamaAttention, LlamaMLP
 
     if not can_pack():
@@ -249,15 +270,15 @@ def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
     keep, count = keep_unpacked, 0
     for m in list(model.modules()):
         if isinstance(m, LlamaAttention) and not isinstance(m, PackedQKV):
-            m.qkv_packed = PackedProjections([m.q_proj, m.k_proj, m.v_proj], compute_dtype)
-            m.o_proj = PackedLinear(m.o_proj, compute_dtype, keep_weight=keep)
+            m.qkv_packed = PackedProjections([m.q_proj, m.k_proj, m.v_proj], compute_dtype, skinny_rows)
+            m.o_proj = PackedLinear(m.o_proj, compute_dtype, keep_weight=keep, skinny_rows=skinny_rows)
             if not keep:
                 del m.q_proj, m.k_proj, m.v_proj
             m.__class__ = _packed_class(PackedQKV, type(m))
             count += 2
         elif isinstance(m, LlamaMLP) and not isinstance(m, PackedGateUp):
-            m.gate_up_packed = PackedProjections([m.gate_proj, m.up_proj], compute_dtype)
-            m.down_proj = PackedLinear(m.down_proj, compute_dtype, keep_weight=keep)
+            m.gate_up_packed = PackedProjections([m.gate_proj, m.up_proj], compute_dtype, skinny_rows)
+            m.down_proj = PackedLinear(m.down_proj, compute_dtype, keep_weight=keep, skinny_rows=skinny_rows)
             if not keep:
                 del m.gate_proj, m.up_proj
             m.__class__ = _packed_class(PackedGateUp, type(m))
@@ -266,7 +287,7 @@ def pack_linears(model: nn.Module, compute_dtype: torch.dtype = torch.float32,
     if head is not None and not isinstance(head, PackedLinear):
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         tied = embed is not None and head.weight is embed.weight       # the lookup still reads it
-        model.lm_head = PackedLinear(head, compute_dtype, keep_weight=keep or tied)
+        model.lm_head = PackedLinear(head, compute_dtype, keep_weight=keep or tied, skinny_rows=skinny_rows)
         count += 1
     if count and not keep:
         return_freed_memory()
@@ -372,9 +393,10 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
     return "mkl", f"packed oneDNN only {ratio:.2f}x MKL on a {shape}"
 
 
-def apply_path(model: nn.Module, path: str, keep_unpacked: bool = False) -> list[str]:
+def apply_path(model: nn.Module, path: str, keep_unpacked: bool = False, skinny_rows: int = 0) -> list[str]:
     """Put ``model``'s linear layers on ``path``, in place; the names of what was applied. The packed
-    paths drop the unpacked layer weights unless ``keep_unpacked`` (``pack_linears``)."""
+    paths drop the unpacked layer weights unless ``keep_unpacked`` (``pack_linears``), and send products
+    of up to ``skinny_rows`` rows to the skinny kernel (``skinny_gemm``; the other paths ignore it)."""
     if path not in PATHS:
         raise ValueError(f"unknown linear path {path!r}; one of {', '.join(PATHS)}")
     dtype = next(model.parameters()).dtype
@@ -384,8 +406,16 @@ def apply_path(model: nn.Module, path: str, keep_unpacked: bool = False) -> list
         applied = ["float32-linears"] if dtype == torch.bfloat16 and compute_linears_in_float32(model) else []
         return applied + (["packed-lm-head"] if pack_lm_head(model) else [])
     compute = torch.bfloat16 if path == "onednn-bf16" and dtype == torch.bfloat16 else torch.float32
-    pack_linears(model, compute, keep_unpacked)
-    return ["packed-linears-bf16" if compute == torch.bfloat16 else "packed-linears-f32"]
+    pack_linears(model, compute, keep_unpacked, skinny_rows)
+    applied = ["packed-linears-bf16" if compute == torch.bfloat16 else "packed-linears-f32"]
+    rows = skinny_rows_of(model)
+    return applied + ([f"skinny-gemm-{rows}-rows"] if rows else [])
+
+
+def skinny_rows_of(model: nn.Module) -> int:
+    """Up to how many rows ``model``'s products go to the skinny kernel (0: never)."""
+    return max((getattr(m, "skinny_rows", 0) for m in model.modules()
+                if isinstance(m, (PackedLinear, PackedProjections))), default=0)
 
 
 def linear_path(model: nn.Module) -> str:

@@ -8,11 +8,15 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
    warning line when they cannot be built, and the reference ops stay);
 2. every linear layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (``MINICB_LINEAR``
    pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32 ``F.linear`` with the
-   LM head alone packed.
+   LM head alone packed;
+3. on the oneDNN paths, the products of steps with few rows (decode steps of a few sequences) on
+   the skinny kernel, where ``skinny_gemm.choose_rows`` says the CPU runs it well
+   (``MINICB_SKINNY_ROWS`` pins it).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
-(flags: ...)``). A library user sees it with ``logging``'s usual switches; the command line
+(flags: ...); steps of up to 16 rows on the skinny kernel (its AVX-512 path)``). A library user sees
+it with ``logging``'s usual switches; the command line
 shows it on stderr (``show_load_lines``), because a speed figure means little without it.
 """
 
@@ -23,7 +27,7 @@ import sys
 
 import torch
 
-from minicb.model import cpu_fused, cpu_linear
+from minicb.model import cpu_fused, cpu_linear, skinny_gemm
 
 LOAD_LOGGER = "minicb.load"
 _log = logging.getLogger("minicb")
@@ -48,10 +52,14 @@ def cpu_fast_paths(model, device) -> list[str]:
     qkv = model.config.hidden_size, (model.config.num_attention_heads
                                      + 2 * model.config.num_key_value_heads) * model.config.head_dim
     path, why = cpu_linear.choose_path(model.dtype, *qkv)
-    linears = cpu_linear.apply_path(model, path)
+    rows, rows_why = skinny_gemm.choose_rows(model.dtype) if path.startswith("onednn") else (0, "")
+    linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
-        _load_log.info("minicb: %s linear layers on %s: %s", str(model.dtype).removeprefix("torch."),
-                       path, why)
+        rows = cpu_linear.skinny_rows_of(model)
+        skinny = (f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else
+                  f"; no skinny kernel ({rows_why})" if rows_why else "")
+        _load_log.info("minicb: %s linear layers on %s: %s%s", str(model.dtype).removeprefix("torch."),
+                       path, why, skinny)
     return linears + applied
 
 

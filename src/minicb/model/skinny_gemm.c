@@ -1,0 +1,185 @@
+/* Linear layers of a decode step with few rows: y[rows, out] = x[rows, in] @ W[out, in]^T.
+ *
+ * Why: a decode step of one to a few sequences multiplies a handful of rows by every weight of the
+ * model. Its arithmetic is tiny; its time is reading the weights from memory once. oneDNN's products
+ * (cpu_linear.py) are built for many rows, and on one to a few rows they read SmolLM2's weights well
+ * below what one core can stream (bench/RESULTS.md, "A decode step beside the weight-read floor").
+ *
+ * The weights are packed once (skinny_gemm.py) into panels of TW = 64 outputs, each panel stored
+ * input by input, so that one panel is one straight run of memory:
+ *
+ *     float32:   P[panel][i][64]          = W[panel * 64 + j][i]
+ *     bfloat16:  P[panel][i / 2][64][2]   = W[panel * 64 + j][i]     (pairs of inputs side by side)
+ *
+ * For each input i the loop loads the panel's 64 weights (four 512-bit vectors), broadcasts x[r][i]
+ * and adds the products into 4 accumulators per row: no horizontal sums, every weight loaded once and
+ * used for every row (up to RB rows at once; more rows re-read the panel from the L2 cache). bfloat16
+ * uses vdpbf16ps where the CPU has AVX-512 BF16: it multiplies a pair of inputs by a pair of weights
+ * exactly and adds both to a float32 accumulator, hence the pairs in the layout.
+ *
+ * Numerics: each output is a float32 sum over the inputs in their order (oneDNN sums in another
+ * order, so results agree to float32 rounding), rounded once to the output dtype (bfloat16: to
+ * nearest even). Without AVX-512 the plain C loop below computes the same sums in the same order.
+ *
+ * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define TW 64       /* outputs per panel: four vectors of 16 float32 */
+#define RB 6        /* input rows per pass over a panel: 6 x 4 = 24 accumulators of the 32 registers */
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {       /* round to nearest even; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* acc[r][j] = sum_i x[r][i] * P[i][j] for one float32 panel P [in][TW] and nr <= RB rows of x. */
+static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t in, int nr,
+                      float acc[RB][TW]) {
+#if defined(__AVX512F__)
+#define PANEL_F32(NR)                                                                                  \
+    {                                                                                                  \
+        __m512 a[NR][4];                                                                               \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < in; ++i) {                                                             \
+            const float *pi = p + i * TW;                                                              \
+            const __m512 w0 = _mm512_loadu_ps(pi), w1 = _mm512_loadu_ps(pi + 16),                     \
+                         w2 = _mm512_loadu_ps(pi + 32), w3 = _mm512_loadu_ps(pi + 48);                 \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                const __m512 xv = _mm512_set1_ps(x[r * xstride + i]);                                  \
+                a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);                                            \
+                a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);                                            \
+                a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);                                            \
+                a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);                                            \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + 16 * v, a[r][v]);                    \
+        return;                                                                                        \
+    }
+    switch (nr) {      /* a constant row count each, so the accumulators live in registers */
+    case 1: PANEL_F32(1)
+    case 2: PANEL_F32(2)
+    case 3: PANEL_F32(3)
+    case 4: PANEL_F32(4)
+    case 5: PANEL_F32(5)
+    default: PANEL_F32(6)
+    }
+#else
+    for (int r = 0; r < nr; ++r) {
+        for (int j = 0; j < TW; ++j) acc[r][j] = 0;
+        for (int64_t i = 0; i < in; ++i) {
+            const float xi = x[r * xstride + i];
+            for (int j = 0; j < TW; ++j) acc[r][j] += xi * p[i * TW + j];
+        }
+    }
+#endif
+}
+
+/* The same for a bfloat16 panel P [ceil(in / 2)][TW][2] (an odd last input paired with a zero). */
+static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, int64_t in, int nr,
+                       float acc[RB][TW]) {
+#if defined(__AVX512BF16__)
+#define PANEL_BF16(NR)                                                                                 \
+    {                                                                                                  \
+        __m512 a[NR][4];                                                                               \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();                                 \
+        for (int64_t i = 0; i < in; i += 2) {                                                          \
+            const uint16_t *pi = p + i * TW;                                                           \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pi), w1 = (__m512bh)_mm512_loadu_si512(pi + 32), \
+                           w2 = (__m512bh)_mm512_loadu_si512(pi + 64),                                 \
+                           w3 = (__m512bh)_mm512_loadu_si512(pi + 96);                                 \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                const uint16_t *xr = x + r * xstride + i;                                              \
+                const uint32_t pair = (uint32_t)xr[0] | (i + 1 < in ? (uint32_t)xr[1] << 16 : 0u);     \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                            \
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);                                           \
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);                                           \
+                a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, w2);                                           \
+                a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, w3);                                           \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + 16 * v, a[r][v]);                    \
+        return;                                                                                        \
+    }
+    switch (nr) {
+    case 1: PANEL_BF16(1)
+    case 2: PANEL_BF16(2)
+    case 3: PANEL_BF16(3)
+    case 4: PANEL_BF16(4)
+    case 5: PANEL_BF16(5)
+    default: PANEL_BF16(6)
+    }
+#else
+    for (int r = 0; r < nr; ++r) {
+        for (int j = 0; j < TW; ++j) acc[r][j] = 0;
+        for (int64_t i = 0; i < in; i += 2) {
+            const float x0 = bf16_load(x[r * xstride + i]);
+            const float x1 = i + 1 < in ? bf16_load(x[r * xstride + i + 1]) : 0.0f;
+            const uint16_t *pi = p + i * TW;
+            for (int j = 0; j < TW; ++j)
+                acc[r][j] += x0 * bf16_load(pi[2 * j]) + x1 * bf16_load(pi[2 * j + 1]);
+        }
+    }
+#endif
+}
+
+static inline float f32_store(float x) { return x; }
+
+/* y [rows, out] (row stride ystride) from x [rows, in] (row stride xstride) and the packed panels;
+ * the panels are split over threads when the call reads at least 512 KiB of weights. */
+#define SKINNY(NAME, T, PANEL, STORE, PAIRS)                                                                  \
+    void NAME(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows,      \
+              int64_t in, int64_t out, int nthreads) {                                                \
+        const int64_t panels = (out + TW - 1) / TW;                                                   \
+        const int64_t panel_size = (PAIRS ? (in + 1) & ~(int64_t)1 : in) * TW;  /* bf16: in made even */ \
+        const int64_t work = panels * panel_size * (int64_t)sizeof(T);                                \
+        (void)work;                                                                                   \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1 && work >= 524288)") \
+        for (int64_t b = 0; b < panels; ++b) {                                                        \
+            float acc[RB][TW];                                                                        \
+            const int64_t o0 = b * TW;                                                                \
+            const int64_t no = out - o0 < TW ? out - o0 : TW;                                         \
+            for (int64_t r0 = 0; r0 < rows; r0 += RB) {                                               \
+                const int nr = (int)(rows - r0 < RB ? rows - r0 : RB);                                \
+                PANEL(x + r0 * xstride, xstride, packed + b * panel_size, in, nr, acc);               \
+                for (int r = 0; r < nr; ++r) {                                                        \
+                    T *yr = y + (r0 + r) * ystride + o0;                                              \
+                    for (int64_t j = 0; j < no; ++j) yr[j] = STORE(acc[r][j]);                        \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+SKINNY(minicb_skinny_f32, float, panel_f32, f32_store, 0)
+SKINNY(minicb_skinny_bf16, uint16_t, panel_bf16, bf16_store, 1)
+
+int minicb_skinny_panel_width(void) { return TW; }
+
+/* 2: vdpbf16ps, 1: AVX-512 float32 (bfloat16 as plain C), 0: plain C throughout */
+int minicb_skinny_isa(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,131 @@
+"""The linear layers of a step with few rows, on weights packed for reading them once (``skinny_gemm.c``).
+
+A decode step of one to a few sequences is a few rows times every weight of the model: almost no
+arithmetic, one pass over 270 MB (bfloat16) or 538 MB (float32) of weights. Its floor is the time to
+read them (``bench/decode_floor.py``). oneDNN's packed products (``cpu_linear``) are built for many
+rows; on a few they stream the weights at well under half of one core's read bandwidth. This is the
+loop for the few-row case, beside oneDNN rather than instead of it::
+
+    rows of the product <= skinny_rows   ->  skinny_gemm.matmul(x, panels)      (this module)
+    more rows (prompt chunks, big steps) ->  oneDNN's _linear_pointwise         (cpu_linear)
+
+``pack`` lays a weight ``[out, in]`` out as panels of 64 outputs, each stored input by input (bfloat16:
+pairs of inputs side by side, for the CPU's ``vdpbf16ps``), so the kernel reads every panel as one
+straight run of memory and never sums across a vector (``skinny_gemm.c`` draws the layout). The panels
+are a second copy of each weight, beside oneDNN's: 270 MB more for SmolLM2 in bfloat16, 538 MB in
+float32, the price of having the right layout for both kinds of step.
+
+``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``DEFAULT_ROWS`` rows where the
+compiled kernel has its vector path for the dtype (float32: AVX-512; bfloat16: AVX-512 BF16), else
+none (oneDNN for every step). ``MINICB_SKINNY_ROWS=N`` pins it (``0``: off), so that the kernel runs,
+and is tested, on any CPU with a C compiler. The kernel is built on first use like the decode kernel
+(``ckernels``); where that fails, nothing changes but one logged line.
+
+Numerics: float32 sums of the products in input order, rounded once to the output dtype; oneDNN sums
+in another order, so the two agree to float32 rounding (bfloat16 outputs: to one bfloat16 rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minicb.model import ckernels
+
+SOURCE = Path(__file__).with_name("skinny_gemm.c")
+DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
+DEFAULT_ROWS = 16          # the crossover with oneDNN measured on AVX-512 CPUs (bench/linear_paths.py)
+ISA_NAMES = {2: "AVX-512 BF16", 1: "AVX-512", 0: "plain C"}
+
+
+@functools.cache
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled ``skinny_gemm.c`` (built on the first call); ``KernelUnavailable`` if it cannot be.
+    ``extra_flags`` builds a variant (the tests build one with ``-mno-avx512f`` to run the plain C
+    loops on any CPU)."""
+    lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled skinny GEMM")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in DTYPES.values():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
+    for name in ("minicb_skinny_panel_width", "minicb_skinny_isa"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel builds and loads here, else why not."""
+    return ckernels.why_not(load)
+
+
+def isa() -> int:
+    """What the compiled kernel runs on this CPU: 2 ``vdpbf16ps`` (and AVX-512 float32), 1 AVX-512
+    float32 only (bfloat16 in plain C), 0 plain C throughout."""
+    return load().minicb_skinny_isa()
+
+
+@functools.cache
+def _c_function(dtype: torch.dtype):
+    return getattr(load(), DTYPES[dtype])
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` (float32 or bfloat16) as the kernel's panels: ``[panels, in, 64]`` in float32,
+    ``[panels, in / 2, 64, 2]`` in bfloat16; outputs padded with zeros to a multiple of 64, and a
+    bfloat16 weight's inputs to an even count."""
+    if weight.dtype not in DTYPES or weight.dim() != 2:
+        raise ValueError(f"skinny_gemm.pack takes a 2-D float32 or bfloat16 weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    width = load().minicb_skinny_panel_width()
+    out_f, in_f = weight.shape
+    pairs = weight.dtype == torch.bfloat16
+    w = F.pad(weight.detach().cpu(), (0, in_f % 2 if pairs else 0, 0, (-out_f) % width))
+    n_out, n_in = w.shape
+    if pairs:
+        return w.reshape(n_out // width, width, n_in // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.reshape(n_out // width, width, n_in).permute(0, 2, 1).contiguous()
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None
+           ) -> torch.Tensor:
+    """``x [rows, in] @ W.T`` from ``W``'s panels (``pack``), in ``x``'s dtype (the panels' one). No
+    checks beyond what keeps the C loop in bounds: the layers call it at every step. ``lib``: a
+    variant from ``load(extra_flags)`` instead of the default build."""
+    in_f = panels.shape[1] * (2 if panels.dim() == 4 else 1)      # bfloat16: pairs of inputs
+    if (x.dim() != 2 or x.dtype != panels.dtype or x.shape[1] not in (in_f, in_f - (panels.dim() == 4))
+            or out_features > panels.shape[0] * panels.shape[2]):
+        raise ValueError(f"skinny_gemm.matmul: x {x.dtype} {tuple(x.shape)} and {out_features} outputs "
+                         f"do not fit panels {panels.dtype} {tuple(panels.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    fn = _c_function(x.dtype) if lib is None else getattr(lib, DTYPES[x.dtype])
+    fn(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features,
+                         x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    return y
+
+
+def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
+    """``(rows, why)``: the products of up to ``rows`` rows go to this kernel for a model of ``dtype``
+    (0: none); module docstring. ``MINICB_SKINNY_ROWS`` pins it."""
+    env = os.environ.get("MINICB_SKINNY_ROWS")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"MINICB_SKINNY_ROWS must be a whole number of rows (0: off), got {env!r}")
+        if int(env) and dtype in DTYPES and unavailable_reason() is not None:
+            return 0, f"MINICB_SKINNY_ROWS={env}, but the kernel is unavailable: {unavailable_reason()}"
+        return (int(env) if dtype in DTYPES else 0), f"MINICB_SKINNY_ROWS={env}"
+    if dtype not in DTYPES:
+        return 0, f"{dtype} has no skinny kernel"
+    reason = unavailable_reason()
+    if reason is not None:
+        return 0, f"the skinny kernel is unavailable: {reason}"
+    need = 2 if dtype == torch.bfloat16 else 1
+    if isa() < need:
+        return 0, f"its vector path needs {ISA_NAMES[need]}, which this CPU lacks"
+    return DEFAULT_ROWS, f"its {ISA_NAMES[need]} path"
