@@ -5,6 +5,7 @@
     python bench/linear_paths.py --workload W1
     python bench/linear_paths.py --micro      # one layer-shaped product per path, and greedy argmax in bf16
     python bench/linear_paths.py --memory     # resident memory after packing, unpacked weights kept or not
+    python bench/linear_paths.py --skinny     # few-row products from memory: oneDNN against skinny_gemm
 
 ``mkl`` is what minicb did before every layer was packed: MKL's float32 ``F.linear`` for the layers and
 the LM head alone packed for oneDNN; ``onednn-f32`` / ``onednn-bf16`` pack every layer. One model per
@@ -21,6 +22,14 @@ packed oneDNN float32, packed oneDNN bfloat16 and torch's own bfloat16 ``F.linea
 sampler's greedy argmax over a ``[64, 49152]`` bfloat16 logits matrix, as it is and widened to float32
 first (what ``Sampler.sample`` does now).
 
+``--skinny`` times what a decode step of few sequences multiplies: SmolLM2's 30 layers of weights (q/k/v
+stacked, o, gate/up stacked, down: 270 MB in bfloat16, more than any cache, so they come from memory as
+in a real step), each product once per pass, at 1-32 rows, through oneDNN's packed products and the
+skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 passes, one thread:
+ms per pass, the bandwidth it reads the weights at, and the ratio. Where the ratio crosses 1 is where
+``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth (``decode_floor.read_bandwidth``) is
+printed first, the ceiling for a pass.
+
 ``--memory`` loads SmolLM2 in a fresh process per case (float32 and bfloat16, on the path ``LLM()``
 picks) and prints the process's resident memory (``VmRSS``) after the load and after the fast paths,
 once with the unpacked layer weights kept beside the packed copies (``keep_unpacked=True``: what minicb
@@ -30,6 +39,7 @@ did before) and once dropped (the default), with the bytes of the model's parame
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -90,6 +100,43 @@ def micro() -> None:
           f"{ms['widened']:.2f} ms widened to float32 first ({ms['bf16'] / ms['widened']:.1f}x)")
 
 
+def skinny() -> None:
+    from decode_floor import read_bandwidth
+
+    from minicb.model import skinny_gemm
+    from minicb.model.cpu_linear import _pack, _packed_matmul
+
+    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s; "
+          f"skinny kernel: {skinny_gemm.ISA_NAMES[skinny_gemm.isa()]}")
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        weights = [(0.05 * torch.randn(o, i, generator=g)).to(dtype) for o, i in shapes]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        dnn = [(_pack(w, dtype), *w.shape) for w in weights]              # (packed, out, in)
+        panels = [(skinny_gemm.pack(w), *w.shape) for w in weights]
+        del weights
+        print(f"\n{str(dtype).removeprefix('torch.')}: {nbytes / 1e6:.0f} MB of weights a pass; ms per pass "
+              "(GB/s), median of 5 alternating passes")
+        print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
+        for rows in (1, 2, 4, 8, 12, 16, 24, 32):
+            xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
+            ms = _median_ms({"dnn": functools.partial(_one_pass, _packed_matmul, dnn, xs, dtype),
+                             "skinny": functools.partial(_one_pass, skinny_gemm.matmul, panels, xs)},
+                            rounds=5, calls=1)
+            gbs = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
+            print(f"{rows:>5} {ms['dnn']:>8.2f} ({gbs['dnn']:>4.1f}) {ms['skinny']:>8.2f} "
+                  f"({gbs['skinny']:>4.1f}) {ms['dnn'] / ms['skinny']:>5.2f}x")
+        del dnn, panels
+        gc.collect()
+
+
+def _one_pass(matmul, packed: list, xs: dict, *extra) -> None:
+    """Every product of ``packed`` (``(weights, out, in)``) once, each on the input of its size."""
+    for p, out_f, in_f in packed:
+        matmul(xs[in_f], p, out_f, *extra)
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
@@ -137,6 +184,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workload", default="W2", choices=["W1", "W2"])
     ap.add_argument("--micro", action="store_true", help="time the pieces instead (see the docstring)")
+    ap.add_argument("--skinny", action="store_true",
+                    help="few-row products from memory: oneDNN against the skinny kernel (see the docstring)")
     ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
     ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -146,6 +195,8 @@ def main() -> None:
     print(cpu_header(), flush=True)
     if args.micro:
         return micro()
+    if args.skinny:
+        return skinny()
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()

@@ -224,8 +224,9 @@ def test_llm_bfloat16_tokens_on_native_bfloat16(monkeypatch):
     assert sum(a == b for a, b in zip(*runs)) >= len(prompts) - 3, runs
 
 
-@pytest.mark.parametrize("rows, says", [("8", "; steps of up to 8 rows on the skinny kernel (MINICB_SKINNY_ROWS=8)"),
-                                        ("0", "; no skinny kernel (MINICB_SKINNY_ROWS=0)")])
+@pytest.mark.parametrize("rows, says", [
+    ("8", "; steps of up to 8 rows on the skinny kernel (MINICB_SKINNY_ROWS=8)"),
+    ("0", "; no skinny kernel (MINICB_SKINNY_ROWS=0)")])
 def test_one_logged_line_per_load_names_the_path(monkeypatch, caplog, rows, says):
     if rows != "0" and skinny_gemm.unavailable_reason():
         unavailable(f"the skinny kernel: {skinny_gemm.unavailable_reason()}")

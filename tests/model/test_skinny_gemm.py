@@ -28,7 +28,8 @@ def _plain_c():
 
 def _data(rows, in_f, out_f, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, in_f, generator=g).to(dtype), (0.2 * torch.randn(out_f, in_f, generator=g)).to(dtype))
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    return x, (0.2 * torch.randn(out_f, in_f, generator=g)).to(dtype)
 
 
 def _bound(x, w):
