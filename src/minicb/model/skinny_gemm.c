@@ -91,30 +91,40 @@ static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t i
 #endif
 }
 
+/* Two bfloat16 inputs side by side, as one 32-bit lane (the first in the low half). */
+static inline uint32_t load_pair(const uint16_t *x) {
+    uint32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return pair;
+}
+
 /* The same for a bfloat16 panel P [ceil(in / 2)][TW][2] (an odd last input paired with a zero). */
 static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, int64_t in, int nr,
                        float acc[RB][TW]) {
 #if defined(__AVX512BF16__)
+#define PANEL_BF16_STEP(NR, PAIR)                                                                      \
+    {                                                                                                  \
+        const uint16_t *pi = p + i * TW;                                                               \
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pi), w1 = (__m512bh)_mm512_loadu_si512(pi + 32), \
+                       w2 = (__m512bh)_mm512_loadu_si512(pi + 64),                                     \
+                       w3 = (__m512bh)_mm512_loadu_si512(pi + 96);                                     \
+        for (int r = 0; r < NR; ++r) {                                                                 \
+            const uint16_t *xr = x + r * xstride + i;                                                  \
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)(PAIR));                              \
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);                                               \
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);                                               \
+            a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, w2);                                               \
+            a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, w3);                                               \
+        }                                                                                              \
+    }
 #define PANEL_BF16(NR)                                                                                 \
     {                                                                                                  \
         __m512 a[NR][4];                                                                               \
         for (int r = 0; r < NR; ++r)                                                                   \
             for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();                                 \
-        for (int64_t i = 0; i < in; i += 2) {                                                          \
-            const uint16_t *pi = p + i * TW;                                                           \
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pi), w1 = (__m512bh)_mm512_loadu_si512(pi + 32), \
-                           w2 = (__m512bh)_mm512_loadu_si512(pi + 64),                                 \
-                           w3 = (__m512bh)_mm512_loadu_si512(pi + 96);                                 \
-            for (int r = 0; r < NR; ++r) {                                                             \
-                const uint16_t *xr = x + r * xstride + i;                                              \
-                const uint32_t pair = (uint32_t)xr[0] | (i + 1 < in ? (uint32_t)xr[1] << 16 : 0u);     \
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);                            \
-                a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, w0);                                           \
-                a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, w1);                                           \
-                a[r][2] = _mm512_dpbf16_ps(a[r][2], xv, w2);                                           \
-                a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, w3);                                           \
-            }                                                                                          \
-        }                                                                                              \
+        int64_t i = 0;                                                                                 \
+        for (; i + 1 < in; i += 2) PANEL_BF16_STEP(NR, load_pair(xr))     /* both inputs of the pair */ \
+        if (i < in) PANEL_BF16_STEP(NR, (uint32_t)xr[0])                  /* the last of an odd count */ \
         for (int r = 0; r < NR; ++r)                                                                   \
             for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + 16 * v, a[r][v]);                    \
         return;                                                                                        \
