@@ -24,7 +24,7 @@ first (what ``Sampler.sample`` does now).
 
 ``--skinny`` times what a decode step of few sequences multiplies: SmolLM2's 30 layers of weights (q/k/v
 stacked, o, gate/up stacked, down: 270 MB in bfloat16, more than any cache, so they come from memory as
-in a real step), each product once per pass, at 1-32 rows, through oneDNN's packed products and the
+in a real step), each product once per pass, at 1-64 rows, through oneDNN's packed products and the
 skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 passes, one thread:
 ms per pass, the bandwidth it reads the weights at, and the ratio. Where the ratio crosses 1 is where
 ``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth (``decode_floor.read_bandwidth``) is
@@ -119,7 +119,7 @@ def skinny() -> None:
         print(f"\n{str(dtype).removeprefix('torch.')}: {nbytes / 1e6:.0f} MB of weights a pass; ms per pass "
               "(GB/s), median of 5 alternating passes")
         print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
-        for rows in (1, 2, 4, 8, 12, 16, 24, 32):
+        for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64):
             xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
             ms = _median_ms({"dnn": functools.partial(_one_pass, _packed_matmul, dnn, xs, dtype),
                              "skinny": functools.partial(_one_pass, skinny_gemm.matmul, panels, xs)},
