@@ -19,7 +19,7 @@ import torch
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model import ckernels, cpu_fused
+from minicb.model import ckernels, cpu_fused, skinny_gemm
 from minicb.model.attention import ReferenceAttention
 from minicb.model.backends import cpu_paged
 from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
@@ -113,7 +113,7 @@ def test_bad_inputs_are_refused_before_c_reads_them():
         cpu_fused.rope_(q.transpose(0, 1).contiguous().transpose(0, 1), k, cos, sin)
 
 
-@pytest.mark.parametrize("module", [cpu_fused, cpu_paged], ids=lambda m: m.SOURCE.name)
+@pytest.mark.parametrize("module", [cpu_fused, cpu_paged, skinny_gemm], ids=lambda m: m.SOURCE.name)
 def test_c_sources_compile_cleanly_with_openmp(module, tmp_path):
     """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which
     would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
@@ -125,6 +125,20 @@ def test_c_sources_compile_cleanly_with_openmp(module, tmp_path):
     if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():
         unavailable(f"{shlex.join(cc)} has no OpenMP: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_edited_header_rebuilds_the_kernels_that_include_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINICB_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "h.h").write_text("static inline int seven(void) { return 7; }\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "h.h"\nint minicb_k(void) { return seven(); }\n')
+    first = ckernels.build(src)
+    assert ckernels.build(src) == first                                  # cached
+    (tmp_path / "h.h").write_text("static inline int seven(void) { return 8; }\n")
+    second = ckernels.build(src)
+    assert second != first
+    import ctypes
+    assert ctypes.CDLL(str(second)).minicb_k() == 8
 
 
 # --- the model ---------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -67,11 +68,19 @@ def _machine_key() -> str:
     return "\n".join([platform.machine(), *lines])
 
 
+def _local_headers(source: Path) -> list[str]:
+    """The text of the headers ``source`` includes with quotes (``#include "bf16.h"``), so that an edit
+    to one rebuilds every kernel that includes it."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.M)
+    return [(source.parent / name).read_text() for name in names]
+
+
 def build(source: Path, cc: list[str] | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile ``source`` into the cache (once per source, compiler, flags and CPU); its path."""
     cc = cc or compiler()
     flags = (*FLAGS, *extra_flags)
-    key = hashlib.sha256("\0".join([source.read_text(), *cc, *flags, OPENMP, _machine_key()]).encode())
+    key = hashlib.sha256("\0".join([source.read_text(), *_local_headers(source), *cc, *flags, OPENMP,
+                                    _machine_key()]).encode())
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -19,23 +19,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "bf16.h"
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
-
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {       /* round to nearest even; a NaN stays a NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* a loop over rows, split over nthreads when the call has at least 64 Ki elements (`work`) */
 #define PARALLEL_ROWS _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(work >= 65536)")

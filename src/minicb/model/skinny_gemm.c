@@ -26,26 +26,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define TW 64       /* outputs per panel: four vectors of 16 float32 */
 #define RB 6        /* input rows per pass over a panel: 6 x 4 = 24 accumulators of the 32 registers */
-
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {       /* round to nearest even; a NaN stays a NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* acc[r][j] = sum_i x[r][i] * P[i][j] for one float32 panel P [in][TW] and nr <= RB rows of x. */
 static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t in, int nr,

@@ -39,6 +39,7 @@ from minicb.model import ckernels
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
+EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 DEFAULT_ROWS = 16          # the crossover with oneDNN measured on AVX-512 CPUs (bench/linear_paths.py)
 ISA_NAMES = {2: "AVX-512 BF16", 1: "AVX-512", 0: "plain C"}
 

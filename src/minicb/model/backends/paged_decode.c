@@ -54,6 +54,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../bf16.h"
 
 /* Block b of a row's table, as the start of its keys (or values) in one layer's cache. On the way,
  * ask the memory system for the next-but-one block (`prefetch`: on the first kv head's pass, which
@@ -71,22 +72,6 @@ static inline const void *block_at(const void *cache, const int32_t *table, int6
 /* How many of a block's slots hold keys of a context of L: all of them but in the last block. */
 static inline int64_t keys_in_block(int64_t L, int64_t b, int64_t block_size) {
     return L - b * block_size < block_size ? L - b * block_size : block_size;
-}
-
-/* bfloat16 <-> float32. A bfloat16 is the top 16 bits of a float32, so widening is a shift; narrowing
- * rounds to nearest, ties to even (what torch's .to(torch.bfloat16) does), and keeps NaN a NaN. */
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* e^x for the softmax (x <= 0 there: a score minus the row's max), as vector math libraries compute it:
