@@ -104,7 +104,7 @@ def skinny() -> None:
     from decode_floor import read_bandwidth
 
     from minicb.model import skinny_gemm
-    from minicb.model.cpu_linear import _pack, _packed_matmul
+    from minicb.model.cpu_linear import _pack
 
     print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s; "
           f"skinny kernel: {skinny_gemm.ISA_NAMES[skinny_gemm.isa()]}")
@@ -121,9 +121,9 @@ def skinny() -> None:
         print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
         for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64):
             xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
-            ms = _median_ms({"dnn": functools.partial(_one_pass, _packed_matmul, dnn, xs, dtype),
-                             "skinny": functools.partial(_one_pass, skinny_gemm.matmul, panels, xs)},
-                            rounds=5, calls=1)
+            onednn = functools.partial(_onednn, dtype=dtype)
+            ms = _median_ms({"dnn": functools.partial(_one_pass, onednn, dnn, xs),
+                             "skinny": functools.partial(_one_pass, _skinny, panels, xs)}, rounds=5, calls=1)
             gbs = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
             print(f"{rows:>5} {ms['dnn']:>8.2f} ({gbs['dnn']:>4.1f}) {ms['skinny']:>8.2f} "
                   f"({gbs['skinny']:>4.1f}) {ms['dnn'] / ms['skinny']:>5.2f}x")
@@ -131,10 +131,21 @@ def skinny() -> None:
         gc.collect()
 
 
-def _one_pass(matmul, packed: list, xs: dict, *extra) -> None:
-    """Every product of ``packed`` (``(weights, out, in)``) once, each on the input of its size."""
+def _onednn(p, x, out_f, in_f, dtype):
+    from minicb.model.cpu_linear import _packed_matmul
+    return _packed_matmul(x, p, out_f, dtype)
+
+
+def _skinny(p, x, out_f, in_f):
+    from minicb.model import skinny_gemm
+    return skinny_gemm.matmul(x, p, in_f, out_f)
+
+
+def _one_pass(run, packed: list, xs: dict) -> None:
+    """Every product of ``packed`` (``(weights, out, in)``) once: ``run(weights, x, out, in)`` on the input
+    of its size."""
     for p, out_f, in_f in packed:
-        matmul(xs[in_f], p, out_f, *extra)
+        run(p, xs[in_f], out_f, in_f)
 
 
 def _rss_mb() -> float:

@@ -51,7 +51,7 @@ def test_products_match_float64(dtype, build, rows):
     lib = None if build == "native" else _plain_c()
     for k, (in_f, out_f) in enumerate(SHAPES):
         x, w = _data(rows, in_f, out_f, dtype, seed=rows * 10 + k)
-        y = sg.matmul(x, sg.pack(w), out_f, lib=lib)
+        y = sg.matmul(x, sg.pack(w), in_f, out_f, lib=lib)
         assert y.shape == (rows, out_f) and y.dtype == dtype
         exact, tol = _bound(x, w)
         assert ((y.double() - exact).abs() <= tol).all(), (in_f, out_f)
@@ -84,14 +84,29 @@ def test_rows_read_through_their_stride_and_two_threads_give_the_same_bits(dtype
     wide = torch.zeros(9, 700, dtype=dtype)
     wide[:, :576] = x
     panels = sg.pack(w)
-    one = sg.matmul(x, panels, 1024)
-    assert torch.equal(sg.matmul(wide[:, :576], panels, 1024), one)      # a row stride of 700
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        assert torch.equal(sg.matmul(x, panels, 1024), one)             # each output summed as before
+        torch.set_num_threads(1)
+        one = sg.matmul(x, panels, 576, 1024)
+        assert torch.equal(sg.matmul(wide[:, :576], panels, 576, 1024), one)     # a row stride of 700
+        torch.set_num_threads(2)                  # the panels split over two threads (2.4 MB of weights)
+        assert torch.equal(sg.matmul(x, panels, 576, 1024), one)                 # each output as before
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("build", ["native", "plain C"])
+def test_nan_and_infinity_reach_the_outputs_they_touch(dtype, build):
+    lib = None if build == "native" else _plain_c()
+    x, w = _data(4, 40, 70, dtype, seed=8)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    w[7, 5] = 0.0                                   # inf x 0 = nan, as in float64
+    y = sg.matmul(x, sg.pack(w), 40, 70, lib=lib)
+    exact = x.double() @ w.double().T
+    assert torch.equal(y.isnan(), exact.isnan()) and torch.equal(y.isinf(), exact.isinf())
+    assert y[1].isnan().all() and y[2, 7].isnan() and y[[0, 3]].isfinite().all()
+    assert torch.equal(y.isinf() & (y > 0), exact.isinf() & (exact > 0))
 
 
 @pytest.mark.parametrize("build", ["native", "plain C"])
@@ -102,21 +117,33 @@ def test_an_odd_row_is_read_to_its_end_and_no_further(build):
     x, w = _data(3, 37, 70, torch.bfloat16, seed=5)
     wide = torch.full((3, 38), float("nan"), dtype=torch.bfloat16)
     wide[:, :37] = x
-    y = sg.matmul(wide[:, :37], sg.pack(w), 70, lib=lib)
+    y = sg.matmul(wide[:, :37], sg.pack(w), 37, 70, lib=lib)
     exact, tol = _bound(x, w)
     assert ((y.double() - exact).abs() <= tol).all()
 
 
 def test_what_does_not_fit_the_panels_is_refused():
+    """Everything here would have the C loop read outside its tensors, or ignore part of the weight."""
     x, w = _data(2, 64, 70, torch.float32, seed=0)
     panels = sg.pack(w)
-    for bad in (x[:, :63], x.to(torch.bfloat16), x[None]):
+    bad = [(x[:, :63], panels, 64, 70), (x.to(torch.bfloat16), panels, 64, 70), (x[None], panels, 64, 70),
+           (x, panels, 64, 129),                                           # two panels hold 128 outputs
+           (x, panels[:1].expand(3, 64, 64), 64, 192),                     # not contiguous
+           (x, panels[:, :, :32], 64, 70),                                 # not 64 outputs wide
+           (torch.randn(1, 200), torch.randn(1, 200, 1), 200, 1),          # a panel of width 1
+           (x, sg.pack(w.double().float()[:, :62]), 64, 70)]               # another weight's panels
+    xb, wb = _data(2, 4, 64, torch.bfloat16, seed=1)
+    bad += [(xb[:, :3], sg.pack(wb), 4, 64),               # a column short of the bfloat16 weight
+            (xb, sg.pack(wb.float()).to(torch.bfloat16), 4, 64)]     # float32's layout for bfloat16
+    for args in bad:
         with pytest.raises(ValueError, match="do not fit"):
-            sg.matmul(bad, panels, 70)
-    with pytest.raises(ValueError, match="do not fit"):
-        sg.matmul(x, panels, 129)                               # two panels hold 128 outputs
+            sg.matmul(*args)
     with pytest.raises(ValueError, match="2-D float32 or bfloat16"):
         sg.pack(w.double())
+
+
+def test_the_panel_width_is_the_kernels():
+    assert sg.load().minicb_skinny_panel_width() == sg.PANEL_WIDTH == sg.pack(torch.zeros(1, 1)).shape[-1]
 
 
 def test_choose_rows(monkeypatch):
@@ -152,4 +179,29 @@ def test_packed_layers_send_few_rows_to_the_kernel_and_more_to_onednn(dtype, mon
     assert calls == [1, 1, 4, 4]                                # 5 and 40 rows went to oneDNN
     assert not hasattr(cl.PackedLinear(lin, dtype), "weight_panels")
     if dtype == torch.bfloat16:                                 # computed in float32: oneDNN only
-        assert cl.PackedLinear(lin, torch.float32, skinny_rows=4).skinny_rows == 0
+        for f32_product in (cl.PackedLinear(lin, torch.float32, skinny_rows=4),
+                            cl.PackedProjections([lin, lin], torch.float32, skinny_rows=4),
+                            cl.PackedLinear(cl.Float32ComputeLinear(lin), torch.float32, skinny_rows=4)):
+            assert f32_product.skinny_rows == 0 and not hasattr(f32_product, "weight_panels")
+            assert f32_product(torch.randn(2, 48).to(dtype)).dtype == dtype
+
+
+def test_a_bfloat16_model_on_float32_products_keeps_onednn_and_says_so(monkeypatch, caplog):
+    import logging
+
+    from helpers import TINY
+    from minicb.entrypoints.llm import LLM, cpu_fast_paths
+    from minicb.model.llama import LlamaForCausalLM
+
+    if not cl.can_pack():
+        unavailable("this torch has no oneDNN packed linear ops")
+    monkeypatch.setenv("MINICB_LINEAR", "onednn-f32")
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", "16")
+    model = LlamaForCausalLM.random(TINY, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="minicb"):
+        cpu_fast_paths(model, "cpu")
+    assert cl.skinny_rows_of(model) == 0
+    assert caplog.records[-1].getMessage().endswith(
+        "; no skinny kernel (bfloat16 layers computed in float32 keep oneDNN)")
+    out = LLM(model, num_blocks=64, block_size=4).generate([[5, 6, 7]], None)
+    assert len(out[0].token_ids) > 0

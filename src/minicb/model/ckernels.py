@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
-OPENMP = "-fopenmp"     # rows split over torch's thread count; without it (no OpenMP) one thread
+OPENMP = "-fopenmp"     # work split over torch's thread count; without it (no OpenMP) one thread
 
 
 class KernelUnavailable(RuntimeError):

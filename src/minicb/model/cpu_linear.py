@@ -183,11 +183,11 @@ class PackedLinear(nn.Module):
         w = getattr(linear, "weight_f32", None)          # a Float32ComputeLinear's copy, if any
         w = linear.weight if w is None or self.compute_dtype != torch.float32 else w
         self.register_buffer("weight_packed", _pack(w, self.compute_dtype), persistent=False)
-        _add_panels(self, w, skinny_rows)
+        _add_panels(self, w, linear.weight.dtype, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
-            return skinny_gemm.matmul(x, self.weight_panels, self.out_features)
+            return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
 
 
@@ -210,20 +210,20 @@ class PackedProjections(nn.Module):
         stacked = torch.cat([lin.weight.detach().to(self.compute_dtype) for lin in linears])
         self.register_buffer("weight_packed", _pack(stacked, self.compute_dtype), persistent=False)
         self.out_features = sum(self.sizes)
-        _add_panels(self, stacked, skinny_rows)
+        _add_panels(self, stacked, linears[0].weight.dtype, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
-            return skinny_gemm.matmul(x, self.weight_panels, self.out_features)
+            return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
 
 
-def _add_panels(layer: nn.Module, weight: torch.Tensor, skinny_rows: int) -> None:
-    """Give a packed ``layer`` the skinny kernel's panels of ``weight`` for products of up to
-    ``skinny_rows`` rows (``skinny_gemm``): only where the product's dtype is the model's (a bfloat16
-    layer computed in float32 keeps oneDNN for every step)."""
+def _add_panels(layer: nn.Module, weight: torch.Tensor, input_dtype: torch.dtype, skinny_rows: int) -> None:
+    """Give a packed ``layer`` the skinny kernel's panels of ``weight`` (as the layer computes with it)
+    for products of up to ``skinny_rows`` rows (``skinny_gemm``): only where the product's dtype is its
+    input's, ``input_dtype`` (a bfloat16 layer computed in float32 keeps oneDNN for every step)."""
     layer.skinny_rows = 0
-    if skinny_rows > 0 and weight.dtype == layer.compute_dtype:
+    if skinny_rows > 0 and weight.dtype == layer.compute_dtype == input_dtype:
         layer.register_buffer("weight_panels", skinny_gemm.pack(weight), persistent=False)
         layer.skinny_rows = skinny_rows
 

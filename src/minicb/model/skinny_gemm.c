@@ -18,8 +18,11 @@
  * exactly and adds both to a float32 accumulator, hence the pairs in the layout.
  *
  * Numerics: each output is a float32 sum over the inputs in their order (oneDNN sums in another
- * order, so results agree to float32 rounding), rounded once to the output dtype (bfloat16: to
- * nearest even). Without AVX-512 the plain C loop below computes the same sums in the same order.
+ * order), rounded once to the output dtype (bfloat16: to nearest even). The AVX-512 loops use fused
+ * multiply-adds; the plain C loops below (CPUs without AVX-512, and a test build) round each product
+ * apart, and in bfloat16 add a pair's two products before the sum: so every build agrees with oneDNN
+ * and with the others to float32 rounding, not bit for bit. vdpbf16ps treats subnormal bfloat16
+ * inputs (smaller than 2^-126) as zero.
  *
  * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it.
  */

@@ -42,6 +42,7 @@ DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf1
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 DEFAULT_ROWS = 16          # the crossover with oneDNN measured on AVX-512 CPUs (bench/linear_paths.py)
 ISA_NAMES = {2: "AVX-512 BF16", 1: "AVX-512", 0: "plain C"}
+PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
 
 
 @functools.cache
@@ -82,7 +83,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype not in DTYPES or weight.dim() != 2:
         raise ValueError(f"skinny_gemm.pack takes a 2-D float32 or bfloat16 weight, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
-    width = load().minicb_skinny_panel_width()
+    width = PANEL_WIDTH
     out_f, in_f = weight.shape
     pairs = weight.dtype == torch.bfloat16
     w = F.pad(weight.detach().cpu(), (0, in_f % 2 if pairs else 0, 0, (-out_f) % width))
@@ -92,22 +93,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(n_out // width, width, n_in).permute(0, 2, 1).contiguous()
 
 
-def matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None
-           ) -> torch.Tensor:
-    """``x [rows, in] @ W.T`` from ``W``'s panels (``pack``), in ``x``'s dtype (the panels' one). No
-    checks beyond what keeps the C loop in bounds: the layers call it at every step. ``lib``: a
-    variant from ``load(extra_flags)`` instead of the default build."""
-    in_f = panels.shape[1] * (2 if panels.dim() == 4 else 1)      # bfloat16: pairs of inputs
-    if (x.dim() != 2 or x.dtype != panels.dtype or x.shape[1] not in (in_f, in_f - (panels.dim() == 4))
-            or out_features > panels.shape[0] * panels.shape[2]):
-        raise ValueError(f"skinny_gemm.matmul: x {x.dtype} {tuple(x.shape)} and {out_features} outputs "
-                         f"do not fit panels {panels.dtype} {tuple(panels.shape)}")
+def panels_shape(in_features: int, out_features: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape ``pack`` gives a ``[out_features, in_features]`` weight of ``dtype``."""
+    panels = -(-out_features // PANEL_WIDTH)
+    if dtype == torch.bfloat16:
+        return (panels, -(-in_features // 2), PANEL_WIDTH, 2)
+    return (panels, in_features, PANEL_WIDTH)
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x [rows, in_features] @ W.T`` from the panels ``pack`` made of ``W [out_features, in_features]``,
+    in ``x``'s dtype (the panels' one). Whatever the C loop would read out of bounds is refused (a
+    wrong shape, dtype or layout of either); the values are not checked. ``lib``: a variant from
+    ``load(extra_flags)`` instead of the default build."""
+    if (x.dim() != 2 or x.shape[1] != in_features or x.dtype != panels.dtype or x.dtype not in DTYPES
+            or panels.shape != panels_shape(in_features, out_features, x.dtype)
+            or not panels.is_contiguous()):
+        raise ValueError(f"skinny_gemm.matmul: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
+                         f"{in_features}] weight do not fit panels {panels.dtype} {tuple(panels.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     fn = _c_function(x.dtype) if lib is None else getattr(lib, DTYPES[x.dtype])
-    fn(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features,
-                         x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    fn(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features, x.shape[0], in_features,
+       out_features, torch.get_num_threads())
     return y
 
 
