@@ -26,7 +26,9 @@ first (what ``Sampler.sample`` does now).
 stacked, o, gate/up stacked, down: 270 MB in bfloat16, more than any cache, so they come from memory as
 in a real step), each product once per pass, at 1-64 rows, through oneDNN's packed products and the
 skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 passes, one thread:
-ms per pass, the bandwidth it reads the weights at, and the ratio. Where the ratio crosses 1 is where
+ms per pass, the bandwidth it reads the weights at, and the ratio. oneDNN computes as ``LLM()`` would on
+this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat16 products has its
+weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where the ratio crosses 1 is where
 ``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth (``decode_floor.read_bandwidth``) is
 printed first, the ceiling for a pass.
 
@@ -106,22 +108,27 @@ def skinny() -> None:
     from minicb.model import skinny_gemm
     from minicb.model.cpu_linear import _pack
 
-    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s; "
-          f"skinny kernel: {skinny_gemm.ISA_NAMES[skinny_gemm.isa()]}")
+    from minicb.model.cpu_linear import choose_path
+
+    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
+        path, _ = choose_path(dtype)
+        compute = torch.bfloat16 if path == "onednn-bf16" else torch.float32
         weights = [(0.05 * torch.randn(o, i, generator=g)).to(dtype) for o, i in shapes]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
-        dnn = [(_pack(w, dtype), *w.shape) for w in weights]              # (packed, out, in)
+        dnn = [(_pack(w.to(compute), compute), *w.shape) for w in weights]      # (packed, out, in)
         panels = [(skinny_gemm.pack(w), *w.shape) for w in weights]
         del weights
         print(f"\n{str(dtype).removeprefix('torch.')}: {nbytes / 1e6:.0f} MB of weights a pass; ms per pass "
-              "(GB/s), median of 5 alternating passes")
+              f"(GB/s of {str(dtype).removeprefix('torch.')} weights), median of 5 alternating passes; "
+              f"oneDNN computes in {str(compute).removeprefix('torch.')} (LLM() takes {path} here), the "
+              f"skinny kernel runs its {skinny_gemm.PATH_NAMES[dtype][skinny_gemm.path(dtype)]} loop")
         print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
         for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64):
             xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
-            onednn = functools.partial(_onednn, dtype=dtype)
+            onednn = functools.partial(_onednn, dtype=compute)
             ms = _median_ms({"dnn": functools.partial(_one_pass, onednn, dnn, xs),
                              "skinny": functools.partial(_one_pass, _skinny, panels, xs)}, rounds=5, calls=1)
             gbs = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}

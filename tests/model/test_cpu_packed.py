@@ -45,6 +45,21 @@ def _bf16_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return exact, exact.abs() * 2 ** -8 + size * x.shape[-1] * 2 ** -24
 
 
+def _refused_without_bf16_products(make) -> bool:
+    """On a CPU where oneDNN has no bfloat16 products, ``make()`` (packing a bfloat16 weight) must be
+    refused with the reason, and the caller's test ends there (True); elsewhere False."""
+    if cl.no_bf16_packing_reason() is None:
+        return False
+    with pytest.raises(ValueError, match="cannot pack a bfloat16 weight: oneDNN has no bfloat16 products"):
+        make()
+    return True
+
+
+def _bf16_compute() -> torch.dtype:
+    """What a bfloat16 model is packed in here: bfloat16 where oneDNN has its products, else float32."""
+    return torch.bfloat16 if cl.no_bf16_packing_reason() is None else torch.float32
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 64, 300])
 def test_float32_packed_products_match_float64(rows):
     lin = _linear(200, 48, seed=rows)
@@ -59,6 +74,8 @@ def test_float32_packed_products_match_float64(rows):
 def test_bfloat16_packed_products_are_one_rounding_from_float64(rows, compute):
     lin = _linear(200, 48, seed=rows, dtype=torch.bfloat16)
     x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(7 + rows)).to(torch.bfloat16)
+    if compute == torch.bfloat16 and _refused_without_bf16_products(lambda: cl.PackedLinear(lin, compute)):
+        return
     packed = cl.PackedLinear(lin, compute)
     assert packed.compute_dtype == compute and packed.weight is lin.weight
     y = packed(x)
@@ -78,6 +95,8 @@ def test_stacked_projections_are_the_layers_side_by_side(compute):
     dtype = torch.bfloat16 if compute == torch.bfloat16 else torch.float32
     layers = [_linear(n, 40, seed=n, dtype=dtype) for n in (24, 8, 8)]
     x = torch.randn(9, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    if compute == torch.bfloat16 and _refused_without_bf16_products(lambda: cl.PackedProjections(layers, compute)):
+        return
     stacked = cl.PackedProjections(layers, compute)
     y = stacked(x)
     assert stacked.sizes == [24, 8, 8] and y.shape == (9, 40) and list(stacked.state_dict()) == []
@@ -107,14 +126,16 @@ def test_pack_linears_keeps_weights_tying_and_logits(dtype, keep):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = [[5, 9, 11, 4, 20], [7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     reference = _logits(model, prompts)
-    assert cl.pack_linears(model, dtype, keep_unpacked=keep) == 4 * TINY.num_hidden_layers + 1
-    assert cl.pack_linears(model, dtype, keep_unpacked=keep) == 0        # idempotent
+    # bfloat16 products where oneDNN has them; on a CPU without, a bfloat16 model is packed in float32
+    compute = _bf16_compute() if dtype == torch.bfloat16 else torch.float32
+    assert cl.pack_linears(model, compute, keep_unpacked=keep) == 4 * TINY.num_hidden_layers + 1
+    assert cl.pack_linears(model, compute, keep_unpacked=keep) == 0        # idempotent
     after = model.state_dict()
     # kept: the state_dict as it was; dropped: everything but the layers' projections, unchanged
     kept = before.keys() if keep else {k for k in before if k.split(".")[-2] not in PROJECTIONS}
     assert after.keys() == kept and all(torch.equal(before[k], after[k]) for k in kept)
     assert model.lm_head.weight is model.model.embed_tokens.weight       # still tied
-    assert cl.linear_path(model) == ("onednn-bf16" if dtype == torch.bfloat16 else "onednn-f32")
+    assert cl.linear_path(model) == ("onednn-bf16" if compute == torch.bfloat16 else "onednn-f32")
     packed = _logits(model, prompts)
     exact = _logits(exact_model, prompts)
     if dtype == torch.float32:
@@ -190,6 +211,11 @@ def test_the_micro_check_measures_both_products():
 ])
 def test_apply_path(path, dtype, want):
     model = LlamaForCausalLM.random(TINY, seed=1, dtype=dtype)
+    if path == "onednn-bf16" and dtype == torch.bfloat16 and cl.no_bf16_packing_reason():
+        with pytest.raises(ValueError, match="cannot pack a bfloat16 weight: oneDNN has no bfloat16 products"):
+            cl.apply_path(model, path)          # a CPU without them: refused, and the model left as it was
+        assert cl.linear_path(model) == "torch"
+        return
     assert cl.apply_path(model, path) == want
     expected = {"onednn-bf16": "onednn-f32"} if dtype == torch.float32 else {}
     assert cl.linear_path(model) == (expected.get(path, path) if dtype != torch.float64 else "torch")
@@ -210,13 +236,21 @@ def test_llm_float32_tokens_unchanged_on_every_path(path, monkeypatch):
 
 
 def test_llm_bfloat16_tokens_on_native_bfloat16(monkeypatch):
+    """Where oneDNN has bfloat16 products, on them; on a CPU without, pinning them is refused with the
+    reason, and the bfloat16 model's float32 products (with the skinny kernel's bfloat16 panels for the
+    steps of few rows, as ``LLM()`` gives them) stand in."""
     prompts = random_prompts(12, 3, 30, TINY.vocab_size, seed=5)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = LlamaForCausalLM.random(TINY, seed=8, dtype=torch.bfloat16, std=0.3)
     fast = copy.deepcopy(ref)
-    monkeypatch.setenv("MINICB_LINEAR", "onednn-bf16")
+    path = "onednn-bf16" if cl.no_bf16_packing_reason() is None else "onednn-f32"
+    if path == "onednn-f32":
+        monkeypatch.setenv("MINICB_LINEAR", "onednn-bf16")
+        with pytest.raises(ValueError, match="MINICB_LINEAR=onednn-bf16: oneDNN has no bfloat16 products"):
+            cpu_fast_paths(copy.deepcopy(ref), "cpu")
+    monkeypatch.setenv("MINICB_LINEAR", path)
     cpu_fast_paths(fast, "cpu")
-    assert cl.linear_path(fast) == "onednn-bf16"
+    assert cl.linear_path(fast) == path
     runs = [[o.token_ids for o in LLM(m, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=32,
                                       block_size=4, num_blocks=256).generate(prompts, params)]
             for m in (ref, fast)]
@@ -254,7 +288,7 @@ def test_packing_drops_the_unpacked_weights(dtype, tied):
     cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
     model = LlamaForCausalLM.random(cfg, seed=4, dtype=dtype, std=0.3)
     plain = copy.deepcopy(model)
-    cl.pack_linears(model, dtype)
+    cl.pack_linears(model, _bf16_compute() if dtype == torch.bfloat16 else dtype)
     h, v = cfg.hidden_size, cfg.vocab_size
     norms = (2 * cfg.num_hidden_layers + 1) * h
     left = v * h + norms              # the embedding and the norms; an untied head's weight is dropped

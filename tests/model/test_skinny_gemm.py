@@ -18,12 +18,31 @@ def kernel(monkeypatch):
     monkeypatch.delenv("MINICB_SKINNY_ROWS", raising=False)
 
 
-def _plain_c():
-    """The kernel built without AVX-512: the loops a CPU without it runs (any x86 CPU runs this)."""
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+
+
+def _build(flag):
     try:
-        return sg.load(("-mno-avx512f",))
+        return sg.load((flag,))
     except KernelUnavailable as e:              # a compiler for another architecture rejects the flag
-        unavailable(f"no build without AVX-512 here: {e}")
+        unavailable(f"no build with {flag} here: {e}")
+
+
+def _plain_c():
+    """The kernel built without AVX2 (and so without AVX-512): the loops a CPU without them runs (any x86
+    CPU runs this)."""
+    return _build("-mno-avx2")
+
+
+def _avx2():
+    """The kernel built without AVX-512: the AVX2 loops, where the CPU has AVX2 and FMA (all of this
+    project's machines); plain C elsewhere."""
+    return _build("-mno-avx512f")
+
+
+BUILDS = {"native": lambda: None, "AVX2": _avx2, "plain C": _plain_c}
 
 
 def _data(rows, in_f, out_f, dtype, seed):
@@ -45,10 +64,10 @@ SHAPES = [(64, 64), (576, 960), (5, 3), (37, 130), (1536, 576)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("build", ["native", "plain C"])
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 16, 17])
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 13, 16, 17])
 def test_products_match_float64(dtype, build, rows):
-    lib = None if build == "native" else _plain_c()
+    lib = BUILDS[build]()
     for k, (in_f, out_f) in enumerate(SHAPES):
         x, w = _data(rows, in_f, out_f, dtype, seed=rows * 10 + k)
         y = sg.matmul(x, sg.pack(w), in_f, out_f, lib=lib)
@@ -57,9 +76,14 @@ def test_products_match_float64(dtype, build, rows):
         assert ((y.double() - exact).abs() <= tol).all(), (in_f, out_f)
 
 
-def test_the_plain_c_build_is_the_fallback_the_isa_says():
-    assert _plain_c().minicb_skinny_isa() == 0
-    assert sg.isa() in (0, 1, 2)
+def test_each_build_runs_the_loops_the_cpu_has():
+    """Which loop each build says it runs, against the CPU's own flags (``/proc/cpuinfo``)."""
+    flags = _cpu_flags()
+    avx2 = 1 if {"avx2", "fma"} <= flags else 0
+    assert [sg.path(d, _plain_c()) for d in (torch.float32, torch.bfloat16)] == [0, 0]
+    assert [sg.path(d, _avx2()) for d in (torch.float32, torch.bfloat16)] == [avx2, avx2]
+    assert sg.path(torch.float32) == (2 if "avx512f" in flags else avx2)
+    assert sg.path(torch.bfloat16) == (2 if "avx512_bf16" in flags else avx2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,9 +120,9 @@ def test_rows_read_through_their_stride_and_two_threads_give_the_same_bits(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("build", ["native", "plain C"])
+@pytest.mark.parametrize("build", list(BUILDS))
 def test_nan_and_infinity_reach_the_outputs_they_touch(dtype, build):
-    lib = None if build == "native" else _plain_c()
+    lib = BUILDS[build]()
     x, w = _data(4, 40, 70, dtype, seed=8)
     x[1, 3], x[2, 5] = float("nan"), float("inf")
     w[7, 5] = 0.0                                   # inf x 0 = nan, as in float64
@@ -109,11 +133,11 @@ def test_nan_and_infinity_reach_the_outputs_they_touch(dtype, build):
     assert torch.equal(y.isinf() & (y > 0), exact.isinf() & (exact > 0))
 
 
-@pytest.mark.parametrize("build", ["native", "plain C"])
+@pytest.mark.parametrize("build", list(BUILDS))
 def test_an_odd_row_is_read_to_its_end_and_no_further(build):
     """bfloat16 pairs the inputs; the last of an odd count pairs with a zero, not with what follows the
     row in memory (here a NaN, which a zero weight would not hide: 0 x NaN is NaN)."""
-    lib = None if build == "native" else _plain_c()
+    lib = BUILDS[build]()
     x, w = _data(3, 37, 70, torch.bfloat16, seed=5)
     wide = torch.full((3, 38), float("nan"), dtype=torch.bfloat16)
     wide[:, :37] = x
@@ -147,11 +171,14 @@ def test_the_panel_width_is_the_kernels():
 
 
 def test_choose_rows(monkeypatch):
-    rows, why = sg.choose_rows(torch.float32)
-    assert (rows, why) == ((sg.DEFAULT_ROWS, "its AVX-512 path") if sg.isa() >= 1 else
-                           (0, "its vector path needs AVX-512, which this CPU lacks"))
-    rows, why = sg.choose_rows(torch.bfloat16)
-    assert rows == (sg.DEFAULT_ROWS if sg.isa() == 2 else 0)
+    flags = _cpu_flags()
+    avx2 = {"avx2", "fma"} <= flags
+    expect = {torch.float32: "AVX-512" if "avx512f" in flags else "AVX2" if avx2 else None,
+              torch.bfloat16: "AVX-512 BF16" if "avx512_bf16" in flags else
+                              "AVX2, widened to float32" if avx2 else None}
+    for dtype, loop in expect.items():
+        assert sg.choose_rows(dtype) == ((sg.DEFAULT_ROWS, f"its {loop} path") if loop else
+                                         (0, "its vector loops need AVX2 with FMA, which this CPU lacks"))
     assert sg.choose_rows(torch.float64)[0] == 0
     monkeypatch.setenv("MINICB_SKINNY_ROWS", "3")
     assert sg.choose_rows(torch.bfloat16) == (3, "MINICB_SKINNY_ROWS=3")
@@ -166,8 +193,10 @@ def test_packed_layers_send_few_rows_to_the_kernel_and_more_to_onednn(dtype, mon
     if not cl.can_pack():
         unavailable("this torch has no oneDNN packed linear ops")
     lin = torch.nn.Linear(48, 200, bias=False).to(dtype)
-    layer = cl.PackedLinear(lin, dtype, skinny_rows=4)
-    stacked = cl.PackedProjections([lin, lin], dtype, skinny_rows=4)
+    # oneDNN packs bfloat16 only where the CPU has bfloat16 products; elsewhere it computes in float32
+    compute = dtype if dtype == torch.float32 or cl.no_bf16_packing_reason() is None else torch.float32
+    layer = cl.PackedLinear(lin, compute, skinny_rows=4)
+    stacked = cl.PackedProjections([lin, lin], compute, skinny_rows=4)
     calls = []
     real = sg.matmul
     monkeypatch.setattr(sg, "matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -177,31 +206,52 @@ def test_packed_layers_send_few_rows_to_the_kernel_and_more_to_onednn(dtype, mon
         for got in (layer(x), *stacked(x).split(200, dim=-1)):
             assert ((got.double() - exact).abs() <= 2 * tol).all()
     assert calls == [1, 1, 4, 4]                                # 5 and 40 rows went to oneDNN
-    assert not hasattr(cl.PackedLinear(lin, dtype), "weight_panels")
-    if dtype == torch.bfloat16:                                 # computed in float32: oneDNN only
+    assert not hasattr(cl.PackedLinear(lin, compute), "weight_panels")
+    if dtype == torch.bfloat16:         # computed in float32 by oneDNN: bfloat16 panels all the same
+        calls.clear()
         for f32_product in (cl.PackedLinear(lin, torch.float32, skinny_rows=4),
                             cl.PackedProjections([lin, lin], torch.float32, skinny_rows=4),
                             cl.PackedLinear(cl.Float32ComputeLinear(lin), torch.float32, skinny_rows=4)):
-            assert f32_product.skinny_rows == 0 and not hasattr(f32_product, "weight_panels")
-            assert f32_product(torch.randn(2, 48).to(dtype)).dtype == dtype
+            assert f32_product.skinny_rows == 4
+            weight = lin.weight.detach()
+            weight = weight if f32_product.out_features == 200 else torch.cat([weight, weight])
+            assert torch.equal(f32_product.weight_panels, sg.pack(weight))     # the weights, exactly
+            for rows in (3, 9):                   # the kernel, then oneDNN in float32: one rounding each
+                x = torch.randn(rows, 48).to(dtype)
+                exact, tol = _bound(x, lin.weight)
+                got = f32_product(x)[:, :200]
+                assert got.dtype == dtype and ((got.double() - exact).abs() <= 2 * tol).all()
+        assert calls == [3, 3, 3]
 
 
-def test_a_bfloat16_model_on_float32_products_keeps_onednn_and_says_so(monkeypatch, caplog):
+def test_a_bfloat16_model_on_float32_products_takes_the_kernel_and_says_so(monkeypatch, caplog):
+    """oneDNN multiplies a bfloat16 model in float32 on a CPU without bfloat16 products; its steps of few
+    rows read the bfloat16 panels instead, and agree with oneDNN's float32 products."""
     import logging
 
     from helpers import TINY
-    from minicb.entrypoints.llm import LLM, cpu_fast_paths
+    from minicb.entrypoints.llm import cpu_fast_paths
+    from minicb.model.attention import ReferenceAttention
     from minicb.model.llama import LlamaForCausalLM
+    from minicb.runtime.packer import pack_prompts
 
     if not cl.can_pack():
         unavailable("this torch has no oneDNN packed linear ops")
     monkeypatch.setenv("MINICB_LINEAR", "onednn-f32")
-    monkeypatch.setenv("MINICB_SKINNY_ROWS", "16")
-    model = LlamaForCausalLM.random(TINY, dtype=torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="minicb"):
-        cpu_fast_paths(model, "cpu")
-    assert cl.skinny_rows_of(model) == 0
-    assert caplog.records[-1].getMessage().endswith(
-        "; no skinny kernel (bfloat16 layers computed in float32 keep oneDNN)")
-    out = LLM(model, num_blocks=64, block_size=4).generate([[5, 6, 7]], None)
-    assert len(out[0].token_ids) > 0
+    models = {}
+    for rows in ("16", "0"):
+        monkeypatch.setenv("MINICB_SKINNY_ROWS", rows)
+        models[rows] = LlamaForCausalLM.random(TINY, dtype=torch.bfloat16, seed=0)
+        with caplog.at_level(logging.INFO, logger="minicb"):
+            cpu_fast_paths(models[rows], "cpu")
+        assert cl.skinny_rows_of(models[rows]) == int(rows)
+    assert caplog.records[-2].getMessage().endswith(
+        "; steps of up to 16 rows on the skinny kernel (MINICB_SKINNY_ROWS=16)")
+    calls = []
+    real = sg.matmul
+    monkeypatch.setattr(sg, "matmul", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    b = pack_prompts([[5, 6, 7, 8]])
+    got, ref = (models[r](b.input_ids, b.positions, ReferenceAttention(None), b.attn) for r in ("16", "0"))
+    assert calls and set(calls) == {4}
+    assert got.dtype == ref.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()

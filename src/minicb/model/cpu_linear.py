@@ -134,8 +134,21 @@ def can_pack() -> bool:
         return False
 
 
+def no_bf16_packing_reason() -> str | None:
+    """Why oneDNN cannot pack a bfloat16 weight on this CPU (None: it can). oneDNN's bfloat16 products
+    need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on a CPU without them (AMD's Zen 1-3, Intel before
+    Skylake-X) a bfloat16 layer is computed in float32 (``onednn-f32``, ``mkl``)."""
+    if fast_bf16_matmul():
+        return None
+    flags = " ".join(cpu_flags()) or "none"
+    return (f"oneDNN has no bfloat16 products on this CPU (flags: {flags}; they need AVX-512 BW/VL/DQ or "
+            "AVX-NE-CONVERT): its bfloat16 layers are computed in float32 (onednn-f32 or mkl)")
+
+
 def _pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight [out, in]`` in ``dtype``, reordered once into oneDNN's blocked layout."""
+    if dtype == torch.bfloat16 and (reason := no_bf16_packing_reason()):
+        raise ValueError(f"cannot pack a bfloat16 weight: {reason}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), 64)
 
 
@@ -219,12 +232,14 @@ class PackedProjections(nn.Module):
 
 
 def _add_panels(layer: nn.Module, weight: torch.Tensor, input_dtype: torch.dtype, skinny_rows: int) -> None:
-    """Give a packed ``layer`` the skinny kernel's panels of ``weight`` (as the layer computes with it)
-    for products of up to ``skinny_rows`` rows (``skinny_gemm``): only where the product's dtype is its
-    input's, ``input_dtype`` (a bfloat16 layer computed in float32 keeps oneDNN for every step)."""
+    """Give a packed ``layer`` the skinny kernel's panels of ``weight`` for products of up to
+    ``skinny_rows`` rows (``skinny_gemm``), in the layer's own dtype ``input_dtype``: a bfloat16 layer
+    that oneDNN computes in float32 gets bfloat16 panels (its weights, exactly), since the kernel sums
+    in float32 whatever it reads and rounds once, as the float32 product does."""
     layer.skinny_rows = 0
-    if skinny_rows > 0 and weight.dtype == layer.compute_dtype == input_dtype:
-        layer.register_buffer("weight_panels", skinny_gemm.pack(weight), persistent=False)
+    if skinny_rows > 0 and input_dtype in skinny_gemm.DTYPES:
+        layer.register_buffer("weight_panels", skinny_gemm.pack(weight.detach().to(input_dtype)),
+                              persistent=False)
         layer.skinny_rows = skinny_rows
 
 
@@ -377,6 +392,8 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
         raise ValueError(f"MINICB_LINEAR must be one of auto, {', '.join(PATHS)}; got {env!r}")
     if dtype not in (torch.float32, torch.bfloat16):
         return "torch", f"{dtype} has no oneDNN GEMM"
+    if env == "onednn-bf16" and dtype == torch.bfloat16 and (reason := no_bf16_packing_reason()):
+        raise ValueError(f"MINICB_LINEAR=onednn-bf16: {reason}")
     if env != "auto":
         return env, f"MINICB_LINEAR={env}"
     if not packed_lm_head_enabled():

@@ -53,8 +53,6 @@ def cpu_fast_paths(model, device) -> list[str]:
                                      + 2 * model.config.num_key_value_heads) * model.config.head_dim
     path, why = cpu_linear.choose_path(model.dtype, *qkv)
     rows, rows_why = skinny_gemm.choose_rows(model.dtype) if path.startswith("onednn") else (0, "")
-    if rows and model.dtype == torch.bfloat16 and path == "onednn-f32":
-        rows, rows_why = 0, "bfloat16 layers computed in float32 keep oneDNN"
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
         rows = cpu_linear.skinny_rows_of(model)

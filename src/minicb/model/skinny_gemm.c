@@ -17,12 +17,20 @@
  * uses vdpbf16ps where the CPU has AVX-512 BF16: it multiplies a pair of inputs by a pair of weights
  * exactly and adds both to a float32 accumulator, hence the pairs in the layout.
  *
+ * CPUs with AVX2 and FMA but no AVX-512 (AMD's Zen 1-3, Intel before Skylake-X) have 16 vector
+ * registers of 8 float32: there the loops take a panel in two halves of 32 outputs (four vectors),
+ * three rows at a time in float32 and two in bfloat16. A CPU without AVX-512 BF16 has no bfloat16
+ * product either: its loop widens the weights to float32 in registers (a pair of bfloat16 in one
+ * 32-bit lane: the first is the lane shifted left by 16, the second the lane with its low half
+ * cleared) and multiplies in float32. The weights still stream from memory as bfloat16, half the bytes
+ * of float32: on a step of few rows that is most of the time.
+ *
  * Numerics: each output is a float32 sum over the inputs in their order (oneDNN sums in another
- * order), rounded once to the output dtype (bfloat16: to nearest even). The AVX-512 loops use fused
- * multiply-adds; the plain C loops below (CPUs without AVX-512, and a test build) round each product
- * apart, and in bfloat16 add a pair's two products before the sum: so every build agrees with oneDNN
- * and with the others to float32 rounding, not bit for bit. vdpbf16ps treats subnormal bfloat16
- * inputs (smaller than 2^-126) as zero.
+ * order), rounded once to the output dtype (bfloat16: to nearest even). The AVX-512 and AVX2 loops use
+ * fused multiply-adds; the plain C loops below (CPUs without AVX2, and a test build) round each
+ * product apart, and in bfloat16 add a pair's two products before the sum: so every build agrees with
+ * oneDNN and with the others to float32 rounding, not bit for bit. vdpbf16ps treats subnormal
+ * bfloat16 inputs (smaller than 2^-126) as zero; the other loops do not.
  *
  * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it.
  */
@@ -30,12 +38,86 @@
 #include <string.h>
 
 #include "bf16.h"
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define TW 64       /* outputs per panel: four vectors of 16 float32 */
 #define RB 6        /* input rows per pass over a panel: 6 x 4 = 24 accumulators of the 32 registers */
+#define HALF 32     /* outputs per pass of the AVX2 loops: four vectors of 8 float32 */
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define SKINNY_F32_AVX2 1       /* float32 on AVX2 where there is no AVX-512 */
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#define SKINNY_BF16_AVX2 1      /* bfloat16 widened on AVX2 where there is no vdpbf16ps */
+#endif
+
+#if defined(SKINNY_F32_AVX2)
+/* acc[r][h + j] for j < 32 (one half of a float32 panel) and nr <= 3 rows: 12 accumulators, the three
+ * broadcast inputs and the weight that each multiply-add reads straight from memory. */
+static void half_f32_avx2(const float *x, int64_t xstride, const float *p, int64_t in, int nr, int h,
+                          float (*acc)[TW]) {
+#define HALF_F32(NR)                                                                                   \
+    {                                                                                                  \
+        __m256 a[NR][4];                                                                               \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) a[r][v] = _mm256_setzero_ps();                                 \
+        for (int64_t i = 0; i < in; ++i) {                                                             \
+            const float *pi = p + i * TW + h;                                                          \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                const __m256 xv = _mm256_set1_ps(x[r * xstride + i]);                                  \
+                for (int v = 0; v < 4; ++v)                                                            \
+                    a[r][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(pi + 8 * v), a[r][v]);               \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc[r] + h + 8 * v, a[r][v]);                 \
+        return;                                                                                        \
+    }
+    switch (nr) {
+    case 1: HALF_F32(1)
+    case 2: HALF_F32(2)
+    default: HALF_F32(3)
+    }
+}
+#endif
+
+#if defined(SKINNY_BF16_AVX2)
+/* The same for one half of a bfloat16 panel and nr <= 2 rows. Each 256-bit load holds 8 outputs'
+ * pairs; the shift and the mask widen it to the 8 weights of the pair's first input and of its
+ * second. An odd last input is paired with a zero input (the panel pads its weight with zero). */
+static void half_bf16_avx2(const uint16_t *x, int64_t xstride, const uint16_t *p, int64_t in, int nr,
+                           int h, float (*acc)[TW]) {
+#define HALF_BF16(NR)                                                                                  \
+    {                                                                                                  \
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                     \
+        __m256 a[NR][4];                                                                               \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) a[r][v] = _mm256_setzero_ps();                                 \
+        for (int64_t i = 0; i < in; i += 2) {                                                          \
+            const uint16_t *pi = p + i * TW + 2 * h;                                                   \
+            __m256 x0[NR], x1[NR];                                                                     \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                x0[r] = _mm256_set1_ps(bf16_load(x[r * xstride + i]));                                 \
+                x1[r] = _mm256_set1_ps(i + 1 < in ? bf16_load(x[r * xstride + i + 1]) : 0.0f);         \
+            }                                                                                          \
+            for (int v = 0; v < 4; ++v) {                                                              \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(pi + 16 * v));                \
+                const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                     \
+                const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, high));                    \
+                for (int r = 0; r < NR; ++r)                                                           \
+                    a[r][v] = _mm256_fmadd_ps(x1[r], w1, _mm256_fmadd_ps(x0[r], w0, a[r][v]));         \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc[r] + h + 8 * v, a[r][v]);                 \
+        return;                                                                                        \
+    }
+    if (nr == 1) HALF_BF16(1)
+    HALF_BF16(2)
+}
+#endif
 
 /* acc[r][j] = sum_i x[r][i] * P[i][j] for one float32 panel P [in][TW] and nr <= RB rows of x. */
 static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t in, int nr,
@@ -70,6 +152,10 @@ static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t i
     case 5: PANEL_F32(5)
     default: PANEL_F32(6)
     }
+#elif defined(SKINNY_F32_AVX2)
+    for (int h = 0; h < TW; h += HALF)
+        for (int r = 0; r < nr; r += 3)
+            half_f32_avx2(x + r * xstride, xstride, p, in, nr - r < 3 ? nr - r : 3, h, acc + r);
 #else
     for (int r = 0; r < nr; ++r) {
         for (int j = 0; j < TW; ++j) acc[r][j] = 0;
@@ -127,6 +213,10 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
     case 5: PANEL_BF16(5)
     default: PANEL_BF16(6)
     }
+#elif defined(SKINNY_BF16_AVX2)
+    for (int h = 0; h < TW; h += HALF)
+        for (int r = 0; r < nr; r += 2)
+            half_bf16_avx2(x + r * xstride, xstride, p, in, nr - r < 2 ? nr - r : 2, h, acc + r);
 #else
     for (int r = 0; r < nr; ++r) {
         for (int j = 0; j < TW; ++j) acc[r][j] = 0;
@@ -173,13 +263,22 @@ SKINNY(minicb_skinny_bf16, uint16_t, panel_bf16, bf16_store, 1)
 
 int minicb_skinny_panel_width(void) { return TW; }
 
-/* 2: vdpbf16ps, 1: AVX-512 float32 (bfloat16 as plain C), 0: plain C throughout */
-int minicb_skinny_isa(void) {
+/* Which loop a dtype runs in this build: for float32 (bf16 = 0) 2 AVX-512, 1 AVX2, 0 plain C; for
+ * bfloat16 (bf16 = 1) 2 vdpbf16ps, 1 AVX2 widening to float32, 0 plain C. */
+int minicb_skinny_path(int bf16) {
 #if defined(__AVX512BF16__)
-    return 2;
-#elif defined(__AVX512F__)
-    return 1;
+    const int b = 2;
+#elif defined(SKINNY_BF16_AVX2)
+    const int b = 1;
 #else
-    return 0;
+    const int b = 0;
 #endif
+#if defined(__AVX512F__)
+    const int f = 2;
+#elif defined(SKINNY_F32_AVX2)
+    const int f = 1;
+#else
+    const int f = 0;
+#endif
+    return bf16 ? b : f;
 }

@@ -16,10 +16,13 @@ are a second copy of each weight, beside oneDNN's: 270 MB more for SmolLM2 in bf
 float32, the price of having the right layout for both kinds of step.
 
 ``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``DEFAULT_ROWS`` rows where the
-compiled kernel has its vector path for the dtype (float32: AVX-512; bfloat16: AVX-512 BF16), else
-none (oneDNN for every step). ``MINICB_SKINNY_ROWS=N`` pins it (``0``: off), so that the kernel runs,
-and is tested, on any CPU with a C compiler. The kernel is built on first use like the decode kernel
-(``ckernels``); where that fails, nothing changes but one logged line.
+compiled kernel has a vector loop for the dtype, else none (oneDNN for every step). The loops
+(``path``): float32 on AVX-512 or on AVX2 with FMA; bfloat16 on AVX-512 BF16's ``vdpbf16ps``, or, on a
+CPU without it, widened to float32 in registers on AVX2 (the weights still read from memory as
+bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to float32).
+``MINICB_SKINNY_ROWS=N`` pins it (``0``: off), so that the kernel runs, and is tested, on any CPU with
+a C compiler. The kernel is built on first use like the decode kernel (``ckernels``); where that
+fails, nothing changes but one logged line.
 
 Numerics: float32 sums of the products in input order, rounded once to the output dtype; oneDNN sums
 in another order, so the two agree to float32 rounding (bfloat16 outputs: to one bfloat16 rounding).
@@ -41,7 +44,8 @@ SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 DEFAULT_ROWS = 16          # the crossover with oneDNN measured on AVX-512 CPUs (bench/linear_paths.py)
-ISA_NAMES = {2: "AVX-512 BF16", 1: "AVX-512", 0: "plain C"}
+PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
+              torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
 
 
@@ -49,14 +53,14 @@ PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked aga
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled ``skinny_gemm.c`` (built on the first call); ``KernelUnavailable`` if it cannot be.
     ``extra_flags`` builds a variant (the tests build one with ``-mno-avx512f`` to run the plain C
-    loops on any CPU)."""
+    loops on any x86 CPU: ``-mno-avx2``; the AVX2 loops on an AVX-512 one: ``-mno-avx512f``)."""
     lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled skinny GEMM")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in DTYPES.values():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
-    for name in ("minicb_skinny_panel_width", "minicb_skinny_isa"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
+    lib.minicb_skinny_panel_width.argtypes, lib.minicb_skinny_panel_width.restype = [], ctypes.c_int
+    lib.minicb_skinny_path.argtypes, lib.minicb_skinny_path.restype = [ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -65,10 +69,10 @@ def unavailable_reason() -> str | None:
     return ckernels.why_not(load)
 
 
-def isa() -> int:
-    """What the compiled kernel runs on this CPU: 2 ``vdpbf16ps`` (and AVX-512 float32), 1 AVX-512
-    float32 only (bfloat16 in plain C), 0 plain C throughout."""
-    return load().minicb_skinny_isa()
+def path(dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int:
+    """Which loop the compiled kernel (or the variant ``lib``) runs for ``dtype`` on this CPU: 2 AVX-512
+    (bfloat16: ``vdpbf16ps``), 1 AVX2 (bfloat16: widened to float32), 0 plain C (``PATH_NAMES``)."""
+    return (lib or load()).minicb_skinny_path(int(dtype == torch.bfloat16))
 
 
 @functools.cache
@@ -136,7 +140,6 @@ def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
     reason = unavailable_reason()
     if reason is not None:
         return 0, f"the skinny kernel is unavailable: {reason}"
-    need = 2 if dtype == torch.bfloat16 else 1
-    if isa() < need:
-        return 0, f"its vector path needs {ISA_NAMES[need]}, which this CPU lacks"
-    return DEFAULT_ROWS, f"its {ISA_NAMES[need]} path"
+    if path(dtype) == 0:
+        return 0, "its vector loops need AVX2 with FMA, which this CPU lacks"
+    return DEFAULT_ROWS, f"its {PATH_NAMES[dtype][path(dtype)]} path"
