@@ -60,13 +60,15 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
-    """The bytes of linear-layer weight one forward reads, in the dtype each product reads them."""
+def weight_bytes(model: LlamaForCausalLM, rows: int = 1) -> int:
+    """The bytes of linear-layer weight one forward of ``rows`` rows reads, in the dtype each product
+    reads them (a step of few enough rows for the skinny kernel reads its panels, in the model's dtype)."""
     cfg = model.config
     per_layer = cfg.hidden_size * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
                                    + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size)
     params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size      # the LM head too
-    native = model.dtype == torch.bfloat16 and cl.linear_path(model) in ("torch", "onednn-bf16")
+    native = model.dtype == torch.bfloat16 and (cl.linear_path(model) in ("torch", "onednn-bf16")
+                                                 or rows <= cl.skinny_rows_of(model))
     return params * (2 if native else 4)        # the other paths multiply float32 copies
 
 
@@ -120,12 +122,15 @@ def main() -> None:
         dtype = getattr(torch, dname)
         model = load_smollm2(dtype)
         applied = cpu_fast_paths(model, "cpu")
-        nbytes = weight_bytes(model)
-        print(f"\n{dname}: linear path {cl.linear_path(model)} ({', '.join(applied)}); weights read per "
-              f"step {nbytes / 1e6:.0f} MB -> floor {nbytes / bw / 1e6:.2f} ms at {bw:.1f} GB/s")
-        llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
         batches = [int(b) for b in args.batches.split(",")]
-        floor = nbytes / (bw * 1e9) * 1e3             # ms
+        nbytes = {b: weight_bytes(model, b) for b in batches}
+        reads = ", ".join(f"{n / 1e6:.0f} MB -> floor {n / bw / 1e6:.2f} ms"
+                          + (f" (steps of {', '.join(str(b) for b in batches if nbytes[b] == n)} rows)"
+                             if len(set(nbytes.values())) > 1 else "")
+                          for n in sorted(set(nbytes.values())))
+        print(f"\n{dname}: linear path {cl.linear_path(model)} ({', '.join(applied)}); weights read per "
+              f"step {reads} at {bw:.1f} GB/s")
+        llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
         clean = {b: statistics.median(decode_steps(llm, b, args.steps, model.config.vocab_size)[0])
                  for b in batches}
         install_timers(model, llm)
@@ -133,6 +138,7 @@ def main() -> None:
               f"{'lm head':>7} {'kernel':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} {'sched+out':>9}"
               "   (ms per step)")
         for b in batches:
+            floor = nbytes[b] / (bw * 1e9) * 1e3         # ms
             _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size)
             s = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in parts.items()})
             s["linears"] -= s["lm head"]                  # its class's timer counted the head too
