@@ -18,7 +18,8 @@ the first one round by round, and whether the paths' first 8 tokens agree reques
 
 ``--micro`` times the pieces instead, one thread, alternating, median of 7 rounds: the fused q/k/v
 product of SmolLM2 (``[rows, 576] x [576, 960]``) at 1-256 rows through MKL's float32 ``F.linear``,
-packed oneDNN float32, packed oneDNN bfloat16 and torch's own bfloat16 ``F.linear`` (GFLOP/s); and the
+packed oneDNN float32, packed oneDNN bfloat16 (where oneDNN has bfloat16 products), torch's own
+bfloat16 ``F.linear`` and the skinny kernel in both dtypes (GFLOP/s); and the
 sampler's greedy argmax over a ``[64, 49152]`` bfloat16 logits matrix, as it is and widened to float32
 first (what ``Sampler.sample`` does now).
 
@@ -79,22 +80,36 @@ def _median_ms(fns: dict, rounds: int = 7, calls: int = 20) -> dict[str, float]:
 def micro() -> None:
     import torch.nn.functional as F
 
-    from minicb.model.cpu_linear import _pack, _packed_matmul
+    from minicb.model import skinny_gemm
+    from minicb.model.cpu_linear import _pack, _packed_matmul, no_bf16_packing_reason
 
     k, n = 576, 960
     w = torch.randn(n, k)
-    packed32, packed16, wb = _pack(w, torch.float32), _pack(w, torch.bfloat16), w.bfloat16()
-    print(f"q/k/v-shaped product [rows, {k}] x [{k}, {n}], GFLOP/s (median of 7 alternating rounds)")
-    print(f"{'rows':>5} {'MKL f32':>9} {'oneDNN f32':>11} {'oneDNN bf16':>12} {'torch bf16':>11}")
+    wb = w.bfloat16()
+    packed32, panels32, panels16 = _pack(w, torch.float32), skinny_gemm.pack(w), skinny_gemm.pack(wb)
+    packed16 = _pack(w, torch.bfloat16) if no_bf16_packing_reason() is None else None
+    print(f"q/k/v-shaped product [rows, {k}] x [{k}, {n}], GFLOP/s (median of 7 alternating rounds); "
+          f"oneDNN bf16: {'packed' if packed16 is not None else 'none on this CPU (-)'}; skinny: the "
+          f"{skinny_gemm.PATH_NAMES[torch.float32][skinny_gemm.path(torch.float32)]} / "
+          f"{skinny_gemm.PATH_NAMES[torch.bfloat16][skinny_gemm.path(torch.bfloat16)]} loops, weights "
+          "from the cache (--skinny reads them from memory)")
+    print(f"{'rows':>5} {'MKL f32':>9} {'oneDNN f32':>11} {'oneDNN bf16':>12} {'torch bf16':>11} "
+          f"{'skinny f32':>11} {'skinny bf16':>12}")
     for rows in (1, 4, 16, 64, 256):
         x = torch.randn(rows, k)
         xb = x.bfloat16()
-        ms = _median_ms({"mkl": lambda x=x: F.linear(x, w),
-                         "f32": lambda x=x: _packed_matmul(x, packed32, n, torch.float32),
-                         "bf16": lambda xb=xb: _packed_matmul(xb, packed16, n, torch.bfloat16),
-                         "torch": lambda xb=xb: F.linear(xb, wb)})
+        runs = {"mkl": lambda x=x: F.linear(x, w),
+                "f32": lambda x=x: _packed_matmul(x, packed32, n, torch.float32),
+                "torch": lambda xb=xb: F.linear(xb, wb),
+                "s32": lambda x=x: skinny_gemm.matmul(x, panels32, k, n),
+                "s16": lambda xb=xb: skinny_gemm.matmul(xb, panels16, k, n)}
+        if packed16 is not None:
+            runs["bf16"] = lambda xb=xb: _packed_matmul(xb, packed16, n, torch.bfloat16)
+        ms = _median_ms(runs)
         gf = {name: 2 * rows * k * n / (t / 1e3) / 1e9 for name, t in ms.items()}
-        print(f"{rows:>5} {gf['mkl']:>9.0f} {gf['f32']:>11.0f} {gf['bf16']:>12.0f} {gf['torch']:>11.0f}")
+        bf16 = f"{gf['bf16']:>12.0f}" if "bf16" in gf else f"{'-':>12}"
+        print(f"{rows:>5} {gf['mkl']:>9.0f} {gf['f32']:>11.0f} {bf16} {gf['torch']:>11.0f} "
+              f"{gf['s32']:>11.0f} {gf['s16']:>12.0f}")
     logits = torch.randn(64, 49152).bfloat16()
     ms = _median_ms({"bf16": lambda: torch.argmax(logits, dim=-1),
                      "widened": lambda: torch.argmax(logits.float(), dim=-1)}, calls=5)
