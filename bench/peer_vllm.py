@@ -135,10 +135,11 @@ class VllmChild:
                "--dtypes", dtype, "--max-model-len", str(max_model_len)]
         if profile_dir:
             cmd += ["--profile-vllm", profile_dir]
-        # the affinity is inherited by every process vLLM starts (engine core, worker)
+        # the affinity is inherited by every process vLLM starts (engine core, worker), and so is the
+        # child's own process group, which close() ends whole
         pre = (lambda: os.sched_setaffinity(0, {cpu})) if pin else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=env, preexec_fn=pre)
+                                     text=True, env=env, preexec_fn=pre, start_new_session=True)
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -156,7 +157,9 @@ class VllmChild:
         return self._read()
 
     def close(self) -> None:
-        """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs."""
+        """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs. Then
+        kill whatever is left of its process group: a child that died (killed on its own) leaves vLLM's
+        worker behind, spinning on the core the next figures are measured on."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
@@ -165,6 +168,10 @@ class VllmChild:
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.log.close()
 
 

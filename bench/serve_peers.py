@@ -38,6 +38,7 @@ import glob
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +68,7 @@ class Server:
         self.command = " ".join(cmd)
         self.log = open(f"/tmp/serve_peers_{name}.log", "w")      # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})},
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
                                      preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
         deadline = time.monotonic() + timeout_s
         while True:
@@ -84,11 +85,18 @@ class Server:
             time.sleep(1)
 
     def close(self) -> None:
+        """Stop the server, then whatever is left of its process group (vLLM's engine core and worker
+        outlive a front end that dies first, and would spin on the core the next figures use)."""
         self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.log.close()
 
 
@@ -166,6 +174,8 @@ def main() -> None:
     ap.add_argument("--llama-gguf", help="the F32 / BF16 GGUF llama-server loads")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so that the servers are closed below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(cpu_header(), flush=True)
     print(f"servers bound to core {args.server_cpu}, client to core {args.client_cpu}; {args.dtype}; "
           f"W2 x {args.num_requests} per rate; {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)

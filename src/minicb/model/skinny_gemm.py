@@ -43,7 +43,7 @@ from minicb.model import ckernels
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
-DEFAULT_ROWS = 16          # the crossover with oneDNN measured on AVX-512 CPUs (bench/linear_paths.py)
+DEFAULT_ROWS = 16          # below the crossover with oneDNN on AVX-512 and AVX2 CPUs (bench/RESULTS.md)
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
