@@ -52,8 +52,8 @@ PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked aga
 @functools.cache
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled ``skinny_gemm.c`` (built on the first call); ``KernelUnavailable`` if it cannot be.
-    ``extra_flags`` builds a variant (the tests build one with ``-mno-avx512f`` to run the plain C
-    loops on any x86 CPU: ``-mno-avx2``; the AVX2 loops on an AVX-512 one: ``-mno-avx512f``)."""
+    ``extra_flags`` builds a variant: the tests build two, ``-mno-avx2`` for the plain C loops any x86
+    CPU runs, and ``-mno-avx512f`` for the AVX2 loops (on a CPU with AVX2)."""
     lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled skinny GEMM")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in DTYPES.values():
