@@ -29,9 +29,9 @@ in a real step), each product once per pass, at 1-64 rows, through oneDNN's pack
 skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 passes, one thread:
 ms per pass, the bandwidth it reads the weights at, and the ratio. oneDNN computes as ``LLM()`` would on
 this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat16 products has its
-weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where the ratio crosses 1 is where
-``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth (``decode_floor.read_bandwidth``) is
-printed first, the ceiling for a pass.
+weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where
+the ratio crosses 1 is where ``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth
+(``decode_floor.read_bandwidth``) is printed first, the ceiling for a pass.
 
 ``--memory`` loads SmolLM2 in a fresh process per case (float32 and bfloat16, on the path ``LLM()``
 picks) and prints the process's resident memory (``VmRSS``) after the load and after the fast paths,
@@ -121,9 +121,7 @@ def skinny() -> None:
     from decode_floor import read_bandwidth
 
     from minicb.model import skinny_gemm
-    from minicb.model.cpu_linear import _pack
-
-    from minicb.model.cpu_linear import choose_path
+    from minicb.model.cpu_linear import _pack, choose_path
 
     print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]

@@ -41,6 +41,9 @@ def cpu_fast_paths(model, device) -> list[str]:
     applied = []
     if torch.device(device).type != "cpu":
         return applied
+    qkv = model.config.hidden_size, (model.config.num_attention_heads
+                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
+    path, why = cpu_linear.choose_path(model.dtype, *qkv)      # first: a refused pin leaves the model as is
     if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
         reason = cpu_fused.unavailable_reason()
         if reason is None:
@@ -49,9 +52,6 @@ def cpu_fast_paths(model, device) -> list[str]:
         elif reason not in _FUSED_FALLBACK_LOGGED:
             _FUSED_FALLBACK_LOGGED.add(reason)
             _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
-    qkv = model.config.hidden_size, (model.config.num_attention_heads
-                                     + 2 * model.config.num_key_value_heads) * model.config.head_dim
-    path, why = cpu_linear.choose_path(model.dtype, *qkv)
     rows, rows_why = skinny_gemm.choose_rows(model.dtype) if path.startswith("onednn") else (0, "")
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen

@@ -140,6 +140,7 @@ def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
     reason = unavailable_reason()
     if reason is not None:
         return 0, f"the skinny kernel is unavailable: {reason}"
-    if path(dtype) == 0:
+    loop = path(dtype)
+    if loop == 0:
         return 0, "its vector loops need AVX2 with FMA, which this CPU lacks"
-    return DEFAULT_ROWS, f"its {PATH_NAMES[dtype][path(dtype)]} path"
+    return DEFAULT_ROWS, f"its {PATH_NAMES[dtype][loop]} path"
