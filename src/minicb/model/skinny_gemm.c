@@ -54,6 +54,55 @@
 #endif
 
 #if defined(SKINNY_F32_AVX2)
+#define TILE 16     /* outputs per tile of the AVX2 float32 loop for 4 to 6 rows: two vectors */
+#define TILE_MIN 4  /* row groups of 4 to 6 rows take the tiles, of 1 to 3 the halves */
+
+/* acc[r][c + j] for j < 16 (one tile of a float32 panel) and 4 <= nr <= 6 rows: 12 accumulators, the
+ * tile's two weight vectors loaded once per input and used by every row, a broadcast input per row:
+ * 12 multiply-adds to 8 loads (the halves below do 12 to 15), so the multiply-adds set the pace.
+ * On the way it asks for `pf_lines` lines of the next panel from `pf`, one every `in / pf_lines`
+ * inputs (`_MM_HINT_T1`: into the L2 cache, from where the next panel's tiles will read them): the
+ * next panel streams in from memory while this one is multiplied, at an even pace. Asking for them
+ * all at once, or not at all, leaves the arithmetic waiting for memory: from memory at 16 to 64 rows
+ * these loops ran 1.1-1.5x slower that way (bench/RESULTS.md). */
+static void tile_f32_avx2(const float *x, int64_t xstride, const float *p, int64_t in, int nr, int c,
+                          float (*acc)[TW], const char *pf, int64_t pf_lines) {
+#define TILE_F32_STEP(NR)                                                                              \
+    {                                                                                                  \
+        const float *pi = p + i * TW + c;                                                              \
+        const __m256 w0 = _mm256_loadu_ps(pi), w1 = _mm256_loadu_ps(pi + 8);                           \
+        for (int r = 0; r < NR; ++r) {                                                                 \
+            const __m256 xv = _mm256_set1_ps(x[r * xstride + i]);                                      \
+            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);                                                \
+            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);                                                \
+        }                                                                                              \
+    }
+#define TILE_F32(NR)                                                                                   \
+    {                                                                                                  \
+        __m256 a[NR][2];                                                                               \
+        for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();                         \
+        const int64_t every = pf_lines ? (in / pf_lines > 1 ? in / pf_lines : 1) : in + 1;             \
+        int64_t due = every, line = 0;                                                                 \
+        for (int64_t i = 0; i < in; ++i) {                                                             \
+            if (--due == 0) {                                                                          \
+                due = every;                                                                           \
+                if (line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                      \
+            }                                                                                          \
+            TILE_F32_STEP(NR)                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r) {                                                                 \
+            _mm256_storeu_ps(acc[r] + c, a[r][0]);                                                     \
+            _mm256_storeu_ps(acc[r] + c + 8, a[r][1]);                                                 \
+        }                                                                                              \
+        return;                                                                                        \
+    }
+    switch (nr) {      /* 4 to 6 */
+    case 4: TILE_F32(4)
+    case 5: TILE_F32(5)
+    default: TILE_F32(6)
+    }
+}
+
 /* acc[r][h + j] for j < 32 (one half of a float32 panel) and nr <= 3 rows: 12 accumulators, the three
  * broadcast inputs and the weight that each multiply-add reads straight from memory. */
 static void half_f32_avx2(const float *x, int64_t xstride, const float *p, int64_t in, int nr, int h,
@@ -119,9 +168,12 @@ static void half_bf16_avx2(const uint16_t *x, int64_t xstride, const uint16_t *p
 }
 #endif
 
-/* acc[r][j] = sum_i x[r][i] * P[i][j] for one float32 panel P [in][TW] and nr <= RB rows of x. */
+/* acc[r][j] = sum_i x[r][i] * P[i][j] for one float32 panel P [in][TW] and nr <= RB rows of x, the
+ * rows r0.. of `rows`; `next` is the panel after this one (NULL for the last), which the AVX2 tiles
+ * fetch into the L2 cache while they compute. */
 static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t in, int nr,
-                      float acc[RB][TW]) {
+                      float acc[RB][TW], const float *next, int64_t r0, int64_t rows) {
+    (void)next, (void)r0, (void)rows;
 #if defined(__AVX512F__)
 #define PANEL_F32(NR)                                                                                  \
     {                                                                                                  \
@@ -153,6 +205,20 @@ static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t i
     default: PANEL_F32(6)
     }
 #elif defined(SKINNY_F32_AVX2)
+    if (nr >= TILE_MIN) {
+        /* The next panel's lines (in * TW floats), spread evenly over every tile pass of this panel:
+         * (the row groups that take the tiles) x (TW / TILE) passes, this group's four in turn. */
+        const int64_t tile_groups = rows / RB + (rows % RB >= TILE_MIN);
+        const int64_t lines = next ? in * TW * (int64_t)sizeof(float) / 64 : 0;
+        const int64_t passes = tile_groups * (TW / TILE);
+        const int64_t per = (lines + passes - 1) / passes;
+        for (int c = 0; c < TW; c += TILE) {
+            const int64_t first = (r0 / RB * (TW / TILE) + c / TILE) * per;
+            const int64_t n = lines - first < per ? (lines - first > 0 ? lines - first : 0) : per;
+            tile_f32_avx2(x, xstride, p, in, nr, c, acc, n ? (const char *)next + 64 * first : NULL, n);
+        }
+        return;
+    }
     for (int h = 0; h < TW; h += HALF)
         for (int r = 0; r < nr; r += 3)
             half_f32_avx2(x + r * xstride, xstride, p, in, nr - r < 3 ? nr - r : 3, h, acc + r);
@@ -176,7 +242,8 @@ static inline uint32_t load_pair(const uint16_t *x) {
 
 /* The same for a bfloat16 panel P [ceil(in / 2)][TW][2] (an odd last input paired with a zero). */
 static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, int64_t in, int nr,
-                       float acc[RB][TW]) {
+                       float acc[RB][TW], const uint16_t *next, int64_t r0, int64_t rows) {
+    (void)next, (void)r0, (void)rows;
 #if defined(__AVX512BF16__)
 #define PANEL_BF16_STEP(NR, PAIR)                                                                      \
     {                                                                                                  \
@@ -249,7 +316,8 @@ static inline float f32_store(float x) { return x; }
             const int64_t no = out - o0 < TW ? out - o0 : TW;                                         \
             for (int64_t r0 = 0; r0 < rows; r0 += RB) {                                               \
                 const int nr = (int)(rows - r0 < RB ? rows - r0 : RB);                                \
-                PANEL(x + r0 * xstride, xstride, packed + b * panel_size, in, nr, acc);               \
+                PANEL(x + r0 * xstride, xstride, packed + b * panel_size, in, nr, acc,                \
+                      b + 1 < panels ? packed + (b + 1) * panel_size : NULL, r0, rows);                \
                 for (int r = 0; r < nr; ++r) {                                                        \
                     T *yr = y + (r0 + r) * ystride + o0;                                              \
                     for (int64_t j = 0; j < no; ++j) yr[j] = STORE(acc[r][j]);                        \

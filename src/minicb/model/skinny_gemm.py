@@ -16,7 +16,8 @@ are a second copy of each weight, beside oneDNN's: 270 MB more for SmolLM2 in bf
 float32, the price of having the right layout for both kinds of step.
 
 ``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``DEFAULT_ROWS`` rows where the
-compiled kernel has a vector loop for the dtype, else none (oneDNN for every step). The loops
+compiled kernel has a vector loop for the dtype (``ROWS`` for the loops measured to win further: float32
+on AVX2 up to 256 rows), else none (oneDNN for every step). The loops
 (``path``): float32 on AVX-512 or on AVX2 with FMA; bfloat16 on AVX-512 BF16's ``vdpbf16ps``, or, on a
 CPU without it, widened to float32 in registers on AVX2 (the weights still read from memory as
 bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to float32).
@@ -44,6 +45,9 @@ SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 DEFAULT_ROWS = 16          # below the crossover with oneDNN on AVX-512 and AVX2 CPUs (bench/RESULTS.md)
+# Loops that beat oneDNN further: float32 on AVX2 (its tiles prefetch the next panel while they multiply)
+# is level with oneDNN or faster from 1 to 1,024 rows on a Zen 2 core (bench/RESULTS.md).
+ROWS = {(torch.float32, 1): 256}
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
@@ -143,4 +147,4 @@ def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
     loop = path(dtype)
     if loop == 0:
         return 0, "its vector loops need AVX2 with FMA, which this CPU lacks"
-    return DEFAULT_ROWS, f"its {PATH_NAMES[dtype][loop]} path"
+    return ROWS.get((dtype, loop), DEFAULT_ROWS), f"its {PATH_NAMES[dtype][loop]} path"
