@@ -6,6 +6,7 @@
     python bench/linear_paths.py --micro      # one layer-shaped product per path, and greedy argmax in bf16
     python bench/linear_paths.py --memory     # resident memory after packing, unpacked weights kept or not
     python bench/linear_paths.py --skinny     # few-row products from memory: oneDNN against skinny_gemm
+    python bench/linear_paths.py --prefetch   # float32 from memory: the AVX2 tiles' prefetch on, bunched, off
 
 ``mkl`` is what minicb did before every layer was packed: MKL's float32 ``F.linear`` for the layers and
 the LM head alone packed for oneDNN; ``onednn-f32`` / ``onednn-bf16`` pack every layer. One model per
@@ -32,6 +33,11 @@ this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat1
 weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where
 the ratio crosses 1 is where ``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth
 (``decode_floor.read_bandwidth``) is printed first, the ceiling for a pass.
+
+``--prefetch`` does the same in float32 for three builds of the kernel (``-DSKINNY_PREFETCH=2``, the
+default: the next panel's cache lines asked for at an even pace over the panel's passes; ``=1``: bunched
+at the start of each pass; ``=0``: not asked for), beside oneDNN, at 4-256 rows: what the prefetch of
+the AVX2 float32 tiles is worth (on a CPU with AVX-512 the three builds run the same AVX-512 loop).
 
 ``--memory`` loads SmolLM2 in a fresh process per case (float32 and bfloat16, on the path ``LLM()``
 picks) and prints the process's resident memory (``VmRSS``) after the load and after the fast paths,
@@ -139,7 +145,7 @@ def skinny() -> None:
               f"oneDNN computes in {str(compute).removeprefix('torch.')} (LLM() takes {path} here), the "
               f"skinny kernel runs its {skinny_gemm.PATH_NAMES[dtype][skinny_gemm.path(dtype)]} loop")
         print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
-        for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64):
+        for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256):
             xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
             onednn = functools.partial(_onednn, dtype=compute)
             ms = _median_ms({"dnn": functools.partial(_one_pass, onednn, dnn, xs),
@@ -151,14 +157,44 @@ def skinny() -> None:
         gc.collect()
 
 
+def prefetch() -> None:
+    from decode_floor import read_bandwidth
+
+    from minicb.model import skinny_gemm
+    from minicb.model.cpu_linear import _pack
+
+    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
+    g = torch.Generator().manual_seed(0)
+    weights = [0.05 * torch.randn(o, i, generator=g) for o, i in shapes]
+    dnn = [(_pack(w, torch.float32), *w.shape) for w in weights]
+    panels = [(skinny_gemm.pack(w), *w.shape) for w in weights]
+    flops = 2 * sum(o * i for o, i in shapes)
+    builds = {f"prefetch={v}": skinny_gemm.load((f"-DSKINNY_PREFETCH={v}",)) for v in (2, 1, 0)}
+    loop = skinny_gemm.PATH_NAMES[torch.float32][skinny_gemm.path(torch.float32)]
+    print(f"float32, {sum(w.numel() * 4 for w in weights) / 1e6:.0f} MB of weights a pass; GFLOP/s from "
+          f"memory, median of 5 alternating passes; the skinny kernel's {loop} loop")
+    del weights
+    print(f"{'rows':>5} {'oneDNN':>8} " + " ".join(f"{b:>11}" for b in builds) + "   prefetch=2/oneDNN")
+    for rows in (4, 8, 16, 24, 32, 48, 64, 128, 256):
+        xs = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
+        runs = {"dnn": functools.partial(_one_pass, functools.partial(_onednn, dtype=torch.float32), dnn, xs)}
+        for b, lib in builds.items():
+            runs[b] = functools.partial(_one_pass, functools.partial(_skinny, lib=lib), panels, xs)
+        ms = _median_ms(runs, rounds=5, calls=1)
+        gf = {k: flops * rows / (v / 1e3) / 1e9 for k, v in ms.items()}
+        print(f"{rows:>5} {gf['dnn']:>8.1f} " + " ".join(f"{gf[b]:>11.1f}" for b in builds)
+              + f"   {ms['dnn'] / ms['prefetch=2']:>5.2f}x")
+
+
 def _onednn(p, x, out_f, in_f, dtype):
     from minicb.model.cpu_linear import _packed_matmul
     return _packed_matmul(x, p, out_f, dtype)
 
 
-def _skinny(p, x, out_f, in_f):
+def _skinny(p, x, out_f, in_f, lib=None):
     from minicb.model import skinny_gemm
-    return skinny_gemm.matmul(x, p, in_f, out_f)
+    return skinny_gemm.matmul(x, p, in_f, out_f, lib=lib)
 
 
 def _one_pass(run, packed: list, xs: dict) -> None:
@@ -217,6 +253,8 @@ def main() -> None:
     ap.add_argument("--micro", action="store_true", help="time the pieces instead (see the docstring)")
     ap.add_argument("--skinny", action="store_true",
                     help="few-row products from memory: oneDNN against the skinny kernel (see the docstring)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="float32 from memory: the AVX2 tiles' prefetch spread, bunched, off (the docstring)")
     ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
     ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -228,6 +266,8 @@ def main() -> None:
         return micro()
     if args.skinny:
         return skinny()
+    if args.prefetch:
+        return prefetch()
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()

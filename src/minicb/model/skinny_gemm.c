@@ -56,6 +56,9 @@
 #if defined(SKINNY_F32_AVX2)
 #define TILE 16     /* outputs per tile of the AVX2 float32 loop for 4 to 6 rows: two vectors */
 #define TILE_MIN 4  /* row groups of 4 to 6 rows take the tiles, of 1 to 3 the halves */
+#ifndef SKINNY_PREFETCH
+#define SKINNY_PREFETCH 2   /* the next panel: 2 spread over the passes, 1 bunched at each pass's start, 0 not */
+#endif
 
 /* acc[r][c + j] for j < 16 (one tile of a float32 panel) and 4 <= nr <= 6 rows: 12 accumulators, the
  * tile's two weight vectors loaded once per input and used by every row, a broadcast input per row:
@@ -63,8 +66,8 @@
  * On the way it asks for `pf_lines` lines of the next panel from `pf`, one every `in / pf_lines`
  * inputs (`_MM_HINT_T1`: into the L2 cache, from where the next panel's tiles will read them): the
  * next panel streams in from memory while this one is multiplied, at an even pace. Asking for them
- * all at once, or not at all, leaves the arithmetic waiting for memory: from memory at 16 to 64 rows
- * these loops ran 1.1-1.5x slower that way (bench/RESULTS.md). */
+ * bunched at the start of each pass (SKINNY_PREFETCH=1), or not at all (0), leaves the arithmetic
+ * waiting for memory (`python bench/linear_paths.py --prefetch` builds and times all three). */
 static void tile_f32_avx2(const float *x, int64_t xstride, const float *p, int64_t in, int nr, int c,
                           float (*acc)[TW], const char *pf, int64_t pf_lines) {
 #define TILE_F32_STEP(NR)                                                                              \
@@ -81,7 +84,8 @@ static void tile_f32_avx2(const float *x, int64_t xstride, const float *p, int64
     {                                                                                                  \
         __m256 a[NR][2];                                                                               \
         for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();                         \
-        const int64_t every = pf_lines ? (in / pf_lines > 1 ? in / pf_lines : 1) : in + 1;             \
+        const int64_t every = !pf_lines || !SKINNY_PREFETCH ? in + 1                                   \
+                              : SKINNY_PREFETCH == 2 && in / pf_lines > 1 ? in / pf_lines : 1;         \
         int64_t due = every, line = 0;                                                                 \
         for (int64_t i = 0; i < in; ++i) {                                                             \
             if (--due == 0) {                                                                          \
