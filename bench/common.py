@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
+
+# A benchmark measures the checkout it sits in, whichever copy of minicb pip's editable install points at.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "src"))
 
 from minicb.measure import bench_cli
 from minicb.model.llama import LlamaForCausalLM

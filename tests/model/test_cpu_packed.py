@@ -167,8 +167,13 @@ def test_choose_path(monkeypatch):
     monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 2.5)    # the micro-check, stood in
     path, why = cl.choose_path(torch.float32)
     assert path == "onednn-f32" and "2.50x" in why
-    monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 1.0)
-    assert cl.choose_path(torch.float32)[0] == "mkl"
+    for skinny_rows, tie in ((0, "mkl"), (16, "onednn-f32")):      # a near tie: the skinny kernel decides
+        monkeypatch.setattr(cl.skinny_gemm, "choose_rows", lambda dtype, r=skinny_rows: (r, "stood in"))
+        monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 1.0)
+        assert cl.choose_path(torch.float32)[0] == tie
+        monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 0.8)
+        path, why = cl.choose_path(torch.float32)
+        assert path == "mkl" and "0.80x" in why and ("skinny" in why) == bool(skinny_rows)
     monkeypatch.setattr(cl, "fast_bf16_matmul", lambda: False)
     assert cl.choose_path(torch.bfloat16)[0] == "mkl"                 # no bf16 instructions, MKL faster
     monkeypatch.setattr(cl, "fast_bf16_matmul", lambda: True)

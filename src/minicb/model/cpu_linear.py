@@ -57,7 +57,11 @@ correctness everywhere, speed where the hardware has it.
 ``auto`` (the default): a bfloat16 model on a CPU whose oneDNN multiplies bfloat16 natively
 (``fast_bf16_matmul``) gets ``onednn-bf16``; otherwise a micro-check (``onednn_speedup``) times one
 layer-shaped float32 product (16 rows, the model's q/k/v shape) through MKL and packed oneDNN,
-alternately, and keeps oneDNN only if it is at least ``ONEDNN_MARGIN`` faster. On the AMD EPYC of
+alternately, and keeps oneDNN only if it is at least ``ONEDNN_MARGIN`` faster; where the skinny
+kernel has a vector loop for the dtype (``skinny_gemm.choose_rows``), which only the packed paths bring
+(steps of few rows, and on AVX2 float32 up to 256), oneDNN need only be no more than that much slower
+(a near tie, as on a Zen 2 core, where the check read 1.0-1.5x from one load to the next, goes to the
+packed path and its kernel, 1.1-1.7x MKL's products from memory there). On the AMD EPYC of
 ``bench/RESULTS.md`` (avx512_bf16) packed oneDNN was 1.5-3x MKL in float32 (W2: 1.5-1.6x per CPU
 second) and packed bfloat16 1.1-1.2x torch's own unpacked bfloat16 on W2; on the AVX2-only machine of
 its earlier sections MKL's float32 was faster than packed oneDNN for the layers' matrices above a
@@ -405,9 +409,12 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
         return "onednn-bf16", f"oneDNN multiplies bfloat16 natively on this CPU (flags: {flags})"
     ratio = onednn_speedup(in_features, out_features)
     shape = f"16x{in_features}x{out_features} float32 product (flags: {flags})"
-    if ratio >= ONEDNN_MARGIN:
+    skinny = skinny_gemm.choose_rows(dtype)[0] > 0     # only the packed paths bring the skinny kernel
+    margin = 1 / ONEDNN_MARGIN if skinny else ONEDNN_MARGIN
+    if ratio >= margin:
         return "onednn-f32", f"packed oneDNN {ratio:.2f}x MKL on a {shape}"
-    return "mkl", f"packed oneDNN only {ratio:.2f}x MKL on a {shape}"
+    return "mkl", (f"packed oneDNN only {ratio:.2f}x MKL on a {shape}, below the {margin:.2f}x asked"
+                   + (" even with the skinny kernel beside it" if skinny else ""))
 
 
 def apply_path(model: nn.Module, path: str, keep_unpacked: bool = False, skinny_rows: int = 0) -> list[str]:
