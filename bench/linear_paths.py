@@ -157,7 +157,7 @@ def skinny() -> None:
         gc.collect()
 
 
-def prefetch() -> None:
+def prefetch(rows_list=(4, 8, 16, 24, 32, 48, 64, 128, 256)) -> None:
     from decode_floor import read_bandwidth
 
     from minicb.model import skinny_gemm
@@ -176,7 +176,7 @@ def prefetch() -> None:
           f"memory, median of 5 alternating passes; the skinny kernel's {loop} loop")
     del weights
     print(f"{'rows':>5} {'oneDNN':>8} " + " ".join(f"{b:>11}" for b in builds) + "   prefetch=2/oneDNN")
-    for rows in (4, 8, 16, 24, 32, 48, 64, 128, 256):
+    for rows in rows_list:
         xs = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
         runs = {"dnn": functools.partial(_one_pass, functools.partial(_onednn, dtype=torch.float32), dnn, xs)}
         for b, lib in builds.items():
@@ -255,6 +255,7 @@ def main() -> None:
                     help="few-row products from memory: oneDNN against the skinny kernel (see the docstring)")
     ap.add_argument("--prefetch", action="store_true",
                     help="float32 from memory: the AVX2 tiles' prefetch spread, bunched, off (the docstring)")
+    ap.add_argument("--rows", help="with --prefetch: the row counts, comma-separated (default 4 to 256)")
     ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
     ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -267,7 +268,7 @@ def main() -> None:
     if args.skinny:
         return skinny()
     if args.prefetch:
-        return prefetch()
+        return prefetch(*([tuple(int(r) for r in args.rows.split(","))] if args.rows else []))
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()
