@@ -19,7 +19,9 @@
  *
  * CPUs with AVX2 and FMA but no AVX-512 (AMD's Zen 1-3, Intel before Skylake-X) have 16 vector
  * registers of 8 float32: there the loops take a panel in two halves of 32 outputs (four vectors),
- * three rows at a time in float32 and two in bfloat16. A CPU without AVX-512 BF16 has no bfloat16
+ * three rows at a time in float32 and two in bfloat16, for steps of 1 to 3 rows; row groups of 4 to 6
+ * take tiles of 16 outputs instead (float32: 6 rows a tile, bfloat16: two tiles of up to 3), which
+ * load each weight once for more rows and fetch the next panel from memory while they multiply. A CPU without AVX-512 BF16 has no bfloat16
  * product either: its loop widens the weights to float32 in registers (a pair of bfloat16 in one
  * 32-bit lane: the first is the lane shifted left by 16, the second the lane with its low half
  * cleared) and multiplies in float32. The weights still stream from memory as bfloat16, half the bytes
@@ -35,6 +37,7 @@
  * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -57,7 +60,7 @@
 #define TILE 16     /* outputs per tile of the AVX2 float32 loop for 4 to 6 rows: two vectors */
 #define TILE_MIN 4  /* row groups of 4 to 6 rows take the tiles, of 1 to 3 the halves */
 #ifndef SKINNY_PREFETCH
-#define SKINNY_PREFETCH 2   /* the next panel: 2 spread over the passes, 1 bunched at each pass's start, 0 not */
+#define SKINNY_PREFETCH 2   /* the next panel: 2 spread over passes, 1 bunched at each pass's start, 0 not */
 #endif
 
 /* acc[r][c + j] for j < 16 (one tile of a float32 panel) and 4 <= nr <= 6 rows: 12 accumulators, the
@@ -169,6 +172,53 @@ static void half_bf16_avx2(const uint16_t *x, int64_t xstride, const uint16_t *p
     }
     if (nr == 1) HALF_BF16(1)
     HALF_BF16(2)
+}
+
+#define BTILE 16    /* outputs per tile of the AVX2 bfloat16 loop for 4 to 6 rows */
+
+/* acc[r][c + j] for j < 16 (one tile of a bfloat16 panel) and nr <= 3 rows of xf, rows already widened
+ * to float32 (in_even inputs a row, the odd last one paired with a zero). Per pair of inputs: one
+ * cache line of weights (16 outputs' pairs), widened to four vectors and used by every row; each row's
+ * pair of products is summed apart (a multiply, a multiply-add) and added to its accumulator, so an
+ * accumulator waits on one addition per pair, not on two chained multiply-adds. The next panel is
+ * fetched as the float32 tiles do it. */
+static void tile_bf16_avx2(const float *xf, int64_t in_even, const uint16_t *p, int nr, int c,
+                           float (*acc)[TW], const char *pf, int64_t pf_lines) {
+#define TILE_BF16(NR)                                                                                  \
+    {                                                                                                  \
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                     \
+        __m256 a[NR][2];                                                                               \
+        for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();                         \
+        const int64_t pairs = in_even / 2;                                                             \
+        const int64_t every = pf_lines ? (pairs / pf_lines > 1 ? pairs / pf_lines : 1) : pairs + 1;    \
+        int64_t due = every, line = 0;                                                                 \
+        for (int64_t i = 0; i < in_even; i += 2) {                                                     \
+            if (--due == 0) {                                                                          \
+                due = every;                                                                           \
+                if (line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                      \
+            }                                                                                          \
+            const uint16_t *pi = p + i * TW + 2 * c;                                                   \
+            const __m256i ra = _mm256_loadu_si256((const __m256i *)pi);                                \
+            const __m256i rb = _mm256_loadu_si256((const __m256i *)(pi + 16));                         \
+            const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(ra, 16));                          \
+            const __m256 a1 = _mm256_castsi256_ps(_mm256_and_si256(ra, high));                         \
+            const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(rb, 16));                          \
+            const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(rb, high));                         \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                const __m256 x0 = _mm256_set1_ps(xf[r * in_even + i]);                                 \
+                const __m256 x1 = _mm256_set1_ps(xf[r * in_even + i + 1]);                             \
+                a[r][0] = _mm256_add_ps(a[r][0], _mm256_fmadd_ps(x1, a1, _mm256_mul_ps(x0, a0)));      \
+                a[r][1] = _mm256_add_ps(a[r][1], _mm256_fmadd_ps(x1, b1, _mm256_mul_ps(x0, b0)));      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r) {                                                                 \
+            _mm256_storeu_ps(acc[r] + c, a[r][0]);                                                     \
+            _mm256_storeu_ps(acc[r] + c + 8, a[r][1]);                                                 \
+        }                                                                                              \
+        return;                                                                                        \
+    }
+    if (nr == 2) TILE_BF16(2)
+    TILE_BF16(3)
 }
 #endif
 
@@ -285,6 +335,35 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
     default: PANEL_BF16(6)
     }
 #elif defined(SKINNY_BF16_AVX2)
+    if (nr >= 4) {
+        /* The group's rows widened once ([nr][in_even] float32, on the stack below 64 KiB), then
+         * tiles of two sub-groups (2+2, 3+2 or 3+3 rows); the next panel spread over all of them. */
+        const int64_t in_even = (in + 1) & ~(int64_t)1;
+        float small[6 * 2048];
+        float *xf = nr * in_even <= 6 * 2048 ? small : malloc(sizeof(float) * (size_t)(nr * in_even));
+        if (xf != NULL) {
+            for (int r = 0; r < nr; ++r) {
+                for (int64_t i = 0; i < in; ++i) xf[r * in_even + i] = bf16_load(x[r * xstride + i]);
+                if (in < in_even) xf[r * in_even + in] = 0.0f;
+            }
+            const int64_t tile_groups = rows / RB + (rows % RB >= 4);
+            const int64_t lines = next ? in_even * TW * (int64_t)sizeof(uint16_t) / 64 : 0;
+            const int64_t passes = tile_groups * (TW / BTILE) * 2;
+            const int64_t per = (lines + passes - 1) / passes;
+            const int first_rows = (nr + 1) / 2;
+            for (int c = 0; c < TW; c += BTILE)
+                for (int half = 0; half < 2; ++half) {
+                    const int64_t k = (r0 / RB * (TW / BTILE) + c / BTILE) * 2 + half;     /* this pass */
+                    const int64_t left = lines - k * per > 0 ? lines - k * per : 0;
+                    const int64_t n = left < per ? left : per;
+                    const int rr = half ? first_rows : 0, cnt = half ? nr - first_rows : first_rows;
+                    tile_bf16_avx2(xf + rr * in_even, in_even, p, cnt, c, acc + rr,
+                                   n ? (const char *)next + 64 * k * per : NULL, n);
+                }
+            if (xf != small) free(xf);
+            return;
+        }
+    }
     for (int h = 0; h < TW; h += HALF)
         for (int r = 0; r < nr; r += 2)
             half_bf16_avx2(x + r * xstride, xstride, p, in, nr - r < 2 ? nr - r : 2, h, acc + r);
