@@ -21,11 +21,11 @@
  * registers of 8 float32: there the loops take a panel in two halves of 32 outputs (four vectors),
  * three rows at a time in float32 and two in bfloat16, for steps of 1 to 3 rows; row groups of 4 to 6
  * take tiles of 16 outputs instead (float32: 6 rows a tile, bfloat16: two tiles of up to 3), which
- * load each weight once for more rows and fetch the next panel from memory while they multiply. A CPU without AVX-512 BF16 has no bfloat16
- * product either: its loop widens the weights to float32 in registers (a pair of bfloat16 in one
- * 32-bit lane: the first is the lane shifted left by 16, the second the lane with its low half
- * cleared) and multiplies in float32. The weights still stream from memory as bfloat16, half the bytes
- * of float32: on a step of few rows that is most of the time.
+ * load each weight once for more rows and fetch the next panel from memory while they multiply. A
+ * CPU without AVX-512 BF16 has no bfloat16 product either: its loop widens the weights to float32 in
+ * registers (a pair of bfloat16 in one 32-bit lane: the first is the lane shifted left by 16, the
+ * second the lane with its low half cleared) and multiplies in float32. The weights still stream from
+ * memory as bfloat16, half the bytes of float32: on a step of few rows that is most of the time.
  *
  * Numerics: each output is a float32 sum over the inputs in their order (oneDNN sums in another
  * order), rounded once to the output dtype (bfloat16: to nearest even). The AVX-512 and AVX2 loops use
@@ -54,6 +54,21 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 #define SKINNY_BF16_AVX2 1      /* bfloat16 widened on AVX2 where there is no vdpbf16ps */
+#endif
+
+#if defined(__AVX2__)
+/* What the AVX2 tiles share: one line of the next panel asked for every `every` steps (up to
+ * `pf_lines`), and a tile's accumulators stored, two vectors (16 outputs from c) a row. */
+#define PREFETCH_TICK()                                                                                \
+    if (--due == 0) {                                                                                  \
+        due = every;                                                                                   \
+        if (line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                              \
+    }
+#define STORE_TILE(NR)                                                                                 \
+    for (int r = 0; r < NR; ++r) {                                                                     \
+        _mm256_storeu_ps(acc[r] + c, a[r][0]);                                                         \
+        _mm256_storeu_ps(acc[r] + c + 8, a[r][1]);                                                     \
+    }
 #endif
 
 #if defined(SKINNY_F32_AVX2)
@@ -91,16 +106,10 @@ static void tile_f32_avx2(const float *x, int64_t xstride, const float *p, int64
                               : SKINNY_PREFETCH == 2 && in / pf_lines > 1 ? in / pf_lines : 1;         \
         int64_t due = every, line = 0;                                                                 \
         for (int64_t i = 0; i < in; ++i) {                                                             \
-            if (--due == 0) {                                                                          \
-                due = every;                                                                           \
-                if (line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                      \
-            }                                                                                          \
+            PREFETCH_TICK()                                                                            \
             TILE_F32_STEP(NR)                                                                          \
         }                                                                                              \
-        for (int r = 0; r < NR; ++r) {                                                                 \
-            _mm256_storeu_ps(acc[r] + c, a[r][0]);                                                     \
-            _mm256_storeu_ps(acc[r] + c + 8, a[r][1]);                                                 \
-        }                                                                                              \
+        STORE_TILE(NR)                                                                                 \
         return;                                                                                        \
     }
     switch (nr) {      /* 4 to 6 */
@@ -193,10 +202,7 @@ static void tile_bf16_avx2(const float *xf, int64_t in_even, const uint16_t *p, 
         const int64_t every = pf_lines ? (pairs / pf_lines > 1 ? pairs / pf_lines : 1) : pairs + 1;    \
         int64_t due = every, line = 0;                                                                 \
         for (int64_t i = 0; i < in_even; i += 2) {                                                     \
-            if (--due == 0) {                                                                          \
-                due = every;                                                                           \
-                if (line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);                      \
-            }                                                                                          \
+            PREFETCH_TICK()                                                                            \
             const uint16_t *pi = p + i * TW + 2 * c;                                                   \
             const __m256i ra = _mm256_loadu_si256((const __m256i *)pi);                                \
             const __m256i rb = _mm256_loadu_si256((const __m256i *)(pi + 16));                         \
@@ -211,10 +217,7 @@ static void tile_bf16_avx2(const float *xf, int64_t in_even, const uint16_t *p, 
                 a[r][1] = _mm256_add_ps(a[r][1], _mm256_fmadd_ps(x1, b1, _mm256_mul_ps(x0, b0)));      \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < NR; ++r) {                                                                 \
-            _mm256_storeu_ps(acc[r] + c, a[r][0]);                                                     \
-            _mm256_storeu_ps(acc[r] + c + 8, a[r][1]);                                                 \
-        }                                                                                              \
+        STORE_TILE(NR)                                                                                 \
         return;                                                                                        \
     }
     if (nr == 2) TILE_BF16(2)
