@@ -157,7 +157,10 @@ def skinny() -> None:
         gc.collect()
 
 
-def prefetch(rows_list=(4, 8, 16, 24, 32, 48, 64, 128, 256)) -> None:
+PREFETCH_ROWS = (4, 8, 16, 24, 32, 48, 64, 128, 256)
+
+
+def prefetch(rows_list=PREFETCH_ROWS) -> None:
     from decode_floor import read_bandwidth
 
     from minicb.model import skinny_gemm
@@ -268,7 +271,7 @@ def main() -> None:
     if args.skinny:
         return skinny()
     if args.prefetch:
-        return prefetch(*([tuple(int(r) for r in args.rows.split(","))] if args.rows else []))
+        return prefetch(tuple(int(r) for r in args.rows.split(",")) if args.rows else PREFETCH_ROWS)
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()

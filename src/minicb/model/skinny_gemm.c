@@ -57,8 +57,30 @@
 #endif
 
 #if defined(__AVX2__)
-/* What the AVX2 tiles share: one line of the next panel asked for every `every` steps (up to
- * `pf_lines`), and a tile's accumulators stored, two vectors (16 outputs from c) a row. */
+#define TILE_MIN 4  /* row groups of 4 to 6 rows take the tiles, of 1 to 3 the halves */
+#ifndef SKINNY_PREFETCH
+#define SKINNY_PREFETCH 2   /* the next panel: 2 spread over passes, 1 bunched at each pass's start, 0 not */
+#endif
+
+/* What the AVX2 tiles share. next_share: the part of the next panel (`lines` cache lines, 0 for none)
+ * that pass `pass` of the row group at r0 asks for, so that the panel's lines are spread evenly over
+ * all of its tile passes ((the groups of TILE_MIN rows or more) x `group_passes`): `*n` lines from the
+ * address returned. PREFETCH_START(steps) paces them over a pass of `steps` steps (SKINNY_PREFETCH),
+ * PREFETCH_TICK() asks for one when it is due, and STORE_TILE(NR) stores a tile's accumulators, two
+ * vectors (16 outputs from c) a row. */
+static inline const char *next_share(const void *next, int64_t lines, int64_t rows, int64_t r0,
+                                     int64_t group_passes, int64_t pass, int64_t *n) {
+    const int64_t passes = (rows / RB + (rows % RB >= TILE_MIN)) * group_passes;
+    const int64_t per = (lines + passes - 1) / passes;
+    const int64_t first = (r0 / RB * group_passes + pass) * per;
+    const int64_t left = lines - first > 0 ? lines - first : 0;
+    *n = left < per ? left : per;
+    return *n ? (const char *)next + 64 * first : NULL;
+}
+#define PREFETCH_START(steps)                                                                          \
+    const int64_t every = !pf_lines || !SKINNY_PREFETCH ? (steps) + 1                                  \
+                          : SKINNY_PREFETCH == 2 && (steps) / pf_lines > 1 ? (steps) / pf_lines : 1;   \
+    int64_t due = every, line = 0;
 #define PREFETCH_TICK()                                                                                \
     if (--due == 0) {                                                                                  \
         due = every;                                                                                   \
@@ -73,10 +95,6 @@
 
 #if defined(SKINNY_F32_AVX2)
 #define TILE 16     /* outputs per tile of the AVX2 float32 loop for 4 to 6 rows: two vectors */
-#define TILE_MIN 4  /* row groups of 4 to 6 rows take the tiles, of 1 to 3 the halves */
-#ifndef SKINNY_PREFETCH
-#define SKINNY_PREFETCH 2   /* the next panel: 2 spread over passes, 1 bunched at each pass's start, 0 not */
-#endif
 
 /* acc[r][c + j] for j < 16 (one tile of a float32 panel) and 4 <= nr <= 6 rows: 12 accumulators, the
  * tile's two weight vectors loaded once per input and used by every row, a broadcast input per row:
@@ -102,9 +120,7 @@ static void tile_f32_avx2(const float *x, int64_t xstride, const float *p, int64
     {                                                                                                  \
         __m256 a[NR][2];                                                                               \
         for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();                         \
-        const int64_t every = !pf_lines || !SKINNY_PREFETCH ? in + 1                                   \
-                              : SKINNY_PREFETCH == 2 && in / pf_lines > 1 ? in / pf_lines : 1;         \
-        int64_t due = every, line = 0;                                                                 \
+        PREFETCH_START(in)                                                                             \
         for (int64_t i = 0; i < in; ++i) {                                                             \
             PREFETCH_TICK()                                                                            \
             TILE_F32_STEP(NR)                                                                          \
@@ -198,9 +214,7 @@ static void tile_bf16_avx2(const float *xf, int64_t in_even, const uint16_t *p, 
         const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                     \
         __m256 a[NR][2];                                                                               \
         for (int r = 0; r < NR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();                         \
-        const int64_t pairs = in_even / 2;                                                             \
-        const int64_t every = pf_lines ? (pairs / pf_lines > 1 ? pairs / pf_lines : 1) : pairs + 1;    \
-        int64_t due = every, line = 0;                                                                 \
+        PREFETCH_START(in_even / 2)                                                                    \
         for (int64_t i = 0; i < in_even; i += 2) {                                                     \
             PREFETCH_TICK()                                                                            \
             const uint16_t *pi = p + i * TW + 2 * c;                                                   \
@@ -263,16 +277,12 @@ static void panel_f32(const float *x, int64_t xstride, const float *p, int64_t i
     }
 #elif defined(SKINNY_F32_AVX2)
     if (nr >= TILE_MIN) {
-        /* The next panel's lines (in * TW floats), spread evenly over every tile pass of this panel:
-         * (the row groups that take the tiles) x (TW / TILE) passes, this group's four in turn. */
-        const int64_t tile_groups = rows / RB + (rows % RB >= TILE_MIN);
+        /* the next panel's lines (in * TW floats) spread over this group's TW / TILE passes and the rest */
         const int64_t lines = next ? in * TW * (int64_t)sizeof(float) / 64 : 0;
-        const int64_t passes = tile_groups * (TW / TILE);
-        const int64_t per = (lines + passes - 1) / passes;
         for (int c = 0; c < TW; c += TILE) {
-            const int64_t first = (r0 / RB * (TW / TILE) + c / TILE) * per;
-            const int64_t n = lines - first < per ? (lines - first > 0 ? lines - first : 0) : per;
-            tile_f32_avx2(x, xstride, p, in, nr, c, acc, n ? (const char *)next + 64 * first : NULL, n);
+            int64_t n;
+            const char *pf = next_share(next, lines, rows, r0, TW / TILE, c / TILE, &n);
+            tile_f32_avx2(x, xstride, p, in, nr, c, acc, pf, n);
         }
         return;
     }
@@ -338,7 +348,7 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
     default: PANEL_BF16(6)
     }
 #elif defined(SKINNY_BF16_AVX2)
-    if (nr >= 4) {
+    if (nr >= TILE_MIN) {
         /* The group's rows widened once ([nr][in_even] float32, on the stack below 64 KiB), then
          * tiles of two sub-groups (2+2, 3+2 or 3+3 rows); the next panel spread over all of them. */
         const int64_t in_even = (in + 1) & ~(int64_t)1;
@@ -349,19 +359,15 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
                 for (int64_t i = 0; i < in; ++i) xf[r * in_even + i] = bf16_load(x[r * xstride + i]);
                 if (in < in_even) xf[r * in_even + in] = 0.0f;
             }
-            const int64_t tile_groups = rows / RB + (rows % RB >= 4);
             const int64_t lines = next ? in_even * TW * (int64_t)sizeof(uint16_t) / 64 : 0;
-            const int64_t passes = tile_groups * (TW / BTILE) * 2;
-            const int64_t per = (lines + passes - 1) / passes;
             const int first_rows = (nr + 1) / 2;
             for (int c = 0; c < TW; c += BTILE)
                 for (int half = 0; half < 2; ++half) {
-                    const int64_t k = (r0 / RB * (TW / BTILE) + c / BTILE) * 2 + half;     /* this pass */
-                    const int64_t left = lines - k * per > 0 ? lines - k * per : 0;
-                    const int64_t n = left < per ? left : per;
+                    int64_t n;                                /* two passes a tile: one per sub-group */
+                    const char *pf = next_share(next, lines, rows, r0, TW / BTILE * 2, c / BTILE * 2 + half,
+                                                &n);
                     const int rr = half ? first_rows : 0, cnt = half ? nr - first_rows : first_rows;
-                    tile_bf16_avx2(xf + rr * in_even, in_even, p, cnt, c, acc + rr,
-                                   n ? (const char *)next + 64 * k * per : NULL, n);
+                    tile_bf16_avx2(xf + rr * in_even, in_even, p, cnt, c, acc + rr, pf, n);
                 }
             if (xf != small) free(xf);
             return;
