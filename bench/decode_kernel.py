@@ -16,6 +16,13 @@ scores and weighted values), and the largest difference between the kernels' out
 
 ``--compare SOURCE`` builds another C file with the same entry points (an older ``paged_decode.c``)
 with ``ckernels.FLAGS`` plus ``--compare-flags`` (default: the flags minicb's kernel is built with).
+The kernel's portable loops beside its AVX2 path, from the same file::
+
+    python bench/decode_kernel.py --compare src/minicb/model/backends/paged_decode.c \
+        --compare-flags="-ffp-contract=fast -fno-trapping-math -DDECODE_AVX2=0"
+
+``--resident`` times the arithmetic alone: every row reads the same 8 blocks (128 keys, 192 KB of
+float32 keys and values, which stay in the core's L2), so nothing waits for memory.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--compare", type=pathlib.Path, help="another kernel source to time beside minicb's")
+    ap.add_argument("--resident", action="store_true",
+                    help="every row reads the same 8 blocks of one layer: the arithmetic without memory")
     ap.add_argument("--compare-flags", default=" ".join(cpu_paged.EXTRA_FLAGS),
                     help="extra compiler flags for --compare (default: minicb's kernel's)")
     args = ap.parse_args()
@@ -61,19 +70,25 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernels = {"minicb": library(None, ())}
     if args.compare:
-        kernels[args.compare.name] = library(args.compare, tuple(shlex.split(args.compare_flags)))
+        extra = [f for f in shlex.split(args.compare_flags) if f not in cpu_paged.EXTRA_FLAGS]
+        kernels[" ".join([args.compare.name, *extra])] = library(args.compare, tuple(shlex.split(args.compare_flags)))
 
     g = torch.Generator().manual_seed(0)
     pool = torch.empty(LAYERS, 2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
     pool.copy_(torch.randn(pool.shape, generator=g))
-    ctx = torch.randint(60, 260, (ROWS,), generator=g, dtype=torch.int32)
-    max_blocks = -(-int(ctx.max()) // BLOCK)
-    tables = torch.randperm(NUM_BLOCKS, generator=g)[:ROWS * max_blocks].to(torch.int32)
-    tables = tables.view(ROWS, max_blocks)
+    if args.resident:
+        ctx = torch.full((ROWS,), 8 * BLOCK, dtype=torch.int32)
+        tables = torch.arange(8, dtype=torch.int32).repeat(ROWS, 1)
+    else:
+        ctx = torch.randint(60, 260, (ROWS,), generator=g, dtype=torch.int32)
+        tables = torch.randperm(NUM_BLOCKS, generator=g)[:ROWS * -(-int(ctx.max()) // BLOCK)].to(torch.int32)
+        tables = tables.view(ROWS, -1)
+    max_blocks = tables.shape[1]
     q = torch.randn(ROWS, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
     keys = int(ctx.sum())
+    where = "the same 8 blocks for every row (resident)" if args.resident else f"a {NUM_BLOCKS}-block pool"
     print(f"machine: {machine_description()}; {args.threads} thread(s); {args.dtype}; {ROWS} rows, "
-          f"{keys:,} keys, {LAYERS} layers of a {NUM_BLOCKS}-block pool")
+          f"{keys:,} keys, {LAYERS} layers of {where}")
 
     times: dict[str, list[float]] = {name: [] for name in kernels}
     outs: dict[str, torch.Tensor] = {}
@@ -83,7 +98,7 @@ def main() -> None:
             out = torch.empty_like(q)
             t = time.perf_counter()
             for layer in range(LAYERS):
-                kc, vc = pool[layer, 0], pool[layer, 1]
+                kc, vc = pool[0 if args.resident else layer, 0], pool[0 if args.resident else layer, 1]
                 fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
                    out.data_ptr(), ROWS, Q_HEADS, KV_HEADS, HEAD_DIM, max_blocks, BLOCK, int(ctx.max()),
                    HEAD_DIM ** -0.5, args.threads)
@@ -92,7 +107,7 @@ def main() -> None:
     ref = outs["minicb"]
     for name, ts in times.items():
         med, best = statistics.median(ts), min(ts)
-        print(f"  {name:<24} median {med * 1e3:6.3f} ms per call (best {best * 1e3:6.3f}), "
+        print(f"  {name:<34} median {med * 1e3:6.3f} ms per call (best {best * 1e3:6.3f}), "
               f"{keys / med / 1e6:5.2f} M keys/s; max |difference| from minicb's "
               f"{(outs[name] - ref).abs().max().item():.1e}")
 

@@ -57,19 +57,59 @@ def random_case(rows, hq, hkv, d, bs, max_ctx, dtype, seed):
     return q, kc, vc, tables.to(torch.int32), ctx.to(torch.int32)
 
 
+# The kernel as minicb builds it (on a CPU with AVX2 and FMA, head_dim 64 takes the AVX2 path), and built
+# without that path (-DDECODE_AVX2=0: the portable loops, which every other head_dim takes anyway).
+BUILDS = {"default": (), "portable": ("-DDECODE_AVX2=0",)}
+
+
+def decode(q, kc, vc, tables, ctx, bs, build="default"):
+    """``paged_decode`` through the given build of the kernel."""
+    if build == "default":
+        return cpu_paged.paged_decode(q, kc, vc, tables, ctx, bs)
+    out = torch.empty_like(q)
+    max_context = cpu_paged.check_decode_args(q, kc, vc, tables, ctx, bs, None)
+    kernel = getattr(cpu_paged.load(BUILDS[build]), cpu_paged.kernel_name(q.dtype))
+    cpu_paged.decode_into(out, q, kc, vc, tables, ctx, bs, max_context, kernel=kernel)
+    return out
+
+
 # bfloat16: inputs and output are stored in 8 significant bits, the arithmetic is float32; the output's
 # own rounding (half a unit in the last place, 2**-9 relative) dominates the error.
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
-# head_dim 64 and 128 run as compile-time constants; 12 and 6 end in a part shorter than a vector
-@pytest.mark.parametrize("shape", [(4, 2, 8), (9, 3, 64), (6, 6, 16), (8, 1, 32), (4, 2, 128), (3, 1, 12),
-                                   (2, 2, 6)])
-def test_kernel_matches_oracle(dtype, tol, bs, shape):
+# head_dim 64 and 128 run as compile-time constants (64: the AVX2 path, with 1 to 8 query heads per kv
+# head, fewer and more query heads than the 8 keys of its score vectors); 12 and 6 end in a part shorter
+# than a vector
+@pytest.mark.parametrize("shape", [(4, 2, 8), (9, 3, 64), (4, 2, 64), (8, 1, 64), (3, 3, 64), (6, 6, 16),
+                                   (8, 1, 32), (4, 2, 128), (3, 1, 12), (2, 2, 6)])
+def test_kernel_matches_oracle(dtype, tol, bs, shape, build):
     hq, hkv, d = shape
     q, kc, vc, tables, ctx = random_case(7, hq, hkv, d, bs, 70, dtype, seed=bs * 100 + d)
-    got = cpu_paged.paged_decode(q, kc, vc, tables, ctx, bs)
+    got = decode(q, kc, vc, tables, ctx, bs, build)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), oracle(q, kc, vc, tables, ctx, bs), rtol=tol, atol=tol)
+
+
+def test_the_avx2_path_is_built_where_the_cpu_has_avx2():
+    """So that on such a CPU the tests above run both paths, and no other CPU claims it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        unavailable("no /proc/cpuinfo flags line here (Linux x86 only)")
+    has = {"avx2", "fma"} <= flags
+    assert cpu_paged.avx2_path() == has
+    assert not cpu_paged.load(BUILDS["portable"]).minicb_paged_decode_avx2()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_long_contexts_over_many_rows(build):
+    """Contexts of hundreds of keys (the AVX2 path asks for the memory 32 keys ahead, across a row's
+    keys, its values and the next row's keys), float32, against the oracle."""
+    q, kc, vc, tables, ctx = random_case(5, 9, 3, 64, 16, 300, torch.float32, seed=11)
+    got = decode(q, kc, vc, tables, ctx, 16, build)
+    torch.testing.assert_close(got.double(), oracle(q, kc, vc, tables, ctx, 16), rtol=2e-6, atol=2e-6)
 
 
 def test_kernel_is_the_same_on_two_threads():

@@ -59,28 +59,35 @@ WIDEN_BF16 = "minicb_paged_decode_bf16_widen"             # bfloat16 widened ele
 EXTRA_FLAGS = ("-ffp-contract=fast", "-fno-trapping-math")
 
 
-def build(cc: list[str] | None = None) -> Path:
+def build(cc: list[str] | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile ``paged_decode.c`` into the kernel cache (``ckernels.build``); the library's path."""
-    return ckernels.build(SOURCE, cc, extra_flags=EXTRA_FLAGS)
+    return ckernels.build(SOURCE, cc, extra_flags=(*EXTRA_FLAGS, *extra_flags))
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
-    """The compiled kernel library (built on the first call); ``KernelUnavailable`` if it cannot be."""
-    lib = ckernels.open_library(build(), "the compiled kernel")
+@functools.lru_cache(maxsize=4)
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled kernel library (built on the first call); ``KernelUnavailable`` if it cannot be.
+    ``extra_flags`` builds a variant: ``("-DDECODE_AVX2=0",)`` leaves out the AVX2 path (the tests run
+    both)."""
+    lib = ckernels.open_library(build(extra_flags=extra_flags), "the compiled kernel")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in (*DTYPES.values(), WIDEN_BF16):
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
-    native = lib.minicb_paged_decode_bf16_native
-    native.argtypes, native.restype = [], ctypes.c_int
+    for name in ("minicb_paged_decode_bf16_native", "minicb_paged_decode_avx2"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     return lib
 
 
 def bf16_native() -> bool:
     """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions."""
     return bool(load().minicb_paged_decode_bf16_native())
+
+
+def avx2_path() -> bool:
+    """Whether the compiled kernel has its AVX2 path (``head_dim`` 64 on a CPU with AVX2 and FMA)."""
+    return bool(load().minicb_paged_decode_avx2())
 
 
 def kernel_name(dtype: torch.dtype) -> str:
