@@ -75,9 +75,11 @@ def timed(name: str, fn):
 
 def parts(args) -> None:
     cpu_paged.decode_into = timed("decode kernel", cpu_paged.decode_into)
-    cpu_linear.Float32ComputeLinear.forward = timed("linear", cpu_linear.Float32ComputeLinear.forward)
+    linear_classes = (cpu_linear.PackedLinear, cpu_linear.PackedProjections, cpu_linear.Float32ComputeLinear,
+                      torch.nn.Linear)
+    for cls in linear_classes:
+        cls.forward = timed("linear", cls.forward)
     kv_cache.KVCache.write = timed("kv write", kv_cache.KVCache.write)
-    torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
     F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
     F.silu = timed("silu", F.silu)
     llama.LlamaForCausalLM.forward = timed("forward", llama.LlamaForCausalLM.forward)
@@ -85,7 +87,7 @@ def parts(args) -> None:
         os.environ["MINICB_FUSED_OPS"] = "0"
     model = load_smollm2(getattr(torch, args.dtype))
     applied = cpu_fast_paths(model, "cpu")
-    head_is_linear = type(model.lm_head) is torch.nn.Linear     # then "linear" counts it too
+    head_is_linear = isinstance(model.lm_head, linear_classes)     # then "linear" counts it too
     model.lm_head.forward = timed("lm head", model.lm_head.forward)
     wl = w2()
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
