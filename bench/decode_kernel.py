@@ -70,8 +70,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     kernels = {"minicb": library(None, ())}
     if args.compare:
-        extra = [f for f in shlex.split(args.compare_flags) if f not in cpu_paged.EXTRA_FLAGS]
-        kernels[" ".join([args.compare.name, *extra])] = library(args.compare, tuple(shlex.split(args.compare_flags)))
+        flags = tuple(shlex.split(args.compare_flags))
+        label = " ".join([args.compare.name, *(f for f in flags if f not in cpu_paged.EXTRA_FLAGS)])
+        kernels[label] = library(args.compare, flags)
 
     g = torch.Generator().manual_seed(0)
     pool = torch.empty(LAYERS, 2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)

@@ -28,6 +28,10 @@ One core each: vLLM's model worker binds its OpenMP thread to ``--cpu`` (``VLLM_
 ``--pin-vllm`` (the default) also pins the whole vLLM process tree (front end, engine core, worker) to
 that core with ``os.sched_setaffinity``, as minicb is pinned, so neither gets a second core for its
 scheduler. ``--no-pin-vllm`` leaves vLLM's front end and engine core free to run on the other core.
+Before every timed run the script waits until vLLM's process tree is idle (``wait_until_idle``): its
+model worker polls its message queue in a busy loop for about a second after each request, and on the
+shared core that loop was charged to minicb's next run (0.6-1.0 s of its 17-45 s, its wall time minus
+its CPU time, before the wait was added).
 vLLM needs ``LD_PRELOAD`` of its bundled ``libiomp5.so`` (found in the venv) and, because it starts
 worker processes with ``spawn``, the ``if __name__ == "__main__"`` guard at the bottom of this file.
 """
@@ -86,9 +90,10 @@ def serve_vllm(model_dir: str, dtype: str, max_model_len: int, profile_dir: str 
                 "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs]})
 
 
-def cpu_seconds_of_tree() -> float:
-    """CPU seconds used so far by this process and every process below it (vLLM's engine core and
-    model worker), from ``/proc``: on a shared machine this counts the work, not the waiting."""
+def cpu_seconds_of_tree(root: int | None = None) -> float:
+    """CPU seconds used so far by process ``root`` (this one by default) and every process below it
+    (vLLM's engine core and model worker), from ``/proc``: on a shared machine this counts the work,
+    not the waiting."""
     tick = os.sysconf("SC_CLK_TCK")
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -99,7 +104,7 @@ def cpu_seconds_of_tree() -> float:
             except OSError:
                 continue
             children.setdefault(int(fields[1]), []).append(int(entry))
-    total, todo = 0.0, [os.getpid()]
+    total, todo = 0.0, [os.getpid() if root is None else root]
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
@@ -110,6 +115,23 @@ def cpu_seconds_of_tree() -> float:
         except OSError:
             pass
     return total
+
+
+def wait_until_idle(pid: int, limit_s: float = 15.0) -> float:
+    """Wait until the process tree under ``pid`` stops using the CPU (under 4% of a core over a quarter
+    of a second), at most ``limit_s``; returns the seconds waited. vLLM's model worker keeps polling its
+    message queue for about a second after each request (``SpinCondition`` in vLLM's
+    ``shm_broadcast.py``: a busy loop with ``sched_yield``), and on the core both engines share that
+    loop would take its slices out of the next run, minicb's. Both engines' runs wait for it."""
+    t0 = time.perf_counter()
+    before = cpu_seconds_of_tree(pid)
+    while time.perf_counter() - t0 < limit_s:
+        time.sleep(0.25)
+        now = cpu_seconds_of_tree(pid)
+        if now - before < 0.01:
+            break
+        before = now
+    return time.perf_counter() - t0
 
 
 def _reply(obj: dict) -> None:
@@ -297,6 +319,8 @@ def main() -> None:
                     for eng in [e for e in ("vllm", "minicb") if e in engines]:
                         last = rnd == args.repeats - 1
                         cold = not args.keep_prefix_cache
+                        if child:
+                            wait_until_idle(child.proc.pid)     # vLLM's spinning worker, gone quiet
                         r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold) \
                             if eng == "vllm" else run_minicb(llm, wl, cold)
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
