@@ -176,7 +176,7 @@ def test_choose_rows(monkeypatch):
     expect = {torch.float32: "AVX-512" if "avx512f" in flags else "AVX2" if avx2 else None,
               torch.bfloat16: "AVX-512 BF16" if "avx512_bf16" in flags else
                               "AVX2, widened to float32" if avx2 else None}
-    rows = {"AVX2": 256, "AVX2, widened to float32": 32}      # AVX2's tiles beat oneDNN further
+    rows = {"AVX2": 4096, "AVX2, widened to float32": 32}      # AVX2's tiles beat oneDNN further
     for dtype, loop in expect.items():
         assert sg.choose_rows(dtype) == ((rows.get(loop, 16), f"its {loop} path") if loop else
                                          (0, "its vector loops need AVX2 with FMA, which this CPU lacks"))

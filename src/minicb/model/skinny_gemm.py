@@ -17,7 +17,7 @@ float32, the price of having the right layout for both kinds of step.
 
 ``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``DEFAULT_ROWS`` rows where the
 compiled kernel has a vector loop for the dtype (``ROWS`` for the loops measured to win further: on
-AVX2, float32 up to 256 rows and bfloat16 up to 32), else none (oneDNN for every step). The loops
+AVX2, float32 up to 4,096 rows, prompt chunks included, and bfloat16 up to 32), else none (oneDNN for every step). The loops
 (``path``): float32 on AVX-512 or on AVX2 with FMA; bfloat16 on AVX-512 BF16's ``vdpbf16ps``, or, on a
 CPU without it, widened to float32 in registers on AVX2 (the weights still read from memory as
 bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to float32).
@@ -46,9 +46,10 @@ DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf1
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 DEFAULT_ROWS = 16          # below the crossover with oneDNN on AVX-512 and AVX2 CPUs (bench/RESULTS.md)
 # Loops that beat oneDNN further (their tiles prefetch the next panel while they multiply), on a Zen 2
-# core (bench/RESULTS.md): float32 on AVX2 is level with oneDNN or faster from 1 to 2,048 rows; bfloat16
+# core (bench/RESULTS.md): float32 on AVX2 is level with oneDNN or faster from 1 to 4,096 rows (1.1-1.2x
+# at 384-4,096 rows on a quiet host, level on a busy one), so it takes prompt chunks too; bfloat16
 # widened on AVX2 beats oneDNN's float32 products (from float32 copies) up to about 48 rows.
-ROWS = {(torch.float32, 1): 256, (torch.bfloat16, 1): 32}
+ROWS = {(torch.float32, 1): 4096, (torch.bfloat16, 1): 32}
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
