@@ -20,8 +20,10 @@ under /tmp, built or installed by hand.
 Pinning: every server process is started bound to ``--server-cpu`` (``os.sched_setaffinity`` in the
 child before it execs; vLLM's OpenMP thread also via ``VLLM_CPU_OMP_THREADS_BIND``, llama.cpp with
 ``-t 1``, minicb with ``--threads 1``), the client to ``--client-cpu``. All servers are up at once
-(an idle one sleeps) and, at each rate, get the same requests in turn, so a slow spell of the shared
-machine hits all alike.
+and, at each rate, get the same requests in turn, so a slow spell of the shared machine hits all alike.
+An idle server sleeps, but not at once: vLLM's model worker polls its message queue in a busy loop for
+about a second after its last request, on the core the next server's turn runs on; so before every turn
+the script waits until every server's process tree has gone idle (``peer_vllm.wait_until_idle``).
 
 The load: W2's 64 requests (``bench/workloads.py``: ShareGPT lengths, at most 256 prompt tokens, 1-128
 output tokens, EOS ignored), sent as streaming ``/v1/completions`` at Poisson arrival times of each
@@ -49,6 +51,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
+
+from peer_vllm import wait_until_idle  # noqa: E402
 
 from serve import poisson_arrivals, run_load, summarize, w2_for_run  # noqa: E402
 
@@ -197,6 +201,8 @@ def main() -> None:
             prompts, outputs = w2_for_run(k, args.num_requests)
             arrivals = poisson_arrivals(len(prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
             for s in servers:
+                for other in servers:
+                    wait_until_idle(other.proc.pid)
                 recs = run_load(s.url, s.model, prompts, outputs, arrivals)
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)

@@ -59,7 +59,7 @@ correctness everywhere, speed where the hardware has it.
 layer-shaped float32 product (16 rows, the model's q/k/v shape) through MKL and packed oneDNN,
 alternately, and keeps oneDNN only if it is at least ``ONEDNN_MARGIN`` faster; where the skinny
 kernel has a vector loop for the dtype (``skinny_gemm.choose_rows``), which only the packed paths bring
-(steps of few rows, and on AVX2 float32 up to 256), oneDNN need only be no more than that much slower
+(steps of few rows, and on AVX2 float32 up to 4,096), oneDNN need only be no more than that much slower
 (a near tie, as on a Zen 2 core, where the check read 1.0-1.5x from one load to the next, goes to the
 packed path and its kernel, 1.1-1.7x MKL's products from memory there). On the AMD EPYC of
 ``bench/RESULTS.md`` (avx512_bf16) packed oneDNN was 1.5-3x MKL in float32 (W2: 1.5-1.6x per CPU

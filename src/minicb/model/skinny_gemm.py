@@ -17,7 +17,8 @@ float32, the price of having the right layout for both kinds of step.
 
 ``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``DEFAULT_ROWS`` rows where the
 compiled kernel has a vector loop for the dtype (``ROWS`` for the loops measured to win further: on
-AVX2, float32 up to 4,096 rows, prompt chunks included, and bfloat16 up to 32), else none (oneDNN for every step). The loops
+AVX2, float32 up to 4,096 rows, prompt chunks included, and bfloat16 up to 32), else none (oneDNN for
+every step). The loops
 (``path``): float32 on AVX-512 or on AVX2 with FMA; bfloat16 on AVX-512 BF16's ``vdpbf16ps``, or, on a
 CPU without it, widened to float32 in registers on AVX2 (the weights still read from memory as
 bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to float32).
