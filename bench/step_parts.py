@@ -2,6 +2,7 @@
 
     python bench/step_parts.py                    # W2, LLM()'s defaults, one thread
     python bench/step_parts.py --threads 2        # the same on two threads: which parts scale
+    python bench/step_parts.py --workload W1      # W1 instead (32 prompts of 16-128 tokens, 64 new each)
     python bench/step_parts.py --dtype bfloat16   # a bfloat16 model (its linears computed in float32)
     python bench/step_parts.py --reference-ops    # without the fused CPU ops (MINICB_FUSED_OPS=0)
     python bench/step_parts.py --lm-head          # the LM head alone: how much is memory traffic
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
-from workloads import w2  # noqa: E402
+from workloads import w1, w2  # noqa: E402
 
 import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
 import minicb.model.cpu_linear as cpu_linear  # noqa: E402
@@ -89,7 +90,7 @@ def parts(args) -> None:
     applied = cpu_fast_paths(model, "cpu")
     head_is_linear = isinstance(model.lm_head, linear_classes)     # then "linear" counts it too
     model.lm_head.forward = timed("lm head", model.lm_head.forward)
-    wl = w2()
+    wl = w1() if args.workload == "W1" else w2()
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     llm = LLM(model)
     llm.engine.step = timed("engine step", llm.engine.step)
@@ -98,7 +99,7 @@ def parts(args) -> None:
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     print(f"machine: {machine_description()}; {args.threads} torch thread(s); fast paths "
           f"{applied or 'none'}; load average {os.getloadavg()[0]:.2f}")
-    print(f"W2 ({args.dtype}): {wall:.1f} s wall, {cpu:.1f} CPU s, "
+    print(f"{wl.name} ({args.dtype}): {wall:.1f} s wall, {cpu:.1f} CPU s, "
           f"{wl.num_output_tokens / wall:.1f} tokens/s")
     if head_is_linear:
         SECONDS["linear"] -= SECONDS["lm head"]
@@ -217,6 +218,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--workload", default="W2", choices=["W1", "W2"])
     ap.add_argument("--reference-ops", action="store_true", help="MINICB_FUSED_OPS=0")
     ap.add_argument("--lm-head", action="store_true", help="time the LM head alone")
     ap.add_argument("--pool-pages", action="store_true", help="a fresh KV pool: plain against huge pages")

@@ -103,6 +103,19 @@ def test_the_avx2_path_is_built_where_the_cpu_has_avx2():
     assert not cpu_paged.load(BUILDS["portable"]).minicb_paged_decode_avx2()
 
 
+@pytest.mark.parametrize("d", [64, 32])
+def test_head_dim_64_takes_the_avx2_path(d):
+    """The two builds agree to rounding (above); here, which loops ran: on an AVX2 CPU the default build
+    sums head_dim 64 in another order than the portable loops (so some output differs in its last
+    bits), and every other head_dim in the same order (so all are equal, bit for bit)."""
+    if not cpu_paged.avx2_path():
+        unavailable("this CPU has no AVX2 with FMA: the kernel has no AVX2 path to take")
+    q, kc, vc, tables, ctx = random_case(9, 9, 3, d, 16, 120, torch.float32, seed=5)
+    default, portable = decode(q, kc, vc, tables, ctx, 16), decode(q, kc, vc, tables, ctx, 16, "portable")
+    torch.testing.assert_close(default, portable, rtol=2e-6, atol=2e-6)
+    assert torch.equal(default, portable) == (d != 64)
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_long_contexts_over_many_rows(build):
     """Contexts of hundreds of keys (the AVX2 path asks for the memory 32 keys ahead, across a row's
