@@ -297,17 +297,20 @@ def test_past_max_waiting_requests_get_503_with_retry_after(gguf):
     that actually wait: a burst is never refused while slots are free."""
     with running_server(gguf, max_waiting=2, **SMALL) as (server, url):
         gate = threading.Event()
-        server.engine_thread.call(lambda engine: gate.wait(30))       # the engine thread is busy...
+        held = server.engine_thread.call(lambda engine: gate.wait(900))   # the engine thread is busy...
+        # ...from now on: a message taken beside the call would sit in the thread's hands, not its inbox
+        wait_for(held.running, what="the engine thread held")
         results = []
 
         def one(i):
             results.append(http("POST", url + "/v1/completions",
-                                {"model": MODEL, "prompt": [5, i + 6], "max_tokens": 2, "temperature": 0}))
+                                {"model": MODEL, "prompt": [5, i + 6], "max_tokens": 2, "temperature": 0},
+                                timeout=900))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(9)]
         for t in threads:
             t.start()
-        wait_for(lambda: server.engine_thread.num_pending == 9, timeout=60, what="9 requests in the inbox")
+        wait_for(lambda: server.engine_thread.num_pending == 9, timeout=900, what="9 requests in the inbox")
         gate.set()                                                     # ...and sees all nine at once
         for t in threads:
             t.join()
@@ -334,7 +337,11 @@ def test_a_burst_on_busy_slots_is_admitted_up_to_max_waiting(gguf):
         # The clients wait as long as the gate may: under a CPU hog the frontend's worker processes (nice
         # +10) once took more than the default 30 s to start, the clients left, and fewer than 8 arrived.
         gate = threading.Event()
-        server.engine_thread.call(lambda engine: gate.wait(900))
+        held = server.engine_thread.call(lambda engine: gate.wait(900))
+        # Held before the clients start: the thread takes its whole inbox at once, and an "add" taken
+        # beside the call (a step that ended after the first requests arrived) would never be counted
+        # below; once it is held, every "add" stays in the inbox until the gate opens.
+        wait_for(held.running, timeout=900, what="the engine thread held")
         results = []
         threads = [threading.Thread(target=lambda i=i: results.append(http(
             "POST", url + "/v1/completions", {"model": MODEL, "prompt": [7, i + 6], "max_tokens": 2},
