@@ -177,10 +177,17 @@ def test_choose_rows(monkeypatch):
     expect = {torch.float32: "AVX-512" if "avx512f" in flags else "AVX2" if avx2 else None,
               torch.bfloat16: "AVX-512 BF16" if "avx512_bf16" in flags else
                               "AVX2, widened to float32" if avx2 else None}
-    rows = {"AVX2": 4096, "AVX2, widened to float32": 32}      # AVX2's tiles beat oneDNN further
+    # the measured crossovers with oneDNN (bench/RESULTS.md): Zen 2 for AVX2, Zen 4 for AVX-512
+    rows = {"AVX2": 4096, "AVX2, widened to float32": 32, "AVX-512": 4096, "AVX-512 BF16": 4096}
+    amx = "amx_bf16" in flags
     for dtype, loop in expect.items():
-        assert sg.choose_rows(dtype) == ((rows.get(loop, 16), f"its {loop} path") if loop else
-                                         (0, "its vector loops need AVX2 with FMA, which this CPU lacks"))
+        if loop == "AVX-512 BF16" and amx:
+            want = (16, "its AVX-512 BF16 path, AMX's tiles beyond 16 rows")
+        elif loop:
+            want = (rows[loop], f"its {loop} path")
+        else:
+            want = (0, "its vector loops need AVX2 with FMA, which this CPU lacks")
+        assert sg.choose_rows(dtype) == want
     assert sg.choose_rows(torch.float64)[0] == 0
     monkeypatch.setenv("MINICB_SKINNY_ROWS", "3")
     assert sg.choose_rows(torch.bfloat16) == (3, "MINICB_SKINNY_ROWS=3")
@@ -188,6 +195,21 @@ def test_choose_rows(monkeypatch):
     monkeypatch.setenv("MINICB_SKINNY_ROWS", "many")
     with pytest.raises(ValueError, match="MINICB_SKINNY_ROWS"):
         sg.choose_rows(torch.float32)
+
+
+def test_a_cpu_with_amx_keeps_bfloat16_steps_of_more_than_16_rows_for_onednn(monkeypatch):
+    """AMX's tile products are oneDNN's: bfloat16 on such a CPU goes to the kernel for few rows only,
+    float32 (no AMX for it) as on any AVX-512 CPU. The flags are stood in; the loop is this build's."""
+    loops = {dtype: sg.path(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    monkeypatch.setattr(sg.ckernels, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16", "amx_bf16"])
+    bf16, f32 = sg.choose_rows(torch.bfloat16), sg.choose_rows(torch.float32)
+    if loops[torch.bfloat16]:
+        assert bf16[0] == 16 and "AMX" in bf16[1]
+    if loops[torch.float32]:
+        assert f32[0] == 4096 and "AMX" not in f32[1]
+    monkeypatch.setattr(sg.ckernels, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    if loops[torch.bfloat16]:
+        assert sg.choose_rows(torch.bfloat16)[0] == (4096 if loops[torch.bfloat16] == 2 else 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -68,6 +68,18 @@ def _machine_key() -> str:
     return "\n".join([platform.machine(), *lines])
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's matrix-relevant feature flags (``/proc/cpuinfo``): what a speed figure must name, and
+    what chooses between the kernels' loops and oneDNN (``skinny_gemm.choose_rows``)."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [w for w in wanted if w in flags]
+
+
 def _local_headers(source: Path) -> list[str]:
     """The text of the headers ``source`` includes with quotes (``#include "bf16.h"``), so that an edit
     to one rebuilds every kernel that includes it."""

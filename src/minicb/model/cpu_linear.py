@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minicb.model import skinny_gemm
+from minicb.model.ckernels import cpu_flags
 
 
 def fast_bf16_matmul() -> bool:
@@ -354,17 +355,6 @@ def pack_lm_head(model: nn.Module) -> bool:
 
 PATHS = ("torch", "mkl", "onednn-f32", "onednn-bf16")
 ONEDNN_MARGIN = 1.1        # the micro-check keeps MKL unless packed oneDNN is at least this much faster
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's matrix-relevant feature flags (``/proc/cpuinfo``): what a speed figure must name."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [w for w in wanted if w in flags]
 
 
 @functools.cache
