@@ -31,7 +31,7 @@ skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 
 ms per pass, the bandwidth it reads the weights at, and the ratio. oneDNN computes as ``LLM()`` would on
 this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat16 products has its
 weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where
-the ratio crosses 1 is where ``skinny_gemm.DEFAULT_ROWS`` belongs; one thread's read bandwidth
+the ratio crosses 1 is where ``skinny_gemm.ROWS`` belongs for the CPU's loop; one thread's read bandwidth
 (``decode_floor.read_bandwidth``) is printed first, the ceiling for a pass.
 
 ``--prefetch`` does the same in float32 for three builds of the kernel (``-DSKINNY_PREFETCH=2``, the

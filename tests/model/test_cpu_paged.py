@@ -116,6 +116,23 @@ def test_head_dim_64_takes_the_avx2_path(d):
     assert torch.equal(default, portable) == (d != 64)
 
 
+def test_bfloat16_head_dim_64_takes_the_avx2_path_even_beside_native_dot_products(monkeypatch):
+    """On an AVX2 CPU the default bfloat16 kernel runs head_dim 64 on the AVX2 row (widening, with its
+    prefetch: faster from memory than the native dot products, paged_decode.c), so its output is the
+    widening kernel's bit for bit; another head_dim keeps the native loops where the CPU has them, which
+    sum the scores in another order than the widening loops."""
+    if not cpu_paged.avx2_path():
+        unavailable("this CPU has no AVX2 with FMA: the kernel has no AVX2 path to take")
+    out = {}
+    for d in (64, 128):        # 32 rows of up to 250 keys: enough that another order shows in bfloat16
+        q, kc, vc, tables, ctx = random_case(32, 9, 3, d, 16, 250, torch.bfloat16, seed=7)
+        for mode in ("native", "widen"):
+            monkeypatch.setenv("MINICB_BF16_DECODE", mode)
+            out[d, mode] = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
+    assert torch.equal(out[64, "native"], out[64, "widen"])
+    assert torch.equal(out[128, "native"], out[128, "widen"]) == (not cpu_paged.bf16_native())
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_long_contexts_over_many_rows(build):
     """Contexts of hundreds of keys (the AVX2 path asks for the memory 32 keys ahead, across a row's

@@ -9,13 +9,13 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
 2. every linear layer on the GEMM ``cpu_linear.choose_path`` picks for this CPU (``MINICB_LINEAR``
    pins it): packed once for oneDNN in float32 or bfloat16, or MKL's float32 ``F.linear`` with the
    LM head alone packed;
-3. on the oneDNN paths, the products of steps with few rows (decode steps of a few sequences) on
-   the skinny kernel, where ``skinny_gemm.choose_rows`` says the CPU runs it well
+3. on the oneDNN paths, the products of steps of up to so many rows (decode steps, and on most
+   CPUs prompt chunks too) on the skinny kernel, where ``skinny_gemm.choose_rows`` says the CPU runs it well
    (``MINICB_SKINNY_ROWS`` pins it).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
-(flags: ...); steps of up to 16 rows on the skinny kernel (its AVX-512 path)``). A library user sees
+(flags: ...); steps of up to 4096 rows on the skinny kernel (its AVX-512 path)``). A library user sees
 it with ``logging``'s usual switches; the command line
 shows it on stderr (``show_load_lines``), because a speed figure means little without it.
 """

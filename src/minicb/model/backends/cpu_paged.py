@@ -26,8 +26,11 @@ Dtypes: float32 and float64 are computed in their own precision; bfloat16 K/V an
 to float32 as they are read, and the output rounded back once (``paged_decode.c``), so a bfloat16
 cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic. On a
 CPU with AVX-512 BF16 the scores' dot products use its bfloat16 instruction on the stored values
-instead (``bf16_native()``; exact products summed in float32, as before); ``MINICB_BF16_DECODE=widen``
-keeps the widening kernel there, so both run and are tested on such a CPU.
+instead (``bf16_native()``; exact products summed in float32, as before), except for head_dim 64 on a
+CPU with AVX2, where the kernel's AVX2 row (widening, with its prefetch) was faster from memory on a
+Zen 4 core (1.5 against 2.1-2.3 ms a W2-sized step, ``bench/decode_kernel.py``);
+``MINICB_BF16_DECODE=widen`` keeps the widening kernel everywhere, so both run and are tested on such
+a CPU.
 
 The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
 the reference backend's to rounding (``tests/model/test_cpu_paged.py`` checks both, and token-exactness
@@ -81,7 +84,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 
 def bf16_native() -> bool:
-    """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions."""
+    """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions (for the
+    head sizes the AVX2 row does not take: all but 64 where the CPU has AVX2)."""
     return bool(load().minicb_paged_decode_bf16_native())
 
 
