@@ -32,7 +32,9 @@ ms per pass, the bandwidth it reads the weights at, and the ratio. oneDNN comput
 this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat16 products has its
 weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where
 the ratio crosses 1 is where ``skinny_gemm.ROWS`` belongs for the CPU's loop; one thread's read bandwidth
-(``decode_floor.read_bandwidth``) is printed first, the ceiling for a pass.
+(``decode_floor.read_bandwidth``) is printed first, the ceiling for a pass. On a CPU with AVX-512 a
+third column times the kernel built without it (``-mno-avx512f``: its AVX2 loops), beside the AVX-512
+ones; ``--rows`` picks the row counts.
 
 ``--prefetch`` does the same in float32 for three builds of the kernel (``-DSKINNY_PREFETCH=2``, the
 default: the next panel's cache lines asked for at an even pace over the panel's passes; ``=1``: bunched
@@ -123,11 +125,17 @@ def micro() -> None:
           f"{ms['widened']:.2f} ms widened to float32 first ({ms['bf16'] / ms['widened']:.1f}x)")
 
 
-def skinny() -> None:
+SKINNY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+def skinny(rows_list=SKINNY_ROWS) -> None:
     from decode_floor import read_bandwidth
 
     from minicb.model import skinny_gemm
     from minicb.model.cpu_linear import _pack, choose_path
+
+    # on an AVX-512 CPU, the kernel's AVX2 loops too (built -mno-avx512f): which of its loops wins here
+    avx2 = skinny_gemm.load(("-mno-avx512f",)) if skinny_gemm.path(torch.float32) == 2 else None
 
     print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
@@ -144,15 +152,20 @@ def skinny() -> None:
               f"(GB/s of {str(dtype).removeprefix('torch.')} weights), median of 5 alternating passes; "
               f"oneDNN computes in {str(compute).removeprefix('torch.')} (LLM() takes {path} here), the "
               f"skinny kernel runs its {skinny_gemm.PATH_NAMES[dtype][skinny_gemm.path(dtype)]} loop")
-        print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}")
-        for rows in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256):
+        print(f"{'rows':>5} {'oneDNN':>16} {'skinny':>16} {'ratio':>6}"
+              + (f" {'its AVX2 loops':>16} {'ratio':>6}" if avx2 else ""))
+        for rows in rows_list:
             xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
             onednn = functools.partial(_onednn, dtype=compute)
-            ms = _median_ms({"dnn": functools.partial(_one_pass, onednn, dnn, xs),
-                             "skinny": functools.partial(_one_pass, _skinny, panels, xs)}, rounds=5, calls=1)
+            runs = {"dnn": functools.partial(_one_pass, onednn, dnn, xs),
+                    "skinny": functools.partial(_one_pass, _skinny, panels, xs)}
+            if avx2:
+                runs["avx2"] = functools.partial(_one_pass, functools.partial(_skinny, lib=avx2), panels, xs)
+            ms = _median_ms(runs, rounds=5, calls=1)
             gbs = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
             print(f"{rows:>5} {ms['dnn']:>8.2f} ({gbs['dnn']:>4.1f}) {ms['skinny']:>8.2f} "
-                  f"({gbs['skinny']:>4.1f}) {ms['dnn'] / ms['skinny']:>5.2f}x")
+                  f"({gbs['skinny']:>4.1f}) {ms['dnn'] / ms['skinny']:>5.2f}x"
+                  + (f" {ms['avx2']:>8.2f} ({gbs['avx2']:>4.1f}) {ms['dnn'] / ms['avx2']:>5.2f}x" if avx2 else ""))
         del dnn, panels
         gc.collect()
 
@@ -258,7 +271,8 @@ def main() -> None:
                     help="few-row products from memory: oneDNN against the skinny kernel (see the docstring)")
     ap.add_argument("--prefetch", action="store_true",
                     help="float32 from memory: the AVX2 tiles' prefetch spread, bunched, off (the docstring)")
-    ap.add_argument("--rows", help="with --prefetch: the row counts, comma-separated (default 4 to 256)")
+    ap.add_argument("--rows", help="with --prefetch or --skinny: the row counts, comma-separated (default 4 "
+                                   "to 256, 1 to 256)")
     ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
     ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -268,10 +282,11 @@ def main() -> None:
     print(cpu_header(), flush=True)
     if args.micro:
         return micro()
+    rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else None
     if args.skinny:
-        return skinny()
+        return skinny(rows or SKINNY_ROWS)
     if args.prefetch:
-        return prefetch(tuple(int(r) for r in args.rows.split(",")) if args.rows else PREFETCH_ROWS)
+        return prefetch(rows or PREFETCH_ROWS)
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()
