@@ -18,8 +18,8 @@ float32, the price of having the right layout for both kinds of step.
 ``choose_rows(dtype)`` decides at load, from the CPU's features: up to ``ROWS`` rows for the loops
 measured against oneDNN (float32 up to 4,096 rows, prompt chunks included, on AVX2 and on AVX-512;
 bfloat16 up to 4,096 on AVX-512 BF16 and up to 32 widened on AVX2), ``AMX_ROWS`` for bfloat16 on a CPU
-with AMX (oneDNN's tile products), ``DEFAULT_ROWS`` for a loop without a measurement, and none where the
-compiled kernel has no vector loop for the dtype (oneDNN for every step). The loops
+with AMX (oneDNN's tile products), and none where the compiled kernel has no vector loop for the dtype
+(oneDNN for every step). The loops
 (``path``): float32 on AVX-512 or on AVX2 with FMA; bfloat16 on AVX-512 BF16's ``vdpbf16ps``, or, on a
 CPU without it, widened to float32 in registers on AVX2 (the weights still read from memory as
 bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to float32).
@@ -46,14 +46,14 @@ from minicb.model import ckernels
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
-DEFAULT_ROWS = 16          # a loop with no measurement of its own: where it surely beats oneDNN
-# Loops measured to beat oneDNN further (bench/RESULTS.md). On a Zen 2 core (AVX2): float32 is level
-# with oneDNN or faster from 1 to 4,096 rows (1.1-1.2x at 384-4,096 rows on a quiet host, level on a
-# busy one; its tiles prefetch the next panel while they multiply), so it takes prompt chunks too;
+# Every vector loop's rows, as far as it was measured to beat oneDNN (bench/RESULTS.md). On a Zen 2
+# core (AVX2): float32 is level with oneDNN or faster from 1 to 4,096 rows (1.1-1.2x at 384-4,096
+# rows on a quiet host, level on a busy one; its tiles prefetch the next panel while they multiply), so it takes prompt chunks too;
 # bfloat16 widened on AVX2 beats oneDNN's float32 products (from float32 copies) up to about 48 rows.
 # On a Zen 4 core (AVX-512, AVX-512 BF16): both dtypes beat oneDNN at every row count measured, 1 to
 # 1,024 (float32 1.2-2x up to 32 rows, bfloat16 1.2-2x up to 64, both level from 256 on).
-ROWS = {(torch.float32, 1): 4096, (torch.bfloat16, 1): 32, (torch.float32, 2): 4096, (torch.bfloat16, 2): 4096}
+ROWS = {(torch.float32, 1): 4096, (torch.bfloat16, 1): 32,          # (dtype, path): rows
+        (torch.float32, 2): 4096, (torch.bfloat16, 2): 4096}
 AMX_ROWS = 16              # bfloat16 on a CPU with AMX: oneDNN's tile products beyond (not measured here)
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
@@ -156,4 +156,4 @@ def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
         return 0, "its vector loops need AVX2 with FMA, which this CPU lacks"
     if dtype == torch.bfloat16 and "amx_bf16" in ckernels.cpu_flags():
         return AMX_ROWS, f"its {PATH_NAMES[dtype][loop]} path, AMX's tiles beyond {AMX_ROWS} rows"
-    return ROWS.get((dtype, loop), DEFAULT_ROWS), f"its {PATH_NAMES[dtype][loop]} path"
+    return ROWS[dtype, loop], f"its {PATH_NAMES[dtype][loop]} path"
