@@ -165,7 +165,8 @@ def skinny(rows_list=SKINNY_ROWS) -> None:
             gbs = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
             print(f"{rows:>5} {ms['dnn']:>8.2f} ({gbs['dnn']:>4.1f}) {ms['skinny']:>8.2f} "
                   f"({gbs['skinny']:>4.1f}) {ms['dnn'] / ms['skinny']:>5.2f}x"
-                  + (f" {ms['avx2']:>8.2f} ({gbs['avx2']:>4.1f}) {ms['dnn'] / ms['avx2']:>5.2f}x" if avx2 else ""))
+                  + (f" {ms['avx2']:>8.2f} ({gbs['avx2']:>4.1f}) {ms['dnn'] / ms['avx2']:>5.2f}x"
+                     if avx2 else ""))
         del dnn, panels
         gc.collect()
 

@@ -48,7 +48,8 @@ DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf1
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 # Every vector loop's rows, as far as it was measured to beat oneDNN (bench/RESULTS.md). On a Zen 2
 # core (AVX2): float32 is level with oneDNN or faster from 1 to 4,096 rows (1.1-1.2x at 384-4,096
-# rows on a quiet host, level on a busy one; its tiles prefetch the next panel while they multiply), so it takes prompt chunks too;
+# rows on a quiet host, level on a busy one; its tiles prefetch the next panel while they multiply),
+# so it takes prompt chunks too;
 # bfloat16 widened on AVX2 beats oneDNN's float32 products (from float32 copies) up to about 48 rows.
 # On a Zen 4 core (AVX-512, AVX-512 BF16): both dtypes beat oneDNN at every row count measured, 1 to
 # 1,024 (float32 1.2-2x up to 32 rows, bfloat16 1.2-2x up to 64, both level from 256 on).
