@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
@@ -53,6 +54,21 @@ def test_rope_equals_apply_rope_bit_for_bit(dtype, rows, q_heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_views_into_the_qkv_product_in_place(dtype):
+    # q and k as the packed q/k/v product hands them over: slices of wider rows (row stride 15 * 8)
+    rows, q_heads, kv_heads, dim = 23, 9, 3, 8
+    qkv = rand(rows, (q_heads + 2 * kv_heads) * dim, dtype=dtype, seed=3)
+    q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(rows, q_heads, dim), k.view(rows, kv_heads, dim)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cos, sin = rope_cos_sin(torch.arange(100, 100 + rows), dim, 10000.0, dtype)
+    want_q, want_k, want_v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.clone()
+    cpu_fused.rope_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(v, want_v)                     # the rest of each row untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 8), (64, 576), (2048, 96)])
 def test_rms_norm_matches_the_reference_to_a_rounding(dtype, rows, dim):
     x, w = rand(rows, dim, dtype=dtype, scale=3), 1 + rand(dim, dtype=dtype, seed=1, scale=0.1)
@@ -70,6 +86,58 @@ def test_rms_norm_matches_the_reference_to_a_rounding(dtype, rows, dim):
         assert ((got.double() - want.double()).abs() <= step).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 8), (70, 576)])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype, rows, dim):
+    x, delta = rand(rows, dim, dtype=dtype, scale=3), rand(rows, dim, dtype=dtype, seed=1)
+    w = 1 + rand(dim, dtype=dtype, seed=2, scale=0.1)
+    want_x = x + delta                                  # torch's add, rounded to dtype
+    got = cpu_fused.add_rms_norm_(x, delta, w, 1e-5)
+    assert torch.equal(x, want_x)                       # in place, bit for bit
+    assert torch.equal(got, cpu_fused.rms_norm(want_x, w, 1e-5))     # the same norm as rms_norm's
+    ref = RMSNorm(dim, 1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, ref(want_x), **tol)
+
+
+def _silu_mul_float64(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    g, u = gate_up.double().split(inter, dim=-1)
+    return g / (1 + torch.exp(-g)) * u
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 3), (17, 64), (64, 1536)])
+def test_silu_mul_matches_silu_times_up(dtype, rows, inter):
+    gate_up = rand(rows, 2 * inter, dtype=dtype, scale=4)
+    gate_up[0, :3] = torch.tensor([-100.0, 60.0, 0.0])        # far tails and zero
+    got = cpu_fused.silu_mul(gate_up, inter)
+    g, u = gate_up.split(inter, dim=-1)
+    want = F.silu(g) * u                                # what FusedMLP computes with torch's ops
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    if dtype == torch.float32:      # against float64: as close as torch's float32 ops, to a few ulps
+        exact = _silu_mul_float64(gate_up, inter)
+        err, ref_err = (got.double() - exact).abs(), (want.double() - exact).abs()
+        assert (err <= 4 * ref_err + 4e-7 * exact.abs() + 1e-30).all()
+    else:                           # one bfloat16 rounding of the SiLU, then one of the product
+        step = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - 7)
+        assert ((got.double() - want.double()).abs() <= 2 * step).all()
+        if got.numel() > 64:                           # nearly always the same bfloat16
+            assert (got == want).float().mean() > 0.97
+
+
+def test_silu_mul_reads_strided_rows_and_keeps_nan_and_inf():
+    wide = rand(9, 20, dtype=torch.float32, seed=4)
+    gate_up = wide[:, :12]                                 # rows 20 apart, 12 used: inter 6
+    got = cpu_fused.silu_mul(gate_up, 6)
+    torch.testing.assert_close(got, F.silu(gate_up[:, :6]) * gate_up[:, 6:], rtol=1e-6, atol=1e-7)
+    special = torch.tensor([[float("nan"), float("inf"), 1.0, 2.0, 1.0, 1.0]])
+    out = cpu_fused.silu_mul(special, 3)
+    assert out[0, 0].isnan() and out[0, 1] == float("inf")
+    assert cpu_fused.silu_mul(torch.zeros(0, 8), 4).shape == (0, 4)
+
+
 def test_rms_norm_of_a_zero_row_and_of_no_rows():
     out = cpu_fused.rms_norm(torch.zeros(2, 16), torch.ones(16), 1e-5)
     assert torch.equal(out, torch.zeros(2, 16))
@@ -85,9 +153,11 @@ def test_results_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            qq, kk = q.clone(), k.clone()
+            qq, kk, xx = q.clone(), k.clone(), x.clone()
             cpu_fused.rope_(qq, kk, cos, sin)
-            outs.append((cpu_fused.rms_norm(x, w, 1e-6), qq, kk))
+            normed = cpu_fused.add_rms_norm_(xx, q[:, 0].contiguous(), w, 1e-6)
+            outs.append((cpu_fused.rms_norm(x, w, 1e-6), qq, kk, xx, normed,
+                         cpu_fused.silu_mul(q.view(4096, 512), 256)))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -111,6 +181,18 @@ def test_bad_inputs_are_refused_before_c_reads_them():
         cpu_fused.rope_(q, torch.zeros(3, 2, 6), cos, sin)
     with pytest.raises(ValueError, match="contiguous"):
         cpu_fused.rope_(q.transpose(0, 1).contiguous().transpose(0, 1), k, cos, sin)
+    with pytest.raises(ValueError, match="contiguous"):                # rows overlapping each other
+        cpu_fused.rope_(q.flatten().as_strided((3, 4, 8), (16, 8, 1)), k, cos, sin)
+    with pytest.raises(ValueError, match="contiguous"):                # cos may not be strided
+        cpu_fused.rope_(q, k, torch.zeros(3, 16)[:, :8], sin)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_fused.add_rms_norm_(x, torch.zeros(4, 7), w, 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_fused.add_rms_norm_(torch.zeros(8, 16)[:, :8], x, w, 1e-5)    # x is written whole
+    with pytest.raises(ValueError, match=r"not \[N, 2 \* 3\]"):
+        cpu_fused.silu_mul(torch.zeros(4, 8), 3)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_fused.silu_mul(torch.zeros(4, 8, dtype=torch.float64), 4)
 
 
 @pytest.mark.parametrize("module", [cpu_fused, cpu_paged, skinny_gemm], ids=lambda m: m.SOURCE.name)
@@ -147,7 +229,7 @@ def test_fuse_elementwise_switches_classes_keeps_weights_and_logits():
     ref = copy.deepcopy(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     layers = TINY.num_hidden_layers
-    assert cpu_fused.fuse_elementwise(model) == 2 * layers + 1 + layers + layers
+    assert cpu_fused.fuse_elementwise(model) == 2 * layers + 1 + layers + layers + layers
     assert cpu_fused.fuse_elementwise(model) == 0                         # idempotent
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert isinstance(model.model.norm, cpu_fused.FusedRMSNorm)

@@ -34,11 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from minicb.model import ckernels
-from minicb.model.llama import LlamaAttention, LlamaMLP, RMSNorm
+from minicb.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm
 
 SOURCE = Path(__file__).with_name("fused_ops.c")
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-EXTRA_FLAGS = ("-ffp-contract=off",)     # no fused multiply-adds: the rounding of the separate torch ops
+EXTRA_FLAGS = ("-ffp-contract=off",     # no fused multiply-adds: the rounding of the separate torch ops
+               "-fno-trapping-math")   # no FP exception flags read: the SiLU's clamps vectorise
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,7 +51,11 @@ def load() -> ctypes.CDLL:
         norm = getattr(lib, f"minicb_rmsnorm_{suffix}")
         norm.argtypes, norm.restype = [ptr] * 3 + [i64] * 2 + [ctypes.c_double, ctypes.c_int], None
         rope = getattr(lib, f"minicb_rope_{suffix}")
-        rope.argtypes, rope.restype = [ptr] * 4 + [i64] * 4 + [ctypes.c_int], None
+        rope.argtypes, rope.restype = [ptr] * 4 + [i64] * 6 + [ctypes.c_int], None
+        add_norm = getattr(lib, f"minicb_add_rmsnorm_{suffix}")
+        add_norm.argtypes, add_norm.restype = [ptr] * 4 + [i64] * 2 + [ctypes.c_double, ctypes.c_int], None
+        silu_mul_ = getattr(lib, f"minicb_silu_mul_{suffix}")
+        silu_mul_.argtypes, silu_mul_.restype = [ptr] * 2 + [i64] * 3 + [ctypes.c_int], None
     return lib
 
 
@@ -65,16 +70,23 @@ def unavailable_reason() -> str | None:
     return ckernels.why_not(load)
 
 
-def _check(name: str, *tensors: torch.Tensor) -> None:
+def _check(name: str, *tensors: torch.Tensor, rows_strided: int = 0) -> None:
     """What keeps the C loops in bounds: one dtype of theirs, contiguous CPU tensors (one plain loop:
-    this runs 91 times a step)."""
+    this runs 150 times a step). The first ``rows_strided`` tensors may be row-strided instead: each
+    row contiguous, rows ``stride(0)`` elements apart (views into a wider product's rows)."""
     dtype = tensors[0].dtype
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if t.dtype != dtype or dtype not in DTYPES:
             raise ValueError(f"{name} takes float32 or bfloat16 tensors of one dtype, got "
                              f"{[t.dtype for t in tensors]}")
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} takes contiguous CPU tensors")
+        if t.device.type != "cpu" or not (t.is_contiguous() or i < rows_strided and _rows_contiguous(t)):
+            raise ValueError(f"{name} takes contiguous CPU tensors"
+                             + (" (or rows of them)" if i < rows_strided else ""))
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Each row (``t[i]``) one contiguous run, rows at least a row apart: a slice of a wider row."""
+    return t.dim() >= 2 and t[0].is_contiguous() and t.stride(0) >= t[0].numel()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,8 +105,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate ``q [N, q_heads, D]`` and ``k [N, kv_heads, D]`` in place by ``cos`` / ``sin [N, D]``:
-    what ``llama.apply_rope`` returns for each."""
-    _check("rope_", q, k, cos, sin)
+    what ``llama.apply_rope`` returns for each. q and k may be views into the rows of the q/k/v
+    product (each row contiguous, rows further apart): no copy is made of them."""
+    _check("rope_", q, k, cos, sin, rows_strided=2)
     n, d = cos.shape
     if (q.dim() != 3 or k.dim() != 3 or q.shape[::2] != (n, d) or k.shape[::2] != (n, d)
             or sin.shape != (n, d) or d % 2):
@@ -103,7 +116,39 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if n:
         _c_function("rope", q.dtype)(
             q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, q.shape[1], k.shape[1], d,
+            q.stride(0), k.stride(0), torch.get_num_threads())
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual add), then ``RMSNorm`` of the new ``x``: what
+    ``x = x + delta; rms_norm(x, weight, eps)`` computes, in one pass over the rows."""
+    _check("add_rms_norm_", x, delta, weight)
+    dim = x.shape[-1]
+    if weight.shape != (dim,) or delta.shape != x.shape:
+        raise ValueError(f"add_rms_norm_: x {tuple(x.shape)}, delta {tuple(delta.shape)} and weight "
+                         f"{tuple(weight.shape)} do not match")
+    out = torch.empty_like(x)
+    if x.numel():
+        _c_function("add_rmsnorm", x.dtype)(
+            x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
             torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(g) * u`` of the halves ``g, u`` of each row of ``gate_up [N, 2 * inter]`` (the gate/up
+    product; its rows may be strided), rounded as ``F.silu`` and the product round: ``[N, inter]``.
+    The SiLU's e^-g is ``exp_f32.h``'s polynomial, not torch's: float32 results agree with
+    ``F.silu(g) * u`` to about a float32 rounding (a bfloat16 one in bfloat16), not bit for bit."""
+    _check("silu_mul", gate_up, rows_strided=1)
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter:
+        raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} is not [N, 2 * {inter}]")
+    out = gate_up.new_empty(gate_up.shape[0], inter)
+    if out.numel():
+        _c_function("silu_mul", gate_up.dtype)(
+            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0),
+            torch.get_num_threads())
+    return out
 
 
 class FusedRMSNorm(RMSNorm):
@@ -122,14 +167,28 @@ class FusedAttention(LlamaAttention):
 
 
 class FusedMLP(LlamaMLP):
-    """``LlamaMLP`` with SiLU and the product done in place on the gate projection."""
+    """``LlamaMLP`` with SiLU and the product done in place on the gate projection (and, once
+    ``cpu_linear`` has made gate and up one product, by one C loop: ``silu_mul``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = F.silu(self.gate_proj(x), inplace=True)
         return self.down_proj(g.mul_(self.up_proj(x)))
 
 
-FUSED = {RMSNorm: FusedRMSNorm, LlamaAttention: FusedAttention, LlamaMLP: FusedMLP}
+class FusedDecoderLayer(LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` whose residual adds are done in place on ``x`` (the forward's own running
+    sum, which nothing else holds), the first together with the post-attention RMSNorm
+    (``add_rms_norm_``): two fewer passes over the step's activations and two fewer tensors a layer."""
+
+    def forward(self, x, cos, sin, layer: int, backend, state) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin, layer, backend, state)
+        norm = self.post_attention_layernorm
+        h = add_rms_norm_(x, a.contiguous(), norm.weight, norm.eps)
+        return x.add_(self.mlp(h))
+
+
+FUSED = {RMSNorm: FusedRMSNorm, LlamaAttention: FusedAttention, LlamaMLP: FusedMLP,
+         LlamaDecoderLayer: FusedDecoderLayer}
 
 
 def enabled() -> bool:

@@ -83,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minicb.model import skinny_gemm
+from minicb.model import cpu_fused, skinny_gemm
 from minicb.model.ckernels import cpu_flags
 
 
@@ -252,10 +252,10 @@ class PackedQKV:
     """Mixed into a ``LlamaAttention`` (or ``FusedAttention``): q, k and v from one packed product."""
 
     def project(self, x):
-        q, k, v = self.qkv_packed(x).split(self.qkv_packed.sizes, dim=-1)
-        # the rotary kernel wants q's and k's rows whole; v is only copied into the cache (and
-        # gathered for a prompt chunk), which read a strided view as well: one copy a layer saved
-        return q.contiguous(), k.contiguous(), v
+        # views into the product's rows, no copies: the C rotary (cpu_fused.rope_) rotates q and k
+        # in place there, the reference one makes new tensors, and v is only copied into the cache
+        # (and gathered for a prompt chunk), which read a strided view as well
+        return self.qkv_packed(x).split(self.qkv_packed.sizes, dim=-1)
 
 
 class PackedGateUp:
@@ -263,7 +263,10 @@ class PackedGateUp:
     product in place on the gate's half (what ``FusedMLP`` computes)."""
 
     def forward(self, x):
-        g, u = self.gate_up_packed(x).split(self.gate_up_packed.sizes, dim=-1)
+        gate_up = self.gate_up_packed(x)
+        if isinstance(self, cpu_fused.FusedMLP):       # SiLU and product in one C pass
+            return self.down_proj(cpu_fused.silu_mul(gate_up, self.gate_up_packed.sizes[0]))
+        g, u = gate_up.split(self.gate_up_packed.sizes, dim=-1)
         return self.down_proj(F.silu(g, inplace=True).mul_(u))      # in the product's own buffer
 
 

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "bf16.h"
+#include "exp_f32.h"
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
@@ -27,33 +28,75 @@ static inline float f32_store(float x) { return x; }
 /* a loop over rows, split over nthreads when the call has at least 64 Ki elements (`work`) */
 #define PARALLEL_ROWS _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(work >= 65536)")
 
+/* one row of RMSNorm: o = w * T(h * (1 / sqrt(mean(h * h) + eps))), h = float32(xr) */
+#define NORM_ROW(T, LOAD, STORE, xr, w, o, dim, eps)                                                   \
+    do {                                                                                             \
+        float ss = 0;                                                                                \
+        _Pragma("omp simd reduction(+:ss)")                                                          \
+        for (int64_t d = 0; d < dim; ++d) { float v = LOAD(xr[d]); ss += v * v; }                    \
+        const float inv = 1.0f / sqrtf(ss / (float)dim + (float)eps);                                \
+        _Pragma("omp simd")                                                                          \
+        for (int64_t d = 0; d < dim; ++d) o[d] = STORE(LOAD(w[d]) * LOAD(STORE(LOAD(xr[d]) * inv))); \
+    } while (0)
+
 #define RMSNORM(NAME, T, LOAD, STORE)                                                                  \
     void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t dim, double eps, int nthreads) {  \
         const int64_t work = rows * dim;                                                             \
         PARALLEL_ROWS                                                                                \
+        for (int64_t r = 0; r < rows; ++r) NORM_ROW(T, LOAD, STORE, (x + r * dim), w, (out + r * dim), dim, eps); \
+    }
+
+/* the residual add and the next RMSNorm in one pass: x += delta (rounded to T, as torch's add rounds
+ * it), in place, then out = RMSNorm(x) */
+#define ADD_RMSNORM(NAME, T, LOAD, STORE)                                                              \
+    void NAME(T *x, const T *delta, const T *w, T *out, int64_t rows, int64_t dim, double eps,       \
+              int nthreads) {                                                                        \
+        const int64_t work = rows * dim;                                                             \
+        PARALLEL_ROWS                                                                                \
         for (int64_t r = 0; r < rows; ++r) {                                                         \
-            const T *xr = x + r * dim;                                                               \
-            T *o = out + r * dim;                                                                    \
-            float ss = 0;                                                                            \
-            _Pragma("omp simd reduction(+:ss)")                                                      \
-            for (int64_t d = 0; d < dim; ++d) { float v = LOAD(xr[d]); ss += v * v; }                \
-            const float inv = 1.0f / sqrtf(ss / (float)dim + (float)eps);                            \
+            T *xr = x + r * dim;                                                                     \
+            const T *dr = delta + r * dim;                                                           \
             _Pragma("omp simd")                                                                      \
-            for (int64_t d = 0; d < dim; ++d) o[d] = STORE(LOAD(w[d]) * LOAD(STORE(LOAD(xr[d]) * inv))); \
+            for (int64_t d = 0; d < dim; ++d) xr[d] = STORE(LOAD(xr[d]) + LOAD(dr[d]));              \
+            NORM_ROW(T, LOAD, STORE, xr, w, (out + r * dim), dim, eps);                              \
         }                                                                                            \
     }
 
-/* x [rows, heads, dim] rotated in place by its row's cos / sin [rows, dim] */
+/* the MLP's activation: out [rows, inter] = T(T(silu(g)) * u), g and u the halves of each row of gu
+ * [rows, stride >= 2 * inter] (the gate/up product); silu(g) = g / (1 + e^-g), computed as
+ * g e^-|g| / (1 + e^-|g|) for g < 0 so that e^ never overflows, rounded to T as torch's silu rounds
+ * it, then the product rounded again (two torch ops, one pass here) */
+#define SILU_MUL(NAME, T, LOAD, STORE)                                                                 \
+    static void NAME##_row(const T *restrict g, T *restrict o, const int64_t n) {                    \
+        const T *restrict u = g + n;                                                                 \
+        _Pragma("omp simd")                                                                          \
+        for (int64_t i = 0; i < n; ++i) {                                                            \
+            const float x = LOAD(g[i]);                                                              \
+            const float e = exp_f32(x < 0 ? x : -x);            /* e^-|x|: never overflows */        \
+            const float silu = (x < 0 ? x * e : x) / (1.0f + e); /* x / (1 + e^-x), both signs */    \
+            o[i] = STORE(LOAD(STORE(silu)) * LOAD(u[i]));                                            \
+        }                                                                                            \
+    }                                                                                                \
+    void NAME(const T *gu, T *out, int64_t rows, int64_t inter, int64_t stride, int nthreads) {      \
+        const int64_t work = rows * inter;                                                           \
+        PARALLEL_ROWS                                                                                \
+        for (int64_t r = 0; r < rows; ++r) {                                                         \
+            NAME##_row(gu + r * stride, out + r * inter, inter);                                     \
+        }                                                                                            \
+    }
+
+/* x [rows, heads, dim] rotated in place by its row's cos / sin [rows, dim]; row r of x starts at
+ * x + r * stride (stride >= heads * dim: q and k may be views into the q/k/v product's rows) */
 #define ROPE(NAME, T, LOAD, STORE)                                                                     \
     static void NAME##_one(T *x, const T *cos, const T *sin, int64_t rows, int64_t heads, int64_t dim, \
-                           int nthreads) {                                                            \
+                           int64_t stride, int nthreads) {                                            \
         const int64_t half = dim / 2;                                                                 \
         const int64_t work = rows * heads * dim;                                                      \
         PARALLEL_ROWS                                                                                 \
         for (int64_t r = 0; r < rows; ++r) {                                                          \
             const T *c = cos + r * dim, *s = sin + r * dim;                                           \
             for (int64_t h = 0; h < heads; ++h) {                                                     \
-                T *v = x + (r * heads + h) * dim;                                                     \
+                T *v = x + r * stride + h * dim;                                                      \
                 _Pragma("omp simd")                                                                   \
                 for (int64_t d = 0; d < half; ++d) {                                                  \
                     const float a = LOAD(v[d]), b = LOAD(v[d + half]);                                \
@@ -66,12 +109,16 @@ static inline float f32_store(float x) { return x; }
         }                                                                                             \
     }                                                                                                 \
     void NAME(T *q, T *k, const T *cos, const T *sin, int64_t rows, int64_t q_heads, int64_t kv_heads, \
-              int64_t dim, int nthreads) {                                                            \
-        NAME##_one(q, cos, sin, rows, q_heads, dim, nthreads);                                        \
-        NAME##_one(k, cos, sin, rows, kv_heads, dim, nthreads);                                       \
+              int64_t dim, int64_t q_stride, int64_t k_stride, int nthreads) {                        \
+        NAME##_one(q, cos, sin, rows, q_heads, dim, q_stride, nthreads);                              \
+        NAME##_one(k, cos, sin, rows, kv_heads, dim, k_stride, nthreads);                             \
     }
 
 RMSNORM(minicb_rmsnorm_f32, float, f32_load, f32_store)
 RMSNORM(minicb_rmsnorm_bf16, uint16_t, bf16_load, bf16_store)
 ROPE(minicb_rope_f32, float, f32_load, f32_store)
 ROPE(minicb_rope_bf16, uint16_t, bf16_load, bf16_store)
+ADD_RMSNORM(minicb_add_rmsnorm_f32, float, f32_load, f32_store)
+ADD_RMSNORM(minicb_add_rmsnorm_bf16, uint16_t, bf16_load, bf16_store)
+SILU_MUL(minicb_silu_mul_f32, float, f32_load, f32_store)
+SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store)

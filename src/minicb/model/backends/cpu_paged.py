@@ -210,12 +210,13 @@ class CpuPagedAttention(ReferenceAttention):
         if not isinstance(g, _DecodeRows):
             return super()._attend_group(g, q, k, v, kc, vc, out)
         bs = self.kv_cache.block_size
-        qd = q if g.tokens is None else q.index_select(0, g.tokens)
+        # q may be a view into the q/k/v product's rows (cpu_linear): the kernel reads it whole
+        qd = (q if g.tokens is None else q.index_select(0, g.tokens)).contiguous()
         if not g.checked:         # the tables are the same for every layer: check them at the first
             check_decode_args(qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
             g.checked, g.kernel = True, getattr(load(), kernel_name(qd.dtype))
         if g.tokens is None:
-            decode_into(out, qd.contiguous(), kc, vc, g.block_tables, g.context_lens, bs, g.max_context,
+            decode_into(out, qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context,
                         kernel=g.kernel)
         else:
             od = torch.empty_like(qd)

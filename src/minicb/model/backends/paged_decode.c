@@ -28,7 +28,7 @@
  *   - head_dim a compile-time constant (64 and 128 get their own copies of the loops): the compiler
  *     unrolls the dot products and the accumulation into a few vector instructions each, with fused
  *     multiply-adds (cpu_paged.py compiles with -ffp-contract=fast);
- *   - the softmax's exp for float32 is a short polynomial (exp_f32 below) that the compiler vectorises
+ *   - the softmax's exp for float32 is a short polynomial (exp_f32, ../exp_f32.h) that the compiler vectorises
  *     (given -fno-trapping-math, without which its clamp stays a branch), where a call to libm's expf
  *     per score is one number at a time; float64 keeps libm's exp, since float64 is the dtype
  *     minicb's exactness checks run in;
@@ -57,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "../bf16.h"
+#include "../exp_f32.h"
 
 /* Block b of a row's table, as the start of its keys (or values) in one layer's cache. On the way,
  * ask the memory system for the next-but-one block (`prefetch`: on the first kv head's pass, which
@@ -74,26 +75,6 @@ static inline const void *block_at(const void *cache, const int32_t *table, int6
 /* How many of a block's slots hold keys of a context of L: all of them but in the last block. */
 static inline int64_t keys_in_block(int64_t L, int64_t b, int64_t block_size) {
     return L - b * block_size < block_size ? L - b * block_size : block_size;
-}
-
-/* e^x for the softmax (x <= 0 there: a score minus the row's max), as vector math libraries compute it:
- * x = n ln2 + r with n an integer and |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes' expf
- * coefficients, relative error about 1e-7: a float32 rounding), 2^n by writing n into the exponent
- * bits. Plain arithmetic, so a loop of it vectorises. Below -87 e^x is clamped to e^-87 (1.6e-38, the
- * smallest normal float's order): against the softmax's largest term, 1, it is nothing either way. */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;      /* ln2 split in two: exact n*hi */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};   /* 2^n */
-    return p * two_n.f;
 }
 
 /* The softmax's numerators in place, s[t] = exp(s[t] - max(s)), and their sum (the division by it is
