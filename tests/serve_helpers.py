@@ -95,13 +95,16 @@ def health(url: str) -> dict:
     return body
 
 
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    """Poll ``predicate`` until it is true; return its value. The deadline only ends a wait that would
+    never end (what is waited for takes milliseconds): a slow machine makes the wait longer, not a fail."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
+            # load-independent: a hang guard (60 s by default) on conditions met in milliseconds
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
 

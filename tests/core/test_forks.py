@@ -284,5 +284,6 @@ def test_a_forked_child_inherits_its_prompts_times_and_cache_hits():
     assert rows(plan) == [("0_r", 0, 8, 2, (0, 1, 2), True)]          # 8 tokens from the cache
     sched.update(plan, model.run(plan), 2.0)
     sched.check_integrity()
+    # load-independent: a fake clock (times passed in)
     assert [(s.first_scheduled_time, s.num_cached_tokens, s.num_computed_tokens) for s in group] == \
         [(2.0, 8, 10), (2.0, 8, 10)]

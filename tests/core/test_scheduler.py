@@ -83,6 +83,7 @@ def test_admission_fills_slots_and_a_freed_slot_is_refilled_next_step():
     assert rows(plan) == [("a", 0, 0, 5, (0, 1), True), ("b", 1, 0, 3, (2,), True)]
     assert plan.seqs[0].token_ids == tuple(sched.get("a").prompt_token_ids)
     assert (sched.num_running, sched.num_waiting, done) == (2, 1, [])
+    # load-independent: a fake clock (times passed in)
     assert sched.get("a").first_scheduled_time == 1.0 and sched.get("c").first_scheduled_time is None
     plan, done = step(sched)
     assert rows(plan) == [("a", 0, 5, 1, (0, 1), True), ("b", 1, 3, 1, (2,), True)]
@@ -320,6 +321,7 @@ def test_abort_from_every_state_frees_everything():
     assert sched.get("b").status is SequenceStatus.SWAPPED
     for rid in ("w", "b", "a"):
         s = sched.abort(rid, now=9.0)
+        # load-independent: a fake clock (times passed in)
         assert (s.status, s.finish_reason, s.finish_time) == (SequenceStatus.FINISHED, FinishReason.ABORT,
                                                               9.0)
         sched.check_integrity()
@@ -342,6 +344,7 @@ def test_update_skips_requests_aborted_after_schedule():
     assert [(s.request_id, s.num_tokens) for s in plan2.seqs] == [("b", 1), ("a", 4)]
     assert [s.request_id for s in done] == ["b", "a"]
     before = sched.stats.num_batched_tokens
+    # load-independent: a fake clock (times passed in)
     assert sched.update(plan, {"a": 5, "b": 6}, now=0.0) == []      # a stale plan changes nothing
     assert sched.stats.num_batched_tokens == before
     sched.check_integrity()

@@ -94,9 +94,12 @@ def test_a_sequence_records_each_token_s_time_and_the_first_one():
     from minicb.core.sequence import Sequence
 
     s = Sequence("a", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert s.append_token(5, now=1.5) is False
+    assert s.append_token(5, now=1.5) is False  # load-independent: a fake clock (times passed in)
+    # load-independent: a fake clock (times passed in)
     assert s.append_token(6, now=2.5) is False
+    # load-independent: a fake clock (times passed in)
     assert s.first_token_time == 1.5 and s.token_times == [1.5, 2.5] and s.output_token_ids == [5, 6]
+    # load-independent: a fake clock (times passed in)
     assert s.append_token(7, now=4.0) is True and s.first_token_time == 1.5
 
 

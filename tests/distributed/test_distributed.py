@@ -31,7 +31,7 @@ from minicb.model.llama import LlamaForCausalLM, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
 from minicb.runtime.runner import engine_for
 
-TIMEOUT_S = 20.0          # collective deadline in these tests (a healthy step takes milliseconds)
+TIMEOUT_S = 60.0          # collective deadline in these tests, a hang guard (a healthy step: milliseconds)
 
 
 # --- the layout (no processes) ------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_injected_divergence_raises_on_every_rank():
         assert "different plans for plan 3" in str(err) and "rank 2:" in str(err)
         # found by comparing digests, not by a timeout: the error is the digest check's, never the
         # deadline's (no wall-clock bound: how long the steps before took is the machine's business)
-        assert "timeout" not in str(err) and "hung" not in str(err)
+        assert "timeout" not in str(err) and "hung" not in str(err)  # load-independent: the error's kind
         for r in (1, 2):
             assert eng.runner.workers.reports[r].startswith("DistributedError: tensor-parallel rank"), r
             assert "different plans for plan 3" in eng.runner.workers.reports[r]

@@ -60,13 +60,15 @@ def test_chapter_11(clients, slots):
     assert len(waited) >= clients - slots  # load-independent: counts of requests, steps of the printed grid
     # load-independent: counts of requests
     assert f"{len(waited)} of {clients} requests waited for a slot" in out
-    assert "each took its slot the step after the holder left: True" in out
+    assert "each took its slot the step after the holder left: True" in out  # load-independent: steps
     for ch, slot, step, prev, left in re.findall(r"^  (\w) took slot (\d+) at step (\d+): (\w) left it at "
                                                  r"step (\d+)$", out, re.M):
         assert int(step) == int(left) + 1                           # refilled at the very next step
         # load-independent: grid columns (steps), not time
         assert span[ch][0] == span[prev][0] == int(slot) and ch in waited
+        # load-independent: grid columns (steps)
         assert span[ch][1] == span[prev][2] + 1                     # and so the grid says
+    # load-independent: a count of samples
     assert re.search(rf"^vllm:time_to_first_token_seconds_count\s+{clients}$", out, re.M)
     m = re.search(r"after the client left: free blocks (\d+) of (\d+), free slots (\d+)", out)
     assert m and m.group(1) == m.group(2) and int(m.group(3)) == slots

@@ -144,6 +144,7 @@ def masked(text: str, measured: str | None) -> str:
 def test_the_page_shows_the_current_output(name):
     outputs, _ = page_parts(name)
     measured = const(name).get("MEASURED")
+    # load-independent: the numbers of measured lines are masked
     assert [masked(o, measured) for o in outputs] == \
         [masked(o.rstrip("\n"), measured) for o in run(name).outputs if o.strip()], \
         f"{name}: regenerate its page: python docs/gen_pages.py --only tutorials --tutorial {name[:2]}"
@@ -753,6 +754,7 @@ def test_09_benchmark():
         want = bench_row(d, starts)
         steps, throughput, queue = table_row(text, name)
         assert steps == want["steps"]
+        # load-independent: simulated time (a cost model), no wall clock
         assert throughput == pytest.approx(want["throughput"], abs=0.006)
         assert queue == pytest.approx(want["queue"], abs=0.006)
         # the picture has a column for every step the table counts, idle ones included
@@ -770,6 +772,7 @@ def test_09_benchmark():
     assert len(runs["dynamic"][0].plans[0].seqs) == 1
     assert runs["static"][0].plans[0].is_empty and runs["static"][0].stats.num_steps < \
         runs["dynamic"][0].stats.num_steps
+    # load-independent: simulated time (a cost model), no wall clock
     assert value(text, r"delay, P99 ITL and throughput: (\w+)") is True           # metrics agree
     assert value(text, r"all four runs produced identical tokens: (\w+)") is True
 
@@ -790,9 +793,12 @@ def check_09_arrival_gap_8(answer, text):
     for name in ("static", "dynamic"):
         steps, throughput, queue = table_row(answer, name)
         assert steps == rows[name]["steps"]
+        # load-independent: simulated time (a cost model), no wall clock
         assert throughput == pytest.approx(rows[name]["throughput"], abs=0.006)
         assert queue == pytest.approx(rows[name]["queue"], abs=0.006)
+    # load-independent: simulated time (a cost model), no wall clock
     assert rows["dynamic"]["queue"] < rows["static"]["queue"]                 # dynamic waits less
+    # load-independent: simulated time (a cost model), no wall clock
     assert abs(rows["dynamic"]["throughput"] / rows["static"]["throughput"] - 1) < 0.05   # "hardly"
     first = next(p.step for p in runs["static"][0].plans if p.seqs)
     assert first == 5 * 8                                                     # "40 steps in"

@@ -142,6 +142,7 @@ def test_arrival_time_of_any_real_scalar_type_is_a_float(t):
     eng = engine()
     eng.add_request("x", [5, 6], SamplingParams(max_tokens=1), arrival_time=t)
     (out,) = eng.run(["x"])
+    # load-independent: a given arrival time, not a reading
     assert out.arrival_time == float(t) and type(out.arrival_time) is float
 
 

@@ -39,7 +39,8 @@ def test_median_run_is_the_middle_run_and_keeps_every_run(bench):
     assert mid["seconds"] == 2.0  # load-independent: fixed numbers fed to the helper
     # load-independent: fixed numbers fed to the helper
     assert mid["runs_seconds"] == [3.0, 1.0, 2.0]                 # in the order they ran
-    assert mid["runs_tokens_per_s"] == [10.0, 30.0, 15.0]
+    assert mid["runs_tokens_per_s"] == [10.0, 30.0, 15.0]  # load-independent: fixed numbers
+    # load-independent: fixed numbers
     assert "runs_seconds" not in runs[2]                           # the inputs are left alone
     even = throughput.median_run([{"seconds": s, "tokens": 1} for s in (4.0, 1.0, 3.0, 2.0)])
     # load-independent: fixed numbers fed to the helper
@@ -66,8 +67,10 @@ def test_layer_matmul_sweep_counts_every_layer_weight(bench):
                     if "proj" in name)
     assert sweep["flops_per_row"] == 2.0 * per_layer * cfg.num_hidden_layers
     assert sweep["weight_bytes"] == per_layer * cfg.num_hidden_layers * model.dtype.itemsize
+    # load-independent: measured times only asked to be > 0
     assert set(sweep["rows"]) == {"2", "4", "8"} and all(t > 0 for t in sweep["rows"].values())
     a, b = sweep["a_s"], sweep["b_s_per_row"]
+    # load-independent: a least-squares identity
     assert sum(sweep["rows"].values()) == pytest.approx(sum(a + b * m for m in (2, 4, 8)))
 
 
@@ -84,7 +87,9 @@ def test_breakdown_attributes_decode_attention_to_the_backend_that_did_it(breakd
     wl = Workload("t", [[5, 6, 7, 8] * (1 + i % 3) for i in range(6)], [12] * 6)
     parts = profile_run(tiny_model(), wl, policy="continuous", max_num_seqs=4,
                                         max_num_batched_tokens=64, attn_backend=backend)
+    # load-independent: measured times only asked to be > 0 (or never taken)
     assert (parts["kernel"] > 0) == (backend == "cpu-paged")
     assert parts["linear"] > 0 and parts["gather"] > 0 and parts["attention"] > 0   # prompts use SDPA
+    # load-independent: the parts add up to their total
     assert sum(parts[p] for p in ("linear", "attention", "gather", "kernel", "rest")) == pytest.approx(
         parts["total"])

@@ -51,7 +51,7 @@ def test_request_record_timeline():
     r = RequestRecord("a", arrival=10.0, first_scheduled=11.0, first_token=12.0,
                       token_times=[12.0, 12.5, 13.5], finish=13.5, num_prompt_tokens=4)
     assert r.queueing_delay == 1.0 and r.ttft == 2.0 and r.latency == 3.5  # load-independent: a fake clock
-    assert r.inter_token_latencies == [0.5, 1.0]
+    assert r.inter_token_latencies == [0.5, 1.0]  # load-independent: a fake clock (times passed in)
     assert r.num_output_tokens == 3 and r.finished_ok
     waiting = RequestRecord("b", arrival=0.0)
     # load-independent: a fake clock
@@ -76,9 +76,12 @@ def test_summary_of_a_known_timeline():
     s = summarize(reqs, steps, label="x", num_slots=2, num_blocks=8, peak_flops=25.0)
     # load-independent: a fake clock
     assert s.duration == 4.0                                   # first arrival 0 .. last finish 4
+    # load-independent: a fake clock (times passed in)
     assert s.output_tokens == 5 and s.output_tokens_per_s == pytest.approx(5 / 4)
+    # load-independent: a fake clock (times passed in)
     assert s.queueing_delay_mean == pytest.approx(0.5)         # delays 0 and 1
-    assert s.queueing_delay_p50 == pytest.approx(0.5)
+    assert s.queueing_delay_p50 == pytest.approx(0.5)  # load-independent: a fake clock (times passed in)
+    # load-independent: a fake clock (times passed in)
     assert s.queueing_delay_p99 == pytest.approx(0.99)
     # load-independent: a fake clock
     assert s.ttft_mean == pytest.approx(1.5) and s.ttft_p99 == pytest.approx(1.99)   # TTFTs 1 and 2
@@ -89,6 +92,7 @@ def test_summary_of_a_known_timeline():
     assert s.slot_occupancy == pytest.approx((1 + 1 + 2 + 1) / (2 * 4))
     assert s.kv_block_utilisation == pytest.approx((2 + 2 + 4 + 4) / (8 * 4))
     assert s.compute_utilisation == pytest.approx(100 / 4 / 25)
+    # load-independent: a fake clock (times passed in)
     assert s.num_preemptions == 1 and s.num_steps == 4 and s.step_time_mean == 1.0
     assert s.real_tokens_computed == 10 and s.padding_tokens_computed == 3
 
@@ -107,6 +111,7 @@ def test_summary_errors_and_unfinished_requests():
     aborted = RequestRecord("a", 0.0, 0.5, 1.0, [1.0], 2.0, finish_reason="abort")
     s = summarize([aborted, RequestRecord("b", 0.0, 1.0, 2.0, [2.0, 3.0], 3.0)])
     assert s.num_finished == 1 and s.output_tokens == 2        # only finished requests' tokens count
+    # load-independent: a fake clock (times passed in)
     assert s.queueing_delay_mean == pytest.approx(0.75)       # but every scheduled request waited
 
 
@@ -184,10 +189,13 @@ def test_static_waits_for_a_full_batch_and_queues():
     cfg = SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4, policy="static")
     res = simulate(reqs, cfg, OneSecondPerStep())
     rec = {r.request_id: r for r in res.requests}
+    # load-independent: a simulated one-second-per-step clock
     assert rec["A"].queueing_delay == 0.5          # waits for B to fill the batch
-    assert rec["B"].queueing_delay == 0.0
+    assert rec["B"].queueing_delay == 0.0  # load-independent: a simulated one-second-per-step clock
+    # load-independent: a simulated one-second-per-step clock
     assert rec["C"].first_scheduled == 1.5 and rec["C"].queueing_delay == pytest.approx(0.8)
     cont = simulate(reqs, SchedulerConfig(max_num_seqs=2, num_blocks=8, block_size=4), OneSecondPerStep())
+    # load-independent: a simulated one-second-per-step clock
     assert cont.summary.queueing_delay_mean < res.summary.queueing_delay_mean
 
 
@@ -213,6 +221,7 @@ def test_engine_static_batch_padding_waste_and_records():
     assert stats.num_padding_tokens == 4 and stats.num_batched_tokens == 8
     by = {r.request_id: r for r in reqs}
     assert by["A"].num_output_tokens == 1 and by["B"].num_output_tokens == 3
+    # load-independent: orders timestamps only
     assert by["B"].first_token <= by["B"].token_times[1] <= by["B"].finish
     assert all(st.end >= st.start for st in steps) and all(st.flops > 0 for st in steps)
 
@@ -268,5 +277,5 @@ def test_minicb_bench_rejects_bad_arguments(capsys):
     from minicb.entrypoints.cli import main
 
     assert main(["bench", "--model", "tiny", "--replay", "--trace", "sharegpt"]) == 2
-    assert "timestamps" in capsys.readouterr().err
+    assert "timestamps" in capsys.readouterr().err  # load-independent: an error message
     assert main(["bench", "--model", "tiny", "--num-requests", "0"]) == 2

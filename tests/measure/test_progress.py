@@ -36,7 +36,7 @@ def test_a_short_wait_prints_nothing():
         clock.now = 100 + t
         p.tick()
     p.stop()
-    assert out.getvalue() == ""
+    assert out.getvalue() == ""  # load-independent: a fake clock (times passed in)
 
 
 def test_a_pipe_gets_a_first_line_then_a_heartbeat_every_few_seconds_then_the_time():
@@ -49,6 +49,7 @@ def test_a_pipe_gets_a_first_line_then_a_heartbeat_every_few_seconds_then_the_ti
     p.stop()
     lines = out.getvalue().splitlines()
     # at 1 s, 6 s, 11 s; then the final line at 12 s
+    # load-independent: a fake clock (times passed in)
     assert lines == ["simulate: 3/40 requests, sim 1.0 s (1 s)",
                      "simulate: 20/40 requests, sim 6.0 s (6 s)",
                      "simulate: 36/40 requests, sim 11.0 s (11 s)",
@@ -62,6 +63,7 @@ def test_a_wait_with_no_count_shows_the_elapsed_time():
         clock.now = 100 + t
         p.tick()
     p.stop()
+    # load-independent: a fake clock (times passed in)
     assert out.getvalue().splitlines() == ["simulate: (1 s)", "simulate: (4 s)", "simulate: done in 4.5 s"]
 
 
@@ -73,8 +75,10 @@ def test_a_terminal_line_is_redrawn_in_place_and_ends_with_the_time():
         p.tick()
     p.stop()
     text = out.getvalue()
+    # load-independent: a fake clock (times passed in)
     assert text.count("\n") == 1 and text.endswith("loading: done in 2.5 s\n")
     assert text.count("\r\x1b[2K") == 3                          # two redraws, then the final line
+    # load-independent: a fake clock (times passed in)
     assert "loading: (2 s)" in text and "(0 s)" not in text      # nothing before `after`
 
 
@@ -120,4 +124,5 @@ def test_the_thread_writes_heartbeats_while_the_caller_blocks():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0 and p.stdout == "result\n"
     lines = p.stderr.splitlines()
+    # load-independent: waits for the lines (no time limit but a 60 s hang guard); no value read
     assert len(lines) >= 3 and lines[0].startswith("loading: (") and lines[-1].startswith("loading: done in")

@@ -11,6 +11,7 @@ import json
 import pathlib
 import re
 import sys
+import time
 
 import pytest
 
@@ -296,9 +297,17 @@ def test_replay_widget_in_headless_chromium(site, committed):
             assert tab.evaluate(SLOTS) == fr[14]["state"]["slots"]
             assert tab.evaluate("location.hash") == "#step=14"
             tab.evaluate("document.querySelector('.mr-play').click()")       # play advances by itself
-            tab.wait(2.0)
-            playing = int(re.match(r"step (\d+)", tab.evaluate(LABEL)).group(1))
-            assert playing > 14 and tab.evaluate(SLOTS) == fr[playing]["state"]["slots"]
+            # Polled until it has, not read after a fixed wait (a busy machine slows the page's timer);
+            # the label and the slots in one evaluation, so both are of the same step.
+            deadline = time.monotonic() + 60                                 # a hang guard
+            while True:
+                label, slots = tab.evaluate(f"[{LABEL}, {SLOTS}]")
+                playing = int(re.match(r"step (\d+)", label).group(1))
+                if playing > 14 or time.monotonic() > deadline:
+                    break
+                tab.wait(0.1)
+            # load-independent: polled with a hang guard, not a fixed wait
+            assert playing > 14 and slots == fr[playing]["state"]["slots"]
             assert tab.errors() == []
         with browser.tab(base + "replay/?step=7") as tab:                 # the page's own step links
             assert tab.evaluate(BLOCKS) == _owners(fr[7], nb)

@@ -68,7 +68,8 @@ def test_the_simulator_is_the_engines_loop_with_aborts_outputs_and_failures():
     sim.add_request("a", [5, 6, 7], params)
     sim.add_request("b", [8, 9], params)
     first = sim.step()                                  # both prompts, one step: 10.0 -> 10.5
-    assert sim.now == 10.5
+    assert sim.now == 10.5  # load-independent: simulated time: 0.5 s a step from 10.0
+    # load-independent: simulated time (a cost model), no wall clock
     assert [(o.request_id, o.new_token_ids, o.token_times) for o in first] == [("a", [7], [10.5]),
                                                                                 ("b", [7], [10.5])]
     assert sim.abort_request("b").finish_reason == "abort"
@@ -80,6 +81,7 @@ def test_the_simulator_is_the_engines_loop_with_aborts_outputs_and_failures():
     sim.add_request("c", [1], params)                   # the engine serves on
     outs = drain(sim)
     assert outs[-1].finished and outs[-1].token_ids == [7] * 4
+    # load-independent: simulated time (a cost model), no wall clock
     assert outs[-1].token_times == [11.5, 12.0, 12.5, 13.0]
 
 
@@ -110,6 +112,7 @@ def test_simulation_is_deterministic_for_a_seed(policy):
                      _cfg(policy), cm) for _ in range(2)]
     assert runs[0].summary.to_dict() == runs[1].summary.to_dict()
     assert runs[0].steps == runs[1].steps
+    # load-independent: simulated time (a cost model), no wall clock
     assert [r.token_times for r in runs[0].requests] == [r.token_times for r in runs[1].requests]
     other = simulate(make_requests("sharegpt", 40, rate=8.0, seed=8, min_len=4, max_total=2048),
                      _cfg(policy), cm)
@@ -139,8 +142,10 @@ def test_continuous_beats_static_at_70b_scale():
     s = {p: simulate(reqs, _cfg(p, max_num_seqs=16, num_blocks=cm.num_kv_blocks(16)), cm).summary
          for p in ("static", "continuous")}
     st, co = s["static"], s["continuous"]
+    # load-independent: simulated time (a cost model), no wall clock
     assert co.output_tokens_per_s > st.output_tokens_per_s
     assert co.compute_utilisation > st.compute_utilisation
+    # load-independent: simulated time (a cost model), no wall clock
     assert co.queueing_delay_mean < st.queueing_delay_mean
     assert co.padding_waste < 0.001 < 0.3 < st.padding_waste
     assert co.ttft_p99 < st.ttft_p99  # load-independent: simulated time (a cost model)
@@ -155,13 +160,16 @@ def test_cost_model_basics():
     cm = preset("llama-3-70b")
     assert cm.peak_flops == 8 * 312e12
     t = [cm.step_time(_decode(n)) for n in (1, 16, 64, 256)]
+    # load-independent: simulated time (a cost model), no wall clock
     assert t == sorted(t) and 0.010 < t[0] < 0.030          # one decode: 17.6 GB of weights per GPU
-    assert cm.step_time(StepPlan(0)) == 0.0
+    assert cm.step_time(StepPlan(0)) == 0.0  # load-independent: simulated time (a cost model), no wall clock
     parts = cm.breakdown(_decode(8))
+    # load-independent: simulated time (a cost model), no wall clock
     assert sum(parts.values()) == pytest.approx(cm.step_time(_decode(8)))
     assert parts["allreduce"] > 0 and preset("llama-3-8b").breakdown(_decode(8))["allreduce"] == 0
     # padding rows cost linear work like real ones but no KV reads of a context
     pad = StepPlan(0, _decode(4).seqs, padding=(1,) * 4)
+    # load-independent: simulated time (a cost model), no wall clock
     assert cm.step_time(_decode(4)) < cm.step_time(pad) < cm.step_time(_decode(8))
 
 
@@ -202,13 +210,13 @@ def test_preset_efficiencies_are_the_fit():
     fit = fit_vidur_linear()
     cm = preset("llama-3-70b")
     assert (fit["compute_eff"], fit["memory_eff"]) == (cm.compute_eff, cm.memory_eff)
-    assert fit["op_launch_s"] == pytest.approx(cm.op_launch_s)
+    assert fit["op_launch_s"] == pytest.approx(cm.op_launch_s)  # load-independent: a fit to shipped data
 
 
 def test_smollm2_preset_loads_the_shipped_calibration():
     cm = preset("smollm2-135m")
     assert cm.attention == "grouped" and not cm.device.overlap and cm.dtype_bytes == 4
-    assert 0.01 < cm.step_time(_decode(8, 128)) < 5.0
+    assert 0.01 < cm.step_time(_decode(8, 128)) < 5.0  # load-independent: the shipped calibration
 
 
 def test_cost_model_validation():
@@ -238,6 +246,7 @@ def test_make_requests_poisson_and_replay():
     # load-independent: simulated arrival times from a seeded generator
     assert a[0].arrival == 0.0 and min(gaps) >= 0 and 0.1 < sum(gaps) / len(gaps) < 0.5
     r = make_requests("azure-code", 10, replay=True, time_scale=2.0)
+    # load-independent: a shipped trace's timestamps
     assert [x.arrival for x in r] == pytest.approx([t / 2 for t in trace_timestamps("azure-code")[:10]])
     f = make_requests("sharegpt", 300, rate=1.0, min_len=4, max_total=2048)
     assert all(x.prompt_len >= 4 and x.output_len >= 4 and x.prompt_len + x.output_len <= 2048 for x in f)
@@ -250,7 +259,7 @@ def test_make_requests_poisson_and_replay():
 def test_length_scaling_matches_bench_throughput():
     assert scale_lengths(1000, 517, max_prompt=256, output_div=4, max_output=128) == (256, 128)
     assert scale_lengths(10, 2, max_prompt=256, output_div=4, max_output=128) == (10, 1)
-    assert poisson_arrivals(3, float("inf")) == [0.0, 0.0, 0.0]
+    assert poisson_arrivals(3, float("inf")) == [0.0, 0.0, 0.0]  # load-independent: generated times
 
 
 def test_bench_workloads_reads_the_package_data():

@@ -5,8 +5,11 @@ or leaking a Jinja2 exception.
 
 Every hostile template below ran unbounded (or raised a bare ``jinja2`` / ``ZeroDivisionError``)
 before the limits existed. A template that never returns would hang the suite, so each render runs
-in a daemon thread that must finish within a generous wall-clock bound (``finishes``). The limits
-are lowered for these tests (0.3 s, 64 MiB) so that the time and memory cases cost little.
+in a daemon thread that must finish within a generous wall-clock bound (``finishes``). The memory
+limit is lowered for these tests (64 MiB) so that the memory case costs little. The time limit is a
+wall clock, so it is lowered (0.3 s) only for the cases it must stop (``TIME_CASES``); everywhere else
+it is a hang guard (30 s), so that on a busy machine no other render (the slowest, ``join``, takes
+~0.1 s) is cut by the clock before its own guard or its end.
 """
 
 from __future__ import annotations
@@ -26,16 +29,23 @@ from robust_helpers import finishes
 from tokenizer_fixtures import CHATML, tiny_gguf_tokenizer_metadata
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+DEFAULT_MEMORY = ct.MAX_RENDER_MEMORY     # read before any test lowers it
+HANG_GUARD_S = 30.0                       # the render time limit where time is not what is tested
+TIME_LIMIT_S = 0.3                        # where it is (TIME_CASES): small, so that those cost little
 
 
 @pytest.fixture(autouse=True)
 def small_limits(monkeypatch):
-    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", HANG_GUARD_S)
     monkeypatch.setattr(ct, "MAX_RENDER_MEMORY", 64 * 2**20)
 
 
 def render(source: str, messages=MESSAGES):
-    """``ct.render`` in a bounded thread; also checks that the thread's tracer is restored after it."""
+    """``ct.render`` in a bounded thread; also checks that the thread's tracer is restored after it.
+    The time limit is the small one for the templates that only it stops, the hang guard otherwise
+    (``small_limits`` puts the module's value back after the test)."""
+    ct.MAX_RENDER_SECONDS = TIME_LIMIT_S if source in TIME_SOURCES else HANG_GUARD_S
+
     def run():
         before = sys.gettrace()
         try:
@@ -91,6 +101,8 @@ HOSTILE = {
     "sandbox escape": ("{{ ''.__class__.__mro__ }}", ModelLoadError, ["SecurityError"]),
     "syntax": ("{% for %}", ModelLoadError, ["not valid Jinja2"]),
 }
+TIME_CASES = ("nested ranges", "nested lists")         # stopped by the time limit alone
+TIME_SOURCES = {HOSTILE[name][0] for name in TIME_CASES}
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
@@ -148,8 +160,11 @@ def test_a_well_behaved_template_renders_exactly_as_without_limits(source, messa
     assert ct.render(source, **context) == plain_render(source, **context)
 
 
-def test_a_long_conversation_is_not_mistaken_for_an_attack():
-    """1,000 messages, and one message of a million characters, render under the default limits."""
+def test_a_long_conversation_is_not_mistaken_for_an_attack(monkeypatch):
+    """1,000 messages, and one message of a million characters, render under the default size and
+    memory limits. (The time limit stays the hang guard: a wall clock can be tripped by a busy machine;
+    these take ~0.05 s.)"""
+    monkeypatch.setattr(ct, "MAX_RENDER_MEMORY", DEFAULT_MEMORY)
     many = [{"role": "user", "content": "hello there " * 20}] * 1000
     long = [{"role": "user", "content": "word " * 200_000}]
     for messages in (many, long):

@@ -154,12 +154,14 @@ def test_the_per_request_histograms_hold_what_the_requests_did(served):
     inference = sum(o.token_times[-1] - o.first_scheduled_time for o in outs)
     # load-independent: the metrics and the oracle read the same recorded timestamps; "> 0" only grows
     assert delta("vllm:request_prefill_time_seconds_sum") == pytest.approx(prefill, rel=1e-9, abs=1e-12)
+    # load-independent: the same recorded timestamps
     assert delta("vllm:request_decode_time_seconds_sum") == pytest.approx(decode, rel=1e-9, abs=1e-12)
+    # load-independent: the same recorded timestamps
     assert delta("vllm:request_inference_time_seconds_sum") == pytest.approx(inference, rel=1e-9, abs=1e-12)
-    assert inference == pytest.approx(prefill + decode)
+    assert inference == pytest.approx(prefill + decode)  # load-independent: an identity
     assert decode > 0 and prefill > 0              # load-independent: every phase took time (load only adds)
     for name in ("prefill", "decode", "inference"):
-        assert delta(f"vllm:request_{name}_time_seconds_count") == 4
+        assert delta(f"vllm:request_{name}_time_seconds_count") == 4  # load-independent: a count
 
 
 def test_prefix_cache_counters_count_first_admissions(served):

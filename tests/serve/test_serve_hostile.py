@@ -59,7 +59,9 @@ def served(gguf):
     loggers = [logging.getLogger(n) for n in ("minicb", "uvicorn", "uvicorn.error")]
     for lg in loggers:
         lg.addHandler(errors)
-    limits = ServeLimits(header_timeout=1.0, body_timeout=1.0, max_live_watchers=2)
+    # The default header and body timeouts (10 s, 30 s): a request of these tests never comes near them,
+    # even on a busy machine. The slow-connection test has a server of its own with 1 s ones.
+    limits = ServeLimits(max_live_watchers=2)
     try:
         with running_server(gguf, limits=limits, **SMALL) as (server, url):
             yield server, url, errors
@@ -247,26 +249,30 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
         return False
 
 
-def test_silent_and_slowloris_connections_are_closed(served):
-    """header_timeout and body_timeout are 1 s here: a connection that says nothing, one that never
-    finishes its headers and one that never finishes its body are all closed (the last with a 408)."""
-    url = served[1]
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    silent = socket.create_connection((host, int(port)))
-    head = socket.create_connection((host, int(port)))
-    head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-    body = socket.create_connection((host, int(port)))
-    body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
-    for s in (silent, head):
-        assert _closed_by_server(s, 20), "a connection without a request head stayed open"
-    body.settimeout(20)
-    answer = b""
-    while chunk := body.recv(4096):                # until the server closes the connection
-        answer += chunk
-    assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer
-    for s in (silent, head, body):
-        s.close()
+def test_silent_and_slowloris_connections_are_closed(gguf):
+    """header_timeout and body_timeout are 1 s here (a server of its own, so that no other test's request
+    has to beat them): a connection that says nothing, one that never finishes its headers and one that
+    never finishes its body are all closed (the last with a 408). The client waits up to 60 s for that:
+    a hang guard, since a busy machine can only make the server's 1 s wait longer."""
+    limits = ServeLimits(header_timeout=1.0, body_timeout=1.0)
+    with running_server(gguf, limits=limits, **SMALL) as (_, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)))
+        head = socket.create_connection((host, int(port)))
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        for s in (silent, head):
+            # load-independent: a 60 s hang guard on the server's 1 s timeout (load only lengthens it)
+            assert _closed_by_server(s, 60), "a connection without a request head stayed open"
+        body.settimeout(60)
+        answer = b""
+        while chunk := body.recv(4096):                # until the server closes the connection
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer
+        for s in (silent, head, body):
+            s.close()
 
 
 def test_live_watchers_are_capped(served):
@@ -274,7 +280,7 @@ def test_live_watchers_are_capped(served):
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conns = []
     for _ in range(2):
-        c = httpc.HTTPConnection(host, int(port), timeout=10)
+        c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard
         c.request("GET", "/live/events")
         assert c.getresponse().status == 200
         conns.append(c)
@@ -283,7 +289,7 @@ def test_live_watchers_are_capped(served):
     for c in conns:
         c.close()
     wait_for(lambda: served[0].live._reserved == 0, what="the watchers released")
-    c = httpc.HTTPConnection(host, int(port), timeout=10)
+    c = httpc.HTTPConnection(host, int(port), timeout=60)          # a hang guard
     c.request("GET", "/live/events")
     assert c.getresponse().status == 200            # a closed page frees its place
     c.close()
@@ -309,7 +315,7 @@ def test_the_fixed_limits_are_flags_now(gguf):
         host, port = url.removeprefix("http://").rsplit(":", 1)        # a head still arriving: h11's buffer
         s = socket.create_connection((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Pad: " + b"a" * 3000)
-        s.settimeout(20)
+        s.settimeout(60)                                                # a hang guard
         answer = b""
         while chunk := s.recv(4096):
             answer += chunk
@@ -329,7 +335,7 @@ def test_the_fixed_limits_are_flags_now(gguf):
         s = socket.create_connection((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 9999999\r\n\r\n{")
-        assert _closed_by_server(s, 20)
+        assert _closed_by_server(s, 60)  # load-independent: a hang guard (the linger is 0 s)
         s.close()
 
 
@@ -370,7 +376,7 @@ def test_host_allow_list_cors_and_api_key(gguf):
         assert health(url)["status"] == "ok"                        # /health needs no key, as vLLM's
         host, port = url.removeprefix("http://").rsplit(":", 1)
         for origin, allowed in (("http://ok.example", True), ("http://evil.example", False)):
-            c = httpc.HTTPConnection(host, int(port), timeout=10)
+            c = httpc.HTTPConnection(host, int(port), timeout=60)  # a hang guard
             c.request("OPTIONS", "/v1/completions", headers={
                 "Origin": origin, "Access-Control-Request-Method": "POST",
                 "Access-Control-Request-Headers": "content-type,authorization"})
@@ -381,7 +387,7 @@ def test_host_allow_list_cors_and_api_key(gguf):
         del r
     with running_server(gguf, **SMALL) as (_, url):                   # no --allowed-origins: no CORS at all
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        c = httpc.HTTPConnection(host, int(port), timeout=10)
+        c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard
         c.request("POST", "/v1/completions", body=body,
                   headers={"Origin": "http://ok.example", "Content-Type": "application/json"})
         resp = c.getresponse()

@@ -126,8 +126,11 @@ def test_the_live_page_shows_the_slots_of_running_requests(tmp_path):
                                                                 "deviceScaleFactor": 1, "mobile": False},
                          session=session)
             browser.call("Page.navigate", {"url": url + "/"}, session=session)
-            assert browser.wait_event("Page.loadEventFired", session, 30)
-            deadline = time.monotonic() + 30
+            # load-independent: a hang guard (the page loads in well under a second)
+            assert browser.wait_event("Page.loadEventFired", session, 120)
+            # Polls until the page shows a full window; the deadline only ends a wait that would never
+            # end (Chromium and six streams share a busy machine's cores): ready is usually met in seconds
+            deadline = time.monotonic() + 240
             while True:
                 reply = browser.call("Runtime.evaluate", {"expression": FACTS, "returnByValue": True},
                                      session=session)
@@ -153,5 +156,6 @@ def test_the_live_page_shows_the_slots_of_running_requests(tmp_path):
     assert facts["checked"] > 0 and facts["painted"] == facts["checked"], facts
     assert sum(any(r in label for r in clients.ids) for label in facts["labels"]) >= 2   # slot holders
     assert len(facts["labels"]) == 4 and facts["numBlocks"] == 96
+    # load-independent: read once the page was ready (polled above with a hang guard, not a fixed wait)
     assert set(facts["blockRids"]) <= clients.ids and facts["tps"] > 0
     assert ARTEFACT.stat().st_size > 10_000

@@ -26,7 +26,9 @@ def frame(durations: list[float], sampled: int) -> dict:
 
 def test_steps_longer_than_the_window_still_give_a_rate():
     slow = 1.5 * RATE_WINDOW_S                       # 256 slots of a real model on a CPU: seconds a step
+    # load-independent: step times passed in
     assert frame([slow, slow, slow], 256)["tps"] == 2 * 256 / (2 * slow)      # the last two steps
+    # load-independent: step times passed in
     assert frame([0.5] * 10, 8)["tps"] == 5 * 8 / 2.5                         # the window: 5 steps
 
 

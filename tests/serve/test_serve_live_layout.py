@@ -66,7 +66,7 @@ def page(browser, url: str, width: int, height: int, mobile: bool) -> str:
                                                         "deviceScaleFactor": 1, "mobile": mobile},
                  session=session)
     browser.call("Page.navigate", {"url": url + "/"}, session=session)
-    assert browser.wait_event("Page.loadEventFired", session, 120)
+    assert browser.wait_event("Page.loadEventFired", session, 120)  # load-independent: a hang guard
     return session
 
 
