@@ -117,6 +117,8 @@ class _Group:
     mask: torch.Tensor         # [G, Lq, Lk]; replaced by its fold_mask form at the first layer
     out_index: torch.Tensor    # [n] flat token index of each real (unpadded) query of the group
     valid: torch.Tensor | None  # [n] which of the G * Lq padded queries are real; None: all of them
+    own_rows: tuple[int, int] | None = None   # (a, b): one prompt with nothing cached before it, its
+    # queries and keys alike this step's rows a..b of q, k, v: read in place, no gather, no scatter
 
 
 @dataclass(slots=True)
@@ -197,8 +199,12 @@ class ReferenceAttention(AttentionBackend):
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
         valid = q_valid.flatten()
         all_valid = sum(meta.q_lens[r] for r in rows) == valid.numel()
+        own = None
+        if len(rows) == 1 and (not cached or meta.start_positions[rows[0]] == 0):
+            a = sum(meta.q_lens[:rows[0]])               # host copies: no device sync
+            own = (a, a + meta.q_lens[rows[0]])
         return _Group(q_index, key_index, cached, mask, q_index.flatten()[valid],
-                      None if all_valid else valid.nonzero().squeeze(1))
+                      None if all_valid else valid.nonzero().squeeze(1), own)
 
     def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
         # Per layer: write this step's K/V into the paged cache first (slot -1, padding, is skipped),
@@ -217,6 +223,10 @@ class ReferenceAttention(AttentionBackend):
         """Gather the group's queries and keys into padded tensors, run SDPA, scatter into ``out``."""
         if g.mask.dim() == 3:
             g.mask = fold_mask(g.mask, q.shape[1] // k.shape[1], q.dtype)
+        if g.own_rows is not None:        # a whole prompt: its keys are its own rows of k and v
+            a, b = g.own_rows
+            out[a:b] = grouped_sdpa(q[None, a:b], k[None, a:b], v[None, a:b], g.mask)[0]
+            return
         ksrc, vsrc = (kc, vc) if g.in_cache else (k, v)
         og = grouped_sdpa(_rows(q, g.q_index), _rows(ksrc, g.key_index), _rows(vsrc, g.key_index),
                           g.mask).flatten(0, 1)
