@@ -18,6 +18,7 @@ from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.model import ckernels
 from minicb.model.backends import cpu_paged, make_backend, resolve_backend
+from minicb.model.ckernels import cpu_flags
 from preconditions import unavailable
 
 
@@ -59,7 +60,9 @@ def random_case(rows, hq, hkv, d, bs, max_ctx, dtype, seed):
 
 # The kernel as minicb builds it (on a CPU with AVX2 and FMA, head_dim 64 takes the AVX2 path), and built
 # without that path (-DDECODE_AVX2=0: the portable loops, which every other head_dim takes anyway).
-BUILDS = {"default": (), "portable": ("-DDECODE_AVX2=0",)}
+# On a CPU with AVX-512 the default build runs head_dim 64 on the AVX-512 row; "avx2-row" is the same
+# file built without it (-DDECODE_AVX512=0), so the AVX2 row is tested there too.
+BUILDS = {"default": (), "portable": ("-DDECODE_AVX2=0",), "avx2-row": ("-DDECODE_AVX512=0",)}
 
 
 def decode(q, kc, vc, tables, ctx, bs, build="default"):
@@ -91,14 +94,18 @@ def test_kernel_matches_oracle(dtype, tol, bs, shape, build):
     torch.testing.assert_close(got.double(), oracle(q, kc, vc, tables, ctx, bs), rtol=tol, atol=tol)
 
 
-def test_the_avx2_path_is_built_where_the_cpu_has_avx2():
-    """So that on such a CPU the tests above run both paths, and no other CPU claims it."""
+def proc_cpu_flags() -> set[str]:
+    """Every flag of /proc/cpuinfo's first processor (a test that needs them is unavailable elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
     except (OSError, StopIteration):
         unavailable("no /proc/cpuinfo flags line here (Linux x86 only)")
-    has = {"avx2", "fma"} <= flags
+
+
+def test_the_avx2_path_is_built_where_the_cpu_has_avx2():
+    """So that on such a CPU the tests above run both paths, and no other CPU claims it."""
+    has = {"avx2", "fma"} <= proc_cpu_flags()
     assert cpu_paged.avx2_path() == has
     assert not cpu_paged.load(BUILDS["portable"]).minicb_paged_decode_avx2()
 
@@ -116,11 +123,25 @@ def test_head_dim_64_takes_the_avx2_path(d):
     assert torch.equal(default, portable) == (d != 64)
 
 
-def test_bfloat16_head_dim_64_takes_the_avx2_path_even_beside_native_dot_products(monkeypatch):
-    """On an AVX2 CPU the default bfloat16 kernel runs head_dim 64 on the AVX2 row (widening, with its
-    prefetch: faster from memory than the native dot products, paged_decode.c), so its output is the
-    widening kernel's bit for bit; another head_dim keeps the native loops where the CPU has them, which
-    sum the scores in another order than the widening loops."""
+def test_the_avx512_row_is_built_where_the_cpu_has_avx512():
+    """The default build runs head_dim 64 on the AVX-512 row exactly where the CPU has AVX-512 (and AVX2);
+    -DDECODE_AVX512=0 leaves it out, and there the two rows sum in another order: a float32 output
+    that differs in its last bits shows which ran."""
+    has = {"avx2", "fma", "avx512f"} <= proc_cpu_flags()
+    assert cpu_paged.avx512_path() == has
+    assert not cpu_paged.load(BUILDS["avx2-row"]).minicb_paged_decode_avx512()
+    assert not cpu_paged.load(BUILDS["portable"]).minicb_paged_decode_avx512()
+    q, kc, vc, tables, ctx = random_case(9, 9, 3, 64, 16, 120, torch.float32, seed=5)
+    default, avx2 = decode(q, kc, vc, tables, ctx, 16), decode(q, kc, vc, tables, ctx, 16, "avx2-row")
+    torch.testing.assert_close(default, avx2, rtol=2e-6, atol=2e-6)
+    assert torch.equal(default, avx2) == (not has)
+
+
+def test_bfloat16_head_dim_64_on_native_dot_products_where_the_avx512_row_has_them(monkeypatch):
+    """The default bfloat16 kernel runs head_dim 64 on the AVX-512 row's vdpbf16ps where the CPU has
+    AVX-512 BF16 (scores summed in another order than the widening row: some output differs), and on
+    the widening rows elsewhere (the AVX2 row on an AVX2 CPU without AVX-512: equal to the widening
+    kernel bit for bit). Other head sizes keep the native loops where the CPU has them."""
     if not cpu_paged.avx2_path():
         unavailable("this CPU has no AVX2 with FMA: the kernel has no AVX2 path to take")
     out = {}
@@ -129,8 +150,9 @@ def test_bfloat16_head_dim_64_takes_the_avx2_path_even_beside_native_dot_product
         for mode in ("native", "widen"):
             monkeypatch.setenv("MINICB_BF16_DECODE", mode)
             out[d, mode] = cpu_paged.paged_decode(q, kc, vc, tables, ctx, 16)
-    assert torch.equal(out[64, "native"], out[64, "widen"])
-    assert torch.equal(out[128, "native"], out[128, "widen"]) == (not cpu_paged.bf16_native())
+    native = cpu_paged.bf16_native()
+    assert torch.equal(out[64, "native"], out[64, "widen"]) == (not (native and cpu_paged.avx512_path()))
+    assert torch.equal(out[128, "native"], out[128, "widen"]) == (not native)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -314,6 +336,4 @@ def test_native_bfloat16_kernel_is_a_rounding_from_float64(shape, monkeypatch):
         # one rounding of the output (2^-8 relative) plus float32 sums of scores and weights (far smaller)
         assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all(), mode
     assert cpu_paged.kernel_name(torch.bfloat16) == cpu_paged.WIDEN_BF16
-    from minicb.model.cpu_linear import cpu_flags
-
     assert not cpu_paged.bf16_native() or "avx512_bf16" in cpu_flags()    # native only on such a CPU

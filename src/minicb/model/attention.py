@@ -24,7 +24,8 @@ are fewer queries than keys, which is wrong for a prefill chunk that follows cac
 ``ReferenceAttention`` is the pure-PyTorch backend that runs everywhere (CPU, any dtype). It writes the
 new K/V into the paged cache through ``slot_mapping`` and reads the older keys back through
 ``block_tables``. It is vectorised: one gather per layer for each bucket of decodes of similar context
-length, and one per prompt chunk; no Python loop over tokens. ``StaticCacheAttention`` is the padded
+length, and one per prompt chunk (none for a prompt with nothing cached before it: its keys are its own
+rows of this step's K/V); no Python loop over tokens. ``StaticCacheAttention`` is the padded
 ``[batch, max_len]`` cache of the static baseline (the gpt-fast shape). The CUDA backends
 (``flash-attn``, ``torch-varlen``: varlen kernels fed from the paged cache) and the registry that
 chooses among all of them live in ``backends/``.

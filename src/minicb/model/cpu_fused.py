@@ -1,26 +1,32 @@
-"""Fused RMSNorm and rotary embedding for a CPU model in float32 or bfloat16 (``fused_ops.c``).
+"""Fused RMSNorm, residual add, rotary embedding and SiLU for a CPU model in float32 or bfloat16.
 
 A decoder layer of ``llama.py`` runs about twenty small torch ops besides its matmuls: RMSNorm is six
 (widen, square, mean, add eps, rsqrt, two multiplies), the rotary embedding of q and k ten (negate and
-concatenate the halves, two multiplies and an add, twice). Each is a pass over the step's activations
-into a freshly allocated tensor, plus some microseconds of dispatch, thirty layers a step. vLLM's CPU
-build runs them as a few loops of its ``torch.compile``'d graph. This module does the same for the two
-biggest groups with two C loops (compiled on first use like the decode kernel: ``ckernels.py``), and
-the MLP's SiLU and product in place::
+concatenate the halves, two multiplies and an add, twice), the residual adds two, the MLP's SiLU and
+product two. Each is a pass over the step's activations into a freshly allocated tensor, plus some
+microseconds of dispatch, thirty layers a step. vLLM's CPU build runs them as a few loops of its
+``torch.compile``'d graph. This module does the same with a few C loops (compiled on first use like the
+decode kernel: ``ckernels.py``)::
 
     llama.py (the reference, what the tutorials read)      here (same arithmetic, fewer passes)
     RMSNorm: h = x.float(); h * rsqrt(mean(h^2) + eps)      one C loop per row
+    x = x + attn; h = RMSNorm(x)                            one C loop per row, x updated in place
+    x = x + mlp                                             in place (x.add_)
     apply_rope(q), apply_rope(k): cat, neg, mul, mul, add   one C call per layer, q and k in place
-    silu(gate(x)) * up(x)                                   silu_(g); g.mul_(up(x))
+                                                            (views into the q/k/v product's rows)
+    silu(gate(x)) * up(x)                                   one C pass over the gate/up product
+                                                            (``cpu_linear`` makes gate and up one)
 
 ``fuse_elementwise(model)`` switches the layers of a loaded model to these versions (their classes,
 not their weights); ``LLM`` does it for the models it loads itself, on the CPU, in float32 and
-bfloat16. float64 stays on the reference ops: it is the dtype minicb's exactness checks run in, and
-this RMSNorm sums its squares in another order than torch does (a float32 rounding apart); the rotary
-embedding and the MLP compute exactly what the reference computes (``fused_ops.c``: no fused
-multiply-adds, every intermediate rounded to the model's dtype as torch rounds it).
-``MINICB_FUSED_OPS=0`` keeps the reference ops; where the C compiler is missing, ``LLM`` keeps them
-and logs one line saying why.
+bfloat16. float64 stays on the reference ops: it is the dtype minicb's exactness checks run in. How
+close the rest is: the rotary embedding and the residual adds compute exactly what the reference
+computes (``fused_ops.c``: no fused multiply-adds, every intermediate rounded to the model's dtype as
+torch rounds it); RMSNorm sums its squares in another order than torch does (a float32 rounding
+apart); the SiLU's ``e^-x`` is a polynomial (``exp_f32.h``) where torch uses its vector library's, so
+float32 SiLU products agree to a few float32 roundings and bfloat16 ones nearly always exactly
+(``tests/model/test_cpu_fused.py`` checks each against float64). ``MINICB_FUSED_OPS=0`` keeps the
+reference ops; where the C compiler is missing, ``LLM`` keeps them and logs one line saying why.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-/* Fused elementwise ops of a LLaMA layer for the CPU: RMSNorm and rotary embedding, one pass each.
+/* Fused elementwise ops of a LLaMA layer for the CPU: RMSNorm (alone, or after the residual add), rotary
+ * embedding, and the MLP's SiLU times up, one pass each.
  *
  * In eager PyTorch, RMSNorm is six ops (widen, square, mean, add eps, rsqrt, two multiplies) and the
  * rotary embedding of q and k ten (negate and concatenate the halves, two multiplies, an add, twice):
  * each a separate pass over the step's activations, with a freshly allocated result, and microseconds
  * of dispatch. vLLM's CPU build runs them as one loop each (its torch.compile'd graph). These are the
- * two loops, called once per norm and once per layer through ctypes (cpu_fused.py).
+ * loops, called through ctypes a few times per layer (cpu_fused.py).
  *
  * Numerics, op for op as llama.py computes them (so that only the order of RMSNorm's sum differs):
  *   rmsnorm: h = float32(x); h = h * (1 / sqrt(mean(h * h) + eps)); out = w * T(h)
@@ -13,6 +14,8 @@
  *            each product and the sum rounded to T, as the separate torch ops round them; compiled
  *            with -ffp-contract=off, so no multiply-add is fused: float32 results equal torch's bit
  *            for bit, and bfloat16 ones too (each step rounded to bfloat16 as torch rounds it).
+ *   add + rmsnorm: x = T(x + delta), then rmsnorm of it (torch's add, then the loop above)
+ *   silu * up: T(T(g / (1 + e^-g)) * u), e^ from exp_f32.h (a polynomial, not torch's: see there)
  * T is float or bfloat16 (uint16_t, the top half of a float32), arithmetic in float. Rows are split
  * over OpenMP threads when a call has enough of them to be worth it.
  */

@@ -26,11 +26,12 @@ Dtypes: float32 and float64 are computed in their own precision; bfloat16 K/V an
 to float32 as they are read, and the output rounded back once (``paged_decode.c``), so a bfloat16
 cache costs half the memory traffic of a float32 one and loses nothing more in the arithmetic. On a
 CPU with AVX-512 BF16 the scores' dot products use its bfloat16 instruction on the stored values
-instead (``bf16_native()``; exact products summed in float32, as before), except for head_dim 64 on a
-CPU with AVX2, where the kernel's AVX2 row (widening, with its prefetch) was faster from memory on a
-Zen 4 core (1.5 against 2.1-2.3 ms a W2-sized step, ``bench/decode_kernel.py``);
-``MINICB_BF16_DECODE=widen`` keeps the widening kernel everywhere, so both run and are tested on such
-a CPU.
+instead (``bf16_native()``; exact products summed in float32, as before): for head_dim 64 in the
+kernel's AVX-512 row (``avx512_path()``), which reads each key and value once per kv head and is
+1.4x the AVX2 row from memory on a Zen 4 core (0.77 against 1.09 ms a W2-sized step in bfloat16,
+``bench/decode_kernel.py``); on a CPU with AVX2 but no AVX-512, head_dim 64 takes the AVX2 row
+(widening). ``MINICB_BF16_DECODE=widen`` keeps the widening kernel everywhere, so both run and are
+tested on such a CPU.
 
 The kernel computes the same softmax as SDPA in a different order of additions, so its outputs match
 the reference backend's to rounding (``tests/model/test_cpu_paged.py`` checks both, and token-exactness
@@ -78,7 +79,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
-    for name in ("minicb_paged_decode_bf16_native", "minicb_paged_decode_avx2"):
+    for name in ("minicb_paged_decode_bf16_native", "minicb_paged_decode_avx2", "minicb_paged_decode_avx512"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     return lib
 
@@ -92,6 +93,12 @@ def bf16_native() -> bool:
 def avx2_path() -> bool:
     """Whether the compiled kernel has its AVX2 path (``head_dim`` 64 on a CPU with AVX2 and FMA)."""
     return bool(load().minicb_paged_decode_avx2())
+
+
+def avx512_path() -> bool:
+    """Whether that path runs its AVX-512 row (a CPU with AVX-512: each key and value read once per kv
+    head, 16 keys at a time; bfloat16 scores on ``vdpbf16ps`` where the CPU has AVX-512 BF16)."""
+    return bool(load().minicb_paged_decode_avx512())
 
 
 def kernel_name(dtype: torch.dtype) -> str:

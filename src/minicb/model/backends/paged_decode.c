@@ -253,9 +253,9 @@ static inline __m256 sum8x8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* One unit of work done: ask for its share of lines (heads: the row's query heads). */
-static inline void prefetch(stream_t *st, int64_t heads) {
-    for (st->credit += st->lines; st->credit >= heads; st->credit -= heads) {
+/* `units` units of work done: ask for their share of lines (heads: the row's query heads). */
+static inline void prefetch_units(stream_t *st, int64_t heads, int64_t units) {
+    for (st->credit += st->lines * units; st->credit >= heads; st->credit -= heads) {
         if (st->x == 0) {
             const int64_t u = st->item, L = st->L;
             st->p = u < L                      ? st->k + st->slot[u] * st->elem
@@ -269,11 +269,15 @@ static inline void prefetch(stream_t *st, int64_t heads) {
     }
 }
 
+/* One unit of work done (the AVX2 row asks once per unit; the AVX-512 row, whose units are cheaper,
+ * once per 16 of them: the asking itself cost more than its arithmetic). */
+static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, heads, 1); }
+
 /* One row, all heads: q [q_heads][64] (T) and out the same; the row's block table and context L, the
  * next row's (next_table, next_L: NULL and 0 for the last row); buf [q_heads][cap + 2 * 64 + 1] floats
  * and slot [cap + AHEAD] of the caller's. */
 #define ROW64(NAME, T, LOAD, LOAD8, STORE)                                                              \
-    static void NAME##_row64(const T *qr, T *o, const T *k_cache, const T *v_cache,                   \
+    static __attribute__((unused)) void NAME##_row64(const T *qr, T *o, const T *k_cache, const T *v_cache, \
                              const int32_t *table, int64_t L, const int32_t *next_table,              \
                              int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads,           \
                              float scale, float *buf, int64_t cap, int64_t *slot) {                   \
@@ -347,6 +351,184 @@ ROW64(f32, float, SAME, load8_f32, SAME)
 ROW64(bf16, uint16_t, bf16_load, load8_bf16, bf16_store)
 #endif
 
+/* ---- The AVX-512 row: head_dim 64, the same passes with each key and value read once per kv head -----
+ *
+ * On a CPU with AVX-512 the AVX2 row above leaves most of its time in loads: every query head reads
+ * (and, in bfloat16, widens) its kv head's keys and values again, 9 times a key for SmolLM2's 9 query
+ * heads where 3 would do, and 8 lanes per instruction. This row keeps the AVX2 row's order and its
+ * prefetch stream, and changes the inner loops:
+ *   - pass 1 takes the keys 16 at a time; a query head's 16 dot products stay in 16 registers of 16
+ *     lanes (4 multiply-adds each for head_dim 64, or 2 vdpbf16ps on the stored bfloat16 where the CPU
+ *     has AVX-512 BF16), and sum16x16 folds them into one vector of 16 scores (15 adds, no horizontal
+ *     sum per score); the keys go in in a transposed order so that the folded lanes come out in order;
+ *   - pass 2 widens each value once per kv head and adds it into all of that head's query heads (up to
+ *     4 at a time: 16 registers of sums) instead of once per query head.
+ * bench/decode_kernel.py --compare times it against the AVX2 row (-DDECODE_AVX512=0). Numerics: the
+ * float32 and widening bfloat16 rows multiply-add in the same order as each other (so the widening
+ * bfloat16 kernel is the float32 kernel on widened inputs, rounded: the tests check it bit for bit);
+ * the native bfloat16 row sums exact products of the stored values in float32. */
+#ifndef DECODE_AVX512
+#if DECODE_AVX2 && defined(__AVX512F__)
+#define DECODE_AVX512 1
+#else
+#define DECODE_AVX512 0
+#endif
+#endif
+
+#if DECODE_AVX512
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t *p) {     /* 16 bfloat16, widened: the top halves */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Lane l of the result: the sum of the 16 lanes of a[PERM16[l]]. Four rounds of adds, each folding
+ * pairs of vectors into one (halves, then quarters, pairs and single lanes of each). */
+static const int PERM16[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+}
+
+/* One query head q (64 values, as the row's DOTS reads them) against 16 keys kp[j] + off: a[j] += the
+ * products, 16 lanes each. f32: float32 keys; bf16w: bfloat16 keys widened; bf16n: vdpbf16ps on the
+ * stored bfloat16 query and keys (32 pairs an instruction). DOT1: one key, summed. */
+#define DOTS_FMA(NAME, T, LOAD16)                                                                      \
+    static inline __attribute__((always_inline)) void NAME##_dots16(__m512 a[16], const float *q,    \
+                                                                    const T *const kp[16], int64_t off) { \
+        for (int c = 0; c < 64; c += 16) {                                                            \
+            const __m512 qv = _mm512_loadu_ps(q + c);                                                 \
+            for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, LOAD16(kp[j] + off + c), a[j]);   \
+        }                                                                                             \
+    }                                                                                                 \
+    static inline float NAME##_dot1(const float *q, const T *k) {                                     \
+        __m512 a = _mm512_setzero_ps();                                                               \
+        for (int c = 0; c < 64; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), LOAD16(k + c), a); \
+        return _mm512_reduce_add_ps(a);                                                               \
+    }
+DOTS_FMA(f32, float, load16_f32)
+DOTS_FMA(bf16w, uint16_t, load16_bf16)
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void bf16n_dots16(__m512 a[16], const uint16_t *q,
+                                                              const uint16_t *const kp[16], int64_t off) {
+    for (int c = 0; c < 64; c += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + c);
+        for (int j = 0; j < 16; ++j)
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kp[j] + off + c));
+    }
+}
+static inline float bf16n_dot1(const uint16_t *q, const uint16_t *k) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < 64; c += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + c));
+    return _mm512_reduce_add_ps(a);
+}
+#endif
+
+/* Pass 2 for HN query heads hq0.. of kv head g over the values vp[0..n) of keys t..t+n: their sums in
+ * HN x 4 registers, each value widened once. */
+#define PASS2_HEADS(HN, T, LOAD16)                                                                    \
+    {                                                                                                 \
+        __m512 a[HN][4];                                                                              \
+        for (int h = 0; h < HN; ++h)                                                                  \
+            for (int c = 0; c < 4; ++c) a[h][c] = _mm512_loadu_ps(acc + (hq0 + h) * 64 + 16 * c);    \
+        for (int64_t j = 0; j < n; ++j) {                                                             \
+            const T *vj = vp[j] + g * 64;                                                             \
+            const __m512 v0 = LOAD16(vj), v1 = LOAD16(vj + 16), v2 = LOAD16(vj + 32), v3 = LOAD16(vj + 48); \
+            prefetch_units(st, q_heads, HN);                                                          \
+            for (int h = 0; h < HN; ++h) {                                                            \
+                const __m512 pj = _mm512_set1_ps(s[(hq0 + h) * cap + t + j]);                          \
+                a[h][0] = _mm512_fmadd_ps(pj, v0, a[h][0]);                                           \
+                a[h][1] = _mm512_fmadd_ps(pj, v1, a[h][1]);                                           \
+                a[h][2] = _mm512_fmadd_ps(pj, v2, a[h][2]);                                           \
+                a[h][3] = _mm512_fmadd_ps(pj, v3, a[h][3]);                                           \
+            }                                                                                         \
+        }                                                                                             \
+        for (int h = 0; h < HN; ++h)                                                                  \
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (hq0 + h) * 64 + 16 * c, a[h][c]);    \
+    }
+
+/* The row (arguments as ROW64's). QT/QSRC: the query as the dots read it (qf, widened; or qr, stored) */
+#define ROW512(NAME, T, LOAD, LOAD16, STORE, DOTS, QT, QSRC)                                           \
+    static void NAME##_row512(const T *qr, T *o, const T *k_cache, const T *v_cache,                  \
+                              const int32_t *table, int64_t L, const int32_t *next_table,             \
+                              int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads,          \
+                              float scale, float *buf, int64_t cap, int64_t *slot) {                  \
+        const int64_t group = q_heads / kv_heads, slot_len = kv_heads * 64;                           \
+        float *s = buf, *acc = s + q_heads * cap, *sums = acc + q_heads * 64, *qf = sums + q_heads;   \
+        for (int64_t t = 0, b = 0; t < L; ++b)                                                         \
+            for (int64_t i = 0; i < bs && t < L; ++i, ++t) slot[t] = (table[b] * bs + i) * slot_len;   \
+        const int64_t next_n = next_L < AHEAD ? next_L : AHEAD;                                        \
+        for (int64_t t = 0; t < next_n; ++t)                                                           \
+            slot[L + t] = (next_table[t / bs] * bs + t % bs) * slot_len;                               \
+        stream_t stream = {(const char *)k_cache, (const char *)v_cache, slot, slot + L, L, next_n,    \
+                           sizeof(T), slot_len * sizeof(T), (slot_len * sizeof(T) + 63) / 64,          \
+                           AHEAD, 0, 0, NULL}, *st = &stream;                                          \
+        for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);                                \
+        (void)qf;                                                                                      \
+        const QT *qs = QSRC;                                                                           \
+        const __m512 vscale = _mm512_set1_ps(scale);                                                   \
+        /* pass 1: s[hq][t] = scale * q[hq] . K[t][g], 16 keys at a time */                            \
+        int64_t t = 0;                                                                                 \
+        for (; t + 16 <= L; t += 16) {                                                                 \
+            const T *kp[16];                                                                           \
+            for (int j = 0; j < 16; ++j) kp[j] = k_cache + slot[t + PERM16[j]];                        \
+            for (int64_t g = 0, hq = 0; g < kv_heads; ++g)                                             \
+                for (int64_t h = 0; h < group; ++h, ++hq) {                                            \
+                    __m512 a[16];                                                                      \
+                    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();                           \
+                    prefetch_units(st, q_heads, 16);                                                   \
+                    DOTS##_dots16(a, qs + hq * 64, kp, g * 64);                                        \
+                    _mm512_storeu_ps(s + hq * cap + t, _mm512_mul_ps(sum16x16(a), vscale));            \
+                }                                                                                      \
+        }                                                                                              \
+        for (; t < L; ++t)                                  /* the last L % 16 keys, one at a time */   \
+            for (int64_t g = 0, hq = 0; g < kv_heads; ++g)                                             \
+                for (int64_t h = 0; h < group; ++h, ++hq) {                                            \
+                    prefetch(st, q_heads);                                                             \
+                    s[hq * cap + t] = DOTS##_dot1(qs + hq * 64, k_cache + slot[t] + g * 64) * scale;   \
+                }                                                                                      \
+        for (int64_t hq = 0; hq < q_heads; ++hq) sums[hq] = softmax_numerators_f32(s + hq * cap, L);   \
+        /* pass 2: acc[hq] = sum_t p[hq][t] * V[t][g], 16 values at a time */                          \
+        for (int64_t x = 0; x < q_heads * 64; ++x) acc[x] = 0;                                         \
+        for (t = 0; t < L; t += 16) {                                                                  \
+            const int64_t n = L - t < 16 ? L - t : 16;                                                 \
+            const T *vp[16];                                                                           \
+            for (int64_t j = 0; j < n; ++j) vp[j] = v_cache + slot[t + j];                             \
+            for (int64_t g = 0; g < kv_heads; ++g)                                                     \
+                for (int64_t hq0 = g * group; hq0 < (g + 1) * group; hq0 += 4) {                      \
+                    switch ((g + 1) * group - hq0 < 4 ? (g + 1) * group - hq0 : 4) {                   \
+                    case 1: PASS2_HEADS(1, T, LOAD16) break;                                           \
+                    case 2: PASS2_HEADS(2, T, LOAD16) break;                                           \
+                    case 3: PASS2_HEADS(3, T, LOAD16) break;                                           \
+                    default: PASS2_HEADS(4, T, LOAD16) break;                                          \
+                    }                                                                                  \
+                }                                                                                      \
+        }                                                                                              \
+        for (int64_t hq = 0; hq < q_heads; ++hq) {                                                     \
+            const float inv = 1.0f / sums[hq];                                                         \
+            for (int64_t d = 0; d < 64; ++d) o[hq * 64 + d] = STORE(acc[hq * 64 + d] * inv);           \
+        }                                                                                              \
+    }
+ROW512(f32, float, SAME, load16_f32, SAME, f32, float, qf)
+ROW512(bf16w, uint16_t, bf16_load, load16_bf16, bf16_store, bf16w, float, qf)
+#if defined(__AVX512BF16__)
+ROW512(bf16n, uint16_t, bf16_load, load16_bf16, bf16_store, bf16n, uint16_t, qr)
+#endif
+#endif
+
 /* Which instantiation has the AVX2 path (FAST) and its row function (ROW): none without AVX2. The
  * bfloat16 one takes it for head_dim 64 even on a CPU with the native dot products above: on a Zen 4
  * core (python bench/decode_kernel.py --dtype bfloat16 --compare ... -mno-avx512bf16) the AVX2 row,
@@ -356,7 +538,19 @@ ROW64(bf16, uint16_t, bf16_load, load8_bf16, bf16_store)
  * loops. */
 #define NO_ROW(...)
 int minicb_paged_decode_avx2(void) { return DECODE_AVX2; }
-#if DECODE_AVX2
+int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
+#if DECODE_AVX512
+#define F32_FAST 1
+#define F32_ROW f32_row512
+#define BF16_WIDEN_FAST 1
+#define BF16_WIDEN_ROW bf16w_row512
+#define BF16_FAST 1
+#if defined(__AVX512BF16__)
+#define BF16_ROW bf16n_row512
+#else
+#define BF16_ROW bf16w_row512
+#endif
+#elif DECODE_AVX2
 #define F32_FAST 1
 #define F32_ROW f32_row64
 #define BF16_WIDEN_FAST 1
