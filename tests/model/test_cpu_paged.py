@@ -17,8 +17,11 @@ from helpers import TINY, baseline_tokens, greedy, random_prompts, run_engine, t
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.model import ckernels
+from minicb.model.attention import ReferenceAttention
 from minicb.model.backends import cpu_paged, make_backend, resolve_backend
 from minicb.model.ckernels import cpu_flags
+from minicb.model.kv_cache import KVCache
+from minicb.runtime.packer import _to_tensors
 from preconditions import unavailable
 
 
@@ -278,7 +281,11 @@ def test_registry_reports_a_broken_compiler(monkeypatch, caplog):
 
 @pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
 @pytest.mark.parametrize("bs", [1, 4, 16])
-def test_engine_on_cpu_paged_matches_baseline(policy, bs):
+@pytest.mark.parametrize("prompts_on", ["sdpa", "kernel"])
+def test_engine_on_cpu_paged_matches_baseline(policy, bs, prompts_on, monkeypatch):
+    """Token for token against the padded baseline (float64), with prompt chunks on SDPA and on the
+    kernel (each prompt token a row: chunks that start at 0 and chunks after cached tokens alike)."""
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", prompts_on)
     model = tiny_model()
     prompts = random_prompts(24, 1, 60, TINY.vocab_size, seed=bs)
     params = [greedy(1 + (i * 7) % 20) for i in range(len(prompts))]
@@ -287,9 +294,49 @@ def test_engine_on_cpu_paged_matches_baseline(policy, bs):
                           preemption_mode="swap" if bs == 4 else "recompute", long_prefill_chunk=16)
     outs, eng = run_engine(model, cfg, prompts, params, attn_backend="cpu-paged")
     assert eng.runner.backend.name == "cpu-paged"
+    assert eng.runner.backend.prompts_on_kernel == (prompts_on == "kernel")
     if policy == "continuous":
         assert eng.scheduler.stats.num_preemptions > 0     # the pool is small enough to force it
     assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, TINY.eos_token_id)
+
+
+def test_prompts_on_kernel_is_chosen_by_dtype_head_dim_and_cpu(monkeypatch):
+    monkeypatch.delenv("MINICB_PROMPT_ATTENTION", raising=False)
+    native_row = cpu_paged.avx512_path() and cpu_paged.bf16_native()
+    assert cpu_paged.prompts_on_kernel(torch.bfloat16, 64) == native_row
+    assert not cpu_paged.prompts_on_kernel(torch.bfloat16, 128)        # no fast row for it: SDPA
+    assert not cpu_paged.prompts_on_kernel(torch.float32, 64)          # SDPA was faster in float32
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
+    assert cpu_paged.prompts_on_kernel(torch.float64, 12)
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "sdpa")
+    assert not cpu_paged.prompts_on_kernel(torch.bfloat16, 64)
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="'kernel' or 'sdpa'"):
+        cpu_paged.prompts_on_kernel(torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
+def test_a_mixed_step_on_the_kernel_equals_the_reference_backend(dtype, tol, monkeypatch):
+    """One step of decodes, a whole prompt and a chunk after cached tokens: every layer's output with
+    all of it on the kernel is the reference backend's (to rounding in bfloat16: another order)."""
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
+    hq, hkv, d, bs = 9, 3, 64, 4
+    cache = KVCache(1, 64, bs, hkv, d, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g, dtype=torch.float64).to(dtype))
+    # three sequences: 1 new token after 9 cached, a 7-token prompt, 5 tokens after 6 cached
+    starts, q_lens, tables = [9, 0, 6], [1, 7, 5], [[0, 1, 2], [5, 6], [8, 9, 10]]
+    pos = [s + i for s, q in zip(starts, q_lens) for i in range(q)]
+    slots = [t[p // bs] * bs + p % bs for s, q, t in zip(starts, q_lens, tables) for p in range(s, s + q)]
+    b = _to_tensors([1] * len(pos), pos, slots, q_lens, starts, tables, [], [], bs, "cpu")
+    n = len(pos)
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(n, hkv, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    kernel = cpu_paged.CpuPagedAttention(cache)
+    assert kernel.prompts_on_kernel
+    got = kernel.attend(0, q, k, v, kernel.prepare(b.attn))
+    want = ReferenceAttention(cache).attend(0, q, k, v, ReferenceAttention(cache).prepare(b.attn))
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
 
 
 def test_engine_backend_builds_at_start(monkeypatch):
@@ -303,8 +350,6 @@ def test_engine_backend_builds_at_start(monkeypatch):
 
 
 def _small_cache():
-    from minicb.model.kv_cache import KVCache
-
     return KVCache(2, 8, 4, 2, 8, dtype=torch.float64)
 
 

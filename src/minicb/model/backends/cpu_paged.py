@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from minicb.model import ckernels
-from minicb.model.attention import AttentionMetadata, ReferenceAttention
+from minicb.model.attention import AttentionMetadata, ReferenceAttention, _RefState, write_mask
 from minicb.model.ckernels import KernelUnavailable, cache_dir, compiler  # noqa: F401  (this module's API)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -85,8 +85,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 
 def bf16_native() -> bool:
-    """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions (for the
-    head sizes the AVX2 row does not take: all but 64 where the CPU has AVX2)."""
+    """Whether the compiled bfloat16 kernel uses the CPU's bfloat16 dot-product instructions: in the
+    portable loops (every head size but 64 where the CPU has AVX2), and in the AVX-512 row (64)."""
     return bool(load().minicb_paged_decode_bf16_native())
 
 
@@ -194,14 +194,53 @@ class _DecodeRows:
     kernel: object = None        # the C function, looked up at the first layer (kernel_name)
 
 
+def prompts_on_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt chunks go to the kernel too, each of their tokens a row whose context ends at
+    itself (``MINICB_PROMPT_ATTENTION=kernel`` or ``sdpa`` pins it): by default bfloat16 with head_dim
+    64 on the AVX-512 row's native dot products, where it beat SDPA on a Zen 4 core at every prompt
+    length measured (``bench/RESULTS.md``); SDPA elsewhere."""
+    pinned = os.environ.get("MINICB_PROMPT_ATTENTION", "")
+    if pinned in ("kernel", "sdpa"):
+        return pinned == "kernel"
+    if pinned:
+        raise ValueError(f"MINICB_PROMPT_ATTENTION must be 'kernel' or 'sdpa', not {pinned!r}")
+    return dtype == torch.bfloat16 and head_dim == 64 and avx512_path() and bf16_native()
+
+
 class CpuPagedAttention(ReferenceAttention):
-    """``ReferenceAttention`` whose decode rows are attended by ``paged_decode`` in place."""
+    """``ReferenceAttention`` whose decode rows are attended by ``paged_decode`` in place, and, where
+    ``prompts_on_kernel`` says so, the tokens of prompt chunks too: a prompt token at position p is a
+    decode row whose context is the sequence's first p + 1 keys (its own just written), so causality
+    needs no mask, and one kernel call per layer attends the whole step."""
 
     name = "cpu-paged"
 
     def __init__(self, kv_cache) -> None:
         super().__init__(kv_cache)
         load()           # build now, so that a broken compiler fails at engine start, not mid-run
+        self.prompts_on_kernel = prompts_on_kernel(kv_cache.data.dtype, kv_cache.data.shape[-1])
+
+    def prepare(self, meta: AttentionMetadata):
+        if not self.prompts_on_kernel:
+            return super().prepare(meta)
+        n_real = meta.num_seqs - meta.num_padding_rows
+        groups = [self._token_rows(meta, n_real)] if n_real else []
+        if meta.num_padding_rows:        # padding rows attend to themselves, as in the reference
+            groups.append(self._group(meta, list(range(n_real, meta.num_seqs)), False))
+        return _RefState(groups, meta.slot_mapping, write_mask(meta.slot_mapping))
+
+    def _token_rows(self, meta: AttentionMetadata, n_real: int) -> _DecodeRows:
+        """Every token of the first ``n_real`` sequences as a kernel row (they come first in the step)."""
+        dev = meta.slot_mapping.device
+        q_lens = torch.tensor(meta.q_lens[:n_real], dtype=torch.long, device=dev)
+        seq = torch.repeat_interleave(torch.arange(n_real, device=dev), q_lens)
+        n = seq.numel()
+        first = meta.cu_seqlens_q[:n_real].long().index_select(0, seq)          # each row's first token
+        ctx = meta.start_pos[:n_real].index_select(0, seq) + torch.arange(n, device=dev) - first + 1
+        longest = max(s + q for s, q in zip(meta.start_positions[:n_real], meta.q_lens[:n_real]))
+        tokens = None if n_real == meta.num_seqs else torch.arange(n, device=dev)
+        return _DecodeRows(tokens, meta.block_tables[:n_real].index_select(0, seq).contiguous(),
+                           ctx.to(torch.int32), longest)
 
     def _decode_groups(self, meta: AttentionMetadata, decodes: list[int]) -> list:
         dev = meta.slot_mapping.device

@@ -273,14 +273,18 @@ static inline void prefetch_units(stream_t *st, int64_t heads, int64_t units) {
  * once per 16 of them: the asking itself cost more than its arithmetic). */
 static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, heads, 1); }
 
-/* One row, all heads: q [q_heads][64] (T) and out the same; the row's block table and context L, the
- * next row's (next_table, next_L: NULL and 0 for the last row); buf [q_heads][cap + 2 * 64 + 1] floats
- * and slot [cap + AHEAD] of the caller's. */
-#define ROW64(NAME, T, LOAD, LOAD8, STORE)                                                              \
-    static __attribute__((unused)) void NAME##_row64(const T *qr, T *o, const T *k_cache, const T *v_cache, \
-                             const int32_t *table, int64_t L, const int32_t *next_table,              \
-                             int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads,           \
-                             float scale, float *buf, int64_t cap, int64_t *slot) {                   \
+/* What both rows below share: their signature (the row's query qr [q_heads][64] and output o; its
+ * block table and context L; the next row's (next_table, next_L: NULL and 0 for the last row); buf
+ * [q_heads][cap + 2 * 64 + 1] floats and slot [cap + AHEAD] of the caller's), their set-up (the
+ * scratch: scores s, sums acc, softmax sums, the query widened to float32 qf; the slots of the row's
+ * keys and of the next row's first AHEAD; the prefetch stream over them) and their end (each head's
+ * sums divided by its softmax sum, rounded to T). */
+#define ROW_SIGNATURE(FN, T)                                                                            \
+    static __attribute__((unused)) void FN(const T *qr, T *o, const T *k_cache, const T *v_cache,     \
+                                           const int32_t *table, int64_t L, const int32_t *next_table, \
+                                           int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads, \
+                                           float scale, float *buf, int64_t cap, int64_t *slot)
+#define ROW_SETUP(T, LOAD)                                                                              \
         const int64_t group = q_heads / kv_heads, slot_len = kv_heads * 64;                           \
         float *s = buf, *acc = s + q_heads * cap, *sums = acc + q_heads * 64, *qf = sums + q_heads;   \
         /* the slots of the row's keys, and of the next row's first AHEAD */                          \
@@ -292,7 +296,17 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
         stream_t stream = {(const char *)k_cache, (const char *)v_cache, slot, slot + L, L, next_n,    \
                            sizeof(T), slot_len * sizeof(T), (slot_len * sizeof(T) + 63) / 64,          \
                            AHEAD, 0, 0, NULL}, *st = &stream;                                          \
-        for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);                                \
+        for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);
+#define ROW_FINISH(STORE)                                                                               \
+        for (int64_t hq = 0; hq < q_heads; ++hq) {                                                     \
+            const float inv = 1.0f / sums[hq];                                                         \
+            for (int64_t d = 0; d < 64; ++d) o[hq * 64 + d] = STORE(acc[hq * 64 + d] * inv);           \
+        }
+
+/* One row, all heads, 8 lanes at a time (arguments: ROW_SIGNATURE). */
+#define ROW64(NAME, T, LOAD, LOAD8, STORE)                                                              \
+    ROW_SIGNATURE(NAME##_row64, T) {                                                                   \
+        ROW_SETUP(T, LOAD)                                                                             \
         /* pass 1: s[hq][t] = scale * q[hq] . K[t][g] (hq = g * group + h), 8 keys at a time */        \
         int64_t t = 0;                                                                                 \
         for (; t + 8 <= L; t += 8) {                                                                   \
@@ -342,10 +356,7 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
                     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + hq * 64 + 8 * c, a[c]);         \
                 }                                                                                      \
         }                                                                                              \
-        for (int64_t hq = 0; hq < q_heads; ++hq) {                                                     \
-            const float inv = 1.0f / sums[hq];                                                         \
-            for (int64_t d = 0; d < 64; ++d) o[hq * 64 + d] = STORE(acc[hq * 64 + d] * inv);           \
-        }                                                                                              \
+        ROW_FINISH(STORE)                                                                              \
     }
 ROW64(f32, float, SAME, load8_f32, SAME)
 ROW64(bf16, uint16_t, bf16_load, load8_bf16, bf16_store)
@@ -353,10 +364,13 @@ ROW64(bf16, uint16_t, bf16_load, load8_bf16, bf16_store)
 
 /* ---- The AVX-512 row: head_dim 64, the same passes with each key and value read once per kv head -----
  *
- * On a CPU with AVX-512 the AVX2 row above leaves most of its time in loads: every query head reads
- * (and, in bfloat16, widens) its kv head's keys and values again, 9 times a key for SmolLM2's 9 query
- * heads where 3 would do, and 8 lanes per instruction. This row keeps the AVX2 row's order and its
- * prefetch stream, and changes the inner loops:
+ * On a CPU with AVX-512 the AVX2 row above spends most of its time on two things: asking for the
+ * prefetch stream's lines one unit of work at a time (18 calls of prefetch() a key: on a Zen 4 core,
+ * with every key in L2, the row took 0.88 ms a W2-sized bfloat16 step with them and 0.34 without),
+ * and reading again (in bfloat16, widening again) its kv head's keys and values for every query head,
+ * 9 times a key for SmolLM2's 9 query heads where 3 would do, 8 lanes an instruction. This row keeps
+ * the AVX2 row's order and the same stream, asked for 16 units at a time in pass 1 and once per value
+ * and kv head in pass 2, and changes the inner loops:
  *   - pass 1 takes the keys 16 at a time; a query head's 16 dot products stay in 16 registers of 16
  *     lanes (4 multiply-adds each for head_dim 64, or 2 vdpbf16ps on the stored bfloat16 where the CPU
  *     has AVX-512 BF16), and sum16x16 folds them into one vector of 16 scores (15 adds, no horizontal
@@ -460,23 +474,11 @@ static inline float bf16n_dot1(const uint16_t *q, const uint16_t *k) {
             for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (hq0 + h) * 64 + 16 * c, a[h][c]);    \
     }
 
-/* The row (arguments as ROW64's). QT/QSRC: the query as the dots read it (qf, widened; or qr, stored) */
+/* One row, all heads, 16 lanes at a time (arguments: ROW_SIGNATURE). QT/QSRC: the query as DOTS reads it
+ * (qf, widened to float32; or qr, as stored) */
 #define ROW512(NAME, T, LOAD, LOAD16, STORE, DOTS, QT, QSRC)                                           \
-    static void NAME##_row512(const T *qr, T *o, const T *k_cache, const T *v_cache,                  \
-                              const int32_t *table, int64_t L, const int32_t *next_table,             \
-                              int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads,          \
-                              float scale, float *buf, int64_t cap, int64_t *slot) {                  \
-        const int64_t group = q_heads / kv_heads, slot_len = kv_heads * 64;                           \
-        float *s = buf, *acc = s + q_heads * cap, *sums = acc + q_heads * 64, *qf = sums + q_heads;   \
-        for (int64_t t = 0, b = 0; t < L; ++b)                                                         \
-            for (int64_t i = 0; i < bs && t < L; ++i, ++t) slot[t] = (table[b] * bs + i) * slot_len;   \
-        const int64_t next_n = next_L < AHEAD ? next_L : AHEAD;                                        \
-        for (int64_t t = 0; t < next_n; ++t)                                                           \
-            slot[L + t] = (next_table[t / bs] * bs + t % bs) * slot_len;                               \
-        stream_t stream = {(const char *)k_cache, (const char *)v_cache, slot, slot + L, L, next_n,    \
-                           sizeof(T), slot_len * sizeof(T), (slot_len * sizeof(T) + 63) / 64,          \
-                           AHEAD, 0, 0, NULL}, *st = &stream;                                          \
-        for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);                                \
+    ROW_SIGNATURE(NAME##_row512, T) {                                                                  \
+        ROW_SETUP(T, LOAD)                                                                             \
         (void)qf;                                                                                      \
         const QT *qs = QSRC;                                                                           \
         const __m512 vscale = _mm512_set1_ps(scale);                                                   \
@@ -517,10 +519,7 @@ static inline float bf16n_dot1(const uint16_t *q, const uint16_t *k) {
                     }                                                                                  \
                 }                                                                                      \
         }                                                                                              \
-        for (int64_t hq = 0; hq < q_heads; ++hq) {                                                     \
-            const float inv = 1.0f / sums[hq];                                                         \
-            for (int64_t d = 0; d < 64; ++d) o[hq * 64 + d] = STORE(acc[hq * 64 + d] * inv);           \
-        }                                                                                              \
+        ROW_FINISH(STORE)                                                                              \
     }
 ROW512(f32, float, SAME, load16_f32, SAME, f32, float, qf)
 ROW512(bf16w, uint16_t, bf16_load, load16_bf16, bf16_store, bf16w, float, qf)
@@ -529,13 +528,11 @@ ROW512(bf16n, uint16_t, bf16_load, load16_bf16, bf16_store, bf16n, uint16_t, qr)
 #endif
 #endif
 
-/* Which instantiation has the AVX2 path (FAST) and its row function (ROW): none without AVX2. The
- * bfloat16 one takes it for head_dim 64 even on a CPU with the native dot products above: on a Zen 4
- * core (python bench/decode_kernel.py --dtype bfloat16 --compare ... -mno-avx512bf16) the AVX2 row,
- * widening, ran a W2-sized step from memory in 1.53 ms where the native loops took 2.14 (its stream of
- * prefetches is what they lack); only with every key in L2 (--resident) were the native loops faster,
- * 0.56 against 0.68 ms, and a real step reads its keys from memory. Other head sizes keep the native
- * loops. */
+/* Which instantiation has the fast path for head_dim 64 (FAST) and its row function (ROW): the AVX-512
+ * row where the CPU has AVX-512 (bfloat16 on vdpbf16ps where it has AVX-512 BF16, widened where not),
+ * the AVX2 row where it has AVX2 only, none without AVX2. The row's stream of prefetches is what the
+ * portable loops lack: on a Zen 4 core the AVX2 row, widening, ran a W2-sized bfloat16 step from
+ * memory in 1.53 ms where the native portable loops took 2.14. Other head sizes keep those loops. */
 #define NO_ROW(...)
 int minicb_paged_decode_avx2(void) { return DECODE_AVX2; }
 int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
