@@ -23,6 +23,14 @@ The kernel's portable loops beside its AVX2 path, from the same file::
 
 ``--resident`` times the arithmetic alone: every row reads the same 8 blocks (128 keys, 192 KB of
 float32 keys and values, which stay in the core's L2), so nothing waits for memory.
+
+``--prompts`` times one prompt's attention (SmolLM2's heads, 16 to 1,024 tokens, nothing cached
+before it) two ways, alternately: what the reference backend runs for it (``grouped_sdpa``: PyTorch's
+SDPA with the causal mask folded once, on the prompt's own K/V) and the kernel with every prompt
+token a row whose context ends at itself (what ``cpu-paged`` does where ``prompts_on_kernel``);
+milliseconds per call, median, and the largest difference between the two::
+
+    python bench/decode_kernel.py --prompts --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -55,6 +63,45 @@ def library(source: pathlib.Path | None, flags: tuple[str, ...]) -> ctypes.CDLL:
     return lib
 
 
+def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """One prompt of ``length`` tokens with nothing cached before it, its K/V in random blocks of a
+    SmolLM2-sized pool: the two ways to attend it, as functions of nothing."""
+    from minicb.model.attention import fold_mask, grouped_sdpa
+
+    nb = -(-length // BLOCK)
+    kc, vc = (torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)[:nb].to(torch.int32)
+    slots = (blocks[:, None].long() * BLOCK + torch.arange(BLOCK)).flatten()[:length]
+    q = torch.randn(length, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k, v = kc[slots], vc[slots]                      # the prompt's own K/V, as SDPA reads them
+    tables = blocks[None].expand(length, nb).contiguous()
+    ctx = torch.arange(1, length + 1, dtype=torch.int32)
+    i = torch.arange(length)
+    mask = fold_mask((i[None, :] <= i[:, None])[None], Q_HEADS // KV_HEADS, dtype)
+    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0],
+            "kernel": lambda: cpu_paged.paged_decode(q, kc, vc, tables, ctx, BLOCK, length)}
+
+
+def prompts(dtype: torch.dtype, rounds: int) -> None:
+    print(f"machine: {machine_description()}; 1 thread; {dtype}; one prompt of L tokens, nothing cached "
+          f"before it, {Q_HEADS} query / {KV_HEADS} kv heads of {HEAD_DIM}; ms per call, median of {rounds}")
+    g = torch.Generator().manual_seed(0)
+    for length in (16, 64, 170, 256, 512, 1024):
+        ways = prompt_case(length, dtype, g)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        reps = max(1, 2000 // length)
+        for _ in range(rounds):
+            for name, fn in ways.items():
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                times[name].append((time.perf_counter() - t) / reps)
+        diff = (ways["sdpa"]().double() - ways["kernel"]().double()).abs().max().item()
+        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        print(f"  {length:5d} tokens: sdpa {med['sdpa']:8.3f}  kernel {med['kernel']:8.3f}  "
+              f"sdpa / kernel {med['sdpa'] / med['kernel']:5.2f}x  max |difference| {diff:.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
@@ -65,9 +112,14 @@ def main() -> None:
                     help="every row reads the same 8 blocks of one layer: the arithmetic without memory")
     ap.add_argument("--compare-flags", default=" ".join(cpu_paged.EXTRA_FLAGS),
                     help="extra compiler flags for --compare (default: minicb's kernel's)")
+    ap.add_argument("--prompts", action="store_true",
+                    help="one prompt: SDPA against the kernel, 16-1,024 tokens")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    if args.prompts:
+        prompts(dtype, args.rounds)
+        return
     kernels = {"minicb": library(None, ())}
     if args.compare:
         flags = tuple(shlex.split(args.compare_flags))

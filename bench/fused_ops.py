@@ -4,11 +4,11 @@
     python bench/fused_ops.py --ab --rounds 3     # W2 (SmolLM2, float32): fused against reference ops
     python bench/fused_ops.py --ab --dtype bfloat16 --num 16
 
-``--micro`` times RMSNorm, the rotary embedding of q and k and SiLU-and-mul, the reference ops of
-``llama.py`` against the fused ones, best of 5 loops, one thread, at 64 rows (a decode step of W2) and
-2,048 rows (a prefill step at ``LLM()``'s token budget), and adds up what the norms and rotary
-embeddings of a step of SmolLM2 save (30 layers: two norms and one rotary embedding each, and the
-final norm).
+``--micro`` times RMSNorm, the residual add with the RMSNorm after it, the rotary embedding of q and k
+and SiLU-and-mul, the reference ops of ``llama.py`` against the fused ones, best of 5 loops, one
+thread, at 64 rows (a decode step of W2) and 2,048 rows (a prefill step at ``LLM()``'s token budget),
+in float32 (``--dtype bfloat16``: bfloat16), and adds up what they save on a step of SmolLM2 (30
+layers: each op once, and the final norm).
 
 ``--ab`` loads the model twice, one copy switched to the fused ops, and alternates the two on W2 in one
 process (one engine each, ``LLM()``'s defaults), emptying each engine's prefix cache before every run
@@ -50,34 +50,35 @@ def best_us(fn, n: int = 300) -> float:
     return best * 1e6
 
 
-def op_times(rows: int) -> dict[str, tuple[float, float]]:
+def op_times(rows: int, dtype: torch.dtype = torch.float32) -> dict[str, tuple[float, float]]:
     """{op: (reference us, fused us)} at ``rows`` tokens of SmolLM2's shapes."""
-    x, w, norm = torch.randn(rows, 576), torch.ones(576), RMSNorm(576, 1e-5)
-    q, k = torch.randn(rows, 9, 64), torch.randn(rows, 3, 64)
-    cos, sin = rope_cos_sin(torch.arange(rows), 64, 1e5, torch.float32)
-    g, u = torch.randn(rows, 1536), torch.randn(rows, 1536)
-    clone = best_us(lambda: g.clone())                           # the in-place version needs a fresh g
+    x, d, w = (torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype), torch.ones(576).to(dtype))
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    q, k = torch.randn(rows, 9, 64).to(dtype), torch.randn(rows, 3, 64).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(rows), 64, 1e5, dtype)
+    gate_up = torch.randn(rows, 2 * 1536).to(dtype)
+    g, u = gate_up.split(1536, dim=-1)
     return {
         "rmsnorm": (best_us(lambda: norm(x)), best_us(lambda: cpu_fused.rms_norm(x, w, 1e-5))),
+        "add + norm": (best_us(lambda: norm(x + d)), best_us(lambda: cpu_fused.add_rms_norm_(x, d, w, 1e-5))),
         "rope q, k": (best_us(lambda: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))),
                       best_us(lambda: cpu_fused.rope_(q, k, cos, sin))),
-        "silu * up": (best_us(lambda: F.silu(g) * u),
-                      best_us(lambda: F.silu(g.clone(), inplace=True).mul_(u)) - clone),
+        "silu * up": (best_us(lambda: F.silu(g) * u), best_us(lambda: cpu_fused.silu_mul(gate_up, 1536))),
     }
 
 
-def micro() -> None:
-    print(f"machine: {machine_description()}; one thread; microseconds per call, best of 5 loops")
+def micro(dtype: torch.dtype = torch.float32) -> None:
+    print(f"machine: {machine_description()}; one thread; {dtype}; microseconds per call, best of 5 loops")
     print(f"{'rows':>5}  {'op':<12}{'reference':>10}{'fused':>9}")
     for rows in (64, 2048):
-        pairs = op_times(rows)
+        pairs = op_times(rows, dtype)
         for name, (ref, fused) in pairs.items():
             print(f"{rows:>5}  {name:<12}{ref:>10.1f}{fused:>9.1f}")
-        (norm_ref, norm_fused), (rope_ref, rope_fused) = pairs["rmsnorm"], pairs["rope q, k"]
-        saved = 61 * (norm_ref - norm_fused) + 30 * (rope_ref - rope_fused)
-        print(f"{rows:>5}  norms and rotary embedding save {saved / 1e3:.2f} ms per step (30 layers)")
-    print("silu * up: the fused version only saves two result allocations, and what those cost depends on\n"
-          "the allocator's state (at 2,048 rows each is 12 MiB: fresh pages or reused ones); not counted")
+        # a layer runs each op once (its first norm alone, its second after the residual add); then
+        # the final norm
+        norm_ref, norm_fused = pairs["rmsnorm"]
+        saved = sum(30 * (ref - fused) for ref, fused in pairs.values()) + norm_ref - norm_fused
+        print(f"{rows:>5}  a step of SmolLM2 (30 layers and the final norm) saves {saved / 1e3:.2f} ms")
 
 
 def ab(args) -> None:
@@ -125,7 +126,7 @@ def main() -> None:
     if cpu_fused.unavailable_reason():
         raise SystemExit(f"the fused ops do not build here: {cpu_fused.unavailable_reason()}")
     if args.micro or not args.ab:
-        micro()
+        micro(getattr(torch, args.dtype))
     if args.ab:
         ab(args)
 
