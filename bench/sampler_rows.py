@@ -10,6 +10,12 @@ Three cases for a batch of ``rows`` rows (float32 logits, times are medians of i
   history, so its row goes through its processors one by one::
 
     python bench/sampler_rows.py [--rows 1 8 64] [--repeats 50]
+
+``--bfloat16`` times the greedy choice on bfloat16 logits instead (what a bfloat16 model's LM head
+gives): ``torch.argmax`` on them, ``argmax`` after widening them to float32, ``max(dim=-1).indices`` on
+them (the same tokens: the first maximum, the first NaN) and ``Sampler.sample`` on all-greedy rows::
+
+    python bench/sampler_rows.py --bfloat16 --rows 1 16 64
 """
 
 from __future__ import annotations
@@ -60,16 +66,41 @@ def measure(rows: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
+def measure_bfloat16(rows: int, repeats: int) -> dict[str, float]:
+    """Median microseconds of each greedy choice on ``rows`` rows of bfloat16 logits."""
+    logits = torch.randn(rows, VOCAB).to(torch.bfloat16)
+    s, plain = Sampler(seed=0), [SamplingParams(max_tokens=100)] * rows
+    ids = tuple(f"p{i}" for i in range(rows))
+    cases = {"argmax": lambda: torch.argmax(logits, dim=-1).tolist(),
+             "widen+argmax": lambda: torch.argmax(logits.float(), dim=-1).tolist(),
+             "max indices": lambda: torch.max(logits, dim=-1).indices.tolist(),
+             "sample": lambda: s.sample(logits, ids, plain)}
+    assert cases["argmax"]() == cases["max indices"]() == cases["sample"]()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(5):                       # interleaved, so a busy machine slows all alike
+        for k, fn in cases.items():
+            times[k] += timed(fn, max(1, repeats // 5))
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a busy machine a [V]-sized op is slower when split)")
+    ap.add_argument("--bfloat16", action="store_true", help="the greedy choice on bfloat16 logits")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; V = {VOCAB}")
+    if args.bfloat16:
+        print(f"{'rows':>5}" + "".join(f"{k + ' us':>16}" for k in ("argmax", "widen+argmax", "max indices",
+                                                                      "sample")))
+        for rows in args.rows:
+            med = measure_bfloat16(rows, args.repeats)
+            print(f"{rows:>5}" + "".join(f"{v:>16.1f}" for v in med.values()))
+        return
     print(f"{'rows':>5} {'argmax us':>10} {'fast path us':>13} {'ratio':>6} {'knobs us':>9} "
           f"{'per row us':>11}")
     for rows in args.rows:

@@ -153,9 +153,9 @@ class Sampler:
         procs = self._processors
         greedy = None
         if all(p.greedy for p in params):
-            # torch's bfloat16 argmax is slow on the CPU (11.7 ms for 64 x 49,152 on a Zen 4 core, 13.9
-            # with a widening copy first); max's indices are the same tokens (the first maximum, the
-            # first NaN: both documented) in 2.8 ms, read from the bfloat16 logits as they are
+            # torch's bfloat16 argmax is slow on the CPU, and so is widening the logits first; max's
+            # indices are the same tokens (the first maximum, the first NaN: both documented), read
+            # from the bfloat16 logits as they are (python bench/sampler_rows.py --bfloat16)
             greedy = (torch.max(logits, dim=-1).indices if logits.dtype == torch.bfloat16
                       else torch.argmax(logits, dim=-1)).tolist()
             if lps is None and not (procs and any(r in procs for r in request_ids)):
