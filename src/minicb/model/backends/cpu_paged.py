@@ -19,9 +19,10 @@ time, no new dependency. ``CpuPagedAttention``
 is ``ReferenceAttention`` with one change: the decode rows of a step go to the kernel in one call per
 layer, unpadded and unbucketed; prompt chunks and padding rows still go through SDPA exactly as in
 the reference backend, except where ``prompts_on_kernel`` sends prompt chunks to the kernel too
-(bfloat16 on the AVX-512 row: each prompt token a row whose context ends at itself). ``auto`` picks this backend on the CPU; where no C compiler works, ``auto``
-falls back to ``reference`` with one logged line, and asking for ``cpu-paged`` by name fails with the
-compiler's reason (``backends/__init__.py``).
+(bfloat16 on the AVX-512 row: each prompt token a row whose context ends at itself). ``auto`` picks
+this backend on the CPU; where no C compiler works, ``auto`` falls back to ``reference`` with one
+logged line, and asking for ``cpu-paged`` by name fails with the compiler's reason
+(``backends/__init__.py``).
 
 Dtypes: float32 and float64 are computed in their own precision; bfloat16 K/V and queries are widened
 to float32 as they are read, and the output rounded back once (``paged_decode.c``), so a bfloat16
