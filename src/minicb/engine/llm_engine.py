@@ -114,6 +114,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
         self._lock = threading.Lock()             # one step (or request change) at a time
         self._step_thread: int | None = None      # the thread running a step now
+        self._aborts_waiting = 0                  # other threads' aborts waiting for the running step
+        self._turn = threading.Condition()        # ... which go before the next step (step() waits)
         self._deferred_aborts: deque[tuple[str, int | None]] = deque()   # (request id, child index)
         self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
         self.dead: str | None = None              # why the engine died (EngineDeadError), or None
@@ -238,7 +240,8 @@ class LLMEngine:
 
         Called from a step listener (in the middle of a step) the abort is applied when the step ends
         and its final output comes out of the next ``step()``; from another thread it waits for the
-        running step to end."""
+        running step to end, and goes before the next one (a loop calling ``step()`` cannot starve it:
+        Python's lock is not fair, so ``step()`` waits for the aborts already waiting)."""
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
         if index is not None:
@@ -247,14 +250,21 @@ class LLMEngine:
             self._deferred_aborts.append((request_id, index))
             return None
         out = None
-        with self._lock:
-            try:
-                with self._bookkeeping():
-                    out = self._abort(request_id, deliver=False, index=index)
-            except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
-                if out is not None:       # its output comes out of the next step()
-                    self._ready.append(out)
-                raise
+        with self._turn:
+            self._aborts_waiting += 1
+        try:
+            with self._lock:
+                try:
+                    with self._bookkeeping():
+                        out = self._abort(request_id, deliver=False, index=index)
+                except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
+                    if out is not None:       # its output comes out of the next step()
+                        self._ready.append(out)
+                    raise
+        finally:
+            with self._turn:
+                self._aborts_waiting -= 1
+                self._turn.notify_all()
         return out
 
     def _abort(self, request_id: str, deliver: bool, index: int | None = None) -> RequestOutput | None:
@@ -295,6 +305,8 @@ class LLMEngine:
         A dead engine (``self.dead``) first hands out the final outputs of the requests it ended, then
         raises ``EngineDeadError``."""
         self._not_inside_a_step("step() / run() / generate()")
+        with self._turn:                            # aborts from other threads go first
+            self._turn.wait_for(lambda: self._aborts_waiting == 0)
         with self._lock:
             if self._closed and self._ready:        # the final outputs of requests ended by shutdown()
                 outs, self._ready = self._ready, []
