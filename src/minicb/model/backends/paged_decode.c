@@ -277,7 +277,8 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
  * block table and context L; the next row's (next_table, next_L: NULL and 0 for the last row); buf
  * [q_heads][cap + 2 * 64 + 1] floats and slot [cap + AHEAD] of the caller's), their set-up (the
  * scratch: scores s, sums acc, softmax sums, the query widened to float32 qf; the slots of the row's
- * keys and of the next row's first AHEAD; the prefetch stream over them) and their end (each head's
+ * keys and of the next row's first AHEAD; the prefetch stream over them), the softmax between their
+ * passes (numerators in place, their sums; the sums of pass 2 zeroed) and their end (each head's
  * sums divided by its softmax sum, rounded to T). */
 #define ROW_SIGNATURE(FN, T)                                                                            \
     static __attribute__((unused)) void FN(const T *qr, T *o, const T *k_cache, const T *v_cache,     \
@@ -297,6 +298,13 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
                            sizeof(T), slot_len * sizeof(T), (slot_len * sizeof(T) + 63) / 64,          \
                            AHEAD, 0, 0, NULL}, *st = &stream;                                          \
         for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);
+#define ROW_SOFTMAX()                                                                                    \
+        for (int64_t hq = 0; hq < q_heads; ++hq) sums[hq] = softmax_numerators_f32(s + hq * cap, L);   \
+        for (int64_t x = 0; x < q_heads * 64; ++x) acc[x] = 0;
+#define VALUE_BLOCK(T)                                                                                  \
+            const int64_t n = L - t < 16 ? L - t : 16;     /* the values of keys t..t+n in pass 2 */  \
+            const T *vp[16];                                                                           \
+            for (int64_t j = 0; j < n; ++j) vp[j] = v_cache + slot[t + j];
 #define ROW_FINISH(STORE)                                                                               \
         for (int64_t hq = 0; hq < q_heads; ++hq) {                                                     \
             const float inv = 1.0f / sums[hq];                                                         \
@@ -335,13 +343,10 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
                                             LOAD8(k_cache + slot[t] + g * 64 + c), a);                 \
                     s[hq * cap + t] = sum8(a) * scale;                                                 \
                 }                                                                                      \
-        for (int64_t hq = 0; hq < q_heads; ++hq) sums[hq] = softmax_numerators_f32(s + hq * cap, L);   \
+        ROW_SOFTMAX()                                                                                  \
         /* pass 2: acc[hq] = sum_t p[hq][t] * V[t][g], 16 values at a time */                          \
-        for (int64_t x = 0; x < q_heads * 64; ++x) acc[x] = 0;                                         \
         for (t = 0; t < L; t += 16) {                                                                  \
-            const int64_t n = L - t < 16 ? L - t : 16;                                                 \
-            const T *vp[16];                                                                           \
-            for (int64_t j = 0; j < n; ++j) vp[j] = v_cache + slot[t + j];                             \
+            VALUE_BLOCK(T)                                                                             \
             for (int64_t g = 0, hq = 0; g < kv_heads; ++g)                                             \
                 for (int64_t h = 0; h < group; ++h, ++hq) {                                            \
                     const float *p = s + hq * cap + t;                                                 \
@@ -502,13 +507,10 @@ static inline float bf16n_dot1(const uint16_t *q, const uint16_t *k) {
                     prefetch(st, q_heads);                                                             \
                     s[hq * cap + t] = DOTS##_dot1(qs + hq * 64, k_cache + slot[t] + g * 64) * scale;   \
                 }                                                                                      \
-        for (int64_t hq = 0; hq < q_heads; ++hq) sums[hq] = softmax_numerators_f32(s + hq * cap, L);   \
+        ROW_SOFTMAX()                                                                                  \
         /* pass 2: acc[hq] = sum_t p[hq][t] * V[t][g], 16 values at a time */                          \
-        for (int64_t x = 0; x < q_heads * 64; ++x) acc[x] = 0;                                         \
         for (t = 0; t < L; t += 16) {                                                                  \
-            const int64_t n = L - t < 16 ? L - t : 16;                                                 \
-            const T *vp[16];                                                                           \
-            for (int64_t j = 0; j < n; ++j) vp[j] = v_cache + slot[t + j];                             \
+            VALUE_BLOCK(T)                                                                             \
             for (int64_t g = 0; g < kv_heads; ++g)                                                     \
                 for (int64_t hq0 = g * group; hq0 < (g + 1) * group; hq0 += 4) {                      \
                     switch ((g + 1) * group - hq0 < 4 ? (g + 1) * group - hq0 : 4) {                   \
