@@ -227,3 +227,21 @@ def test_a_released_request_no_longer_draws_from_its_generator():
     after = [s.sample(LOGITS_FLAT, ("r",), [p])[0] for _ in range(8)]
     torch.manual_seed(123)
     assert after == [sample_token(LOGITS_FLAT[0], p, None) for _ in range(8)]
+
+
+def test_greedy_on_bfloat16_logits_is_the_first_maximum_of_each_row():
+    """A bfloat16 model's logits are sampled as they are (``max``'s indices, not a widened copy): the
+    token is the first maximum of the row, ties and NaN (the first NaN) included, as ``argmax`` on the
+    values widened to float64 says."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g).to(torch.bfloat16)
+    logits[1, 10] = logits[1, 700] = 30.0                  # a tie: the first one wins
+    logits[2, :] = 0.0                                      # all equal: token 0
+    logits[3, 5] = float("nan")
+    logits[3, 9] = float("nan")                              # NaN counts as the largest, the first one
+    logits[4, 999] = float("inf")
+    logits[5, 0] = 100.0                                    # the last row: its first token
+    params = [SamplingParams(max_tokens=4)] * 6
+    got = Sampler(seed=0).sample(logits, tuple(f"r{i}" for i in range(6)), params)
+    assert got == torch.argmax(logits.double(), dim=-1).tolist()
+    assert got[1:5] == [10, 0, 5, 999] and got[5] == 0
