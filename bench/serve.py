@@ -109,12 +109,15 @@ def summarize(recs: list[Record]) -> dict:
     ttft = [r.chunk_times[0] - r.sent for r in ok]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     e2e = [r.chunk_times[-1] - r.sent for r in ok]
+    # time per output token after the first, per request (vLLM's TPOT): its tokens may come fewer to a chunk
+    tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.tokens - 1) for r in ok if r.tokens > 1]
     span = max(r.chunk_times[-1] for r in ok) - min(r.sent for r in ok) if ok else float("nan")
     tokens = sum(r.tokens for r in ok)
     return {"requests": len(recs), "failed": len(recs) - len(ok), "tokens": tokens, "seconds": span,
             "throughput": tokens / span if ok else 0.0,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "tpot_p50_ms": 1e3 * pct(tpot, 50),
             "e2e_p50_s": pct(e2e, 50), "errors": sorted({r.error for r in recs if r.error})[:3]}
 
 

@@ -29,7 +29,8 @@ The load: W2's 64 requests (``bench/workloads.py``: ShareGPT lengths, at most 25
 output tokens, EOS ignored), sent as streaming ``/v1/completions`` at Poisson arrival times of each
 rate, ``sat`` meaning all at once (saturation). Each rate changes the first token of every prompt, so
 no prompt repeats across rates (no prefix-cache help). Per server and rate: output tokens/s (first
-request sent to last token received), TTFT and ITL median and P99 (``bench/serve.py``'s client and
+request sent to last token received), TTFT and ITL median and P99, the median request's time per output
+token after its first (TPOT, as vLLM counts it) (``bench/serve.py``'s client and
 summary). The header names the CPU (model, avx512_bf16, amx flags) before any figure.
 """
 
@@ -146,11 +147,12 @@ def cpu_header() -> str:
 
 
 def table(rows: list[dict], names: list[str]) -> str:
-    """One line per rate, the servers side by side: tok/s, TTFT p50/p99 and ITL p50/p99 (ms)."""
-    cols = ("throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-    head = f"{'rate':>5} | " + " | ".join(f"{n:^37}" for n in names)
-    sub = f"{'':>5} | " + " | ".join(f"{'tok/s':>7}{'TTFT50':>7}{'TTFT99':>7}{'ITL50':>7}{'ITL99':>7}"
-                                     for _ in names)
+    """One line per rate, the servers side by side: tok/s, TTFT p50/p99, ITL p50/p99 and the median
+    request's time per output token (TPOT50; ms)."""
+    cols = ("throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms")
+    head = f"{'rate':>5} | " + " | ".join(f"{n:^42}" for n in names)
+    titles = "".join(f"{c:>7}" for c in ("tok/s", "TTFT50", "TTFT99", "ITL50", "ITL99", "TPOT50"))
+    sub = f"{'':>5} | " + " | ".join(titles for _ in names)
     lines = [head, sub]
     for rate in dict.fromkeys(r["rate"] for r in rows):
         cells = []
@@ -210,6 +212,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"  {s.name:<10} rate {rate:>4}: {row['throughput']:6.1f} tok/s, TTFT p50 "
                       f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, "
+                      f"TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()
         print(table(rows, [s.name for s in servers]))
