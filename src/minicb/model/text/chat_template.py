@@ -25,7 +25,7 @@ So a render is bounded three ways:
   arguments *before* it runs, because a check afterwards would come after the gigabytes were
   allocated; every call, filter result, attribute read and output piece is checked after, and
   integer arguments of calls and filters are capped at ``MAX_INT_ARGUMENT``;
-* **memory**: what the render adds to the process's peak resident memory is checked on every
+* **memory**: what the render adds to the process's resident memory is checked on every 8th
   template line against ``MAX_RENDER_MEMORY`` (``a ~ a`` concatenation is compiled to a call the
   sandbox cannot intercept; this catches it and anything else the size checks miss).
 
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 import time
@@ -53,14 +54,14 @@ from functools import lru_cache
 
 from minicb.core.errors import InvalidArgument, MinicbError, ModelLoadError, describe
 
-try:                         # peak-memory guard: POSIX only (elsewhere the size checks still hold)
+try:                         # the memory guard's fallback where /proc is missing (POSIX only)
     import resource
 except ImportError:          # pragma: no cover - Windows
     resource = None
 
 MAX_RENDER_SECONDS = 2.0             # a real template renders in well under a millisecond
 MAX_RENDER_CHARS = 2**21             # = tokenizer.MAX_TEXT_CHARS: longer text cannot be encoded anyway
-MAX_RENDER_MEMORY = 256 * 2**20      # bytes a render may add to the process's peak memory
+MAX_RENDER_MEMORY = 256 * 2**20      # bytes a render may add to the process's resident memory
 MAX_INT_ARGUMENT = 100_000           # Jinja2's own cap on range(); widths and indents of that size
 _TEMPLATE_FILE = "<template>"        # the file name Jinja2 gives code compiled from a string
 
@@ -125,7 +126,7 @@ class _Guard:
 
     def __init__(self) -> None:
         self.deadline = time.monotonic() + MAX_RENDER_SECONDS
-        self.peak0 = _peak_bytes()
+        self.rss0 = _resident_bytes()
         self.lines = 0
 
     def on_call(self, frame, event, arg):
@@ -146,16 +147,28 @@ class _Guard:
         if time.monotonic() > self.deadline:
             raise ModelLoadError(f"the model's chat template ran for more than {MAX_RENDER_SECONDS:g} s "
                                  "(an endless or enormous loop?)")
-        if self.peak0 is not None and _peak_bytes() - self.peak0 > MAX_RENDER_MEMORY:
+        if self.rss0 is not None and _resident_bytes() - self.rss0 > MAX_RENDER_MEMORY:
             raise ModelLoadError(f"the model's chat template used more than {MAX_RENDER_MEMORY // 2**20} MiB "
                                  "of memory")
 
 
-def _peak_bytes() -> int | None:
+def _resident_bytes() -> int | None:
+    """The process's resident memory now (Linux: ``/proc/self/statm``). Where that file is missing, its
+    peak instead (``ru_maxrss``), which is blind to a render's growth until it passes the highest
+    resident memory the process ever had: a process that once held gigabytes and freed them would let a
+    render take as much again unseen."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        pass
     if resource is None:
         return None
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss      # kilobytes on Linux (bytes on macOS)
     return kb if sys.platform == "darwin" else kb * 1024
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _sized(value, what: str):
