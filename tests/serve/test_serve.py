@@ -168,27 +168,58 @@ def test_stop_token_ids_and_ignore_eos_reach_the_engine(url, reference):
 
 
 # --- the engine's side: disconnects, metrics ------------------------------------------------------
-def test_a_client_that_disconnects_mid_stream_gives_back_every_block(url):
-    before = metrics(url)
-    c = client(url)
-    stream = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=180, temperature=0, stream=True,
-                                  extra_body={"ignore_eos": True})
-    for _, chunk in zip(range(3), stream):
-        assert chunk.choices[0].finish_reason is None
-    busy = health(url)
-    assert busy["num_requests_running"] == 1 and busy["num_free_blocks"] < busy["num_blocks"]
-    stream.close()
-    idle = wait_for(lambda: (h := health(url))["num_free_blocks"] == h["num_blocks"] and h,
-                    what="every block back")
-    assert idle["num_requests_running"] == idle["num_requests_waiting"] == 0
-    assert idle["num_free_slots"] == idle["num_slots"] == SMALL["max_num_seqs"]
-    # the gauges are set on the engine thread right after it handled the abort: wait for that moment
-    after = wait_for(lambda: (m := metrics(url))[("vllm:num_requests_running", ())] == 0
-                     and m[("vllm:kv_cache_usage_perc", ())] == 0 and m, what="gauges back to idle")
+def test_a_client_that_disconnects_mid_stream_gives_back_every_block(gguf):
+    """A stream of up to 180 tokens is closed after 3 chunks: the request is aborted, every block and
+    slot comes back, and the metrics count one abort and 3 or 4 tokens. The count does not depend on
+    how fast the machine is: the engine's 4th step, if the abort has not already been taken before it,
+    waits (a server of its own, with a gate on ``engine.step``) until the server has posted the abort,
+    which the engine thread takes before its 5th step. (Without the gate the tiny model could finish
+    all 180 tokens on a busy machine before the disconnect was noticed.) The 3rd step reads the
+    scheduler's counts itself: ``/health`` asks the engine thread, which may be held at the gate."""
+    aborted, steps, busy = threading.Event(), [], []
+
+    def gate(engine):
+        inner = engine.step
+
+        def step():
+            steps.append(1)
+            if len(steps) == 3:           # the step of the 3rd token: the client has not closed yet
+                snap = engine.snapshot()
+                busy.append((len(snap.running), snap.num_free_blocks, snap.num_blocks))
+            if len(steps) == 4:           # (if the abort is not already taken before it)
+                aborted.wait(60)          # a hang guard: the abort is posted milliseconds after the close
+            return inner()
+
+        engine.step = step
+
+    with running_server(gguf, engine_hook=gate, **SMALL) as (server, url):
+        post_abort = server.engine_thread.abort
+
+        def abort(*args, **kwargs):
+            post_abort(*args, **kwargs)
+            aborted.set()
+
+        server.engine_thread.abort = abort
+        before = metrics(url)
+        stream = client(url).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=180, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        for _, chunk in zip(range(3), stream):
+            assert chunk.choices[0].finish_reason is None
+        stream.close()
+        idle = wait_for(lambda: (h := health(url))["num_free_blocks"] == h["num_blocks"] and h,
+                        what="every block back")
+        assert aborted.is_set() and len(busy) == 1
+        running, free, blocks = busy[0]
+        assert running == 1 and free < blocks           # at the 3rd step: the request held blocks
+        assert idle["num_requests_running"] == idle["num_requests_waiting"] == 0
+        assert idle["num_free_slots"] == idle["num_slots"] == SMALL["max_num_seqs"]
+        # the gauges are set on the engine thread right after it handled the abort: wait for that moment
+        after = wait_for(lambda: (m := metrics(url))[("vllm:num_requests_running", ())] == 0
+                         and m[("vllm:kv_cache_usage_perc", ())] == 0 and m, what="gauges back to idle")
     key = ("vllm:request_success_total", (("finished_reason", "abort"),))
     assert after[key] - before.get(key, 0.0) == 1
     generated = after[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())]
-    assert 3 <= generated < 180                     # it stopped early: the abort reached the engine
+    assert generated in (3, 4)                      # 3 read, perhaps the gated 4th, then the abort
 
 
 def test_metrics_use_vllms_names_and_agree_with_the_requests_served(url):

@@ -11,7 +11,9 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
    LM head alone packed;
 3. on the oneDNN paths, the products of steps of up to so many rows (decode steps, and on most
    CPUs prompt chunks too) on the skinny kernel, where ``skinny_gemm.choose_rows`` says the CPU runs it well
-   (``MINICB_SKINNY_ROWS`` pins it).
+   (``MINICB_SKINNY_ROWS`` pins it);
+4. with all of those, the decoder layers of a step whose rows are all decode-kernel rows in one C
+   call (``layer_stack``; ``MINICB_LAYER_STACK=0`` keeps the layers' own calls).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
@@ -27,7 +29,8 @@ import sys
 
 import torch
 
-from minicb.model import cpu_fused, cpu_linear, skinny_gemm
+from minicb.model import cpu_fused, cpu_linear, layer_stack, skinny_gemm
+from minicb.model.ckernels import KernelUnavailable
 
 LOAD_LOGGER = "minicb.load"
 _log = logging.getLogger("minicb")
@@ -54,6 +57,15 @@ def cpu_fast_paths(model, device) -> list[str]:
             _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
     rows, rows_why = skinny_gemm.choose_rows(model.dtype) if path.startswith("onednn") else (0, "")
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
+    if "fused-ops" in applied and rows and layer_stack.enabled():
+        try:
+            why_not = layer_stack.install(model)
+        except KernelUnavailable as e:
+            why_not = str(e)
+        if why_not is None:
+            applied.append("layer-stack")
+        else:
+            _log.info("minicb: decoder layers called one by one: %s", why_not)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
         rows = cpu_linear.skinny_rows_of(model)
         skinny = (f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else

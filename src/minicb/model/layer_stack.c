@@ -1,0 +1,108 @@
+/* Every decoder layer of a step in one C call: the same kernels the layers call one by one from
+ * Python, called from here instead.
+ *
+ * Why: on the CPU fast paths a decoder layer is about a dozen calls from Python (the fused norms,
+ * the rotary embedding, the skinny products, the cache write, the decode kernel, the SiLU), each with
+ * its argument checks, its ctypes conversion and a torch tensor or two for its result: about 5 ms of a
+ * SmolLM2 decode step whatever its size (bench/decode_floor.py's "fwd oth"), a quarter of a
+ * one-sequence step. vLLM's CPU build compiles its model's graph for the same reason. Here the graph
+ * is short enough to write down: per layer
+ *
+ *     h   = RMSNorm(x)                       (the previous layer's add_rmsnorm did it; layer 0: rmsnorm)
+ *     qkv = h @ Wqkv                         skinny product, [rows, (q_heads + 2 kv_heads) * 64]
+ *     q, k rotated in place in qkv           rope, on row-strided views
+ *     k, v copied to their cache slots       (slot -1: a padding row, not stored)
+ *     q copied to a contiguous buffer        the decode kernel reads it whole
+ *     attn = decode(q, cache)                every row one kernel row (a decode, or a prompt token)
+ *     x += attn @ Wo; h = RMSNorm(x)         skinny product, then add_rmsnorm in place
+ *     act = silu(g) * u of h @ Wgu           skinny product, then silu_mul
+ *     x += act @ Wdown; h = RMSNorm'(x)      the next layer's input norm, or the model's final norm
+ *
+ * The kernels come as function pointers (each library keeps its own build flags: fused_ops.c rounds as
+ * torch does, paged_decode.c and skinny_gemm.c use fused multiply-adds), so the results are those of
+ * the Python path bit for bit: the same functions on the same buffers in the same order.
+ * layer_stack.py decides when a step qualifies and passes the pointers.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*skinny_fn)(const void *x, int64_t xstride, const void *panels, void *y, int64_t ystride,
+                          int64_t rows, int64_t in, int64_t out, int nthreads);
+typedef void (*norm_fn)(const void *x, const void *w, void *out, int64_t rows, int64_t dim, double eps,
+                        int nthreads);
+typedef void (*add_norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t rows, int64_t dim,
+                            double eps, int nthreads);
+typedef void (*rope_fn)(void *q, void *k, const void *cos, const void *sin, int64_t rows, int64_t q_heads,
+                        int64_t kv_heads, int64_t dim, int64_t q_stride, int64_t k_stride, int nthreads);
+typedef void (*silu_fn)(const void *gu, void *out, int64_t rows, int64_t inter, int64_t stride, int nthreads);
+typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         const int32_t *context_lens, void *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
+                         int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
+                         double scale, int nthreads);
+
+/* the kernels, for the model's dtype */
+typedef struct {
+    skinny_fn skinny;
+    norm_fn norm;
+    add_norm_fn add_norm;
+    rope_fn rope;
+    silu_fn silu;
+    decode_fn decode;
+} kernels_t;
+
+/* one layer's weights (panels for the products) and its cache */
+typedef struct {
+    const void *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+    void *k_cache, *v_cache;
+} layer_t;
+
+typedef struct {
+    int64_t rows, hidden, q_heads, kv_heads, head_dim, inter, elem;   /* elem: bytes per value */
+    int64_t max_blocks, block_size, max_context;
+    double eps, scale;
+    int nthreads;
+} dims_t;
+
+/* the step's buffers: x [rows, hidden] (the residual stream, updated in place), h [rows, hidden] (the
+ * normed input of the next product; on return the final norm of x), qkv, q [rows, q_heads * 64],
+ * attn [rows, q_heads * 64], a [rows, hidden], gu [rows, 2 * inter], act [rows, inter] */
+typedef struct {
+    char *x, *h, *qkv, *q, *attn, *a, *gu, *act;
+} buffers_t;
+
+#define AT(p, i) ((p) + (i) * e)
+
+/* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
+int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
+                       const dims_t *d, const buffers_t *b, const void *cos, const void *sin,
+                       const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens) {
+    const int64_t rows = d->rows, hidden = d->hidden, e = d->elem, nt = d->nthreads;
+    const int64_t qdim = d->q_heads * d->head_dim, kvdim = d->kv_heads * d->head_dim;
+    const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
+    f->norm(b->x, layers[0].input_norm, b->h, rows, hidden, d->eps, nt);
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const layer_t *L = layers + l;
+        f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, rows, hidden, qkv_out, nt);
+        f->rope(b->qkv, AT(b->qkv, qdim), cos, sin, rows, d->q_heads, d->kv_heads, d->head_dim, qkv_out,
+                qkv_out, nt);
+        for (int64_t r = 0; r < rows; ++r) {
+            const char *row = AT(b->qkv, r * qkv_out);
+            memcpy(AT(b->q, r * qdim), row, qdim * e);
+            if (slots[r] >= 0) {
+                memcpy(AT((char *)L->k_cache, slots[r] * kvdim), AT(row, qdim), kvdim * e);
+                memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
+            }
+        }
+        if (f->decode(b->q, L->k_cache, L->v_cache, block_tables, context_lens, b->attn, rows, d->q_heads,
+                      d->kv_heads, d->head_dim, d->max_blocks, d->block_size, d->max_context, d->scale, nt))
+            return 1;
+        f->skinny(b->attn, qdim, L->o, b->a, hidden, rows, qdim, hidden, nt);
+        f->add_norm(b->x, b->a, L->post_norm, b->h, rows, hidden, d->eps, nt);
+        f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, rows, hidden, gu_out, nt);
+        f->silu(b->gu, b->act, rows, d->inter, gu_out, nt);
+        f->skinny(b->act, d->inter, L->down, b->a, hidden, rows, d->inter, hidden, nt);
+        f->add_norm(b->x, b->a, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, b->h, rows, hidden,
+                    d->eps, nt);
+    }
+    return 0;
+}

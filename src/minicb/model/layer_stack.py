@@ -1,0 +1,217 @@
+"""Every decoder layer of a CPU step in one C call: the layers' own kernels, without Python between them.
+
+On the CPU fast paths (``fast_paths.cpu_fast_paths``) a SmolLM2 decoder layer is a dozen calls from
+Python into C: two fused norms, the rotary embedding, four skinny products, the cache write, the
+decode kernel, the SiLU. Each call checks its arguments, converts them through ``ctypes`` and makes a
+torch tensor for its result; thirty layers a step, that is milliseconds whatever the step's size (a
+quarter of a one-sequence decode step: ``bench/decode_floor.py``'s "fwd oth"). vLLM's CPU build
+compiles its model's graph to lose the same cost. The graph of a LLaMA layer is short enough to
+write down, so ``layer_stack.c`` does: it calls the same C functions, in the same order, on the same
+buffers, and so computes what the layers compute, bit for bit (``tests/model/test_layer_stack.py``
+compares every step's output with the layers' own).
+
+A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
+``_DecodeRows``: a decode step, or in bfloat16 on the AVX-512 row any step, prompt tokens included),
+it has at most as many rows as the skinny kernel takes, and the model is fused and packed
+throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` turns it off.
+
+``install(model)`` switches a model's class to ``StackedLlama`` (its forward tries the stack first);
+``LLM`` does it on the CPU fast paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from minicb.model import ckernels, cpu_fused, cpu_linear, skinny_gemm
+from minicb.model.llama import LlamaForCausalLM, rope_cos_sin
+
+SOURCE = Path(__file__).with_name("layer_stack.c")
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("skinny", "norm", "add_norm", "rope", "silu", "decode")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache",
+                                    "v_cache")]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("rows", "hidden", "q_heads", "kv_heads", "head_dim", "inter", "elem",
+                                    "max_blocks", "block_size", "max_context")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int)]
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("x", "h", "qkv", "q", "attn", "a", "gu", "act")]
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The compiled ``layer_stack.c`` (built on the first call); ``KernelUnavailable`` if it cannot be."""
+    lib = ckernels.open_library(ckernels.build(SOURCE), "the compiled layer stack")
+    lib.minicb_layer_stack.argtypes = [_ptr] * 2 + [_i64] + [_ptr] * 8
+    lib.minicb_layer_stack.restype = ctypes.c_int
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """None when ``layer_stack.c`` builds and loads here, else why not."""
+    return ckernels.why_not(load)
+
+
+def enabled() -> bool:
+    """False when ``MINICB_LAYER_STACK=0`` keeps the layers' own calls."""
+    return os.environ.get("MINICB_LAYER_STACK", "1") != "0"
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, _ptr).value
+
+
+class LayerStack:
+    """What ``layer_stack.c`` needs of one model: its kernels and its weights' addresses (the model
+    keeps the tensors), checked once here so that the C loop can trust them."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        from minicb.model.backends import cpu_paged
+
+        cfg, dtype = model.config, model.dtype
+        self.why_not = _unstackable(model)
+        if self.why_not:
+            return
+        self.lib = load()
+        self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype)),
+                                *(_address(cpu_fused._c_function(n, dtype))
+                                  for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
+                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))
+        layers = model.model.layers
+        self.skinny_rows = min(m.skinny_rows for layer in layers
+                               for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,
+                                         layer.mlp.gate_up_packed, layer.mlp.down_proj))
+        self.weights = [(layer.input_layernorm.weight.data_ptr(), layer.self_attn.qkv_packed.weight_panels.data_ptr(),
+                         layer.self_attn.o_proj.weight_panels.data_ptr(),
+                         layer.post_attention_layernorm.weight.data_ptr(),
+                         layer.mlp.gate_up_packed.weight_panels.data_ptr(),
+                         layer.mlp.down_proj.weight_panels.data_ptr()) for layer in layers]
+        self.final_norm = model.model.norm.weight.data_ptr()
+        self.cfg, self.dtype = cfg, dtype
+        self._tables: dict[int, ctypes.Array] = {}      # per KV cache (by its data's address)
+
+    def takes(self, x: torch.Tensor, backend, state) -> bool:
+        """Whether this step is all kernel rows (a single ``_DecodeRows`` that is the whole step), of a
+        paged cache, with few enough rows for the skinny kernel."""
+        from minicb.model.backends.cpu_paged import CpuPagedAttention, _DecodeRows
+
+        groups = getattr(state, "groups", None) or ()
+        return (not self.why_not and isinstance(backend, CpuPagedAttention) and backend.kv_cache is not None
+                and x.dtype == self.dtype and 0 < x.shape[0] <= self.skinny_rows and len(groups) == 1
+                and isinstance(groups[0], _DecodeRows) and groups[0].tokens is None)
+
+    def _layer_table(self, kv_cache) -> ctypes.Array:
+        key = kv_cache.data.data_ptr()
+        table = self._tables.get(key)
+        if table is None:
+            table = (_Layer * len(self.weights))()
+            for i, w in enumerate(self.weights):
+                kc, vc = kv_cache.layer(i)
+                table[i] = _Layer(*w, kc.data_ptr(), vc.data_ptr())
+            self._tables = {key: table}                 # one engine's cache at a time: the last one
+        return table
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
+        """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
+        and ``model.norm`` return, for a step ``takes`` accepted."""
+        from minicb.model.backends.cpu_paged import check_decode_args
+
+        cfg, g = self.cfg, state.groups[0]
+        rows, hidden, d = x.shape[0], cfg.hidden_size, cfg.head_dim
+        qdim, kvdim, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+        kc, vc = backend.kv_cache.layer(0)
+        empty = functools.partial(torch.empty, dtype=x.dtype)
+        h, q, attn, a = empty(rows, hidden), empty(rows, qdim), empty(rows, qdim), empty(rows, hidden)
+        qkv, gu, act = empty(rows, qdim + 2 * kvdim), empty(rows, 2 * inter), empty(rows, inter)
+        if not g.checked:                    # what the layers' first call would check (cpu_paged)
+            check_decode_args(q.view(rows, -1, d), kc, vc, g.block_tables, g.context_lens,
+                              backend.kv_cache.block_size, g.max_context)
+            g.checked = True
+        for t in (x, cos, sin):
+            cpu_fused._check("layer_stack", t)
+        slots = state.slot_mapping.contiguous()
+        if slots.dtype != torch.int64 or slots.shape != (rows,) or cos.shape != (rows, d):
+            raise ValueError(f"layer_stack: slot_mapping {slots.dtype} {tuple(slots.shape)} or cos "
+                             f"{tuple(cos.shape)} does not match {rows} rows")
+        dims = _Dims(rows, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, d, inter,
+                     x.element_size(), g.block_tables.shape[1], backend.kv_cache.block_size, g.max_context,
+                     cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
+        bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
+        failed = self.lib.minicb_layer_stack(
+            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.weights), self.final_norm,
+            ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            g.block_tables.data_ptr(), g.context_lens.data_ptr())
+        if failed:
+            raise MemoryError("paged_decode could not allocate its score buffer")
+        return h
+
+
+def _unstackable(model: LlamaForCausalLM) -> str | None:
+    """None when every layer is fused and packed with skinny panels (what ``layer_stack.c`` calls),
+    else what is missing."""
+    if model.dtype not in cpu_fused.DTYPES or model.device.type != "cpu":
+        return f"a {model.dtype} model on {model.device}"
+    if not isinstance(model.model.norm, cpu_fused.FusedRMSNorm):
+        return "the final norm is not fused"
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (isinstance(layer, cpu_fused.FusedDecoderLayer),
+                 isinstance(layer.input_layernorm, cpu_fused.FusedRMSNorm),
+                 isinstance(layer.post_attention_layernorm, cpu_fused.FusedRMSNorm),
+                 isinstance(attn, cpu_linear.PackedQKV) and isinstance(attn, cpu_fused.FusedAttention),
+                 isinstance(mlp, cpu_linear.PackedGateUp) and isinstance(mlp, cpu_fused.FusedMLP))
+        if not all(parts):
+            return f"layer {i} is not fused and packed throughout"
+        products = (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)
+        if not all(getattr(p, "skinny_rows", 0) > 0 for p in products):
+            return f"layer {i} has no skinny panels"
+        if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {model.model.norm.eps}:
+            return f"layer {i}'s norms have another eps"
+    return None
+
+
+class StackedLlama(LlamaForCausalLM):
+    """``LlamaForCausalLM`` whose steps run ``LayerStack`` where it takes them."""
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        state = backend.prepare(meta)
+        if self.layer_stack.takes(x, backend, state):
+            h = self.layer_stack.run(x, cos, sin, backend, state)
+            return self.lm_head(h if logits_indices is None else h[logits_indices])
+        for i, layer in enumerate(self.model.layers):       # LlamaForCausalLM.forward from here
+            x = layer(x, cos, sin, i, backend, state)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x))
+
+
+def install(model: LlamaForCausalLM) -> str | None:
+    """Give ``model`` the stack (its class becomes ``StackedLlama``); None when done, else why not (the
+    model is left as it is). Builds the C loop first: a missing compiler raises ``KernelUnavailable``."""
+    stack = LayerStack(model)
+    if stack.why_not:
+        return stack.why_not
+    model.layer_stack = stack
+    model.__class__ = StackedLlama
+    return None

@@ -1,0 +1,134 @@
+"""``layer_stack``: every decoder layer of a step in one C call computes what the layers compute.
+
+Checked from outside the stack: every step it takes is also run through the layers' own calls (on a
+copy of the step's input, before the stack: both write the same K/V to the same slots), and the two
+final hidden states must be equal bit for bit, in float32 and bfloat16, with prompts on SDPA (so
+float32 prompt steps fall back to the layers) and on the kernel (every step stacked), with preemption
+and prefix caching. Then the engine's tokens with the stack against without it, and the cases where
+it must stand aside.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import random_prompts
+from minicb.core.config import ModelConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.entrypoints.llm import LLM, cpu_fast_paths
+from minicb.model import layer_stack
+from minicb.model.backends import cpu_paged
+from minicb.model.llama import LlamaForCausalLM
+from preconditions import unavailable
+
+# head_dim 64: the decode kernel's fast rows (AVX-512 or AVX2) where the CPU has them
+CFG = ModelConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=3, num_key_value_heads=1, head_dim=64, rope_theta=10000.0,
+                  max_position_embeddings=4096, eos_token_id=3)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def paths(monkeypatch):
+    """The packed products on the skinny kernel for every step, whatever this CPU would choose."""
+    if cpu_paged.unavailable_reason() or layer_stack.unavailable_reason():
+        unavailable("no C compiler here: the stack and the kernels it calls are not built")
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", "4096")
+    monkeypatch.setenv("MINICB_LINEAR", "onednn-f32")
+    monkeypatch.delenv("MINICB_LAYER_STACK", raising=False)
+
+
+def stacked(dtype, seed: int = 1) -> LlamaForCausalLM:
+    model = LlamaForCausalLM.random(CFG, seed=seed, dtype=dtype, std=0.3)
+    assert "layer-stack" in cpu_fast_paths(model, "cpu")
+    assert isinstance(model, layer_stack.StackedLlama)
+    return model
+
+
+def checked_runs(monkeypatch, model) -> list[int]:
+    """Make every stacked step also run the layers one by one first and compare; the rows of each."""
+    rows = []
+    run = layer_stack.LayerStack.run
+
+    def both(self, x, cos, sin, backend, state):
+        y = x.clone()
+        for i, layer in enumerate(model.model.layers):
+            y = layer(y, cos, sin, i, backend, state)
+        want = model.model.norm(y)
+        got = run(self, x, cos, sin, backend, state)
+        assert torch.equal(got, want), (x.shape, (got.float() - want.float()).abs().max())
+        assert torch.equal(x, y)                       # the residual stream, updated in place
+        rows.append(x.shape[0])
+        return got
+
+    monkeypatch.setattr(layer_stack.LayerStack, "run", both)
+    return rows
+
+
+@pytest.mark.parametrize("prompts_on", ["sdpa", "kernel"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_stacked_step_equals_the_layers_bit_for_bit(dtype, prompts_on, monkeypatch):
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", prompts_on)
+    model = stacked(dtype)
+    rows = checked_runs(monkeypatch, model)
+    prompts = random_prompts(10, 3, 60, CFG.vocab_size, seed=3)
+    prompts += [prompts[0] + [5, 6, 7]]                   # a cached prefix: a chunk that starts mid-sequence
+    llm = LLM(model, dtype=dtype, max_num_seqs=6, max_num_batched_tokens=48, block_size=4, num_blocks=40,
+              enable_prefix_caching=True)                 # few blocks: preemption
+    out = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert all(len(o.token_ids) == 24 for o in out)
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0 and stats.num_cached_prompt_tokens + stats.num_cached_reprefill_tokens > 0
+    assert len(rows) > 20 and max(rows) > 1
+    if prompts_on == "kernel":              # every step is kernel rows: prompt chunks stacked too
+        assert max(rows) > 6 and len(rows) == stats.num_steps, (max(rows), len(rows), stats.num_steps)
+    else:                                   # prompt chunks go to SDPA: those steps run the layers
+        assert max(rows) <= 6 and len(rows) < stats.num_steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tokens_with_and_without_the_stack_are_the_same(dtype, monkeypatch):
+    prompts = random_prompts(12, 2, 50, CFG.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("MINICB_LAYER_STACK", on)
+        model = LlamaForCausalLM.random(CFG, seed=2, dtype=dtype, std=0.3)
+        assert ("layer-stack" in cpu_fast_paths(model, "cpu")) == (on == "1")
+        llm = LLM(model, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, num_blocks=64)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
+
+
+def test_the_stack_stands_aside_where_it_does_not_apply(monkeypatch):
+    model = stacked(torch.float32)
+    rows = checked_runs(monkeypatch, model)
+    # more rows than the skinny kernel takes: the layers' own calls (their oneDNN products); the
+    # last steps, of one sequence, are stacked
+    model.layer_stack.skinny_rows = 1
+    LLM(model, max_num_seqs=4, block_size=4, num_blocks=64).generate(
+        random_prompts(3, 4, 9, CFG.vocab_size, seed=4),
+        [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 4, 9)])
+    assert rows == [1] * 5
+    # another backend: the reference's attention, no kernel rows
+    rows.clear()
+    LLM(model, attn_backend="reference", max_num_seqs=4, block_size=4, num_blocks=64).generate(
+        random_prompts(2, 4, 9, CFG.vocab_size, seed=5), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert rows == []
+
+
+def test_which_models_get_the_stack(monkeypatch):
+    plain = LlamaForCausalLM.random(CFG, seed=3, dtype=torch.float32)
+    assert layer_stack.install(copy.deepcopy(plain)) == "the final norm is not fused"
+    monkeypatch.setenv("MINICB_LAYER_STACK", "0")
+    assert "layer-stack" not in cpu_fast_paths(copy.deepcopy(plain), "cpu")
+    monkeypatch.setenv("MINICB_LAYER_STACK", "1")
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", "0")          # no skinny panels: nothing for the stack to call
+    model = copy.deepcopy(plain)
+    assert "layer-stack" not in cpu_fast_paths(model, "cpu")
+    assert layer_stack.install(model) == "layer 0 has no skinny panels"
+    assert type(model) is LlamaForCausalLM
+    f64 = LlamaForCausalLM.random(CFG, seed=3, dtype=torch.float64)
+    assert "layer-stack" not in cpu_fast_paths(f64, "cpu") and type(f64) is LlamaForCausalLM
