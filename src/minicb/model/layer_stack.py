@@ -97,11 +97,10 @@ class LayerStack:
         self.skinny_rows = min(m.skinny_rows for layer in layers
                                for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,
                                          layer.mlp.gate_up_packed, layer.mlp.down_proj))
-        self.weights = [(layer.input_layernorm.weight.data_ptr(), layer.self_attn.qkv_packed.weight_panels.data_ptr(),
-                         layer.self_attn.o_proj.weight_panels.data_ptr(),
-                         layer.post_attention_layernorm.weight.data_ptr(),
-                         layer.mlp.gate_up_packed.weight_panels.data_ptr(),
-                         layer.mlp.down_proj.weight_panels.data_ptr()) for layer in layers]
+        self.weights = [tuple(t.data_ptr() for t in (
+            layer.input_layernorm.weight, layer.self_attn.qkv_packed.weight_panels,
+            layer.self_attn.o_proj.weight_panels, layer.post_attention_layernorm.weight,
+            layer.mlp.gate_up_packed.weight_panels, layer.mlp.down_proj.weight_panels)) for layer in layers]
         self.final_norm = model.model.norm.weight.data_ptr()
         self.cfg, self.dtype = cfg, dtype
         self._tables: dict[int, ctypes.Array] = {}      # per KV cache (by its data's address)
@@ -154,7 +153,8 @@ class LayerStack:
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         failed = self.lib.minicb_layer_stack(
-            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.weights), self.final_norm,
+            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.weights),
+            self.final_norm,
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             g.block_tables.data_ptr(), g.context_lens.data_ptr())
         if failed:
