@@ -270,3 +270,28 @@ def test_llm_fast_paths_for_a_loaded_model(monkeypatch, caplog):
         assert cpu_fast_paths(plain, "cpu") == []
     assert type(plain.model.norm) is RMSNorm
     assert "fused CPU ops unavailable" in caplog.text and "stand-in" in caplog.text
+
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-39, -1e-39, 1e-45, -1e-45, 3e38, -3e38, float("inf"), float("-inf"),
+           float("nan"), -float("nan"), 2.5, -2.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", range(8))
+def test_argmax_is_torch_max_indices_with_ties_zeros_nans_and_denormals(dtype, seed):
+    """``argmax``: the first maximum of each row, the first NaN where there is one, -0 equal to +0:
+    ``torch.max``'s indices, on rows drawn mostly from a few special values (so ties, signed zeros,
+    denormals, infinities and NaNs of both signs meet), and on a strided view of wider rows."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(SPECIAL + torch.randn(8, generator=g).tolist(), dtype=torch.float32)
+    for rows, n in ((1, 1), (3, 7), (17, 64), (5, 4099)):
+        x = pool[torch.randint(0, len(pool), (rows, n + 5), generator=g)].to(dtype)
+        for row in x[: rows // 2]:                  # some rows without NaN, so a maximum must win
+            row[row.isnan()] = -1.0
+        view = x[:, 2:n + 2]
+        assert torch.equal(cpu_fused.argmax(view), torch.max(view, dim=-1).indices), (rows, n)
+        assert torch.equal(cpu_fused.argmax(x.contiguous()), torch.max(x, dim=-1).indices)
+    zeros = torch.tensor([[-1.0, -0.0, 0.0, -0.0], [-0.0, -1e-39, 0.0, 0.0]], dtype=dtype)   # -0 == +0
+    assert cpu_fused.argmax(zeros).tolist() == torch.max(zeros, dim=-1).indices.tolist() == [1, 0]
+    with pytest.raises(ValueError, match="not \\[rows, n > 0\\]"):
+        cpu_fused.argmax(torch.zeros(2, 0, dtype=dtype))

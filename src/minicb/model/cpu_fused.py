@@ -62,6 +62,8 @@ def load() -> ctypes.CDLL:
         add_norm.argtypes, add_norm.restype = [ptr] * 4 + [i64] * 2 + [ctypes.c_double, ctypes.c_int], None
         silu_mul_ = getattr(lib, f"minicb_silu_mul_{suffix}")
         silu_mul_.argtypes, silu_mul_.restype = [ptr] * 2 + [i64] * 3 + [ctypes.c_int], None
+        argmax = getattr(lib, f"minicb_argmax_{suffix}")
+        argmax.argtypes, argmax.restype = [ptr] + [i64] * 3 + [ptr, ctypes.c_int], None
     return lib
 
 
@@ -154,6 +156,20 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         _c_function("silu_mul", gate_up.dtype)(
             gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0),
             torch.get_num_threads())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.max(logits, -1).indices`` of float32 or bfloat16 ``logits [rows, n]`` (each row contiguous):
+    the first maximum of each row, the first NaN where there is one, as int64 ``[rows]``. One C pass over
+    integer keys of the values (``fused_ops.c``); torch's bfloat16 loop is several times slower."""
+    _check("argmax", logits, rows_strided=1)
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"argmax: logits {tuple(logits.shape)} is not [rows, n > 0]")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0]:
+        _c_function("argmax", logits.dtype)(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                            logits.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -78,8 +78,10 @@ def _address(fn) -> int:
 
 
 class LayerStack:
-    """What ``layer_stack.c`` needs of one model: its kernels and its weights' addresses (the model
-    keeps the tensors), checked once here so that the C loop can trust them."""
+    """What ``layer_stack.c`` needs of one model: its kernels, and its weights, checked once here so
+    that the C loop can trust them. It holds the weight tensors it was installed with (a module given
+    a new tensor later needs ``install`` again); their addresses are read every step, so a tensor
+    whose storage was replaced (``.data = ...``) is followed."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         from minicb.model.backends import cpu_paged
@@ -97,13 +99,15 @@ class LayerStack:
         self.skinny_rows = min(m.skinny_rows for layer in layers
                                for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,
                                          layer.mlp.gate_up_packed, layer.mlp.down_proj))
-        self.weights = [tuple(t.data_ptr() for t in (
-            layer.input_layernorm.weight, layer.self_attn.qkv_packed.weight_panels,
-            layer.self_attn.o_proj.weight_panels, layer.post_attention_layernorm.weight,
-            layer.mlp.gate_up_packed.weight_panels, layer.mlp.down_proj.weight_panels)) for layer in layers]
-        self.final_norm = model.model.norm.weight.data_ptr()
+        # the tensors, not their addresses: a model moved or reloaded in place gets new ones, which
+        # every step reads again (a few microseconds) before it trusts its table
+        self.tensors = [(layer.input_layernorm.weight, layer.self_attn.qkv_packed.weight_panels,
+                         layer.self_attn.o_proj.weight_panels, layer.post_attention_layernorm.weight,
+                         layer.mlp.gate_up_packed.weight_panels, layer.mlp.down_proj.weight_panels)
+                        for layer in layers]
+        self.final = model.model.norm.weight
         self.cfg, self.dtype = cfg, dtype
-        self._tables: dict[int, ctypes.Array] = {}      # per KV cache (by its data's address)
+        self._table: tuple | None = None                # (the addresses it was made from, the table)
 
     def takes(self, x: torch.Tensor, backend, state) -> bool:
         """Whether this step is all kernel rows (a single ``_DecodeRows`` that is the whole step), of a
@@ -116,15 +120,15 @@ class LayerStack:
                 and isinstance(groups[0], _DecodeRows) and groups[0].tokens is None)
 
     def _layer_table(self, kv_cache) -> ctypes.Array:
-        key = kv_cache.data.data_ptr()
-        table = self._tables.get(key)
-        if table is None:
-            table = (_Layer * len(self.weights))()
-            for i, w in enumerate(self.weights):
+        """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved)."""
+        key = (kv_cache.data.data_ptr(), *(t.data_ptr() for ts in self.tensors for t in ts))
+        if self._table is None or self._table[0] != key:
+            table = (_Layer * len(self.tensors))()
+            for i, ts in enumerate(self.tensors):
                 kc, vc = kv_cache.layer(i)
-                table[i] = _Layer(*w, kc.data_ptr(), vc.data_ptr())
-            self._tables = {key: table}                 # one engine's cache at a time: the last one
-        return table
+                table[i] = _Layer(*(t.data_ptr() for t in ts), kc.data_ptr(), vc.data_ptr())
+            self._table = (key, table)
+        return self._table[1]
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
@@ -153,8 +157,8 @@ class LayerStack:
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         failed = self.lib.minicb_layer_stack(
-            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.weights),
-            self.final_norm,
+            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.tensors),
+            self.final.data_ptr(),
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             g.block_tables.data_ptr(), g.context_lens.data_ptr())
         if failed:
