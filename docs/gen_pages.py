@@ -49,7 +49,7 @@ API_MODULES = [
         ("model.llama", "model.llama"), ("model.attention", "model.attention"),
         ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
         ("model.cpu_linear", "model.cpu_linear"), ("model.skinny_gemm", "model.skinny_gemm"),
-        ("model.ckernels", "model.ckernels"),
+        ("model.layer_stack", "model.layer_stack"), ("model.ckernels", "model.ckernels"),
         ("model.loader", "model.weights.loader"), ("model.export", "model.weights.export"),
         ("model.tokenizer", "model.text.tokenizer"), ("sampling", ("runtime.sampling", "runtime.logprobs")),
         ("grammar", ("runtime.logits_processors", "runtime.grammar"))]),
