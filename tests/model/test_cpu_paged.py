@@ -305,7 +305,8 @@ def test_prompts_on_kernel_is_chosen_by_dtype_head_dim_and_cpu(monkeypatch):
     native_row = cpu_paged.avx512_path() and cpu_paged.bf16_native()
     assert cpu_paged.prompts_on_kernel(torch.bfloat16, 64) == native_row
     assert not cpu_paged.prompts_on_kernel(torch.bfloat16, 128)        # no fast row for it: SDPA
-    assert not cpu_paged.prompts_on_kernel(torch.float32, 64)          # SDPA was faster in float32
+    assert cpu_paged.prompts_on_kernel(torch.float32, 64) == cpu_paged.avx512_path()   # then stacked
+    assert not cpu_paged.prompts_on_kernel(torch.float64, 64)          # the exactness dtype: SDPA
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
     assert cpu_paged.prompts_on_kernel(torch.float64, 12)
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "sdpa")

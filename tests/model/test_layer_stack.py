@@ -3,7 +3,7 @@
 Checked from outside the stack: every step it takes is also run through the layers' own calls (on a
 copy of the step's input, before the stack: both write the same K/V to the same slots), and the two
 final hidden states must be equal bit for bit, in float32 and bfloat16, with prompts on SDPA (so
-float32 prompt steps fall back to the layers) and on the kernel (every step stacked), with preemption
+its prompt steps fall back to the layers) and on the kernel (every step stacked), with preemption
 and prefix caching. Then the engine's tokens with the stack against without it, and the cases where
 it must stand aside.
 """

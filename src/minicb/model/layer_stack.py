@@ -11,7 +11,7 @@ buffers, and so computes what the layers compute, bit for bit (``tests/model/tes
 compares every step's output with the layers' own).
 
 A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
-``_DecodeRows``: a decode step, or in bfloat16 on the AVX-512 row any step, prompt tokens included),
+``_DecodeRows``: a decode step, or on the AVX-512 row any step, prompt tokens included),
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed
 throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` turns it off.
 

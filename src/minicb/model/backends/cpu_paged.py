@@ -198,15 +198,19 @@ class _DecodeRows:
 
 def prompts_on_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prompt chunks go to the kernel too, each of their tokens a row whose context ends at
-    itself (``MINICB_PROMPT_ATTENTION=kernel`` or ``sdpa`` pins it): by default bfloat16 with head_dim
-    64 on the AVX-512 row's native dot products, where it beat SDPA on a Zen 4 core at every prompt
-    length measured (``bench/RESULTS.md``); SDPA elsewhere."""
+    itself (``MINICB_PROMPT_ATTENTION=kernel`` or ``sdpa`` pins it): by default head_dim 64 on the
+    AVX-512 row, bfloat16 on its native dot products (where the kernel beat SDPA on a Zen 4 core at
+    every prompt length measured) and float32 (where it alone was level with SDPA, 0.85-1.20x, but a
+    step of kernel rows only runs its layers in one call, ``layer_stack``: W2 2.5-6% faster;
+    ``bench/RESULTS.md``); SDPA elsewhere."""
     pinned = os.environ.get("MINICB_PROMPT_ATTENTION", "")
     if pinned in ("kernel", "sdpa"):
         return pinned == "kernel"
     if pinned:
         raise ValueError(f"MINICB_PROMPT_ATTENTION must be 'kernel' or 'sdpa', not {pinned!r}")
-    return dtype == torch.bfloat16 and head_dim == 64 and avx512_path() and bf16_native()
+    if head_dim != 64 or not avx512_path():
+        return False
+    return dtype == torch.float32 or dtype == torch.bfloat16 and bf16_native()
 
 
 class CpuPagedAttention(ReferenceAttention):
