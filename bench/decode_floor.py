@@ -18,7 +18,9 @@ Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine 
 in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
 with timers around its parts (``time.perf_counter``, about a microsecond per call, so the ``timed``
 step is a little longer, and its parts add up to it): the linear products (q/k/v, o, gate/up, down:
-``linears``), the LM head, the decode kernel, the rest of the forward (``fwd oth``: norms, rotary,
+``linears``), the LM head, the decode kernel, all the layers of a step run in one C call (``stack``, where
+``layer_stack`` takes the step: then the products and the kernel inside it are not counted apart), the
+rest of the forward (``fwd oth``: norms, rotary,
 residual adds, the backend's glue, the Python of the layers), the runner's packing of the batch
 (``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
 scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
@@ -42,6 +44,7 @@ from step_parts import SECONDS, timed  # noqa: E402  (the same timers)
 
 import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
 import minicb.model.cpu_linear as cl  # noqa: E402
+import minicb.model.layer_stack as layer_stack  # noqa: E402
 import minicb.runtime.runner as runner_module  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
@@ -80,6 +83,7 @@ def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
     runner_module.pack = timed("pack", runner_module.pack)
     Sampler.sample = timed("sample", Sampler.sample)
     model.forward = timed("forward", model.forward)
+    layer_stack.LayerStack.run = timed("stack", layer_stack.LayerStack.run)
     llm.engine.step = timed("step", llm.engine.step)
 
 
@@ -135,24 +139,27 @@ def main() -> None:
                  for b in batches}
         install_timers(model, llm)
         print(f"  {'seqs':>5} {'step':>7} {'floor':>6} {'x floor':>7} | {'timed':>7} {'linears':>7} "
-              f"{'lm head':>7} {'kernel':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} {'sched+out':>9}"
+              f"{'lm head':>7} {'kernel':>7} {'stack':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} "
+              f"{'sched+out':>9}"
               "   (ms per step)")
         for b in batches:
             floor = nbytes[b] / (bw * 1e9) * 1e3         # ms
             _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size)
             s = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in parts.items()})
             s["linears"] -= s["lm head"]                  # its class's timer counted the head too
-            other = s["forward"] - s["linears"] - s["lm head"] - s["decode kernel"]
+            other = s["forward"] - s["linears"] - s["lm head"] - s["decode kernel"] - s["stack"]
             # the rest of the (timed) step: the runner's swaps and glue, scheduling, making outputs
             rest = s["step"] - s["forward"] - s["pack"] - s["sample"]
             print(f"  {b:>5} {clean[b] * 1e3:7.2f} {floor:6.2f} {clean[b] * 1e3 / floor:7.2f} | "
                   f"{s['step']:7.2f} {s['linears']:7.2f} {s['lm head']:7.2f} {s['decode kernel']:7.2f} "
+                  f"{s['stack']:7.2f} "
                   f"{other:7.2f} {s['pack']:6.2f} {s['sample']:6.2f} {rest:9.2f}")
         for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
             cls.forward = cls.forward.__wrapped__
         cpu_paged.decode_into = cpu_paged.decode_into.__wrapped__
         runner_module.pack = runner_module.pack.__wrapped__
         Sampler.sample = Sampler.sample.__wrapped__
+        layer_stack.LayerStack.run = layer_stack.LayerStack.run.__wrapped__
 
 
 if __name__ == "__main__":
