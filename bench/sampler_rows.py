@@ -13,7 +13,9 @@ Three cases for a batch of ``rows`` rows (float32 logits, times are medians of i
 
 ``--bfloat16`` times the greedy choice on bfloat16 logits instead (what a bfloat16 model's LM head
 gives): ``torch.argmax`` on them, ``argmax`` after widening them to float32, ``max(dim=-1).indices`` on
-them (the same tokens: the first maximum, the first NaN) and ``Sampler.sample`` on all-greedy rows::
+them (the same tokens: the first maximum, the first NaN), ``cpu_fused.argmax`` (minicb's one C pass,
+where the fused ops build; "-" where they do not) and ``Sampler.sample`` on all-greedy rows (which
+takes the C pass where it is built, else ``max``'s indices)::
 
     python bench/sampler_rows.py --bfloat16 --rows 1 16 64
 """
@@ -28,6 +30,7 @@ import torch
 from common import cpu_model
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.model import cpu_fused
 from minicb.runtime.sampling import Sampler
 
 VOCAB = 49152
@@ -74,13 +77,19 @@ def measure_bfloat16(rows: int, repeats: int) -> dict[str, float]:
     cases = {"argmax": lambda: torch.argmax(logits, dim=-1).tolist(),
              "widen+argmax": lambda: torch.argmax(logits.float(), dim=-1).tolist(),
              "max indices": lambda: torch.max(logits, dim=-1).indices.tolist(),
+             "C argmax": lambda: cpu_fused.argmax(logits).tolist(),
              "sample": lambda: s.sample(logits, ids, plain)}
-    assert cases["argmax"]() == cases["max indices"]() == cases["sample"]()
+    if cpu_fused.unavailable_reason() is not None:
+        del cases["C argmax"]
+    assert len({tuple(fn()) for fn in cases.values()}) == 1, "the greedy choices disagree"
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(5):                       # interleaved, so a busy machine slows all alike
         for k, fn in cases.items():
             times[k] += timed(fn, max(1, repeats // 5))
-    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {k: statistics.median(times[k]) * 1e6 if k in times else float("nan") for k in BF16_CASES}
+
+
+BF16_CASES = ("argmax", "widen+argmax", "max indices", "C argmax", "sample")
 
 
 def main() -> None:
@@ -95,11 +104,10 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; V = {VOCAB}")
     if args.bfloat16:
-        print(f"{'rows':>5}" + "".join(f"{k + ' us':>16}" for k in ("argmax", "widen+argmax", "max indices",
-                                                                      "sample")))
+        print(f"{'rows':>5}" + "".join(f"{k + ' us':>16}" for k in BF16_CASES))
         for rows in args.rows:
             med = measure_bfloat16(rows, args.repeats)
-            print(f"{rows:>5}" + "".join(f"{v:>16.1f}" for v in med.values()))
+            print(f"{rows:>5}" + "".join(f"{'-' if v != v else f'{v:.1f}':>16}" for v in med.values()))
         return
     print(f"{'rows':>5} {'argmax us':>10} {'fast path us':>13} {'ratio':>6} {'knobs us':>9} "
           f"{'per row us':>11}")

@@ -15,8 +15,9 @@ A step qualifies when every row of it is a row of the decode kernel (``cpu_paged
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed
 throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` turns it off.
 
-``install(model)`` switches a model's class to ``StackedLlama`` (its forward tries the stack first);
-``LLM`` does it on the CPU fast paths.
+``install(model)`` switches a model's class to ``StackedLlama``, whose ``hidden`` (the part of
+``LlamaForCausalLM.forward`` between the embedding and the LM head) tries the stack first and hands
+any other step to the layers; ``LLM`` does it on the CPU fast paths.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from minicb.model import ckernels, cpu_fused, cpu_linear, skinny_gemm
-from minicb.model.llama import LlamaForCausalLM, rope_cos_sin
+from minicb.model.llama import LlamaForCausalLM
 
 SOURCE = Path(__file__).with_name("layer_stack.c")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -191,23 +192,14 @@ def _unstackable(model: LlamaForCausalLM) -> str | None:
 
 
 class StackedLlama(LlamaForCausalLM):
-    """``LlamaForCausalLM`` whose steps run ``LayerStack`` where it takes them."""
+    """``LlamaForCausalLM`` whose steps run ``LayerStack`` where it takes them, the layers elsewhere."""
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend, meta,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        cfg = self.config
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        state = backend.prepare(meta)
-        if self.layer_stack.takes(x, backend, state):
-            h = self.layer_stack.run(x, cos, sin, backend, state)
-            return self.lm_head(h if logits_indices is None else h[logits_indices])
-        for i, layer in enumerate(self.model.layers):       # LlamaForCausalLM.forward from here
-            x = layer(x, cos, sin, i, backend, state)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x))
+    def hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state,
+               logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.layer_stack.takes(x, backend, state):
+            return super().hidden(x, cos, sin, backend, state, logits_indices)
+        h = self.layer_stack.run(x, cos, sin, backend, state)       # the final norm included
+        return h if logits_indices is None else h[logits_indices]
 
 
 def install(model: LlamaForCausalLM) -> str | None:

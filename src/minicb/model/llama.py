@@ -155,11 +155,17 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         state = backend.prepare(meta)
+        return self.lm_head(self.hidden(x, cos, sin, backend, state, logits_indices))
+
+    def hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+               state, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Every decoder layer, then the final norm: the last hidden state of the rows that will be
+        sampled, what the LM head reads. (A subclass may run the layers another way: ``layer_stack``.)"""
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, backend, state)
         if logits_indices is not None:
             x = x[logits_indices]      # only the rows that will be sampled: skip the big vocab matmul
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
     @property
     def dtype(self) -> torch.dtype:

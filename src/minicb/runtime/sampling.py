@@ -50,8 +50,8 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The first maximum of each row (the first NaN where there is one), as ``argmax`` says. torch's
     bfloat16 argmax is slow on the CPU, and so is widening the logits first; ``max``'s indices are the
     same tokens, read from the logits as they are (``python bench/sampler_rows.py --bfloat16``), and
-    ``cpu_fused.argmax`` the same again in one C pass where it is built (0.97 against ``max``'s 2.6 ms
-    for 64 x 49,152 bfloat16 logits on a Zen 4 core, timed by hand: ``bench/RESULTS.md``)."""
+    ``cpu_fused.argmax`` the same again in one C pass where it is built (1.0 against ``max``'s 2.7 ms
+    for 64 x 49,152 bfloat16 logits on a Zen 4 core: ``python bench/sampler_rows.py --bfloat16``)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2:
         from minicb.model import cpu_fused
 
