@@ -89,8 +89,11 @@ def test_every_stacked_step_equals_the_layers_bit_for_bit(dtype, prompts_on, mon
         assert max(rows) <= 6 and len(rows) < stats.num_steps
 
 
+# prompts on SDPA: their steps fall back to the layers (StackedLlama.hidden's other branch)
+@pytest.mark.parametrize("prompts_on", ["sdpa", "kernel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tokens_with_and_without_the_stack_are_the_same(dtype, monkeypatch):
+def test_tokens_with_and_without_the_stack_are_the_same(dtype, prompts_on, monkeypatch):
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", prompts_on)
     prompts = random_prompts(12, 2, 50, CFG.vocab_size, seed=9)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     runs = []
