@@ -178,6 +178,11 @@ class VllmChild:
         self.proc.stdin.flush()
         return self._read()
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or resume (SIGCONT) the child's whole process group: vLLM's front end, engine
+        core and worker, so that nothing of it runs on the shared core while minicb is timed."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def close(self) -> None:
         """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs. Then
         kill whatever is left of its process group: a child that died (killed on its own) leaves vLLM's
@@ -252,6 +257,8 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=0, help="the core both engines run on (default 0)")
     ap.add_argument("--pin-vllm", action=argparse.BooleanOptionalAction, default=True,
                     help="pin vLLM's whole process tree to --cpu (default), not only its model worker")
+    ap.add_argument("--pause-vllm", action=argparse.BooleanOptionalAction, default=False,
+                    help="stop vLLM's processes (SIGSTOP) while minicb is timed, resume them after")
     ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--minicb", default="", help="LLM() keyword overrides for minicb, k=v,k=v")
@@ -321,13 +328,27 @@ def main() -> None:
                         cold = not args.keep_prefix_cache
                         if child:
                             wait_until_idle(child.proc.pid)     # vLLM's spinning worker, gone quiet
-                        r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold) \
-                            if eng == "vllm" else run_minicb(llm, wl, cold)
+                        idle0 = cpu_seconds_of_tree(child.proc.pid) if child else 0.0
+                        if eng == "vllm":
+                            r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold)
+                        else:
+                            pause = bool(child) and args.pause_vllm
+                            if pause:
+                                child.pause(True)
+                            try:
+                                r = run_minicb(llm, wl, cold)
+                            finally:
+                                if pause:
+                                    child.pause(False)
+                        if eng == "minicb" and child:   # what the idle vLLM took of the shared core meanwhile
+                            r["peer_cpu_seconds"] = cpu_seconds_of_tree(child.proc.pid) - idle0
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                         runs[(wl.name, eng)].append(r)
                         tps = r["tokens"] / r["seconds"]
+                        idle = (f"; the idle vLLM meanwhile {r['peer_cpu_seconds']:.2f} CPU s"
+                                if "peer_cpu_seconds" in r else "")
                         print(f"  [{dtype}] round {rnd + 1} {wl.name} {eng:<7} {tps:7.1f} tokens/s "
-                              f"({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU s)", flush=True)
+                              f"({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU s{idle})", flush=True)
             results[dtype] = {f"{w}/{e}": rs for (w, e), rs in runs.items() if rs}
             if llm is not None:
                 llm.shutdown()

@@ -1,8 +1,12 @@
 """The arithmetic of the benchmark scripts (bench/), which the figures in bench/RESULTS.md rest on."""
 
 import importlib
+import os
 import pathlib
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,3 +97,55 @@ def test_breakdown_attributes_decode_attention_to_the_backend_that_did_it(breakd
     # load-independent: the parts add up to their total
     assert sum(parts[p] for p in ("linear", "attention", "gather", "kernel", "rest")) == pytest.approx(
         parts["total"])
+
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name: [0] the state (R running, S sleeping,
+    T stopped), [2] the process group."""
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_stat(int(entry.name))[2]) == pgid:
+                    out.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return sorted(out)
+
+
+def _until(done) -> None:
+    """Poll ``done`` (signals are delivered asynchronously); at most 2 s, then let the assert say."""
+    for _ in range(200):
+        if done():
+            return
+        time.sleep(0.01)
+
+
+def test_peer_vllm_pauses_the_whole_process_group_and_resumes_it():
+    """``--pause-vllm``: every process of the child's group is stopped while minicb is timed, and runs
+    again after (a child that spins, and a grandchild of it, stand in for vLLM's tree)."""
+    (peer,) = bench_modules("peer_vllm")
+    spin = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+            "print('up', flush=True)\nwhile True: pass")
+    proc = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        group = _group(proc.pid)
+        assert len(group) == 2 and proc.pid in group, group
+        child = peer.VllmChild.__new__(peer.VllmChild)      # only its process: no vLLM started
+        child.proc = proc
+        child.pause(True)
+        _until(lambda: all(_stat(p)[0] == "T" for p in group))
+        assert [_stat(p)[0] for p in group] == ["T", "T"]
+        child.pause(False)
+        _until(lambda: all(_stat(p)[0] != "T" for p in group))
+        assert all(_stat(p)[0] in "RS" for p in group), [_stat(p)[0] for p in group]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
