@@ -32,6 +32,10 @@ Before every timed run the script waits until vLLM's process tree is idle (``wai
 model worker polls its message queue in a busy loop for about a second after each request, and on the
 shared core that loop was charged to minicb's next run (0.6-1.0 s of its 17-45 s, its wall time minus
 its CPU time, before the wait was added).
+Each minicb line also says how much CPU time vLLM's idle tree took meanwhile (its processes share the
+core); ``--pause-vllm`` stops that whole tree (SIGSTOP to its process group) for the length of each
+minicb run and resumes it after (SIGCONT), so the core is minicb's alone, as it is vLLM's during vLLM's
+runs (minicb is then waiting on a pipe).
 vLLM needs ``LD_PRELOAD`` of its bundled ``libiomp5.so`` (found in the venv) and, because it starts
 worker processes with ``spawn``, the ``if __name__ == "__main__"`` guard at the bottom of this file.
 """
