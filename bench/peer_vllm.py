@@ -334,7 +334,9 @@ def main() -> None:
                             wait_until_idle(child.proc.pid)     # vLLM's spinning worker, gone quiet
                         idle0 = cpu_seconds_of_tree(child.proc.pid) if child else 0.0
                         if eng == "vllm":
+                            mine0 = time.process_time()
                             r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold)
+                            r["peer_cpu_seconds"] = time.process_time() - mine0    # minicb's, waiting
                         else:
                             pause = bool(child) and args.pause_vllm
                             if pause:
@@ -349,7 +351,8 @@ def main() -> None:
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                         runs[(wl.name, eng)].append(r)
                         tps = r["tokens"] / r["seconds"]
-                        idle = (f"; the idle vLLM meanwhile {r['peer_cpu_seconds']:.2f} CPU s"
+                        other = "minicb" if eng == "vllm" else "vLLM"
+                        idle = (f"; the idle {other} meanwhile {r['peer_cpu_seconds']:.2f} CPU s"
                                 if "peer_cpu_seconds" in r else "")
                         print(f"  [{dtype}] round {rnd + 1} {wl.name} {eng:<7} {tps:7.1f} tokens/s "
                               f"({r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU s{idle})", flush=True)

@@ -1,0 +1,95 @@
+"""The two ceilings of a float32 step on one core: the core's multiply-add peak and what it reads from
+memory, measured bare, beside what minicb's kernels reach.
+
+    python bench/cpu_ceilings.py            # one thread, best of 5 repeats each, about 20 s
+
+Prints ``lscpu``'s model and flags first, then:
+
+* **FMA peak**: 12 independent chains of the widest fused multiply-add the CPU has, in registers
+  (``cpu_ceilings.c``, built like minicb's kernels with ``-march=native``), GFLOP/s. Beside it, the
+  float32 skinny product (``minicb.model.skinny_gemm``) on SmolLM2's q/k/v shape, 256 rows, its
+  weights in the caches: how close the products minicb spends most of a float32 step in come to it.
+* **Reading memory**: GB/s of reading a 2 GiB buffer in chunks, one after another (1 MiB chunks) and at
+  random places (12 KiB chunks: one 16-token block of one layer's float32 keys in SmolLM2's cache),
+  the latter with and without asking for the chunk 4 ahead (``prefetcht1``) while reading this one. A
+  decode step reads its KV cache the random way; ``bench/decode_kernel.py`` prints the kernel's rate in
+  keys/s (a key is 1.5 KiB of float32 K and V): times 1.5 KiB, it compares with these.
+
+A one-off measurement of the machine as it is now: on a shared host both ceilings move with the
+neighbours (the other hyperthread of the core, other tenants' memory traffic).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import machine_description  # noqa: E402
+
+from minicb.model import ckernels, skinny_gemm  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def probe() -> ctypes.CDLL:
+    lib = ckernels.open_library(ckernels.build(HERE / "cpu_ceilings.c"), "bench/cpu_ceilings.c")
+    lib.fma_seconds.argtypes, lib.fma_seconds.restype = [ctypes.c_int64], ctypes.c_double
+    lib.fma_lanes.restype = ctypes.c_int
+    lib.read_gbps.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                              ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_double)]
+    lib.read_gbps.restype = ctypes.c_double
+    return lib
+
+
+def fma_peak(lib: ctypes.CDLL, repeats: int) -> float:
+    lanes, n = lib.fma_lanes(), 20_000_000
+    if lanes == 0:
+        return float("nan")
+    return max(24 * lanes * n / lib.fma_seconds(n) for _ in range(repeats)) / 1e9
+
+
+def skinny_rate(repeats: int, rows: int = 256, in_f: int = 576, out_f: int = 960) -> float:
+    panels = skinny_gemm.pack(torch.randn(out_f, in_f))
+    x = torch.randn(rows, in_f)
+    skinny_gemm.matmul(x, panels, in_f, out_f)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            skinny_gemm.matmul(x, panels, in_f, out_f)
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return 2 * rows * in_f * out_f / best / 1e9
+
+
+def read_rate(lib: ctypes.CDLL, buf: torch.Tensor, chunk: int, random: bool, ahead: int, repeats: int) -> float:
+    chunks = (1 << 30) // chunk                      # 1 GiB read per repeat
+    sink = ctypes.c_double()
+    return max(lib.read_gbps(buf.data_ptr(), buf.numel(), chunk, chunks, int(random), ahead, 1 + r,
+                             ctypes.byref(sink)) for r in range(repeats))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    repeats = 5
+    print(f"machine: {machine_description()}; one thread, best of {repeats}")
+    lib = probe()
+    peak = fma_peak(lib, repeats)
+    lanes = lib.fma_lanes()
+    print(f"FMA peak ({lanes * 32}-bit vectors, 12 chains): {peak:6.1f} GFLOP/s float32")
+    rate = skinny_rate(repeats)
+    print(f"skinny float32 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "
+          f"({rate / peak:.0%} of the peak)")
+    buf = torch.ones(2 << 30, dtype=torch.uint8)     # 2 GiB: far more than any cache
+    for label, chunk, random, ahead in (("1 MiB chunks, one after another", 1 << 20, False, 0),
+                                        ("12 KiB chunks at random, no prefetch", 12 << 10, True, 0),
+                                        ("12 KiB chunks at random, 4 ahead asked for", 12 << 10, True, 4)):
+        print(f"reading {label:<44} {read_rate(lib, buf, chunk, random, ahead, repeats):6.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
