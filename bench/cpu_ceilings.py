@@ -66,7 +66,8 @@ def skinny_rate(repeats: int, rows: int = 256, in_f: int = 576, out_f: int = 960
     return 2 * rows * in_f * out_f / best / 1e9
 
 
-def read_rate(lib: ctypes.CDLL, buf: torch.Tensor, chunk: int, random: bool, ahead: int, repeats: int) -> float:
+def read_rate(lib: ctypes.CDLL, buf: torch.Tensor, chunk: int, random: bool, ahead: int,
+              repeats: int) -> float:
     chunks = (1 << 30) // chunk                      # 1 GiB read per repeat
     sink = ctypes.c_double()
     return max(lib.read_gbps(buf.data_ptr(), buf.numel(), chunk, chunks, int(random), ahead, 1 + r,
