@@ -2,6 +2,7 @@
 memory, measured bare, beside what minicb's kernels reach.
 
     python bench/cpu_ceilings.py            # one thread, best of 5 repeats each, about 20 s
+    python bench/cpu_ceilings.py --repeats 9
 
 Prints ``lscpu``'s model and flags first, then:
 
@@ -21,6 +22,7 @@ neighbours (the other hyperthread of the core, other tenants' memory traffic).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import pathlib
 import sys
@@ -75,8 +77,10 @@ def read_rate(lib: ctypes.CDLL, buf: torch.Tensor, chunk: int, random: bool, ahe
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many measurements each")
+    repeats = ap.parse_args().repeats
     torch.set_num_threads(1)
-    repeats = 5
     print(f"machine: {machine_description()}; one thread, best of {repeats}")
     lib = probe()
     peak = fma_peak(lib, repeats)
