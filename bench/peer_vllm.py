@@ -32,10 +32,14 @@ Before every timed run the script waits until vLLM's process tree is idle (``wai
 model worker polls its message queue in a busy loop for about a second after each request, and on the
 shared core that loop was charged to minicb's next run (0.6-1.0 s of its 17-45 s, its wall time minus
 its CPU time, before the wait was added).
-Each minicb line also says how much CPU time vLLM's idle tree took meanwhile (its processes share the
-core); ``--pause-vllm`` stops that whole tree (SIGSTOP to its process group) for the length of each
-minicb run and resumes it after (SIGCONT), so the core is minicb's alone, as it is vLLM's during vLLM's
-runs (minicb is then waiting on a pipe).
+Even idle, vLLM's tree wakes on the shared core: 0.6 CPU s during each 33 s float32 W2 run of minicb's
+(eleventh session), in slices that also cost minicb its caches. So by default (``--pause-vllm``) the
+whole tree is stopped (SIGSTOP to its process group) for the length of each minicb run and resumed
+after (SIGCONT), and the core is minicb's alone, as it is vLLM's during vLLM's runs (minicb then waits
+on a pipe, with no thread of its own running). Each line says what the idle engine took meanwhile (0
+when paused). Being paused does not slow vLLM's next run: 15 s paused or 15 s asleep before each of 8
+alternating W1 runs gave the same rates (bench/RESULTS.md, eleventh session). ``--no-pause-vllm``
+leaves it running, as the figures before the eleventh session were taken.
 vLLM needs ``LD_PRELOAD`` of its bundled ``libiomp5.so`` (found in the venv) and, because it starts
 worker processes with ``spawn``, the ``if __name__ == "__main__"`` guard at the bottom of this file.
 """
@@ -261,8 +265,9 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=0, help="the core both engines run on (default 0)")
     ap.add_argument("--pin-vllm", action=argparse.BooleanOptionalAction, default=True,
                     help="pin vLLM's whole process tree to --cpu (default), not only its model worker")
-    ap.add_argument("--pause-vllm", action=argparse.BooleanOptionalAction, default=False,
-                    help="stop vLLM's processes (SIGSTOP) while minicb is timed, resume them after")
+    ap.add_argument("--pause-vllm", action=argparse.BooleanOptionalAction, default=True,
+                    help="stop vLLM's processes (SIGSTOP) while minicb is timed, resume them after "
+                         "(default; --no-pause-vllm leaves the idle vLLM running beside minicb)")
     ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--minicb", default="", help="LLM() keyword overrides for minicb, k=v,k=v")
