@@ -9,12 +9,14 @@ vLLM is optional and never a dependency of minicb: it lives in a virtual environ
 torchvision / torchaudio / torchcodec it pulls in). This script runs in minicb's Python and starts
 *itself* again under the venv's Python as a child (``--serve-vllm``) that holds one vLLM ``LLM`` and
 answers "run this workload" requests over stdin/stdout. So both engines stay loaded, and the runs
-alternate (vLLM W1, minicb W1, vLLM W2, minicb W2, next round ...): a slow spell of the shared
-machine hits both alike. The figures are medians over the rounds, with their ranges. Both engines
-cache prompt prefixes by default, and every round sends the same prompts: so before each run both
-prefix caches are emptied (``reset_prefix_cache()``, vLLM's and minicb's), and every round computes its
-prompts in full, as the first one does (``--keep-prefix-cache`` measures the other thing: how much a
-warm cache saves each engine; minicb's 16-token blocks find more of a repeated prompt than vLLM's).
+alternate (vLLM W1, minicb W1, vLLM W2, minicb W2; the next round minicb first, and so on): a
+slow spell of the shared machine hits both alike, and a host that speeds up or slows down over a
+run does not favour the engine that always goes second. The figures are medians over the rounds,
+with their ranges. Both engines cache prompt prefixes by default, and every round sends the same
+prompts: so before each run both prefix caches are emptied (``reset_prefix_cache()``, vLLM's and
+minicb's), and every round computes its prompts in full, as the first one does
+(``--keep-prefix-cache`` measures the other thing: how much a warm cache saves each engine; minicb's
+16-token blocks find more of a repeated prompt than vLLM's).
 
 What is compared, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped requests) and
 dtype: output tokens/s of one offline ``generate`` call with every request given at once, greedy, EOS ignored,
@@ -33,13 +35,15 @@ model worker polls its message queue in a busy loop for about a second after eac
 shared core that loop was charged to minicb's next run (0.6-1.0 s of its 17-45 s, its wall time minus
 its CPU time, before the wait was added).
 Even idle, vLLM's tree wakes on the shared core: 0.6 CPU s during each 33 s float32 W2 run of minicb's
-(eleventh session), in slices that also cost minicb its caches. So by default (``--pause-vllm``) the
-whole tree is stopped (SIGSTOP to its process group) for the length of each minicb run and resumed
-after (SIGCONT), and the core is minicb's alone, as it is vLLM's during vLLM's runs (minicb then waits
-on a pipe, with no thread of its own running). Each line says what the idle engine took meanwhile (0
-when paused). Being paused does not slow vLLM's next run: 15 s paused or 15 s asleep before each of 8
-alternating W1 runs gave the same rates (bench/RESULTS.md, eleventh session). ``--no-pause-vllm``
-leaves it running, as the figures before the eleventh session were taken.
+(eleventh session), about 2% of it. So by default (``--pause-vllm``) the whole tree is stopped
+(SIGSTOP to its process group) for the length of each minicb run and resumed after (SIGCONT), and the
+core is minicb's alone, as it is vLLM's during vLLM's runs (minicb then waits on a pipe, with no
+thread of its own running). Each line says what the idle engine took meanwhile (0 when paused: the
+reading is taken before the resume). A check that being paused does not slow vLLM's next run (15 s
+paused or 15 s asleep before each of 8 alternating W1 runs) found no slowdown beyond the host's drift
+(bench/RESULTS.md, eleventh session). ``--no-pause-vllm`` leaves it running, as the figures before
+the eleventh session were taken. If this script is killed outright (SIGKILL) while vLLM is paused,
+the stopped vLLM stays behind, holding its memory: ``kill -CONT`` then ``kill`` its process group.
 vLLM needs ``LD_PRELOAD`` of its bundled ``libiomp5.so`` (found in the venv) and, because it starts
 worker processes with ``spawn``, the ``if __name__ == "__main__"`` guard at the bottom of this file.
 """
@@ -89,9 +93,11 @@ def serve_vllm(model_dir: str, dtype: str, max_model_len: int, profile_dir: str 
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in req["output_lens"]]
         if profile_dir and req.get("profile"):
             llm.start_profile()
-        t, c = time.perf_counter(), cpu_seconds_of_tree()
+        c = cpu_seconds_of_tree()             # the /proc scans outside the timed stretch
+        t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        dt, cpu = time.perf_counter() - t, cpu_seconds_of_tree() - c
+        dt = time.perf_counter() - t
+        cpu = cpu_seconds_of_tree() - c
         if profile_dir and req.get("profile"):
             llm.stop_profile()
         _reply({"seconds": dt, "cpu_seconds": cpu, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
@@ -188,13 +194,20 @@ class VllmChild:
 
     def pause(self, paused: bool) -> None:
         """Stop (SIGSTOP) or resume (SIGCONT) the child's whole process group: vLLM's front end, engine
-        core and worker, so that nothing of it runs on the shared core while minicb is timed."""
-        os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        core and worker, so that nothing of it runs on the shared core while minicb is timed. Resuming
+        a group that is gone is not an error (the caller's own error, if any, is the one to see)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+        except ProcessLookupError:
+            if paused:
+                raise
 
     def close(self) -> None:
         """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs. Then
         kill whatever is left of its process group: a child that died (killed on its own) leaves vLLM's
-        worker behind, spinning on the core the next figures are measured on."""
+        worker behind, spinning on the core the next figures are measured on. A paused group is resumed
+        first, or it could not read the request to quit."""
+        self.pause(False)
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
@@ -331,8 +344,11 @@ def main() -> None:
             engines = ["vllm"] * bool(child) + ["minicb"] * (not args.skip_minicb)
             runs = {(wl.name, eng): [] for wl in wls for eng in engines}
             for rnd in range(args.repeats):
+                # vLLM first in odd rounds, minicb first in even ones: a host that speeds up (or slows
+                # down) over a run does not favour whichever engine always goes second
+                order = ("vllm", "minicb") if rnd % 2 == 0 else ("minicb", "vllm")
                 for wl in wls:
-                    for eng in [e for e in ("vllm", "minicb") if e in engines]:
+                    for eng in [e for e in order if e in engines]:
                         last = rnd == args.repeats - 1
                         cold = not args.keep_prefix_cache
                         if child:
@@ -344,15 +360,16 @@ def main() -> None:
                             r["peer_cpu_seconds"] = time.process_time() - mine0    # minicb's, waiting
                         else:
                             pause = bool(child) and args.pause_vllm
-                            if pause:
-                                child.pause(True)
                             try:
+                                if pause:
+                                    child.pause(True)
                                 r = run_minicb(llm, wl, cold)
+                                if child:       # what the idle vLLM took of the shared core meanwhile,
+                                    # read before it is resumed (/proc's clock ticks: 10 ms steps)
+                                    r["peer_cpu_seconds"] = cpu_seconds_of_tree(child.proc.pid) - idle0
                             finally:
                                 if pause:
                                     child.pause(False)
-                        if eng == "minicb" and child:   # what the idle vLLM took of the shared core meanwhile
-                            r["peer_cpu_seconds"] = cpu_seconds_of_tree(child.proc.pid) - idle0
                         assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                         runs[(wl.name, eng)].append(r)
                         tps = r["tokens"] / r["seconds"]
