@@ -149,3 +149,16 @@ def test_peer_vllm_pauses_the_whole_process_group_and_resumes_it():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_peer_vllm_resuming_a_group_that_is_gone_is_not_an_error():
+    """The resume in a ``finally`` must not replace the error that ended minicb's run (or vLLM's death)
+    with its own; stopping a group that is gone is one."""
+    (peer,) = bench_modules("peer_vllm")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    child = peer.VllmChild.__new__(peer.VllmChild)
+    child.proc = proc
+    child.pause(False)
+    with pytest.raises(ProcessLookupError):
+        child.pause(True)
