@@ -256,10 +256,20 @@ class Server:
         quiet = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
-            # uvicorn re-raises the signal it caught once it has shut down, with the handler that was
-            # there before it: make that one harmless, so a graceful shutdown ends with exit code 0
+            # Until uvicorn installs its own handlers (after the collection below and its start-up), a
+            # signal must not be lost: the listening line is already printed, and a Ctrl-C or SIGTERM
+            # sent on seeing it would otherwise leave the server running. So it goes where uvicorn's
+            # handler would send it (should_exit set before start-up: uvicorn returns right after it).
+            # uvicorn also re-raises the signal it caught once it has shut down, with the handler that
+            # was there before it: once it has started, that one is harmless (exit code 0).
+            uv = self._uvicorn
+
+            def early(sig, frame) -> None:
+                if not uv.started:
+                    uv.handle_exit(sig, frame)
+
             for sig in quiet:
-                signal.signal(sig, _ignore)
+                signal.signal(sig, early)
         # What exists now (the model, the tokenizer, every import) lives as long as the server: take it
         # out of the garbage collector's scans. A full collection runs on whichever thread allocates at
         # that moment (the engine thread, the event loop) and holds the GIL while it walks every tracked
@@ -335,7 +345,3 @@ class Server:
         self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(self.shutdown_timeout + 10.0 if timeout is None else timeout)
-
-
-def _ignore(signum, frame) -> None:
-    pass
