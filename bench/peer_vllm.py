@@ -353,13 +353,13 @@ def main() -> None:
                         cold = not args.keep_prefix_cache
                         if child:
                             wait_until_idle(child.proc.pid)     # vLLM's spinning worker, gone quiet
-                        idle0 = cpu_seconds_of_tree(child.proc.pid) if child else 0.0
                         if eng == "vllm":
                             mine0 = time.process_time()
                             r = child.run(wl.prompts, wl.output_lens, last and bool(args.profile_vllm), cold)
                             r["peer_cpu_seconds"] = time.process_time() - mine0    # minicb's, waiting
                         else:
                             pause = bool(child) and args.pause_vllm
+                            idle0 = cpu_seconds_of_tree(child.proc.pid) if child else 0.0
                             try:
                                 if pause:
                                     child.pause(True)
