@@ -584,3 +584,45 @@ def test_a_dead_engine_answers_503_with_the_reason_to_everyone_and_health_says_s
         status, _, got = http("GET", url + "/health")
         assert status == 503 and "injected" in got["error"]["message"], got
         assert server.exit_code == 1
+
+
+def test_health_asked_while_the_fatal_step_runs_says_503_not_the_dead_engines_counts(gguf):
+    """/health checks ``dead``, then asks the engine thread for its counts between two steps. Asked while
+    the step that kills the engine runs, its question is answered after that step: the counts are a
+    dead engine's (nothing running), and the answer must still be the 503, not ``"ok"``."""
+    box = {"armed": False}
+    in_step, release = threading.Event(), threading.Event()
+
+    def hook(engine):
+        inner = engine.step
+
+        def step():
+            if box["armed"]:
+                in_step.set()
+                release.wait(30)                     # a hang guard: the test releases it at once
+                raise EngineDeadError("injected: the rank died mid-step")
+            return inner()
+
+        engine.step = step
+
+    with running_server(gguf, engine_hook=hook, **SMALL) as (server, url):
+        server.exit_on_engine_death = False
+        c = client(url)
+        stream = c.completions.create(model=MODEL, prompt=[5, 6], max_tokens=150, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        box["armed"] = True
+        assert in_step.wait(30)                      # a hang guard
+        asked: list = []
+        t = threading.Thread(target=lambda: asked.append(http("GET", url + "/health")))
+        t.start()
+        wait_for(lambda: server.engine_thread.num_pending >= 1, what="/health's question posted")
+        release.set()
+        t.join(30)
+        status, _, got = asked[0]
+        assert status == 503 and got["error"]["code"] == "engine_dead", (status, got)
+        assert "injected: the rank died mid-step" in got["error"]["message"], got
+        with pytest.raises(Exception, match="injected"):
+            for _ in it:
+                pass

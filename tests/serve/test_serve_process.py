@@ -339,8 +339,8 @@ def test_a_real_engine_failure_ends_every_request_with_a_503_and_exits_1(serve):
     ranks (``--tp 2``) and rank 1's process is killed (SIGKILL) while a stream and a non-stream
     request run. Rank 0's next all-reduce fails, the step raises ``DistributedError``, the engine is
     dead: the stream ends with OpenAI's error object (``engine_dead``, the reason) and ``[DONE]``, the
-    non-stream client gets that error object with a 503, ``/health`` answers 503 while the server
-    shuts down, and the process exits with code 1 saying why."""
+    non-stream client gets that error object with a 503, ``/health`` answers 503 (or nothing, once the
+    server has stopped listening), and the process exits with code 1 saying why."""
     if not os.path.exists("/proc/self/task"):
         unavailable("finding the rank's process reads /proc (Linux)")
     p = serve("--tp", "2", "--frontend-workers", "1", "--shutdown-timeout", "30")
@@ -367,7 +367,8 @@ def test_a_real_engine_failure_ends_every_request_with_a_503_and_exits_1(serve):
         while True:
             try:
                 status, _, got = http("GET", p.url + "/health", timeout=30)   # a hang guard
-            except OSError:
+            except OSError as e:
+                health.append((None, e))      # no answer: the server stopped listening
                 return
             health.append((status, got))
             if status != 200:
@@ -390,7 +391,17 @@ def test_a_real_engine_failure_ends_every_request_with_a_503_and_exits_1(serve):
     status, _, got = whole[0]
     assert status == 503 and got["error"]["code"] == "engine_dead" and "DistributedError" in \
         got["error"]["message"], (status, got)
-    assert health and health[-1][0] == 503 and "engine" in health[-1][1]["error"]["message"], health[-3:]
+    # /health: 200 until the engine's death, then a 503 saying so, or no answer at all once uvicorn has
+    # stopped listening. A 503 can be seen only until uvicorn's next tick (0.1 s) closes the listening
+    # socket, and a busy machine can keep the poller from asking in that window, so either end is
+    # accepted here; test_serve_hostile's dead-engine test keeps the server up and asserts the 503.
+    *before, (status, got) = health
+    # an "ok" counts both requests as running: never a dead engine's empty counts (test_serve_hostile's
+    # test_health_asked_while_the_fatal_step_runs_says_503_not_the_dead_engines_counts pins that race)
+    assert all(s == 200 and g["num_requests_running"] == 2 for s, g in before), health[-3:]
+    assert status in (503, None), health[-3:]
+    if status == 503:
+        assert "engine" in got["error"]["message"] and "DistributedError" in got["error"]["message"], got
     wait_for(lambda: not any(_alive(c) for c in family), what="no process left behind")
 
 

@@ -114,17 +114,23 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        body = None
+        if server.engine_thread.dead is None and not server.draining:
+            try:
+                fut = server.engine_thread.call(_health)
+                body = await asyncio.wait_for(asyncio.wrap_future(fut), HEALTH_TIMEOUT_S)
+            except (asyncio.TimeoutError, RuntimeError):
+                pass
+        # asked again after the engine thread answered: it may have run the step that killed the engine
+        # (or begun the shutdown) between the question above and the call; its counts are stale then
         if server.engine_thread.dead is not None:
             raise ApiError(503, f"the engine is dead: {server.engine_thread.dead}",
                            "service_unavailable_error", code="engine_dead")
         if server.draining:
             raise ApiError(503, "the server is shutting down", "service_unavailable_error",
                            code="server_shutting_down")
-        try:
-            fut = server.engine_thread.call(_health)
-            body = await asyncio.wait_for(asyncio.wrap_future(fut), HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError):
-            raise ApiError(503, "the engine thread does not answer", "service_unavailable_error") from None
+        if body is None:
+            raise ApiError(503, "the engine thread does not answer", "service_unavailable_error")
         body["engine_busy_s"] = round(server.engine_thread.busy_seconds, 6)
         body["live_listener_s"] = round(server.live.listener_seconds, 6)
         body["live_frame_s"] = round(server.live.frame_seconds, 6)
