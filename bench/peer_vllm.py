@@ -148,6 +148,17 @@ def wait_until_idle(pid: int, limit_s: float = 15.0) -> float:
     return time.perf_counter() - t0
 
 
+def pause_group(pgid: int, paused: bool) -> None:
+    """Stop (SIGSTOP) or resume (SIGCONT) every process of a process group: an idle engine's tree takes
+    nothing of a shared core while it is stopped. Resuming a group that is gone is not an error (the
+    caller's own error, if any, is the one to see); stopping one is."""
+    try:
+        os.killpg(pgid, signal.SIGSTOP if paused else signal.SIGCONT)
+    except ProcessLookupError:
+        if paused:
+            raise
+
+
 def _reply(obj: dict) -> None:
     sys.stdout.write(REPLY + json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -193,14 +204,9 @@ class VllmChild:
         return self._read()
 
     def pause(self, paused: bool) -> None:
-        """Stop (SIGSTOP) or resume (SIGCONT) the child's whole process group: vLLM's front end, engine
-        core and worker, so that nothing of it runs on the shared core while minicb is timed. Resuming
-        a group that is gone is not an error (the caller's own error, if any, is the one to see)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
-        except ProcessLookupError:
-            if paused:
-                raise
+        """Stop or resume the child's whole process group: vLLM's front end, engine core and worker, so
+        that nothing of it runs on the shared core while minicb is timed (``pause_group``)."""
+        pause_group(self.proc.pid, paused)
 
     def close(self) -> None:
         """Ask the child to quit (vLLM then stops its engine core and worker); kill it if it hangs. Then

@@ -23,7 +23,9 @@ child before it execs; vLLM's OpenMP thread also via ``VLLM_CPU_OMP_THREADS_BIND
 and, at each rate, get the same requests in turn, so a slow spell of the shared machine hits all alike.
 An idle server sleeps, but not at once: vLLM's model worker polls its message queue in a busy loop for
 about a second after its last request, on the core the next server's turn runs on; so before every turn
-the script waits until every server's process tree has gone idle (``peer_vllm.wait_until_idle``).
+the script waits until every server's process tree has gone idle (``peer_vllm.wait_until_idle``),
+and then stops the others (SIGSTOP to each one's process group) for the turn, resuming them after
+(``--pause-idle``, the default): an idle vLLM's heartbeats took ~2% of the core in ``peer_vllm.py``.
 
 The load: W2's 64 requests (``bench/workloads.py``: ShareGPT lengths, at most 256 prompt tokens, 1-128
 output tokens, EOS ignored), sent as streaming ``/v1/completions`` at Poisson arrival times of each
@@ -37,6 +39,7 @@ summary). The header names the CPU (model, avx512_bf16, amx flags) before any fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -53,7 +56,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from peer_vllm import wait_until_idle  # noqa: E402
+from peer_vllm import pause_group, wait_until_idle  # noqa: E402
 
 from serve import poisson_arrivals, run_load, summarize, w2_for_run  # noqa: E402
 
@@ -89,9 +92,15 @@ class Server:
                 raise SystemExit(f"{name} not ready after {timeout_s:.0f} s; see {self.log.name}")
             time.sleep(1)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or resume (SIGCONT) the server's whole process group (``pause_group``)."""
+        pause_group(self.proc.pid, paused)
+
     def close(self) -> None:
         """Stop the server, then whatever is left of its process group (vLLM's engine core and worker
-        outlive a front end that dies first, and would spin on the core the next figures use)."""
+        outlive a front end that dies first, and would spin on the core the next figures use). A paused
+        group is resumed first, or it could not act on the SIGTERM."""
+        self.pause(False)
         self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
@@ -103,6 +112,23 @@ class Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.log.close()
+
+
+@contextlib.contextmanager
+def others_paused(driven: Server, servers: list[Server], pause: bool = True):
+    """While ``driven`` is measured, every other server's process group is stopped: an idle server's
+    timers and heartbeats (vLLM's took ~2% of the core offline, ``bench/peer_vllm.py``) take nothing of
+    the core they share. Resumed after, whatever happened (a group that is gone is not an error)."""
+    others = [s for s in servers if s is not driven] if pause else []
+    stopped = []
+    try:
+        for s in others:
+            s.pause(True)
+            stopped.append(s)
+        yield others
+    finally:
+        for s in stopped:
+            s.pause(False)
 
 
 def start_minicb(args) -> Server:
@@ -179,6 +205,9 @@ def main() -> None:
     ap.add_argument("--llama-server", help="a llama.cpp llama-server binary (optional)")
     ap.add_argument("--llama-gguf", help="the F32 / BF16 GGUF llama-server loads")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--pause-idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="stop (SIGSTOP) the servers not being measured, resume them after (default; "
+                         "--no-pause-idle leaves them running beside the measured one)")
     args = ap.parse_args()
     # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so that the servers are closed below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -205,7 +234,8 @@ def main() -> None:
             for s in servers:
                 for other in servers:
                     wait_until_idle(other.proc.pid)
-                recs = run_load(s.url, s.model, prompts, outputs, arrivals)
+                with others_paused(s, servers, args.pause_idle):
+                    recs = run_load(s.url, s.model, prompts, outputs, arrivals)
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
                 row = {"system": s.name, "rate": rate, **summarize(recs), "load_avg": os.getloadavg()[0]}

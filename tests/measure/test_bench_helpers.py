@@ -126,16 +126,27 @@ def _until(done) -> None:
         time.sleep(0.01)
 
 
-def test_peer_vllm_pauses_the_whole_process_group_and_resumes_it():
-    """``--pause-vllm``: every process of the child's group is stopped while minicb is timed, and runs
-    again after (a child that spins, and a grandchild of it, stand in for vLLM's tree)."""
-    (peer,) = bench_modules("peer_vllm")
+def _spinning_group() -> subprocess.Popen:
+    """A process that spins, and a grandchild of it that spins too, in a process group of their own:
+    the stand-in for an engine's tree (vLLM's front end, engine core and worker)."""
     spin = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
             "print('up', flush=True)\nwhile True: pass")
     proc = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def _states(pgid: int) -> list[str]:
+    return [_stat(p)[0] for p in _group(pgid)]
+
+
+def test_peer_vllm_pauses_the_whole_process_group_and_resumes_it():
+    """``--pause-vllm``: every process of the child's group is stopped while minicb is timed, and runs
+    again after (a child that spins, and a grandchild of it, stand in for vLLM's tree)."""
+    (peer,) = bench_modules("peer_vllm")
+    proc = _spinning_group()
     try:
-        assert proc.stdout.readline().strip() == "up"
         group = _group(proc.pid)
         assert len(group) == 2 and proc.pid in group, group
         child = peer.VllmChild.__new__(peer.VllmChild)      # only its process: no vLLM started
@@ -162,3 +173,42 @@ def test_peer_vllm_resuming_a_group_that_is_gone_is_not_an_error():
     child.pause(False)
     with pytest.raises(ProcessLookupError):
         child.pause(True)
+
+
+def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
+    """``--pause-idle``: while one server is driven, every other server's whole group is stopped; all
+    run again after, also when the turn ends in an error; ``--no-pause-idle`` stops nothing."""
+    (sp,) = bench_modules("serve_peers")
+    procs = [_spinning_group() for _ in range(3)]
+    try:
+        servers = []
+        for proc in procs:
+            server = sp.Server.__new__(sp.Server)      # only its process: nothing is served
+            server.proc = proc
+            servers.append(server)
+        a, b, c = servers
+
+        def stopped() -> list[list[bool]]:
+            return [[st == "T" for st in _states(p.proc.pid)] for p in servers]
+
+        def none_stopped() -> bool:
+            return not any(any(row) for row in stopped())
+
+        with sp.others_paused(b, servers) as others:
+            assert others == [a, c]
+            _until(lambda: stopped() == [[True] * 2, [False] * 2, [True] * 2])
+            assert stopped() == [[True] * 2, [False] * 2, [True] * 2]
+        _until(none_stopped)
+        assert none_stopped(), stopped()
+        with pytest.raises(RuntimeError, match="the turn failed"), sp.others_paused(a, servers):
+            raise RuntimeError("the turn failed")
+        _until(none_stopped)
+        assert none_stopped(), stopped()
+        with sp.others_paused(a, servers, pause=False) as others:
+            assert others == []
+            time.sleep(0.05)                            # a stop, had one been sent, lands by then
+            assert none_stopped(), stopped()
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
