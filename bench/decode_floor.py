@@ -12,7 +12,8 @@ read bandwidth``. This script measures both on this machine and prints that floo
   half the size of float32 ones; a bfloat16 model on the ``mkl`` path reads float32 copies), plus the
   LM head, which is most of SmolLM2's small matrices' total;
 * the bandwidth: ``torch.sum`` over a 256 MB float32 tensor on one thread, best of five (a read-only
-  pass: what streaming a weight costs).
+  pass: what streaming a weight costs), on the same kind of pages as the weights (huge pages where the
+  OS allows them, ``model/host_memory.py``; they read ~25% faster on the Zen 4 VM of RESULTS.md).
 
 Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine until every prompt is
 in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
@@ -48,13 +49,16 @@ import minicb.model.layer_stack as layer_stack  # noqa: E402
 import minicb.runtime.runner as runner_module  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.model import host_memory  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.runtime.sampling import Sampler  # noqa: E402
 
 
 def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """One thread's read bandwidth in GB/s: ``torch.sum`` over a float32 tensor, best of ``repeats``."""
-    x = torch.ones(megabytes * 2 ** 20 // 4)
+    """One thread's read bandwidth in GB/s: ``torch.sum`` over a float32 tensor, best of ``repeats``; the
+    tensor on the pages the skinny kernel's weights get (``host_memory.on_huge_pages``: 2 MiB pages
+    where the OS allows them, which read faster; ``MINICB_HUGE_PAGES=0``: plain ones)."""
+    x = host_memory.on_huge_pages(torch.ones(megabytes * 2 ** 20 // 4))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -121,7 +125,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(cpu_header())
     bw = read_bandwidth()
-    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {bw:.1f} GB/s")
+    pages = "2 MiB pages" if host_memory.huge_pages_enabled() else "plain pages"
+    print(f"one thread's read bandwidth (torch.sum over 256 MB on {pages}, best of 5): {bw:.1f} GB/s")
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
         model = load_smollm2(dtype)

@@ -29,7 +29,7 @@ packed weight is read once per call and nothing is copied.
 
 ``--pool-pages`` writes W2's K/V (10,705 tokens, 30 layers, K and V) into a fresh SmolLM2-sized pool
 (2,912 blocks of 16, float32, 2.1 GB) the way the engine does (a step's rows at a time, layer by
-layer), once into ``kv_cache.lazy_zeros`` (plain lazily mapped pages) and once into numpy's ``zeros``
+layer), once into ``host_memory.lazy_zeros`` (plain lazily mapped pages) and once into numpy's ``zeros``
 (which asks for transparent huge pages), each in a fresh process: seconds, page faults, and the huge
 pages the process ended with.
 """
@@ -172,7 +172,7 @@ def scaling() -> None:
 POOL_CHILD = """
 import resource, sys, time
 import numpy as np, torch
-from minicb.model.kv_cache import lazy_zeros
+from minicb.model.host_memory import lazy_zeros
 torch.set_num_threads(1)
 shape = (30, 2, 2912 * 16, 3, 64)
 if sys.argv[1] == "numpy":

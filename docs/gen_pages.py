@@ -45,7 +45,8 @@ API_MODULES = [
         ("sampling_params", "core.sampling_params"), ("structured_outputs", "core.structured_outputs"),
         ("errors", "core.errors")]),
     ("Model side", [
-        ("packer", "runtime.packer"), ("kv_cache", "model.kv_cache"), ("kv_budget", "core.kv_budget"),
+        ("packer", "runtime.packer"), ("kv_cache", "model.kv_cache"), ("model.host_memory", "model.host_memory"),
+        ("kv_budget", "core.kv_budget"),
         ("model.llama", "model.llama"), ("model.attention", "model.attention"),
         ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
         ("model.cpu_linear", "model.cpu_linear"), ("model.skinny_gemm", "model.skinny_gemm"),

@@ -12,12 +12,14 @@ import dataclasses
 import pytest
 import torch
 
+import minicb.model.host_memory as host_memory
 import minicb.model.kv_cache as kv_cache
 from helpers import TINY, baseline_tokens, run_engine, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.sampling_params import SamplingParams
-from minicb.model.kv_cache import KVCache, check_pool_memory, lazy_zeros
+from minicb.model.host_memory import lazy_zeros
+from minicb.model.kv_cache import KVCache, check_pool_memory
 
 
 def small_cache(num_layers=3, num_blocks=4, block_size=2, kv_heads=1, head_dim=2, host=0) -> KVCache:
@@ -121,8 +123,8 @@ def test_lazy_zeros_on_a_gpu_asks_the_device_allocator(monkeypatch):
         calls.append((tuple(shape), dtype, str(device)))
         return torch.empty(0)
 
-    monkeypatch.setattr(kv_cache.torch, "zeros", fake_zeros)
-    monkeypatch.setattr(kv_cache.mmap, "mmap", lambda *a, **k: pytest.fail("mmap used for a GPU pool"))
+    monkeypatch.setattr(host_memory.torch, "zeros", fake_zeros)
+    monkeypatch.setattr(host_memory.mmap, "mmap", lambda *a, **k: pytest.fail("mmap used for a GPU pool"))
     lazy_zeros((2, 3), torch.float16, "cuda")
     assert calls == [((2, 3), torch.float16, "cuda")]
 

@@ -11,7 +11,8 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
    LM head alone packed;
 3. on the oneDNN paths, the products of steps of up to so many rows (decode steps, and on most
    CPUs prompt chunks too) on the skinny kernel, where ``skinny_gemm.choose_rows`` says the CPU runs it well
-   (``MINICB_SKINNY_ROWS`` pins it);
+   (``MINICB_SKINNY_ROWS`` pins it), its weights on 2 MiB pages where the OS allows them
+   (``host_memory``; ``MINICB_HUGE_PAGES=0`` keeps plain ones);
 4. with all of those, the decoder layers of a step whose rows are all decode-kernel rows in one C
    call (``layer_stack``; ``MINICB_LAYER_STACK=0`` keeps the layers' own calls).
 

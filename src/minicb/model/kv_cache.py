@@ -16,36 +16,10 @@ host) can still give *before* they are allocated (``minicb.core.memory``): ``num
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
 from minicb.core.memory import available_cpu_bytes, check_fits
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros. On the CPU they are an anonymous ``mmap``, whose pages the OS maps, zero-filled, only when
-    first written: a pool sized for the worst case costs neither time nor memory until used.
-
-    Plain pages, on purpose: numpy's ``zeros`` (what this used before) asks for transparent huge pages
-    on large arrays, so the first write into each 2 MiB stretch makes the kernel find and zero-fill a
-    whole huge page. A pool is written sparsely (each layer's K and V are separate regions, a few
-    blocks of each at a time), and on the VM of ``bench/RESULTS.md`` writing W2's K/V into a fresh
-    pool took 1.8 s with huge pages against 0.6 s with plain ones
-    (``python bench/step_parts.py --pool-pages``). Private pages, too: ``mmap``'s default is a shared
-    mapping, which Linux backs with shared memory, whose first touch costs more (W2's cache writes:
-    0.73 s private against 0.92 s shared, ``python bench/step_parts.py``); nothing else maps the pool."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.from_numpy(np.frombuffer(buf, np.uint8)).view(dtype).view(shape)
+from minicb.model.host_memory import lazy_zeros
 
 
 class KVCache:

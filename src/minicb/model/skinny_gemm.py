@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minicb.model import ckernels
+from minicb.model import ckernels, host_memory
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
@@ -95,7 +95,8 @@ def _c_function(dtype: torch.dtype):
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (float32 or bfloat16) as the kernel's panels: ``[panels, in, 64]`` in float32,
     ``[panels, in / 2, 64, 2]`` in bfloat16; outputs padded with zeros to a multiple of 64, and a
-    bfloat16 weight's inputs to an even count."""
+    bfloat16 weight's inputs to an even count. Contiguous, on huge pages where the OS allows them
+    (``host_memory.on_huge_pages``)."""
     if weight.dtype not in DTYPES or weight.dim() != 2:
         raise ValueError(f"skinny_gemm.pack takes a 2-D float32 or bfloat16 weight, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -105,8 +106,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     w = F.pad(weight.detach().cpu(), (0, in_f % 2 if pairs else 0, 0, (-out_f) % width))
     n_out, n_in = w.shape
     if pairs:
-        return w.reshape(n_out // width, width, n_in // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return w.reshape(n_out // width, width, n_in).permute(0, 2, 1).contiguous()
+        panels = w.reshape(n_out // width, width, n_in // 2, 2).permute(0, 2, 1, 3)
+    else:
+        panels = w.reshape(n_out // width, width, n_in).permute(0, 2, 1)
+    return host_memory.on_huge_pages(panels)      # every step streams them: 2 MiB pages where allowed
 
 
 def panels_shape(in_features: int, out_features: int, dtype: torch.dtype) -> tuple[int, ...]:
