@@ -54,11 +54,14 @@ from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.runtime.sampling import Sampler  # noqa: E402
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+def read_bandwidth(megabytes: int = 256, repeats: int = 5, plain: bool = False) -> float:
     """One thread's read bandwidth in GB/s: ``torch.sum`` over a float32 tensor, best of ``repeats``; the
     tensor on the pages the skinny kernel's weights get (``host_memory.on_huge_pages``: 2 MiB pages
-    where the OS allows them, which read faster; ``MINICB_HUGE_PAGES=0``: plain ones)."""
-    x = host_memory.on_huge_pages(torch.ones(megabytes * 2 ** 20 // 4))
+    where the OS allows them, which read faster; ``MINICB_HUGE_PAGES=0``: plain ones), or on plain
+    pages whatever they get (``plain``)."""
+    x = torch.ones(megabytes * 2 ** 20 // 4)
+    if not plain:
+        x = host_memory.on_huge_pages(x)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -19,29 +19,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_header, load_smollm2  # noqa: E402
-from decode_floor import decode_steps  # noqa: E402
+from decode_floor import decode_steps, read_bandwidth  # noqa: E402
 
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.model import host_memory  # noqa: E402
-
-
-def read_rate(huge: bool, megabytes: int = 256, repeats: int = 5) -> float:
-    """GB/s of one ``torch.sum`` over ``megabytes`` on huge pages or plain ones, best of ``repeats``."""
-    x = torch.ones(megabytes * 2 ** 20 // 4)
-    if huge:
-        x = host_memory.on_huge_pages(x)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.sum(x)
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
 
 
 def main() -> None:
@@ -55,8 +41,8 @@ def main() -> None:
     os.environ.pop("MINICB_HUGE_PAGES", None)
     if not host_memory.huge_pages_enabled():
         raise SystemExit("huge pages are not available here (not Linux, or transparent huge pages 'never')")
-    print(f"one thread's read rate over 256 MB: plain pages {read_rate(False):.1f} GB/s, "
-          f"2 MiB pages {read_rate(True):.1f} GB/s")
+    print(f"one thread's read rate over 256 MB: plain pages {read_bandwidth(plain=True):.1f} GB/s, "
+          f"2 MiB pages {read_bandwidth():.1f} GB/s")
     batches = [int(b) for b in args.batches.split(",")]
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
