@@ -132,3 +132,22 @@ def test_without_madv_hugepage_nothing_is_advised(monkeypatch, tmp_path):
     monkeypatch.setattr(host_memory, "_THP_SWITCH", str(tmp_path / "enabled"))
     monkeypatch.delattr(host_memory.mmap, "MADV_HUGEPAGE", raising=False)
     assert host_memory.huge_pages_enabled() is False
+
+
+def test_a_refused_advice_still_gives_the_copy(monkeypatch):
+    """A kernel without huge pages (or a sandbox) answers ``madvise`` with an error: the weights are
+    copied all the same, onto plain pages."""
+    advised = []
+
+    class Refusing(bytearray):
+        def madvise(self, *args):
+            advised.append(args)
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(host_memory, "huge_pages_enabled", lambda: True)
+    monkeypatch.setattr(host_memory.mmap, "mmap", lambda _fd, n, **_kw: Refusing(n))
+    monkeypatch.setattr(host_memory.mmap, "MADV_HUGEPAGE", 14, raising=False)
+    monkeypatch.setattr(host_memory, "_ARENA", host_memory._Arena())
+    t = torch.randn(3 * MIB // 4)
+    out = host_memory.on_huge_pages(t)
+    assert advised and torch.equal(out, t) and out.data_ptr() != t.data_ptr()

@@ -128,5 +128,8 @@ def _mapped(nbytes: int, huge: bool) -> torch.Tensor:
     whole = np.frombuffer(buf, np.uint8)
     skip = (-whole.ctypes.data) % HUGE_PAGE if huge else 0
     if huge and nbytes >= HUGE_PAGE:
-        buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % HUGE_PAGE)
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % HUGE_PAGE)
+        except OSError:           # a kernel built without huge pages, a sandbox that refuses: plain ones
+            pass
     return torch.from_numpy(whole[skip:skip + nbytes])
