@@ -15,22 +15,14 @@ import torch
 
 from minicb.model import host_memory, skinny_gemm
 from preconditions import unavailable
+from proc_maps import mapping_of
 
 MIB = 1 << 20
 
 
 def _flags_at(address: int) -> list[str]:
-    """The ``VmFlags`` of the ``/proc/self/smaps`` mapping that holds ``address``."""
-    found = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:            # a new mapping: "start-end perms ..."
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                found = lo <= address < hi
-            elif found and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """The ``VmFlags`` of the mapping that holds ``address``."""
+    return mapping_of(address)["VmFlags"].split()
 
 
 @pytest.fixture
