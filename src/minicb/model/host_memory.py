@@ -27,6 +27,8 @@ platform has no ``MADV_HUGEPAGE`` (not Linux), or the kernel says ``never``, not
 
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import threading
@@ -53,7 +55,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     0.73 s private against 0.92 s shared, ``python bench/step_parts.py``); nothing else maps the pool."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = _nbytes(shape, dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return _mapped(nbytes, huge=False).view(dtype).view(shape)
@@ -64,8 +66,14 @@ def huge_pages_enabled() -> bool:
     platform has no ``MADV_HUGEPAGE`` or the kernel's transparent huge pages are ``never``."""
     if os.environ.get("MINICB_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
+    return _kernel_allows(_THP_SWITCH)
+
+
+@functools.cache
+def _kernel_allows(switch: str) -> bool:
+    """The kernel's transparent-huge-page switch, read once (a load asks for every packed layer)."""
     try:
-        with open(_THP_SWITCH) as f:
+        with open(switch) as f:
             return "[never]" not in f.read()
     except OSError:
         return False
@@ -105,13 +113,6 @@ class _Arena:
 
 
 _ARENA = _Arena()
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    return nbytes
 
 
 def _mapped(nbytes: int, huge: bool) -> torch.Tensor:
