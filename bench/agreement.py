@@ -33,8 +33,8 @@ from gpu_check import first_divergence_margin  # noqa: E402
 
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
+from minicb.fastpaths.cpu_linear import linear_path  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
-from minicb.model.cpu_linear import linear_path  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
 from minicb.model.weights.loader import load_model  # noqa: E402
 

@@ -55,7 +55,7 @@ def cpu_model() -> str:
 
 def cpu_header() -> str:
     """The CPU a figure was measured on: its model and the matrix-relevant flags (every figure names it)."""
-    from minicb.model.cpu_linear import cpu_flags, fast_bf16_matmul
+    from minicb.fastpaths.cpu_linear import cpu_flags, fast_bf16_matmul
 
     flags = " ".join(cpu_flags()) or "none of avx2/avx512/bf16/amx"
     return f"CPU: {cpu_model()}; flags: {flags}; oneDNN bfloat16 matmul native: {fast_bf16_matmul()}"
@@ -68,6 +68,6 @@ def machine_description() -> str:
 
 
 def _flags() -> list[str]:
-    from minicb.model.cpu_linear import cpu_flags
+    from minicb.fastpaths.cpu_linear import cpu_flags
 
     return cpu_flags()

@@ -8,7 +8,7 @@ Prints ``lscpu``'s model and flags first, then:
 
 * **FMA peak**: 12 independent chains of the widest fused multiply-add the CPU has, in registers
   (``cpu_ceilings.c``, built like minicb's kernels with ``-march=native``), GFLOP/s. Beside it, the
-  float32 skinny product (``minicb.model.skinny_gemm``) on SmolLM2's q/k/v shape, 256 rows, its
+  float32 skinny product (``minicb.fastpaths.skinny_gemm``) on SmolLM2's q/k/v shape, 256 rows, its
   weights in the caches: how close the products minicb spends most of a float32 step in come to it.
 * **Reading memory**: GB/s of reading a 2 GiB buffer in chunks, one after another (1 MiB chunks) and at
   random places (12 KiB chunks: one 16-token block of one layer's float32 keys in SmolLM2's cache),
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 
-from minicb.model import ckernels, skinny_gemm  # noqa: E402
+from minicb.fastpaths import ckernels, skinny_gemm  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 

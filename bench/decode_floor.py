@@ -43,13 +43,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import cpu_header, load_smollm2  # noqa: E402
 from step_parts import SECONDS, timed  # noqa: E402  (the same timers)
 
-import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
-import minicb.model.cpu_linear as cl  # noqa: E402
-import minicb.model.layer_stack as layer_stack  # noqa: E402
+import minicb.fastpaths.cpu_linear as cl  # noqa: E402
+import minicb.fastpaths.cpu_paged as cpu_paged  # noqa: E402
+import minicb.fastpaths.layer_stack as layer_stack  # noqa: E402
 import minicb.runtime.runner as runner_module  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
-from minicb.model import host_memory  # noqa: E402
+from minicb.fastpaths import host_memory  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.runtime.sampling import Sampler  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python bench/decode_kernel.py                         # the kernel minicb builds, float32, one thread
     python bench/decode_kernel.py --dtype bfloat16
-    git show 0936cfe:src/minicb/model/backends/paged_decode.c > /tmp/old.c
+    git show 0936cfe:src/minicb/fastpaths/csrc/paged_decode.c > /tmp/old.c
     python bench/decode_kernel.py --compare /tmp/old.c --compare-flags=-ffp-contract=off   # beside another
 
 The step: 64 decode rows with contexts drawn uniformly from 60-259 keys (about 10,700 keys in all;
@@ -18,7 +18,7 @@ scores and weighted values), and the largest difference between the kernels' out
 with ``ckernels.FLAGS`` plus ``--compare-flags`` (default: the flags minicb's kernel is built with).
 The kernel's portable loops beside its AVX2 path, from the same file::
 
-    python bench/decode_kernel.py --compare src/minicb/model/backends/paged_decode.c \
+    python bench/decode_kernel.py --compare src/minicb/fastpaths/csrc/paged_decode.c \
         --compare-flags="-ffp-contract=fast -fno-trapping-math -DDECODE_AVX2=0"
 
 ``--resident`` times the arithmetic alone: every row reads the same 8 blocks (128 keys, 192 KB of
@@ -48,8 +48,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import machine_description  # noqa: E402
 
-from minicb.model import ckernels  # noqa: E402
-from minicb.model.backends import cpu_paged  # noqa: E402
+from minicb.fastpaths import (
+    ckernels,  # noqa: E402
+    cpu_paged,  # noqa: E402
+)
 
 LAYERS, NUM_BLOCKS, BLOCK, Q_HEADS, KV_HEADS, HEAD_DIM, ROWS = 30, 2912, 16, 9, 3, 64, 64
 

@@ -1,4 +1,4 @@
-"""What the fused CPU ops (``minicb.model.cpu_fused``) save: per op, and on a cold W2 run.
+"""What the fused CPU ops (``minicb.fastpaths.cpu_fused``) save: per op, and on a cold W2 run.
 
     python bench/fused_ops.py --micro            # each op at a decode step's and a prefill step's shape
     python bench/fused_ops.py --ab --rounds 3     # W2 (SmolLM2, float32): fused against reference ops
@@ -34,7 +34,7 @@ from workloads import w2  # noqa: E402
 
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
-from minicb.model import cpu_fused  # noqa: E402
+from minicb.fastpaths import cpu_fused  # noqa: E402
 from minicb.model.llama import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
 

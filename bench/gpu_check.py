@@ -52,9 +52,10 @@ from backend_checking import (  # noqa: E402
 from minicb.core.config import ModelConfig  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM  # noqa: E402
+from minicb.fastpaths.backends import BACKENDS, make_backend, unavailable_reasons  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 from minicb.model.attention import ReferenceAttention  # noqa: E402
-from minicb.model.backends import BACKENDS, KERNEL_DTYPES, make_backend, unavailable_reasons  # noqa: E402
+from minicb.model.backends import KERNEL_DTYPES  # noqa: E402
 from minicb.model.llama import LlamaForCausalLM  # noqa: E402
 from minicb.runtime.baseline import generate_padded  # noqa: E402
 from minicb.runtime.packer import pack_prompts  # noqa: E402

@@ -27,7 +27,7 @@ from common import cpu_header, load_smollm2  # noqa: E402
 from decode_floor import decode_steps, read_bandwidth  # noqa: E402
 
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
-from minicb.model import host_memory  # noqa: E402
+from minicb.fastpaths import host_memory  # noqa: E402
 
 
 def main() -> None:

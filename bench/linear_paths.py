@@ -27,7 +27,7 @@ first (what ``Sampler.sample`` does now).
 ``--skinny`` times what a decode step of few sequences multiplies: SmolLM2's 30 layers of weights (q/k/v
 stacked, o, gate/up stacked, down: 270 MB in bfloat16, more than any cache, so they come from memory as
 in a real step), each product once per pass, at 1-64 rows, through oneDNN's packed products and the
-skinny kernel's panels (``minicb.model.skinny_gemm``), alternating, median of 5 passes, one thread:
+skinny kernel's panels (``minicb.fastpaths.skinny_gemm``), alternating, median of 5 passes, one thread:
 ms per pass, the bandwidth it reads the weights at, and the ratio. oneDNN computes as ``LLM()`` would on
 this CPU (``cpu_linear.choose_path``): a bfloat16 model on a CPU without bfloat16 products has its
 weights packed in float32 and its rows widened, so oneDNN reads twice the kernel's bytes there. Where
@@ -68,7 +68,7 @@ from workloads import w1, w2  # noqa: E402
 
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
-from minicb.model.cpu_linear import linear_path  # noqa: E402
+from minicb.fastpaths.cpu_linear import linear_path  # noqa: E402
 
 
 def _median_ms(fns: dict, rounds: int = 7, calls: int = 20) -> dict[str, float]:
@@ -88,8 +88,8 @@ def _median_ms(fns: dict, rounds: int = 7, calls: int = 20) -> dict[str, float]:
 def micro() -> None:
     import torch.nn.functional as F
 
-    from minicb.model import skinny_gemm
-    from minicb.model.cpu_linear import _pack, _packed_matmul, no_bf16_packing_reason
+    from minicb.fastpaths import skinny_gemm
+    from minicb.fastpaths.cpu_linear import _pack, _packed_matmul, no_bf16_packing_reason
 
     k, n = 576, 960
     w = torch.randn(n, k)
@@ -131,8 +131,8 @@ SKINNY_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 def skinny(rows_list=SKINNY_ROWS) -> None:
     from decode_floor import read_bandwidth
 
-    from minicb.model import skinny_gemm
-    from minicb.model.cpu_linear import _pack, choose_path
+    from minicb.fastpaths import skinny_gemm
+    from minicb.fastpaths.cpu_linear import _pack, choose_path
 
     # on an AVX-512 CPU, the kernel's AVX2 loops too (built -mno-avx512f): which of its loops wins here
     avx2 = skinny_gemm.load(("-mno-avx512f",)) if skinny_gemm.path(torch.float32) == 2 else None
@@ -177,8 +177,8 @@ PREFETCH_ROWS = (4, 8, 16, 24, 32, 48, 64, 128, 256)
 def prefetch(rows_list=PREFETCH_ROWS) -> None:
     from decode_floor import read_bandwidth
 
-    from minicb.model import skinny_gemm
-    from minicb.model.cpu_linear import _pack
+    from minicb.fastpaths import skinny_gemm
+    from minicb.fastpaths.cpu_linear import _pack
 
     print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
@@ -205,12 +205,12 @@ def prefetch(rows_list=PREFETCH_ROWS) -> None:
 
 
 def _onednn(p, x, out_f, in_f, dtype):
-    from minicb.model.cpu_linear import _packed_matmul
+    from minicb.fastpaths.cpu_linear import _packed_matmul
     return _packed_matmul(x, p, out_f, dtype)
 
 
 def _skinny(p, x, out_f, in_f, lib=None):
-    from minicb.model import skinny_gemm
+    from minicb.fastpaths import skinny_gemm
     return skinny_gemm.matmul(x, p, in_f, out_f, lib=lib)
 
 
@@ -228,7 +228,7 @@ def _rss_mb() -> float:
 
 def memory_child(dtype_name: str, keep: bool) -> None:
     """One case of ``--memory``: load, fast paths (unpacked weights kept or dropped), print JSON."""
-    from minicb.model import cpu_fused, cpu_linear
+    from minicb.fastpaths import cpu_fused, cpu_linear
 
     dtype = getattr(torch, dtype_name)
     model = load_smollm2(dtype)

@@ -30,7 +30,7 @@ import torch
 from common import cpu_model
 
 from minicb.core.sampling_params import SamplingParams
-from minicb.model import cpu_fused
+from minicb.fastpaths import cpu_fused
 from minicb.runtime.sampling import Sampler
 
 VOCAB = 49152

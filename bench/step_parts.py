@@ -51,8 +51,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import load_smollm2, machine_description  # noqa: E402
 from workloads import w1, w2  # noqa: E402
 
-import minicb.model.backends.cpu_paged as cpu_paged  # noqa: E402
-import minicb.model.cpu_linear as cpu_linear  # noqa: E402
+import minicb.fastpaths.cpu_linear as cpu_linear  # noqa: E402
+import minicb.fastpaths.cpu_paged as cpu_paged  # noqa: E402
 import minicb.model.kv_cache as kv_cache  # noqa: E402
 import minicb.model.llama as llama  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
@@ -112,7 +112,7 @@ def parts(args) -> None:
 
 
 def lm_head() -> None:
-    from minicb.model.cpu_linear import PackedLinear
+    from minicb.fastpaths.cpu_linear import PackedLinear
 
     head = torch.nn.Linear(576, 49152, bias=False)
     with torch.no_grad():
@@ -172,7 +172,7 @@ def scaling() -> None:
 POOL_CHILD = """
 import resource, sys, time
 import numpy as np, torch
-from minicb.model.host_memory import lazy_zeros
+from minicb.model.kv_cache import lazy_zeros
 torch.set_num_threads(1)
 shape = (30, 2, 2912 * 16, 3, 64)
 if sys.argv[1] == "numpy":
@@ -204,7 +204,7 @@ def pool_pages() -> None:
 
 def openmp_runtimes() -> None:
     """Load both C libraries (decode kernel, fused ops) beside torch; print the OpenMP runtimes mapped."""
-    from minicb.model import cpu_fused
+    from minicb.fastpaths import cpu_fused
     cpu_paged.load()
     cpu_fused.load()
     with open("/proc/self/maps") as f:

@@ -8,6 +8,7 @@ from drain import drain, finals
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
+from minicb.fastpaths.install import runner_kwargs
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.baseline import generate_padded
 from minicb.runtime.runner import engine_for
@@ -33,9 +34,12 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 
 def run_engine(model, config: SchedulerConfig, prompts, params, arrivals=None, check=True,
-               attn_backend: str = "auto"):
-    """Drive an engine: request i is added at step ``arrivals[i]``. Returns outputs in input order."""
-    eng = engine_for(model, config, attn_backend=attn_backend)
+               attn_backend: str = "auto", fast_paths: bool = True):
+    """Drive an engine: request i is added at step ``arrivals[i]``. Returns outputs in input order.
+    ``fast_paths``: the runner gets the fast paths' backends and argmax (``auto`` is then the C decode
+    kernel on the CPU, as under ``LLM()``); False: the reference model's own."""
+    kernels = runner_kwargs() if fast_paths else {}
+    eng = engine_for(model, config, attn_backend=attn_backend, **kernels)
     arrivals = arrivals or [0] * len(prompts)
     pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -29,9 +29,20 @@ MAY_IMPORT = {
     "model": {"core"},
     "runtime": {"core", "engine", "model"},     # a runner serves the engine's interface; engine_for
     "distributed": {"core", "engine", "model", "runtime"},
-    "measure": {"core", "engine", "model", "runtime"},
+    "fastpaths": {"core", "model"},             # the CPU speed machinery, fenced off from the reference
+    "measure": {"core", "engine", "model", "runtime", "fastpaths"},
     "simulate": {"core", "engine", "measure"},
-    "entrypoints": {"core", "engine", "model", "runtime", "distributed", "measure", "simulate"},
+    "entrypoints": {"core", "engine", "model", "runtime", "distributed", "measure", "simulate", "fastpaths"},
+}
+# what a learner reads; none of it may import the fast paths (they are handed in: runner_kwargs)
+REFERENCE = ("core", "engine", "model", "runtime", "distributed")
+# the modules that may read the environment, and why: the fast paths' switches are read in one place
+READS_ENVIRONMENT = {
+    "fastpaths/settings.py": "every MINICB_* switch of the fast paths",
+    "distributed/launch.py": "torchrun's RANK / WORLD_SIZE / LOCAL_RANK",
+    "entrypoints/serve/cli.py": "MINICB_API_KEY, the default of --api-key",
+    "measure/progress.py": "MINICB_PROGRESS, progress lines off",
+    "measure/trace.py": "NO_COLOR, the terminal convention",
 }
 TORCH_FREE = ("core", "engine")
 # attributes that are the scheduler's insides, seen from outside; only the engine and the core use them
@@ -78,6 +89,29 @@ def test_each_package_imports_only_the_layers_below_it():
         for other in sorted(_minicb_packages(_imports(path)) - MAY_IMPORT[pkg] - {pkg}):
             bad.append(f"{path.relative_to(SRC)} ({pkg}) imports minicb.{other}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_reference_imports_nothing_from_the_fast_paths():
+    """The fence: ``minicb.model`` and everything a decode step runs through (core, engine, runtime,
+    distributed) never import ``minicb.fastpaths``, lazily or not; the fast paths are handed to the
+    runner by the entry points (``LLM``, the CLI, benchmarks)."""
+    bad = [f"{p.relative_to(SRC)} imports {n}" for p in _py_files(*(SRC / r for r in REFERENCE))
+           for n in sorted(_imports(p)) if n == "minicb.fastpaths" or n.startswith("minicb.fastpaths.")]
+    assert not bad, "\n".join(bad)
+
+
+def _reads_environment(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), str(path))
+    return any((isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv", "environb")) or
+               (isinstance(n, ast.Name) and n.id in ("environ", "getenv"))
+               for n in ast.walk(tree))
+
+
+def test_one_module_reads_the_fast_paths_switches():
+    """Only the modules in ``READS_ENVIRONMENT`` touch ``os.environ`` / ``os.getenv``; of the fast
+    paths, only ``settings.py`` (which reads every switch at once)."""
+    readers = {str(p.relative_to(SRC)) for p in _py_files(SRC) if _reads_environment(p)}
+    assert readers == set(READS_ENVIRONMENT), readers ^ set(READS_ENVIRONMENT)
 
 
 def test_the_layer_table_has_no_circle():
@@ -190,6 +224,9 @@ def test_the_checkers_see_what_they_look_for(tmp_path):
     assert sorted(h.split(": ")[1] for h in _internal_accesses(bad)) == [".scheduler", ".slot_table"]
     assert {"torch", "minicb.engine", "minicb.engine.llm_engine"} <= _imports(bad)
     assert _minicb_packages(_imports(bad)) == {"engine"}
+    env = tmp_path / "env.py"
+    env.write_text("import os\n# os.environ in a comment does not count\nx = os.environ.get('A')\n")
+    assert _reads_environment(env) and not _reads_environment(bad)
 
 
 def test_core_classes_have_a_docstring():

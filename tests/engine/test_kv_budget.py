@@ -9,7 +9,7 @@ from minicb.core.config import ModelConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.kv_budget import DEFAULT_MAX_BYTES, GIB, bytes_per_block, default_budget, num_blocks_for
 from minicb.entrypoints.llm import FAST_DEFAULTS, LLM
-from minicb.model.cpu_linear import Float32ComputeLinear, PackedLinear, needs_float32_compute
+from minicb.fastpaths.cpu_linear import Float32ComputeLinear, PackedLinear, needs_float32_compute
 
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                             num_attention_heads=9, num_key_value_heads=3, head_dim=64)

@@ -1,5 +1,5 @@
 """The commands say which GEMM path the model got, and why: one ``minicb: <dtype> linear layers on
-<path>: <why>`` line on stderr per load (``minicb.model.fast_paths.show_load_lines``), for ``generate``,
+<path>: <why>`` line on stderr per load (``minicb.fastpaths.install.show_load_lines``), for ``generate``,
 ``bench`` and ``serve``; the library's INFO line stays out of a caller's stderr unless asked for."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from minicb.entrypoints.cli import main
-from minicb.model import cpu_linear, skinny_gemm
+from minicb.fastpaths import cpu_linear, skinny_gemm
 from tiny_files import write_gguf
 
 SRC = str(pathlib.Path(__file__).resolve().parents[2] / "src")
@@ -65,7 +65,7 @@ def test_bench_says_which_path_and_runs_it(tmp_path, capsys):
 def test_the_library_alone_prints_nothing():
     """Without the commands' ``show_load_lines`` the line is an INFO record: not on stderr."""
     code = ("import sys, torch; sys.path.insert(0, 'tests'); from helpers import TINY; "
-            "from minicb.model.fast_paths import cpu_fast_paths; "
+            "from minicb.fastpaths.install import cpu_fast_paths; "
             "from minicb.model.llama import LlamaForCausalLM; "
             "print(cpu_fast_paths(LlamaForCausalLM.random(TINY, dtype=torch.float32), 'cpu'))")
     env = dict(os.environ, PYTHONPATH=SRC, MINICB_LINEAR="mkl")

@@ -82,7 +82,7 @@ def test_layer_matmul_sweep_counts_every_layer_weight(bench):
 def test_breakdown_attributes_decode_attention_to_the_backend_that_did_it(breakdown, backend):
     """bench/breakdown.py's parts: the C kernel's time is found under ``kernel`` with cpu-paged, and
     the reference backend's decode attention under ``gather`` / ``attention`` (kernel 0)."""
-    from minicb.model.backends import cpu_paged
+    from minicb.fastpaths import cpu_paged
     from preconditions import unavailable
 
     if backend == "cpu-paged" and cpu_paged.unavailable_reason():

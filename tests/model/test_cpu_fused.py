@@ -1,4 +1,4 @@
-"""``minicb.model.cpu_fused``: RMSNorm and the rotary embedding as C loops (``fused_ops.c``).
+"""``minicb.fastpaths.cpu_fused``: RMSNorm and the rotary embedding as C loops (``fused_ops.c``).
 
 The rotary embedding must equal ``llama.apply_rope`` bit for bit (no fused multiply-adds, each step
 rounded as torch rounds it); RMSNorm sums its squares in another order, so it is checked to a float32
@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model import ckernels, cpu_fused, skinny_gemm
+from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, skinny_gemm
 from minicb.model.attention import ReferenceAttention
-from minicb.model.backends import cpu_paged
 from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
 from preconditions import unavailable

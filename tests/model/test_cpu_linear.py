@@ -1,5 +1,5 @@
-"""``minicb.model.cpu_linear``: bfloat16 linear layers computed in float32 (same values, float32 speed), and
-the LM head packed once for oneDNN (the same product to a float32 rounding)."""
+"""``minicb.fastpaths.cpu_linear``: bfloat16 linear layers computed in float32 (same values, float32
+speed), and the LM head packed once for oneDNN (the same product to a float32 rounding)."""
 
 import copy
 
@@ -11,8 +11,7 @@ from torch import nn
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model.attention import ReferenceAttention
-from minicb.model.cpu_linear import (
+from minicb.fastpaths.cpu_linear import (
     Float32ComputeLinear,
     PackedLinear,
     can_pack,
@@ -20,6 +19,7 @@ from minicb.model.cpu_linear import (
     needs_float32_compute,
     pack_lm_head,
 )
+from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.packer import pack_prompts
 from preconditions import unavailable
@@ -63,7 +63,7 @@ def test_model_swap_keeps_weights_and_tying():
 def test_when_it_applies():
     assert not needs_float32_compute(torch.float32, "cpu")
     assert not needs_float32_compute(torch.bfloat16, "cuda")
-    import minicb.model.cpu_linear as mod
+    import minicb.fastpaths.cpu_linear as mod
 
     assert needs_float32_compute(torch.bfloat16, "cpu") == (not mod.fast_bf16_matmul())
 

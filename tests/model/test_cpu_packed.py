@@ -1,5 +1,5 @@
-"""``minicb.model.cpu_linear``: every linear layer packed for oneDNN (q/k/v and gate/up stacked), in float32
-and bfloat16, and the choice of path at load (``choose_path``, ``MINICB_LINEAR``)."""
+"""``minicb.fastpaths.cpu_linear``: every linear layer packed for oneDNN (q/k/v and gate/up stacked), in
+float32 and bfloat16, and the choice of path at load (``choose_path``, ``MINICB_LINEAR``)."""
 
 import copy
 import logging
@@ -11,8 +11,8 @@ from torch import nn
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model import cpu_fused, skinny_gemm
-from minicb.model import cpu_linear as cl
+from minicb.fastpaths import cpu_fused, skinny_gemm
+from minicb.fastpaths import cpu_linear as cl
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.packer import pack_prompts
@@ -168,7 +168,7 @@ def test_choose_path(monkeypatch):
     path, why = cl.choose_path(torch.float32)
     assert path == "onednn-f32" and "2.50x" in why
     for skinny_rows, tie in ((0, "mkl"), (16, "onednn-f32")):      # a near tie: the skinny kernel decides
-        monkeypatch.setattr(cl.skinny_gemm, "choose_rows", lambda dtype, r=skinny_rows: (r, "stood in"))
+        monkeypatch.setattr(cl.skinny_gemm, "choose_rows", lambda dtype, settings=None, r=skinny_rows: (r, "stood in"))
         monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 1.0)
         assert cl.choose_path(torch.float32)[0] == tie
         monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 0.8)

@@ -16,10 +16,10 @@ import torch
 from helpers import TINY, baseline_tokens, greedy, random_prompts, run_engine, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
-from minicb.model import ckernels
+from minicb.fastpaths import ckernels, cpu_paged
+from minicb.fastpaths.backends import make_backend, resolve_backend
+from minicb.fastpaths.ckernels import cpu_flags
 from minicb.model.attention import ReferenceAttention
-from minicb.model.backends import cpu_paged, make_backend, resolve_backend
-from minicb.model.ckernels import cpu_flags
 from minicb.model.kv_cache import KVCache
 from minicb.runtime.packer import _to_tensors
 from preconditions import unavailable
@@ -248,7 +248,7 @@ def test_build_is_cached(tmp_path, monkeypatch):
 
 
 def test_registry(caplog, monkeypatch):
-    import minicb.model.backends as backends
+    import minicb.fastpaths.backends as backends
 
     monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())     # another test may have logged it
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
@@ -266,7 +266,7 @@ def test_registry(caplog, monkeypatch):
 
 
 def test_registry_reports_a_broken_compiler(monkeypatch, caplog):
-    import minicb.model.backends as backends
+    import minicb.fastpaths.backends as backends
 
     monkeypatch.setattr(backends, "_FALLBACKS_LOGGED", set())
     monkeypatch.setattr(cpu_paged, "unavailable_reason", lambda: "no C compiler found (stand-in)")
@@ -342,7 +342,7 @@ def test_a_mixed_step_on_the_kernel_equals_the_reference_backend(dtype, tol, mon
 
 def test_engine_backend_builds_at_start(monkeypatch):
     """A broken kernel surfaces when the engine is made, not in the middle of a run."""
-    import minicb.model.backends.cpu_paged as mod
+    import minicb.fastpaths.cpu_paged as mod
 
     kv = make_backend("reference", _small_cache()).kv_cache
     monkeypatch.setattr(mod, "load", lambda: (_ for _ in ()).throw(mod.KernelUnavailable("stand-in")))

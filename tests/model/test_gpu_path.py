@@ -26,8 +26,9 @@ from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.plan import ScheduledSeq, StepPlan
 from minicb.core.sampling_params import SamplingParams
+from minicb.fastpaths import cpu_paged
+from minicb.fastpaths.backends import make_backend, resolve_backend, unavailable_reasons
 from minicb.model.attention import ReferenceAttention
-from minicb.model.backends import cpu_paged, make_backend, resolve_backend, unavailable_reasons
 from minicb.model.backends.flash import FlashAttnBackend
 from minicb.model.backends.torch_varlen import TorchVarlenBackend
 from minicb.model.backends.varlen import build_varlen_plan, gather_key_slots
@@ -230,7 +231,7 @@ def test_engine_with_standin_kernel_is_token_exact(monkeypatch, case):
         backends.append(FlashAttnBackend(kv_cache, FlashAttnStandIn(), case["paged"]))
         return backends[-1]
 
-    monkeypatch.setattr(minicb.runtime.runner, "make_backend", make)
+    monkeypatch.setattr(minicb.runtime.runner, "_reference_backend", make)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, 61, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (8,))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -240,7 +241,7 @@ def test_engine_with_standin_kernel_is_token_exact(monkeypatch, case):
                           num_blocks=16 if small else 8, num_host_blocks=8 if case["mode"] == "swap" else 0,
                           policy=case["policy"], preemption_mode=case["mode"])
     model = tiny_model()
-    outs, eng = run_engine(model, cfg, prompts, params, [i // 2 for i in range(8)])
+    outs, eng = run_engine(model, cfg, prompts, params, [i // 2 for i in range(8)], fast_paths=False)
     assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, None)
     assert backends[0].mode == ("paged" if case["paged"] or bs == 256 else "gather")
     assert backends[0].kernel.calls

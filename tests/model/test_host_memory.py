@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from minicb.model import host_memory, skinny_gemm
+from minicb.fastpaths import host_memory, skinny_gemm
 from preconditions import unavailable
 from proc_maps import mapping_of
 

@@ -12,14 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-import minicb.model.host_memory as host_memory
+import minicb.fastpaths.host_memory as host_memory
 import minicb.model.kv_cache as kv_cache
 from helpers import TINY, baseline_tokens, run_engine, tiny_model
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument
 from minicb.core.sampling_params import SamplingParams
-from minicb.model.host_memory import lazy_zeros
-from minicb.model.kv_cache import KVCache, check_pool_memory
+from minicb.model.kv_cache import KVCache, check_pool_memory, lazy_zeros
 
 
 def small_cache(num_layers=3, num_blocks=4, block_size=2, kv_heads=1, head_dim=2, host=0) -> KVCache:

@@ -1,4 +1,4 @@
-"""The KV pool's host memory (``host_memory.lazy_zeros``): zeros, mapped lazily (checked in
+"""The KV pool's host memory (``kv_cache.lazy_zeros``): zeros, mapped lazily (checked in
 ``/proc/self/smaps``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from minicb.model.host_memory import lazy_zeros
+from minicb.model.kv_cache import lazy_zeros
 from proc_maps import mapping_of
 
 

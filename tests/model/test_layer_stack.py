@@ -18,8 +18,7 @@ from helpers import random_prompts
 from minicb.core.config import ModelConfig
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.model import layer_stack
-from minicb.model.backends import cpu_paged
+from minicb.fastpaths import cpu_paged, layer_stack
 from minicb.model.llama import LlamaForCausalLM
 from preconditions import unavailable
 

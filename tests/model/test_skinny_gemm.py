@@ -1,12 +1,12 @@
-"""``minicb.model.skinny_gemm``: the few-row products on weights packed in panels, against float64, in
+"""``minicb.fastpaths.skinny_gemm``: the few-row products on weights packed in panels, against float64, in
 every build the CPU can run (its vector paths and the plain C loops), and routed by the packed layers."""
 
 import pytest
 import torch
 
-from minicb.model import cpu_linear as cl
-from minicb.model import skinny_gemm as sg
-from minicb.model.ckernels import KernelUnavailable
+from minicb.fastpaths import cpu_linear as cl
+from minicb.fastpaths import skinny_gemm as sg
+from minicb.fastpaths.ckernels import KernelUnavailable
 from preconditions import unavailable
 
 

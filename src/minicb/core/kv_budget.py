@@ -15,7 +15,7 @@ For SmolLM2-135M in float32 a block of 16 tokens is 720 KiB (30 layers x 2 x 16 
 bytes), so the 2 GiB default holds about 46,000 tokens: every request of the benchmarks' W2 at once,
 with room to spare. ``LLM(num_blocks=N)`` still sets the pool exactly (the tests do); the command line
 takes ``--kv-cache-memory GIB`` and ``--num-blocks N``. Torch-free: it only does arithmetic on the
-model's shape. The pool is allocated lazily (``host_memory.lazy_zeros``): a block's memory is committed
+model's shape. The pool is allocated lazily (``kv_cache.lazy_zeros``): a block's memory is committed
 when it is first written, so a generous default costs nothing until requests fill it.
 """
 

@@ -135,6 +135,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention kernel; auto = cpu-paged on the CPU (reference with a C decode kernel, "
                         "compiled on first use; reference where it cannot build), flash-attn, else "
                         "torch-varlen on CUDA in float16/bfloat16, else reference")
+    p.add_argument("--reference", action="store_true",
+                   help="run the reference model as it reads (minicb/model: llama.py's layers, the PyTorch "
+                        "attention, torch's argmax), none of the CPU fast paths (minicb/fastpaths)")
     p.add_argument("--policy", default="continuous", choices=["continuous", "dynamic", "static"],
                    help="continuous (default): a finished request's slot is refilled at the next step; "
                         "static: one padded batch at a time; dynamic: padded batches formed as requests come")
@@ -288,7 +291,7 @@ def cmd_generate(args) -> int:
         from minicb.core.sampling_params import SamplingParams
         from minicb.engine.arrivals import Arrival, drive
         from minicb.entrypoints.llm import LLM
-        from minicb.model.fast_paths import show_load_lines
+        from minicb.fastpaths.install import show_load_lines
 
         show_load_lines()                # which GEMM path the model gets, and why: one line on stderr
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -296,7 +299,7 @@ def cmd_generate(args) -> int:
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
-                  attn_backend=args.attn_backend, tensor_parallel_size=args.tp,
+                  attn_backend=args.attn_backend, tensor_parallel_size=args.tp, fast_paths=not args.reference,
                   enable_prefix_caching=args.prefix_caching,
                   kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     if args.chat:

@@ -30,8 +30,8 @@ from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.outputs import RequestOutput
+from minicb.fastpaths.install import cpu_fast_paths, runner_kwargs
 from minicb.model.backends import check_device
-from minicb.model.fast_paths import cpu_fast_paths
 from minicb.model.llama import LlamaForCausalLM, as_dtype
 from minicb.runtime.runner import engine_for
 
@@ -53,6 +53,12 @@ class LLM:
     not given get fast defaults (``FAST_DEFAULTS``) and a KV pool sized from memory, or from
     ``kv_cache_memory_bytes`` (``minicb.core.kv_budget``).
 
+    ``fast_paths=False`` runs the reference model as it reads: ``minicb.model.llama``'s layers, the
+    PyTorch reference attention and torch's argmax, none of the CPU fast paths (``minicb.fastpaths``:
+    fused C ops, packed GEMMs, the C decode kernel). With ``True`` (the default) a model ``LLM`` loads
+    itself is put on them; one built by hand is left as it is, but its runner still gets the fast
+    attention backends and argmax.
+
     ``tensor_parallel_size=N > 1`` splits the model over N processes (``minicb.distributed``:
     this process is rank 0, the others are started here, or it joins a ``torchrun`` job); call ``shutdown()``
     (or use ``with LLM(...) as llm:``) to stop them.
@@ -61,7 +67,9 @@ class LLM:
     def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
-                 kv_cache_memory_bytes: int | None = None, **config) -> None:
+                 kv_cache_memory_bytes: int | None = None, fast_paths: bool = True, **config) -> None:
+        if not isinstance(fast_paths, bool):
+            raise InvalidArgument(f"fast_paths must be True or False, got {fast_paths!r}")
         torch_dtype = as_dtype(dtype)
         device = check_device(device)
         check_int("tensor_parallel_size", tensor_parallel_size, lo=1)
@@ -76,7 +84,7 @@ class LLM:
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
-            if tensor_parallel_size == 1:
+            if tensor_parallel_size == 1 and fast_paths:
                 cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
@@ -85,8 +93,9 @@ class LLM:
             self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
                                  clock=clock, attn_backend=attn_backend, device=device)
         else:
+            kernels = runner_kwargs() if fast_paths else {}
             self.engine = engine_for(model, sched, tokenizer, seed=seed, clock=clock,
-                                     attn_backend=attn_backend)
+                                     attn_backend=attn_backend, **kernels)
 
     def shutdown(self) -> None:
         """End the engine (``LLMEngine.shutdown``): unfinished requests are aborted and the runner is

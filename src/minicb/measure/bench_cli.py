@@ -149,10 +149,11 @@ def run_policy(model, policy: str, requests: list[Request], prompts: dict[str, l
     from minicb.core.config import SchedulerConfig
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
+    from minicb.fastpaths.install import runner_kwargs
     from minicb.runtime.runner import engine_for
 
     cfg = SchedulerConfig(policy=policy, **sched_kwargs)
-    engine = engine_for(model, cfg, None, seed=0, clock=clock)
+    engine = engine_for(model, cfg, None, seed=0, clock=clock, **runner_kwargs())
     shapes: list = []
     engine.listen(on_plan=lambda ev: shapes.append(plan_shape(ev.plan)) if (ev.plan.seqs or ev.plan.padding)
                   else None)
@@ -216,7 +217,7 @@ def cmd_bench(args) -> int:
     with Progress("loading torch", enabled=quiet):
         import torch
 
-        from minicb.model.fast_paths import cpu_fast_paths, show_load_lines
+        from minicb.fastpaths.install import cpu_fast_paths, show_load_lines
     show_load_lines()
 
     if args.threads:

@@ -16,10 +16,30 @@ host) can still give *before* they are allocated (``minicb.core.memory``): ``num
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from minicb.core.memory import available_cpu_bytes, check_fits
-from minicb.model.host_memory import lazy_zeros
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros. On the CPU they are an anonymous private ``mmap``, whose pages the OS maps, zero-filled,
+    only when first written: a pool sized for the worst case costs neither time nor memory until used.
+
+    Plain 4 KiB pages, on purpose: with transparent huge pages (what numpy's ``zeros`` asks for on large
+    arrays) the first write into each 2 MiB stretch makes the kernel find and zero a whole huge page,
+    and a pool is written sparsely (writing W2's K/V into a fresh pool: 1.8 s with huge pages, 0.6 s
+    with plain ones, ``python bench/step_parts.py --pool-pages``). Private, too: a shared mapping is
+    backed by shared memory, whose first touch costs more (0.73 s private against 0.92 s shared)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVCache:

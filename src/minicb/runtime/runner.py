@@ -17,8 +17,11 @@ logprobs of the prompt tokens its rows score (``prompt_logprobs``; the packer as
 those rows' logits in the same forward).
 
 The runner owns the model, the paged KV cache, the attention backend and the sampler's per-request
-generators. It knows nothing about slots, queues or policies: it gets a frozen plan and returns the
-sampled tokens, so the scheduler's state never depends on it.
+generators. It is handed how to make its attention backend and its greedy argmax (``make_backend``,
+``argmax``): by default the reference model's own (``minicb.model.backends``, torch's argmax), from the
+fast paths with them on (``minicb.fastpaths.runner_kwargs``), which it never imports. It knows nothing
+about slots, queues or policies: it gets a frozen plan and returns the sampled tokens, so the
+scheduler's state never depends on it.
 
 **One runner, every rank.** With tensor parallelism (``minicb.distributed``) every rank holds
 a runner over its own shard and calls this same ``run`` with the same plan; rank 0 (its ``TPRunner``, a
@@ -50,7 +53,7 @@ from minicb.core.plan import StepPlan
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.logprobs import RowOutput
-from minicb.model.backends import make_backend
+from minicb.model import backends
 from minicb.model.kv_cache import KVCache
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.logprobs import row_logprobs
@@ -58,23 +61,29 @@ from minicb.runtime.packer import RaggedBatch, pack
 from minicb.runtime.sampling import Sampler
 
 
+def _reference_backend(name, kv_cache, device):
+    """The reference model's own attention backends (``minicb.model.backends``)."""
+    return backends.make_backend(name, kv_cache, device)
+
+
 class ModelRunner:
     """Owns the model, its paged KV cache, the attention backend and the sampler; ``run`` executes a plan."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, attn_backend: str = "auto", seed: int | None = None,
-                 pad_token_id: int = 0, tokenizer=None) -> None:
+                 pad_token_id: int = 0, tokenizer=None, make_backend=None, argmax=None) -> None:
         if seed is not None:
             seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
         cfg = model.config
         self.model = model
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, model.dtype, model.device, num_host_blocks)
-        self.backend = make_backend(attn_backend, self.kv_cache, model.device)
+        self.backend = (make_backend or _reference_backend)(attn_backend, self.kv_cache, model.device)
         # the tokenizer is for structured outputs only: a grammar is over text, its mask over token ids
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         eos = cfg.eos_token_id if eos is None else eos
-        self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos)
+        self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos,
+                               argmax=argmax)
         self.pad_token_id = pad_token_id
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)
 
@@ -157,10 +166,14 @@ class ModelRunner:
 
 
 def engine_for(model: LlamaForCausalLM, config: SchedulerConfig, tokenizer=None, *, seed: int | None = None,
-               clock: Callable[[], float] = time.perf_counter, attn_backend: str = "auto") -> LLMEngine:
+               clock: Callable[[], float] = time.perf_counter, attn_backend: str = "auto",
+               **kernels) -> LLMEngine:
     """An ``LLMEngine`` that runs ``model``: a ``ModelRunner`` with ``config``'s KV pool, driven by the
     engine's one step loop. ``seed`` seeds the sampler of requests without their own seed; the runner
     gets ``tokenizer`` too, for structured outputs (a grammar's mask is built from the vocabulary's text);
-    ``attn_backend`` picks the attention implementation (``minicb.model.backends``)."""
-    runner = ModelRunner.for_config(model, config, attn_backend=attn_backend, seed=seed, tokenizer=tokenizer)
+    ``attn_backend`` picks the attention implementation (``minicb.model.backends``). ``kernels``: what
+    the fast paths hand the runner (``make_backend``, ``argmax``: ``minicb.fastpaths.runner_kwargs()``);
+    without them the runner runs the reference model's own code."""
+    runner = ModelRunner.for_config(model, config, attn_backend=attn_backend, seed=seed, tokenizer=tokenizer,
+                                    **kernels)
     return LLMEngine(runner, config, tokenizer, clock=clock)

@@ -35,7 +35,6 @@ row's numbers) can raise in the middle of a batch and take the other requests of
 
 from __future__ import annotations
 
-import functools
 import secrets
 
 import torch
@@ -46,28 +45,19 @@ from minicb.runtime.logits_processors import RowProcessor, build_processors
 from minicb.runtime.logprobs import row_logprobs
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """The first maximum of each row (the first NaN where there is one), as ``argmax`` says. torch's
-    bfloat16 argmax is slow on the CPU, and so is widening the logits first; ``max``'s indices are the
-    same tokens, read from the logits as they are (``python bench/sampler_rows.py --bfloat16``), and
-    ``cpu_fused.argmax`` the same again in one C pass where it is built (1.0 against ``max``'s 2.7 ms
-    for 64 x 49,152 bfloat16 logits on a Zen 4 core: ``python bench/sampler_rows.py --bfloat16``)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2:
-        from minicb.model import cpu_fused
+def greedy_tokens(logits: torch.Tensor, argmax=None) -> list[int]:
+    """The first maximum of each row (the first NaN where there is one), as ``argmax`` says.
 
-        if cpu_fused.enabled() and _c_argmax_builds() and logits.shape[1]:
-            return cpu_fused.argmax(logits).tolist()
+    ``argmax``: a faster function with the same answer, handed in by whoever built the runner (the
+    fast paths' one C pass, ``minicb.fastpaths.cpu_fused.argmax``: 1.0 against ``max``'s 2.7 ms for
+    64 x 49,152 bfloat16 logits on a Zen 4 core, ``python bench/sampler_rows.py --bfloat16``); it
+    returns None for logits it does not take. Without it: torch's bfloat16 argmax is slow on the CPU,
+    and so is widening the logits first; ``max``'s indices are the same tokens."""
+    if argmax is not None and (tokens := argmax(logits)) is not None:
+        return tokens
     if logits.dtype == torch.bfloat16:
         return torch.max(logits, dim=-1).indices.tolist()
     return torch.argmax(logits, dim=-1).tolist()
-
-
-@functools.cache
-def _c_argmax_builds() -> bool:
-    """Whether the fused ops build here, asked once per process (a failed build is not retried each step)."""
-    from minicb.model import cpu_fused
-
-    return cpu_fused.unavailable_reason() is None
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -124,7 +114,8 @@ class Sampler:
     run would draw the same tokens."""
 
     def __init__(self, seed: int | None = None, *, tokenizer=None, vocab_size: int | None = None,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, argmax=None) -> None:
+        self.argmax = argmax              # a faster greedy argmax, or None (``greedy_tokens``)
         self._generators: dict[str, torch.Generator] = {}
         self._processors: dict[str, list[RowProcessor]] = {}     # only requests that have some
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
@@ -178,7 +169,7 @@ class Sampler:
         procs = self._processors
         greedy = None
         if all(p.greedy for p in params):
-            greedy = greedy_tokens(logits)
+            greedy = greedy_tokens(logits, self.argmax)
             if lps is None and not (procs and any(r in procs for r in request_ids)):
                 return greedy
         tokens = []

@@ -162,7 +162,7 @@ def _serve(args, sock) -> int:
     from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
     from minicb.entrypoints.llm import LLM
     from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
-    from minicb.model.fast_paths import show_load_lines
+    from minicb.fastpaths.install import show_load_lines
 
     show_load_lines()                    # which GEMM path the model gets, and why: one line on stderr
     if args.threads:
@@ -171,6 +171,7 @@ def _serve(args, sock) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
+              fast_paths=not args.reference,
               enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     try:
         name = args.served_model_name or model_name(args.model)

@@ -1,21 +1,19 @@
-"""The attention-backend registry: which backends exist, which can run here, and the automatic choice.
+"""The attention-backend registry of the reference model: which backends exist, which can run here,
+and the automatic choice.
 
 =================  =====================================================  ==================================
 name               kernel                                                 runs where
 =================  =====================================================  ==================================
 ``reference``      pure PyTorch (``attention.ReferenceAttention``)        anywhere, any dtype
-``cpu-paged``      reference + a C decode kernel (``cpu_paged.py``)       CPU, float32 / float64 / bfloat16,
-                                                                          a C compiler
 ``flash-attn``     ``flash_attn.flash_attn_varlen_func`` (``flash.py``)    CUDA, sm80+, float16 / bfloat16
 ``torch-varlen``   ``torch.nn.attention.varlen.varlen_attn``              CUDA, sm80+, float16 / bfloat16
 =================  =====================================================  ==================================
 
-``auto`` picks the fastest backend that can run here. On the CPU that is ``cpu-paged`` (it compiles its
-kernel with the machine's C compiler on first use, about a second, cached afterwards); where it cannot
-run (no working compiler, float16) ``auto`` falls back to ``reference`` and logs one line saying why.
-On a CUDA device it is the first of ``flash-attn``, ``torch-varlen`` that can run for the model's dtype,
-else ``reference``. The reference backend stays the one the tutorials read; ``reference`` by name
-always gets it.
+``auto`` picks the fastest of these that can run here: on a CUDA device the first of ``flash-attn``,
+``torch-varlen`` that can run for the model's dtype, else ``reference``; on the CPU ``reference``.
+The CPU's C decode kernel (``cpu-paged``) is a fast path, outside this package: ``minicb.fastpaths``
+has a ``make_backend`` of its own that adds it (and makes it ``auto``'s choice on the CPU) and hands
+every other name to this one. The runner is given one of the two (``LLM(fast_paths=...)``).
 Asking by name for a backend that cannot run raises ``InvalidArgument`` naming the backend and every
 reason (flash-attn not installed, no CUDA, model not on a CUDA device, dtype, head_dim, GPU too old,
 torch without ``varlen_attn``).
@@ -27,7 +25,6 @@ Nothing here touches a GPU to decide: the probes are small functions (``cuda_ava
 from __future__ import annotations
 
 import importlib
-import logging
 
 import torch
 
@@ -35,11 +32,11 @@ from minicb.core.errors import InvalidArgument
 from minicb.model.attention import AttentionBackend, ReferenceAttention
 from minicb.model.kv_cache import KVCache
 
-BACKENDS = ("reference", "cpu-paged", "flash-attn", "torch-varlen")
-NAMES = ("auto", *BACKENDS)
+BACKENDS = ("reference", "flash-attn", "torch-varlen")
+FAST_PATH_BACKENDS = ("cpu-paged",)     # minicb.fastpaths
+NAMES = ("auto", *BACKENDS, *FAST_PATH_BACKENDS)
 AUTO_ORDER = ("flash-attn", "torch-varlen")        # preference of ``auto`` on a CUDA device
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_log = logging.getLogger("minicb")
 
 
 def cuda_available() -> bool:
@@ -75,8 +72,9 @@ def unavailable_reasons(name: str, device: torch.device | str, dtype: torch.dtyp
     if name == "reference":
         return []
     device = torch.device(device)
-    if name == "cpu-paged":
-        return cpu_paged_reasons(device, dtype)
+    if name in FAST_PATH_BACKENDS:
+        return [f"{name} is a CPU fast path: it runs with the fast paths on (LLM(fast_paths=True), the "
+                "default; minicb.fastpaths.make_backend), not with the reference model alone"]
     reasons = []
     if name == "flash-attn" and flash_attn_kernel() is None:
         reasons.append("the flash_attn package is not installed (pip install flash-attn, or "
@@ -100,21 +98,6 @@ def unavailable_reasons(name: str, device: torch.device | str, dtype: torch.dtyp
     return reasons
 
 
-def cpu_paged_reasons(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Why ``cpu-paged`` cannot run here ([] if it can); builds the kernel only if all else allows."""
-    from minicb.model.backends import cpu_paged
-
-    reasons = []
-    if device.type != "cpu":
-        reasons.append(f"the model is on {device.type}; cpu-paged runs on the CPU")
-    if dtype not in cpu_paged.DTYPES:
-        name_of = str(dtype).removeprefix("torch.")
-        reasons.append(f"cpu-paged takes float32, float64 or bfloat16, the model is {name_of}")
-    if not reasons and (why := cpu_paged.unavailable_reason()):
-        reasons.append(why)
-    return reasons
-
-
 def check_device(device) -> torch.device:
     """``device`` as a ``torch.device``; ``InvalidArgument`` if it is malformed or CUDA is absent."""
     try:
@@ -134,8 +117,6 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if not isinstance(name, str) or name not in NAMES:
         raise InvalidArgument(f"attn_backend must be one of {NAMES}, got {name!r}")
     if name == "auto":
-        if torch.device(device).type == "cpu":
-            return _auto_cpu(dtype)
         if dtype not in KERNEL_DTYPES or torch.device(device).type != "cuda" or not cuda_available():
             return "reference"    # decided without importing the kernels (torch's varlen takes ~1 s)
         return next((b for b in AUTO_ORDER if not unavailable_reasons(b, device, dtype, head_dim)),
@@ -144,21 +125,6 @@ def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, h
     if reasons:
         raise InvalidArgument(f"attn_backend {name!r} is unavailable here: {'; '.join(reasons)}")
     return name
-
-
-def _auto_cpu(dtype: torch.dtype) -> str:
-    """``auto`` on the CPU: ``cpu-paged``, else ``reference`` with one logged line saying why."""
-    reasons = cpu_paged_reasons(torch.device("cpu"), dtype)
-    if not reasons:
-        return "cpu-paged"
-    why = "; ".join(reasons)
-    if why not in _FALLBACKS_LOGGED:      # once per reason, not once per engine
-        _FALLBACKS_LOGGED.add(why)
-        _log.warning("minicb: attn_backend auto: using reference, not cpu-paged: %s", why)
-    return "reference"
-
-
-_FALLBACKS_LOGGED: set[str] = set()
 
 
 def backend_table(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> dict[str, str]:
@@ -173,10 +139,6 @@ def make_backend(name: str, kv_cache: KVCache, device: torch.device | str | None
     chosen = resolve_backend(name, device, kv_cache.data.dtype, int(kv_cache.data.shape[-1]))
     if chosen == "reference":
         return ReferenceAttention(kv_cache)
-    if chosen == "cpu-paged":
-        from minicb.model.backends.cpu_paged import CpuPagedAttention
-
-        return CpuPagedAttention(kv_cache)
     if chosen == "flash-attn":
         from minicb.model.backends.flash import FlashAttnBackend
 

@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from minicb.model import ckernels, host_memory
+from minicb.fastpaths import ckernels, host_memory
+from minicb.fastpaths.settings import Settings
 
-SOURCE = Path(__file__).with_name("skinny_gemm.c")
+SOURCE = Path(__file__).parent / "csrc" / "skinny_gemm.c"
 DTYPES = {torch.float32: "minicb_skinny_f32", torch.bfloat16: "minicb_skinny_bf16"}
 EXTRA_FLAGS: tuple[str, ...] = ()     # the default build: ckernels' flags alone
 # Every vector loop's rows, as far as it was measured to beat oneDNN (bench/RESULTS.md). On a Zen 2
@@ -140,11 +140,11 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features
     return y
 
 
-def choose_rows(dtype: torch.dtype) -> tuple[int, str]:
+def choose_rows(dtype: torch.dtype, settings: Settings | None = None) -> tuple[int, str]:
     """``(rows, why)``: the products of up to ``rows`` rows go to this kernel for a model of ``dtype``
     (0: none); module docstring. ``MINICB_SKINNY_ROWS`` pins it."""
-    env = os.environ.get("MINICB_SKINNY_ROWS")
-    if env is not None:
+    env = (settings or Settings.from_env()).skinny_rows
+    if env:
         if not env.isdigit():
             raise ValueError(f"MINICB_SKINNY_ROWS must be a whole number of rows (0: off), got {env!r}")
         if int(env) and dtype in DTYPES and unavailable_reason() is not None:

@@ -24,6 +24,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from minicb.fastpaths.settings import Settings
+
 FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
 OPENMP = "-fopenmp"     # work split over torch's thread count; without it (no OpenMP) one thread
 
@@ -34,7 +36,7 @@ class KernelUnavailable(RuntimeError):
 
 def compiler() -> list[str]:
     """The C compiler command: ``$CC``, else the one Python was built with, else ``cc``."""
-    for cmd in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc"):
+    for cmd in (Settings.from_env().cc, sysconfig.get_config_var("CC"), "cc"):
         if cmd and shutil.which(shlex.split(cmd)[0]):
             return shlex.split(cmd)
     raise KernelUnavailable("no C compiler found (set $CC, or install gcc)")
@@ -43,8 +45,7 @@ def compiler() -> list[str]:
 def cache_dir() -> Path:
     """Where built kernels are kept: ``$MINICB_CACHE_DIR``, else ``$XDG_CACHE_HOME/minicb`` or
     ``~/.cache/minicb``; a temporary folder when that cannot be created (a read-only home)."""
-    root = Path(os.environ.get("MINICB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minicb")) / "kernels"
+    root = Path(Settings.from_env().cache_dir) / "kernels"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:

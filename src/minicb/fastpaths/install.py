@@ -1,4 +1,4 @@
-"""What a model loaded for serving gets on the CPU: fused elementwise ops, then the fastest GEMM.
+"""Installing the fast paths: what a model loaded for serving gets on the CPU, and what its runner is handed.
 
 ``cpu_fast_paths(model, device)`` is what ``LLM`` (and so ``minicb generate`` and ``minicb serve``) and
 ``minicb bench`` do to a model they load themselves; benchmarks that build their model by hand call
@@ -25,13 +25,15 @@ shows it on stderr (``show_load_lines``), because a speed figure means little wi
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
 import torch
 
-from minicb.model import cpu_fused, cpu_linear, layer_stack, skinny_gemm
-from minicb.model.ckernels import KernelUnavailable
+from minicb.fastpaths import backends, cpu_fused, cpu_linear, layer_stack, skinny_gemm
+from minicb.fastpaths.ckernels import KernelUnavailable
+from minicb.fastpaths.settings import Settings
 
 LOAD_LOGGER = "minicb.load"
 _log = logging.getLogger("minicb")
@@ -39,16 +41,19 @@ _load_log = logging.getLogger(LOAD_LOGGER)
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
-def cpu_fast_paths(model, device) -> list[str]:
+def cpu_fast_paths(model, device, settings: Settings | None = None) -> list[str]:
     """Put ``model`` on the CPU's fast paths, in place (module docstring); the names of what was
-    applied (``["packed-linears-f32", "fused-ops"]``, ...). Nothing on another device."""
+    applied (``["packed-linears-f32", "fused-ops"]``, ...). Nothing on another device. ``settings``:
+    the switches (default: read from the environment now, once)."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
+    settings = settings or Settings.from_env()
     qkv = model.config.hidden_size, (model.config.num_attention_heads
                                      + 2 * model.config.num_key_value_heads) * model.config.head_dim
-    path, why = cpu_linear.choose_path(model.dtype, *qkv)      # first: a refused pin leaves the model as is
-    if model.dtype in cpu_fused.DTYPES and cpu_fused.enabled():
+    # first: a refused pin leaves the model as is
+    path, why = cpu_linear.choose_path(model.dtype, *qkv, settings=settings)
+    if model.dtype in cpu_fused.DTYPES and settings.fused_ops:
         reason = cpu_fused.unavailable_reason()
         if reason is None:
             cpu_fused.fuse_elementwise(model)          # before packing: it knows the modules by class
@@ -56,9 +61,9 @@ def cpu_fast_paths(model, device) -> list[str]:
         elif reason not in _FUSED_FALLBACK_LOGGED:
             _FUSED_FALLBACK_LOGGED.add(reason)
             _log.warning("minicb: fused CPU ops unavailable, using the reference ops: %s", reason)
-    rows, rows_why = skinny_gemm.choose_rows(model.dtype) if path.startswith("onednn") else (0, "")
+    rows, rows_why = skinny_gemm.choose_rows(model.dtype, settings) if path.startswith("onednn") else (0, "")
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
-    if "fused-ops" in applied and rows and layer_stack.enabled():
+    if "fused-ops" in applied and rows and settings.layer_stack:
         try:
             why_not = layer_stack.install(model)
         except KernelUnavailable as e:
@@ -74,6 +79,15 @@ def cpu_fast_paths(model, device) -> list[str]:
         _load_log.info("minicb: %s linear layers on %s: %s%s", str(model.dtype).removeprefix("torch."),
                        path, why, skinny)
     return linears + applied
+
+
+def runner_kwargs(settings: Settings | None = None) -> dict:
+    """What a runner is handed to run on the fast paths (``runtime.runner.engine_for(...,
+    **runner_kwargs())``): the attention backends with the C decode kernel, and the C greedy argmax
+    (unless ``MINICB_FUSED_OPS=0``)."""
+    settings = settings or Settings.from_env()
+    return {"make_backend": functools.partial(backends.make_backend, settings=settings),
+            "argmax": cpu_fused.greedy_argmax if settings.fused_ops else None}
 
 
 class _StderrHandler(logging.Handler):

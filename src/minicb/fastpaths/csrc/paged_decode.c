@@ -56,8 +56,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "../bf16.h"
-#include "../exp_f32.h"
+#include "bf16.h"
+#include "exp_f32.h"
 
 /* Block b of a row's table, as the start of its keys (or values) in one layer's cache. On the way,
  * ask the memory system for the next-but-one block (`prefetch`: on the first kv head's pass, which

@@ -14,7 +14,7 @@ figure").
 
 This module compiles it on first use with the machine's C compiler (``$CC`` or ``cc``; about a
 second), caches the shared library under ``~/.cache/minicb`` (``$MINICB_CACHE_DIR`` overrides; the
-machinery is ``minicb.model.ckernels``), and calls it through ``ctypes``: no build step at install
+machinery is ``minicb.fastpaths.ckernels``), and calls it through ``ctypes``: no build step at install
 time, no new dependency. ``CpuPagedAttention``
 is ``ReferenceAttention`` with one change: the decode rows of a step go to the kernel in one call per
 layer, unpadded and unbucketed; prompt chunks and padding rows still go through SDPA exactly as in
@@ -44,17 +44,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from minicb.model import ckernels
+from minicb.fastpaths import ckernels
+from minicb.fastpaths.ckernels import KernelUnavailable, cache_dir, compiler  # noqa: F401  (this module's API)
+from minicb.fastpaths.settings import Settings
 from minicb.model.attention import AttentionMetadata, ReferenceAttention, _RefState, write_mask
-from minicb.model.ckernels import KernelUnavailable, cache_dir, compiler  # noqa: F401  (this module's API)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 DTYPES = {torch.float32: "minicb_paged_decode_f32", torch.float64: "minicb_paged_decode_f64",
           torch.bfloat16: "minicb_paged_decode_bf16"}     # bfloat16: stored so, computed in float32
 WIDEN_BF16 = "minicb_paged_decode_bf16_widen"             # bfloat16 widened element by element, always
@@ -103,9 +103,9 @@ def avx512_path() -> bool:
     return bool(load().minicb_paged_decode_avx512())
 
 
-def kernel_name(dtype: torch.dtype) -> str:
+def kernel_name(dtype: torch.dtype, settings: Settings | None = None) -> str:
     """The C function for ``dtype``: ``MINICB_BF16_DECODE=widen`` picks the widening bfloat16 one."""
-    if dtype == torch.bfloat16 and os.environ.get("MINICB_BF16_DECODE", "native") == "widen":
+    if dtype == torch.bfloat16 and (settings or Settings.from_env()).bf16_decode == "widen":
         return WIDEN_BF16
     return DTYPES[dtype]
 
@@ -196,14 +196,14 @@ class _DecodeRows:
     kernel: object = None        # the C function, looked up at the first layer (kernel_name)
 
 
-def prompts_on_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+def prompts_on_kernel(dtype: torch.dtype, head_dim: int, settings: Settings | None = None) -> bool:
     """Whether prompt chunks go to the kernel too, each of their tokens a row whose context ends at
     itself (``MINICB_PROMPT_ATTENTION=kernel`` or ``sdpa`` pins it): by default head_dim 64 on the
     AVX-512 row, bfloat16 on its native dot products (where the kernel beat SDPA on a Zen 4 core at
     every prompt length measured) and float32 (where it alone was level with SDPA, 0.85-1.20x, but a
     step of kernel rows only runs its layers in one call, ``layer_stack``: W2 2.5-6% faster;
     ``bench/RESULTS.md``); SDPA elsewhere."""
-    pinned = os.environ.get("MINICB_PROMPT_ATTENTION", "")
+    pinned = (settings or Settings.from_env()).prompt_attention
     if pinned in ("kernel", "sdpa"):
         return pinned == "kernel"
     if pinned:
@@ -221,10 +221,12 @@ class CpuPagedAttention(ReferenceAttention):
 
     name = "cpu-paged"
 
-    def __init__(self, kv_cache) -> None:
+    def __init__(self, kv_cache, settings: Settings | None = None) -> None:
         super().__init__(kv_cache)
         load()           # build now, so that a broken compiler fails at engine start, not mid-run
-        self.prompts_on_kernel = prompts_on_kernel(kv_cache.data.dtype, kv_cache.data.shape[-1])
+        settings = settings or Settings.from_env()
+        self.prompts_on_kernel = prompts_on_kernel(kv_cache.data.dtype, kv_cache.data.shape[-1], settings)
+        self.kernel_name = kernel_name(kv_cache.data.dtype, settings)
 
     def prepare(self, meta: AttentionMetadata):
         if not self.prompts_on_kernel:
@@ -266,7 +268,7 @@ class CpuPagedAttention(ReferenceAttention):
         qd = (q if g.tokens is None else q.index_select(0, g.tokens)).contiguous()
         if not g.checked:         # the tables are the same for every layer: check them at the first
             check_decode_args(qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context)
-            g.checked, g.kernel = True, getattr(load(), kernel_name(qd.dtype))
+            g.checked, g.kernel = True, getattr(load(), self.kernel_name)
         if g.tokens is None:
             decode_into(out, qd, kc, vc, g.block_tables, g.context_lens, bs, g.max_context,
                         kernel=g.kernel)

@@ -76,15 +76,15 @@ the paths agree to float32 rounding (float32 models) or to one bfloat16 rounding
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minicb.model import cpu_fused, skinny_gemm
-from minicb.model.ckernels import cpu_flags
+from minicb.fastpaths import cpu_fused, skinny_gemm
+from minicb.fastpaths.ckernels import cpu_flags
+from minicb.fastpaths.settings import Settings
 
 
 def fast_bf16_matmul() -> bool:
@@ -335,9 +335,9 @@ def return_freed_memory() -> None:
         pass
 
 
-def packed_lm_head_enabled() -> bool:
+def packed_lm_head_enabled(settings: Settings | None = None) -> bool:
     """False when ``MINICB_PACKED_LM_HEAD=0`` asks for ``F.linear`` (no packing at all)."""
-    return os.environ.get("MINICB_PACKED_LM_HEAD", "1") != "0"
+    return (settings or Settings.from_env()).packed_lm_head
 
 
 def pack_lm_head(model: nn.Module) -> bool:
@@ -382,9 +382,11 @@ def onednn_speedup(in_features: int, out_features: int, rows: int = 16, rounds: 
     return sorted(ratios)[len(ratios) // 2]
 
 
-def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 960) -> tuple[str, str]:
+def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 960,
+                settings: Settings | None = None) -> tuple[str, str]:
     """``(path, why)`` for a model of ``dtype`` whose q/k/v product is ``[in, out]`` (module docstring)."""
-    env = os.environ.get("MINICB_LINEAR", "auto")
+    settings = settings or Settings.from_env()
+    env = settings.linear
     if env not in (*PATHS, "auto"):
         raise ValueError(f"MINICB_LINEAR must be one of auto, {', '.join(PATHS)}; got {env!r}")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -393,7 +395,7 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
         raise ValueError(f"MINICB_LINEAR=onednn-bf16: {reason}")
     if env != "auto":
         return env, f"MINICB_LINEAR={env}"
-    if not packed_lm_head_enabled():
+    if not settings.packed_lm_head:
         return "mkl", "MINICB_PACKED_LM_HEAD=0 (no packing)"
     if not can_pack():
         return "mkl", "this torch has no oneDNN packed linear ops"
@@ -402,7 +404,7 @@ def choose_path(dtype: torch.dtype, in_features: int = 576, out_features: int = 
         return "onednn-bf16", f"oneDNN multiplies bfloat16 natively on this CPU (flags: {flags})"
     ratio = onednn_speedup(in_features, out_features)
     shape = f"16x{in_features}x{out_features} float32 product (flags: {flags})"
-    skinny = skinny_gemm.choose_rows(dtype)[0] > 0     # only the packed paths bring the skinny kernel
+    skinny = skinny_gemm.choose_rows(dtype, settings)[0] > 0   # only the packed paths bring the skinny one
     margin = 1 / ONEDNN_MARGIN if skinny else ONEDNN_MARGIN
     if ratio >= margin:
         return "onednn-f32", f"packed oneDNN {ratio:.2f}x MKL on a {shape}"

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from minicb.model import ckernels, cpu_fused, cpu_linear, skinny_gemm
+from minicb.fastpaths import ckernels, cpu_fused, cpu_linear, skinny_gemm
+from minicb.fastpaths.settings import Settings
 from minicb.model.llama import LlamaForCausalLM
 
-SOURCE = Path(__file__).with_name("layer_stack.c")
+SOURCE = Path(__file__).parent / "csrc" / "layer_stack.c"
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -69,9 +69,9 @@ def unavailable_reason() -> str | None:
     return ckernels.why_not(load)
 
 
-def enabled() -> bool:
+def enabled(settings: Settings | None = None) -> bool:
     """False when ``MINICB_LAYER_STACK=0`` keeps the layers' own calls."""
-    return os.environ.get("MINICB_LAYER_STACK", "1") != "0"
+    return (settings or Settings.from_env()).layer_stack
 
 
 def _address(fn) -> int:
@@ -85,7 +85,7 @@ class LayerStack:
     whose storage was replaced (``.data = ...``) is followed."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        from minicb.model.backends import cpu_paged
+        from minicb.fastpaths import cpu_paged
 
         cfg, dtype = model.config, model.dtype
         self.why_not = _unstackable(model)
@@ -113,7 +113,7 @@ class LayerStack:
     def takes(self, x: torch.Tensor, backend, state) -> bool:
         """Whether this step is all kernel rows (a single ``_DecodeRows`` that is the whole step), of a
         paged cache, with few enough rows for the skinny kernel."""
-        from minicb.model.backends.cpu_paged import CpuPagedAttention, _DecodeRows
+        from minicb.fastpaths.cpu_paged import CpuPagedAttention, _DecodeRows
 
         groups = getattr(state, "groups", None) or ()
         return (not self.why_not and isinstance(backend, CpuPagedAttention) and backend.kv_cache is not None
@@ -134,7 +134,7 @@ class LayerStack:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
         and ``model.norm`` return, for a step ``takes`` accepted."""
-        from minicb.model.backends.cpu_paged import check_decode_args
+        from minicb.fastpaths.cpu_paged import check_decode_args
 
         cfg, g = self.cfg, state.groups[0]
         rows, hidden, d = x.shape[0], cfg.hidden_size, cfg.head_dim

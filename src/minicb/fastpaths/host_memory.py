@@ -4,7 +4,8 @@ Linux maps a process's memory in 4 KiB pages, or, where asked (``madvise(MADV_HU
 kernel allows it (``/sys/kernel/mm/transparent_hugepage/enabled`` says ``madvise`` or ``always``), in
 2 MiB ones. Which is better depends on how the memory is written and read:
 
-* **The KV pool** (``lazy_zeros``) is sized for the worst case and written sparsely: each layer's K and
+* **The KV pool** (``minicb.model.kv_cache.lazy_zeros``, beside the reference cache) is sized for the
+  worst case and written sparsely: each layer's K and
   V are separate regions, a few blocks of each at a time. Plain pages, mapped only when first written,
   so that an unused pool costs neither time nor memory; with huge pages the first write into each 2 MiB
   stretch makes the kernel find and zero a whole one.
@@ -28,12 +29,12 @@ platform has no ``MADV_HUGEPAGE`` (not Linux), or the kernel says ``never``, not
 from __future__ import annotations
 
 import functools
-import math
 import mmap
-import os
 import threading
 
 import torch
+
+from minicb.fastpaths.settings import Settings
 
 HUGE_PAGE = 2 << 20
 ARENA_BYTES = 64 << 20        # the stretch weights are cut from; a bigger tensor gets a mapping of its own
@@ -42,29 +43,10 @@ ALIGN = 4096                  # where each tensor starts in the arena: a page, s
 _THP_SWITCH = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros. On the CPU they are an anonymous ``mmap``, whose pages the OS maps, zero-filled, only when
-    first written: a pool sized for the worst case costs neither time nor memory until used.
-
-    Plain pages, on purpose: numpy's ``zeros`` (what this used before) asks for transparent huge pages
-    on large arrays, so the first write into each 2 MiB stretch makes the kernel find and zero-fill a
-    whole huge page. A pool is written sparsely, and on the VM of ``bench/RESULTS.md`` writing W2's K/V
-    into a fresh pool took 1.8 s with huge pages against 0.6 s with plain ones
-    (``python bench/step_parts.py --pool-pages``). Private pages, too: ``mmap``'s default is a shared
-    mapping, which Linux backs with shared memory, whose first touch costs more (W2's cache writes:
-    0.73 s private against 0.92 s shared, ``python bench/step_parts.py``); nothing else maps the pool."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return _mapped(nbytes, huge=False).view(dtype).view(shape)
-
-
-def huge_pages_enabled() -> bool:
+def huge_pages_enabled(settings: Settings | None = None) -> bool:
     """Whether ``on_huge_pages`` moves weights: not with ``MINICB_HUGE_PAGES=0``, nor where the
     platform has no ``MADV_HUGEPAGE`` or the kernel's transparent huge pages are ``never``."""
-    if os.environ.get("MINICB_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not (settings or Settings.from_env()).huge_pages or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     return _kernel_allows(_THP_SWITCH)
 

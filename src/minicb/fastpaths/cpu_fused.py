@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from minicb.model import ckernels
+from minicb.fastpaths import ckernels
+from minicb.fastpaths.settings import Settings
 from minicb.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm
 
-SOURCE = Path(__file__).with_name("fused_ops.c")
+SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 EXTRA_FLAGS = ("-ffp-contract=off",     # no fused multiply-adds: the rounding of the separate torch ops
                "-fno-trapping-math")   # no FP exception flags read: the SiLU's clamps vectorise
@@ -213,9 +213,9 @@ FUSED = {RMSNorm: FusedRMSNorm, LlamaAttention: FusedAttention, LlamaMLP: FusedM
          LlamaDecoderLayer: FusedDecoderLayer}
 
 
-def enabled() -> bool:
+def enabled(settings: Settings | None = None) -> bool:
     """False when ``MINICB_FUSED_OPS=0`` asks for the reference ops."""
-    return os.environ.get("MINICB_FUSED_OPS", "1") != "0"
+    return (settings or Settings.from_env()).fused_ops
 
 
 def fuse_elementwise(model: torch.nn.Module) -> int:
@@ -230,3 +230,18 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     for m in swaps:
         m.__class__ = FUSED[type(m)]
     return len(swaps)
+
+
+def greedy_argmax(logits: torch.Tensor) -> list[int] | None:
+    """The runner's greedy argmax (``runtime.sampling.greedy_tokens``): ``argmax`` as a list for the
+    logits it takes (CPU float32 / bfloat16 ``[rows, n > 0]``, the fused ops built), None otherwise."""
+    if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2 \
+            or not logits.shape[1] or not _builds():
+        return None
+    return argmax(logits).tolist()
+
+
+@functools.cache
+def _builds() -> bool:
+    """Whether the fused ops build here, asked once per process (a failed build is not retried each step)."""
+    return unavailable_reason() is None
