@@ -13,7 +13,7 @@ read bandwidth``. This script measures both on this machine and prints that floo
   LM head, which is most of SmolLM2's small matrices' total;
 * the bandwidth: ``torch.sum`` over a 256 MB float32 tensor on one thread, best of five (a read-only
   pass: what streaming a weight costs), on the same kind of pages as the weights (huge pages where the
-  OS allows them, ``model/host_memory.py``; they read ~25% faster on the Zen 4 VM of RESULTS.md).
+  OS allows them, ``fastpaths/host_memory.py``; they read ~25% faster on the Zen 4 VM of RESULTS.md).
 
 Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine until every prompt is
 in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once

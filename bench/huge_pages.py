@@ -3,7 +3,7 @@
     python bench/huge_pages.py                                # float32 and bfloat16, 1/4/16 sequences
     python bench/huge_pages.py --dtypes bfloat16 --batches 1 --rounds 12
 
-``model/host_memory.py`` puts the panels the skinny kernel streams through every step on memory advised
+``fastpaths/host_memory.py`` puts the panels the skinny kernel streams through every step on memory advised
 ``MADV_HUGEPAGE``; ``MINICB_HUGE_PAGES=0`` leaves them on plain 4 KiB pages. This script measures what
 that is worth on this machine, with the host's drift taken out as far as one process can: it loads
 SmolLM2 twice per dtype, once each way, keeps both engines, and times decode steps of B sequences

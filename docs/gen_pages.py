@@ -45,12 +45,10 @@ API_MODULES = [
         ("sampling_params", "core.sampling_params"), ("structured_outputs", "core.structured_outputs"),
         ("errors", "core.errors")]),
     ("Model side", [
-        ("packer", "runtime.packer"), ("kv_cache", "model.kv_cache"), ("model.host_memory", "model.host_memory"),
+        ("packer", "runtime.packer"), ("kv_cache", "model.kv_cache"),
         ("kv_budget", "core.kv_budget"),
         ("model.llama", "model.llama"), ("model.attention", "model.attention"),
-        ("model.backends.cpu_paged", "model.backends.cpu_paged"), ("model.cpu_fused", "model.cpu_fused"),
-        ("model.cpu_linear", "model.cpu_linear"), ("model.skinny_gemm", "model.skinny_gemm"),
-        ("model.layer_stack", "model.layer_stack"), ("model.ckernels", "model.ckernels"),
+        ("model.backends", "model.backends"),
         ("model.loader", "model.weights.loader"), ("model.export", "model.weights.export"),
         ("model.tokenizer", "model.text.tokenizer"), ("sampling", ("runtime.sampling", "runtime.logprobs")),
         ("grammar", ("runtime.logits_processors", "runtime.grammar"))]),
@@ -60,6 +58,10 @@ API_MODULES = [
         ("llm", "entrypoints.llm"), ("baseline", "runtime.baseline"),
         ("distributed", ("distributed", "distributed.sharding", "distributed.group", "distributed.runner",
                          "distributed.launch"))]),
+    ("CPU fast paths (fenced off)", [
+        (f"fastpaths.{m}", f"fastpaths.{m}")
+        for m in ("install", "settings", "backends", "cpu_paged", "cpu_fused", "cpu_linear", "skinny_gemm",
+                  "layer_stack", "host_memory", "ckernels")]),
     ("Measurement and teaching", [
         (m, m) for m in ("measure.trace", "measure.metrics", "measure.workloads", "measure.plots",
                          "measure.bench_cli", "measure.pictures", "measure.replay", "simulate.simulator",
