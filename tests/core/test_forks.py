@@ -125,7 +125,7 @@ def test_fewer_free_slots_than_children_the_rest_wait_at_the_front():
     assert plan.seqs[0].forks == ("1_r", "2_r", "3_r")
     assert [s.status for s in group] == [SequenceStatus.RUNNING, SequenceStatus.RUNNING,
                                          SequenceStatus.WAITING, SequenceStatus.WAITING]
-    assert [s.request_id for s in sched._waiting] == ["2_r", "3_r", "late"]
+    assert [s.request_id for s in sched.waiting] == ["2_r", "3_r", "late"]
     assert [len(s.output_token_ids) for s in group] == [1, 1, 1, 1]     # every child sampled its token
     assert sched.block_manager.device.ref_counts[:3] == [2, 2, 2]       # the waiting ones hold nothing
     order, starts = [], {}

@@ -84,7 +84,7 @@ class BlockManager:
     cache: PrefixCache | None = field(init=False, repr=False)
     block_tables: dict[str, list[int]] = field(init=False, repr=False)   # device tables
     host_tables: dict[str, list[int]] = field(init=False, repr=False)    # tables of swapped requests
-    _num_hashed: dict[str, int] = field(init=False, repr=False)  # leading table blocks offered to the cache
+    num_hashed: dict[str, int] = field(init=False, repr=False)   # leading table blocks offered to the cache
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, lo=1)
@@ -97,7 +97,7 @@ class BlockManager:
         self.host = BlockPool(self.num_host_blocks)
         self.block_tables = {}
         self.host_tables = {}
-        self._num_hashed = {}
+        self.num_hashed = {}
 
     # --- queries ---------------------------------------------------------------------------
     @property
@@ -141,7 +141,7 @@ class BlockManager:
 
     def num_hashed_blocks(self, request_id: str) -> int:
         """Leading blocks of the request's table already offered to the prefix cache."""
-        return self._num_hashed.get(request_id, 0)
+        return self.num_hashed.get(request_id, 0)
 
     def num_new_blocks(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> int:
         """Blocks the request's device table must gain to cover ``num_tokens`` positions (a new table
@@ -170,9 +170,9 @@ class BlockManager:
         if self.cache is None or table is None:
             return 0
         full = min(num_computed_tokens // self.block_size, len(table))
-        start = self._num_hashed.get(request_id, 0)
+        start = self.num_hashed.get(request_id, 0)
         added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size)
-        self._num_hashed[request_id] = max(start, full)
+        self.num_hashed[request_id] = max(start, full)
         return added
 
     def reset_prefix_cache(self) -> bool:
@@ -201,6 +201,28 @@ class BlockManager:
         copy = start is not None and self.needs_copy(request_id, start)
         return self.num_new_blocks(request_id, num_tokens, computed) + reused + copy <= self.device.num_free
 
+    def append_slots(self, request_id: str, start: int,
+                     num_tokens: int) -> tuple[tuple[int, int], ...] | None:
+        """Make a running request's table cover the ``num_tokens`` positions it writes from ``start``
+        (vLLM's ``append_slots``): a shared block at ``start`` is copied first (``copy_on_write``), then
+        the table grows. Returns the copies the runner must make (``()`` or one ``(src, dst)``), or None,
+        changing nothing, when the pool lacks the blocks: the caller preempts and asks again.
+
+        ``can_allocate(.., start=start)``, ``copy_on_write`` and ``allocate`` in one call, the one a
+        decode step makes for every running request."""
+        table = self.block_tables[request_id]
+        i = start // self.block_size
+        copy = i < len(table) and self.device.ref_counts[table[i]] > 1
+        grow = -(-(start + num_tokens) // self.block_size) - len(table)
+        if copy + max(grow, 0) == 0:
+            return ()                                  # the usual decode: its block has room
+        if copy + max(grow, 0) > self.device.num_free:
+            return None
+        copies = (self.copy_on_write(request_id, start),) if copy else ()
+        for _ in range(grow):
+            table.append(self.device.take())
+        return copies
+
     def allocate(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> list[int]:
         """Grow the request's table to cover ``num_tokens`` positions; return the new blocks added.
 
@@ -217,7 +239,7 @@ class BlockManager:
             self.device.share(block)
             table.append(block)
         if computed:         # the cached head; blocks another row fills this step are offered again later
-            self._num_hashed[request_id] = sum(1 for b in computed if self.is_cached(b))
+            self.num_hashed[request_id] = sum(1 for b in computed if self.is_cached(b))
         new = [self.device.take() for _ in range(self.num_new_blocks(request_id, num_tokens))]
         table.extend(new)
         return new
@@ -228,7 +250,7 @@ class BlockManager:
         Freeing a request that holds nothing is a no-op, so abort can call it from any state. Cached
         device blocks stay in the prefix cache (on the LRU list) until a new block is needed.
         """
-        self._num_hashed.pop(request_id, None)
+        self.num_hashed.pop(request_id, None)
         if request_id in self.host_tables:
             return self.host.drop_table(self.host_tables.pop(request_id))
         return self.device.drop_table(self.block_tables.pop(request_id, []))
@@ -245,8 +267,8 @@ class BlockManager:
         for block in table:
             self.device.share(block)
         self.block_tables[child_id] = list(table)
-        if parent_id in self._num_hashed:
-            self._num_hashed[child_id] = self._num_hashed[parent_id]
+        if parent_id in self.num_hashed:
+            self.num_hashed[child_id] = self.num_hashed[parent_id]
 
     def copy_on_write(self, request_id: str, start: int) -> tuple[int, int] | None:
         """Before the request writes at position ``start``: if that block is shared (``needs_copy``),
@@ -281,7 +303,7 @@ class BlockManager:
             raise InvalidArgument(f"cannot swap out request {request_id!r}: it holds {len(table)} device "
                                   f"blocks, host has {self.host.num_free} free; {shared} of its blocks are "
                                   "shared (a shared block is never swapped out)")
-        self._num_hashed.pop(request_id, None)
+        self.num_hashed.pop(request_id, None)
         return self._move(request_id, self.block_tables, self.device, self.host_tables, self.host)
 
     def can_swap_in(self, request_id: str, num_tokens: int = 0) -> bool:
@@ -335,8 +357,8 @@ class BlockManager:
         self.device.check_integrity(self.block_tables, "device pool")
         self.host.check_integrity(self.host_tables, "host pool")
         assert all(c <= 1 for c in self.host.ref_counts), "a host block is shared (only private tables swap)"
-        assert set(self._num_hashed) <= set(self.block_tables), "hashing progress without a table"
-        for rid, n in self._num_hashed.items():
+        assert set(self.num_hashed) <= set(self.block_tables), "hashing progress without a table"
+        for rid, n in self.num_hashed.items():
             assert 0 <= n <= len(self.block_tables[rid]), f"{rid}: {n} blocks hashed of a shorter table"
         if self.cache is not None:
             self.cache.check_integrity(self.block_tables, self.block_size)

@@ -51,9 +51,12 @@ granularity.) If the step fails, both rows fail and nothing was cached; a source
 planning is still computed by the forward, so what B shares is written either way.
 
 **Forks** (``SamplingParams.n > 1``, see ``scheduler``): a child writes its next token into the
-prompt's last block, which it may share with its siblings; ``_make_room`` counts and makes the
-copy-on-write (``BlockManager.copy_on_write``) with the row's other blocks, and a preempted victim's
-copy is taken back with its grant.
+prompt's last block, which it may share with its siblings; ``_make_room`` makes the copy-on-write
+with the row's other blocks (``BlockManager.append_slots``), and a preempted victim's copy is taken
+back with its grant.
+
+The policy reads the scheduler's queues and asks the scheduler for every move (``admit``,
+``resume``, ``preempt``): the queues have one writer.
 
 This module imports no torch.
 """
@@ -62,24 +65,27 @@ from __future__ import annotations
 
 from minicb.core.planner import TokenBudget
 from minicb.core.policy import Policy, StepWork
-from minicb.core.preemption import Preemption, choose_victim, importance_key, preempt, running_order
+from minicb.core.preemption import choose_victim, importance_key
 from minicb.core.sequence import Sequence, SequenceStatus
 
 
 class ContinuousPolicy(Policy):
     """Rebuilds the batch every step: running (preempting to fit), then swapped, then waiting."""
 
+    fcfs = True        # the scheduling policy of the step being planned (fcfs, or priority)
+
     def schedule(self) -> StepWork:
         """One step's batch, in the three steps of the module docstring."""
-        c = self.config
+        c = self.sched.config
+        self.fcfs = c.scheduling_policy == "fcfs"
         work = StepWork()
-        budget = TokenBudget(c.max_num_batched_tokens, c.max_num_seqs, c.chunk_cap)
+        cap = c.long_prefill_chunk or c.max_num_batched_tokens       # the longest chunk of one prompt
+        budget = TokenBudget(c.max_num_batched_tokens, c.max_num_seqs, cap)
         self._schedule_running(work, budget)          # 1. decodes, then prefill chunks; preempt to fit
-        if not work.preempted:
+        if self.swapped and not work.preempted:
             self._schedule_swapped(work, budget)      # 2. swapped ones back, before any new request
-        if not work.preempted and not self.swapped:
+        if self.waiting and not work.preempted and not self.swapped:
             self._schedule_waiting(work, budget)      # 3. admit from the front, no overtaking
-        budget.check_integrity()
         # the budget spent is exactly what was granted: a preempted victim's grant was given back
         assert budget.num_batched_tokens == sum(work.scheduled.values()), "budget out of step with grants"
         assert budget.num_seqs == len(work.scheduled), "budget's sequence count out of step with grants"
@@ -91,70 +97,59 @@ class ContinuousPolicy(Policy):
         # sequence still in prefill. Decodes go first, so a long prompt can never starve them of the
         # budget (the chunked-prefill rule); within each kind, the most important first, so when blocks
         # run short the least important is the one preempted. A sequence that gets no tokens this step
-        # (budget spent) simply keeps its slot and waits for the next step.
-        order = running_order(self.running.values(), *self._ranking)
-        for seq in [s for s in order if not s.in_prefill] + [s for s in order if s.in_prefill]:
+        # (budget spent) simply keeps its slot and waits for the next step. Under fcfs the running
+        # dict is already in admission order (``Scheduler.start_running`` appends), so nothing is sorted.
+        order = self.running.values() if self.fcfs else sorted(self.running.values(), key=self._importance)
+        decodes, prefills = [], []
+        for seq in order:
+            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
+        for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                 # preempted earlier in this step
             n = budget.chunk(seq.num_uncomputed_tokens)
             if n and self._make_room(seq, n, work, budget):
-                _grant(seq, n, work, budget)
+                budget.take(n)                           # granted: charged to the step's budget
+                work.scheduled[seq.request_id] = n
 
     def _make_room(self, seq: Sequence, n: int, work: StepWork, budget: TokenBudget) -> bool:
-        """Allocate blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""
-        start = seq.num_computed_tokens
-        while not self.blocks.can_allocate(seq.request_id, start + n, start=start):
-            victim = choose_victim(self.running.values(), *self._ranking)
+        """Blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""
+        copies = self.blocks.append_slots(seq.request_id, seq.num_computed_tokens, n)
+        while copies is None:                            # the pool is short: the least important goes
+            victim = next(reversed(self.running.values())) if self.fcfs else \
+                choose_victim(self.running.values(), *self._ranking)
             self._preempt(victim, work, budget)
             if victim is seq:
                 return False
-        copy = self.blocks.copy_on_write(seq.request_id, start)   # a fork's shared last block
-        if copy is not None:
-            work.copy_blocks[seq.request_id] = copy
-        self.blocks.allocate(seq.request_id, start + n)
+            copies = self.blocks.append_slots(seq.request_id, seq.num_computed_tokens, n)
+        if copies:
+            work.copy_blocks[seq.request_id] = copies[0]   # a fork's shared last block, copied on write
         return True
 
     def _preempt(self, victim: Sequence, work: StepWork, budget: TokenBudget) -> None:
-        # Undo whatever this step already granted the victim, take it out of the running set, and let
-        # ``preemption.preempt`` free its slot and blocks: recompute drops its KV (it re-prefills later),
-        # swap copies it to the host pool. Either way it goes to the *front* of its queue, so it comes
-        # back before anything that arrived after it.
+        # Undo whatever this step already granted the victim, and let the scheduler preempt it
+        # (``Scheduler.preempt``: recompute drops its KV, swap copies it to the host pool; either way it
+        # goes to the *front* of its queue, so it comes back before anything that arrived after it).
         granted = work.scheduled.pop(victim.request_id, 0)
         if granted:
             budget.give_back(granted)
         work.copy_blocks.pop(victim.request_id, None)   # its copy's destination is freed with it
-        del self.running[victim.request_id]
-        p = preempt(victim, self.config.preemption_mode, self.blocks, self.slots)
-        queue = self.swapped if p.mode == "swap" else self.waiting
-        queue.appendleft(victim)              # victims go newest first, so the oldest ends up in front
+        p = self.sched.preempt(victim)
         work.preempted.append(victim.request_id)
         work.swap_out.extend(p.swap_out)
-        self._count_preemption(p)
-
-    def _count_preemption(self, p: Preemption) -> None:
-        st = self.stats
-        st.num_preemptions += 1
-        st.num_swaps += p.mode == "swap"
-        st.num_recomputes += p.mode == "recompute"
-        st.num_recomputed_tokens += p.num_lost_tokens
 
     # --- 2. swapped ---------------------------------------------------------------------------------
     def _schedule_swapped(self, work: StepWork, budget: TokenBudget) -> None:
         # Swapped-out sequences come back in order while a slot is free and their blocks (the copied
         # ones plus this step's chunk) fit on the device. The copies are only recorded here
         # (``work.swap_in``); the runner makes them before the forward pass reads the cache.
-        bm = self.blocks
         while self.swapped and self.slots.num_free:
             seq = self.swapped[0]
             n = budget.chunk(seq.num_uncomputed_tokens)
-            if not n or not bm.can_swap_in(seq.request_id, seq.num_computed_tokens + n):
+            if not n or not self.blocks.can_swap_in(seq.request_id, seq.num_computed_tokens + n):
                 return
-            self.swapped.popleft()
-            work.swap_in.extend(bm.swap_in(seq.request_id))
-            bm.allocate(seq.request_id, seq.num_computed_tokens + n)
-            self.stats.num_swap_ins += 1
-            self.start_running(seq)
-            _grant(seq, n, work, budget)
+            work.swap_in.extend(self.sched.resume(seq, seq.num_computed_tokens + n))
+            budget.take(n)
+            work.scheduled[seq.request_id] = n
 
     # --- 3. waiting ---------------------------------------------------------------------------------
     def _schedule_waiting(self, work: StepWork, budget: TokenBudget) -> None:
@@ -164,7 +159,7 @@ class ContinuousPolicy(Policy):
         # request that does not fit stops admission for this step.
         bm = self.blocks
         while self.waiting and self.slots.num_free:
-            seq = self._next_waiting()
+            seq = self.waiting[0] if self.fcfs else min(self.waiting, key=self._importance)
             # A request that still needs prompt logprobs takes no cached blocks: a hit would skip
             # the rows whose logits it asked for (its own blocks are still offered to the cache).
             hits = []
@@ -176,12 +171,9 @@ class ContinuousPolicy(Policy):
             n = budget.chunk(seq.num_tokens - cached)
             if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
                 return                            # stays at the front: admission stops (no overtaking)
-            self.waiting.remove(seq)              # the front (fcfs): O(1)
-            bm.allocate(seq.request_id, cached + n, hits)
-            self.count_admission(seq, cached)
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
-            self.start_running(seq)
-            _grant(seq, n, work, budget)
+            self.sched.admit(seq, cached + n, hits, cached)
+            budget.take(n)
+            work.scheduled[seq.request_id] = n
 
     def _same_step_hits(self, tokens: list[int], hits: list[int], work: StepWork) -> list[int]:
         """The blocks that continue ``hits`` (the cached head of ``tokens``) with the same tokens, filled
@@ -202,36 +194,21 @@ class ContinuousPolicy(Policy):
                 best = table[k0:k]
         return best
 
-    def _next_waiting(self) -> Sequence:
-        """The request admission looks at: the front of the queue (fcfs), or the most important
-        waiting one (priority; ties by arrival)."""
-        if self.config.scheduling_policy == "fcfs":
-            return self.waiting[0]
-        return min(self.waiting, key=lambda s: importance_key(s, *self._ranking))
-
+    # --- importance (priority scheduling) -------------------------------------------------------------
     @property
     def _ranking(self) -> tuple:
         """The arguments of ``preemption.importance_key`` after the sequence: policy, arrivals, aging."""
-        return self.config.scheduling_policy, self.num_arrivals, self.config.priority_aging
+        return self.config.scheduling_policy, self.sched.num_arrivals, self.config.priority_aging
+
+    def _importance(self, seq: Sequence) -> tuple[int, ...]:
+        return importance_key(seq, *self._ranking)
 
     # --- after a step ---------------------------------------------------------------------------------
-    def computed(self, seq: Sequence) -> None:
-        """Offer the blocks that the recorded step filled to the prefix cache."""
-        bm = self.blocks
-        if self.config.prefix_caching and \
-                seq.num_computed_tokens // bm.block_size > bm.num_hashed_blocks(seq.request_id):
-            bm.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens)
-
     def finished(self, seq: Sequence) -> None:
         """A finished request frees its slot and blocks at once: the next step can refill them."""
-        self.free(seq.request_id)
+        self.sched.free(seq.request_id)
 
     def check_integrity(self) -> None:
         assert not self.batch, "continuous policy keeps no padded batch"
-
-
-def _grant(seq: Sequence, n: int, work: StepWork, budget: TokenBudget) -> None:
-    # The sequence computes ``n`` tokens this step: charge them to the step's budget and record them in
-    # the step's work, from which ``Scheduler`` builds the plan's rows.
-    budget.take(n)
-    work.scheduled[seq.request_id] = n
+        admitted = [s.admitted_index for s in self.running.values()]
+        assert admitted == sorted(admitted), "the running dict is in admission order (fcfs reads it so)"

@@ -55,16 +55,13 @@ class PaddedPolicy(Policy):
             seq = self.waiting[0]
             if not bm.can_allocate(seq.request_id, seq.max_total_tokens):
                 return                            # FIFO: the first that does not fit waits
-            self.waiting.popleft()
-            bm.allocate(seq.request_id, seq.max_total_tokens)     # reserved up front: no preemption
-            self.count_admission(seq, 0)
-            self.start_running(seq)
+            self.sched.admit(seq, seq.max_total_tokens)       # reserved up front: no preemption
             self.batch.append(seq)
 
     def _release_batch_if_done(self) -> None:
         if self.batch and all(s.is_finished for s in self.batch):
             for seq in self.batch:
-                self.free(seq.request_id)
+                self.sched.free(seq.request_id)
             self.batch.clear()
 
     def finished(self, seq: Sequence) -> None:

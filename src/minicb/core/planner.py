@@ -43,9 +43,10 @@ class TokenBudget:
     num_seqs: int = 0
 
     def __post_init__(self) -> None:
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
-        check_int("max_num_seqs", self.max_num_seqs, lo=1)
-        check_int("chunk_cap", self.chunk_cap, lo=1)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_cap"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:      # the policy passes a checked config's ints
+                check_int(name, value, lo=1)             # raises, saying what is wrong
 
     @property
     def tokens_left(self) -> int:
@@ -55,11 +56,13 @@ class TokenBudget:
         """Tokens a sequence with ``num_uncomputed`` tokens may compute now (0: none this step)."""
         if self.num_seqs >= self.max_num_seqs:
             return 0
-        return max(0, min(num_uncomputed, self.chunk_cap, self.tokens_left))
+        left = self.max_num_batched_tokens - self.num_batched_tokens
+        return max(0, min(num_uncomputed, self.chunk_cap, left))
 
     def take(self, num_tokens: int) -> None:
         """Charge one sequence's grant of ``num_tokens`` to the budget."""
-        assert 1 <= num_tokens <= self.tokens_left and self.num_seqs < self.max_num_seqs
+        assert 1 <= num_tokens <= self.max_num_batched_tokens - self.num_batched_tokens
+        assert self.num_seqs < self.max_num_seqs
         self.num_batched_tokens += num_tokens
         self.num_seqs += 1
 

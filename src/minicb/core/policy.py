@@ -10,11 +10,11 @@ table::
                                        member, run until every member is done, then released
 
 The scheduler calls ``schedule()`` once a step and tells the policy what happened to its requests:
-``computed(seq)`` after a step computed tokens of ``seq``, ``finished(seq)`` when ``seq`` ended
-normally (it has left the queues), ``ended(seq)`` when it was aborted or failed (its slot and blocks
-are already freed). A policy reads the queues through its scheduler (``waiting``, ``running``,
-``swapped`` below): they are the scheduler's, since adding, aborting and recording change them too.
-This module imports no torch.
+``finished(seq)`` when ``seq`` ended normally (it has left the queues), ``ended(seq)`` when it was
+aborted or failed (its slot and blocks are already freed). The queues (``waiting``, ``running``,
+``swapped``) are the scheduler's, and only the scheduler writes them: a policy reads them and asks
+the scheduler to move a request (``admit``, ``resume``, ``preempt``, ``free``), so each queue has
+one writer (``tests/test_architecture.py`` checks it). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from minicb.core.block_manager import BlockManager
 from minicb.core.config import SchedulerConfig
-from minicb.core.sequence import Sequence, SequenceStatus
+from minicb.core.sequence import Sequence
 from minicb.core.slot_table import SlotTable
 from minicb.core.stats import SchedulerStats
 
@@ -42,22 +42,32 @@ class StepWork:
 
 
 class Policy:
-    """The interface of a scheduling policy, and the steps both policies share (admission counting,
-    starting a request). ``sched`` is the ``Scheduler`` that owns the requests."""
+    """The interface of a scheduling policy. ``sched`` is the ``Scheduler`` that owns the requests.
+
+    The policy *reads* the scheduler's state through the names below (the same objects, never
+    copies) and *changes* it only through the scheduler's moves (``admit``, ``resume``, ``preempt``,
+    ``free``): the queues have one writer, the scheduler."""
 
     def __init__(self, sched) -> None:
         self.sched = sched
+        self.slots: SlotTable = sched.slot_table
+        self.blocks: BlockManager = sched.block_manager
+        self.stats: SchedulerStats = sched.stats
+        self.waiting: deque[Sequence] = sched.waiting          # read only: the scheduler writes them
+        self.running: dict[str, Sequence] = sched.running
+        self.swapped: deque[Sequence] = sched.swapped
         # requests that hold a slot and blocks without running: a padded batch's finished members
         # (a continuous policy frees a request when it ends, so this stays empty)
         self.batch: list[Sequence] = []
 
-    # --- what a policy implements ---------------------------------------------------------------
+    @property
+    def config(self) -> SchedulerConfig:
+        """The scheduler's configuration (read through it: it is the scheduler's)."""
+        return self.sched.config
+
     def schedule(self) -> StepWork:
         """Choose this step's rows (and swaps, preemptions) from the queues."""
         raise NotImplementedError
-
-    def computed(self, seq: Sequence) -> None:
-        """A recorded step computed some of ``seq``'s tokens."""
 
     def finished(self, seq: Sequence) -> None:
         """``seq`` finished normally in ``update`` and has left the queues; free what it holds (or not)."""
@@ -67,59 +77,3 @@ class Policy:
 
     def check_integrity(self) -> None:
         """The policy's own invariants, on top of the scheduler's."""
-
-    # --- the scheduler's state, read through it ---------------------------------------------------
-    @property
-    def config(self) -> SchedulerConfig:
-        return self.sched.config
-
-    @property
-    def slots(self) -> SlotTable:
-        return self.sched.slot_table
-
-    @property
-    def blocks(self) -> BlockManager:
-        return self.sched.block_manager
-
-    @property
-    def stats(self) -> SchedulerStats:
-        return self.sched.stats
-
-    @property
-    def waiting(self) -> deque[Sequence]:
-        return self.sched._waiting
-
-    @property
-    def running(self) -> dict[str, Sequence]:
-        return self.sched._running
-
-    @property
-    def swapped(self) -> deque[Sequence]:
-        return self.sched._swapped
-
-    @property
-    def num_arrivals(self) -> int:
-        """Requests added so far (priority aging measures waiting in arrivals)."""
-        return self.sched._next_arrival
-
-    # --- steps both policies take ---------------------------------------------------------------
-    def start_running(self, seq: Sequence) -> None:
-        """``seq`` (just admitted or swapped in, its blocks allocated) takes a slot and runs."""
-        s = self.sched
-        seq.slot_id = s.slot_table.assign(seq.request_id)
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_index, s._next_admission = s._next_admission, s._next_admission + 1
-        s._running[seq.request_id] = seq
-
-    def free(self, request_id: str) -> None:
-        """Release the request's slot (if it holds one) and every block it holds."""
-        self.sched._free(request_id)
-
-    def count_admission(self, seq: Sequence, num_cached: int) -> None:
-        """Count ``seq``'s admission with ``num_cached`` tokens served from the prefix cache."""
-        st = self.stats
-        if seq.admitted_index < 0:                # its first admission
-            st.num_prompt_tokens += seq.num_prompt_tokens
-            st.num_cached_prompt_tokens += num_cached
-        else:                                     # back after recompute preemption
-            st.num_cached_reprefill_tokens += num_cached

@@ -107,12 +107,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:
         """True while more than one token is waiting for K/V (a prompt, or a recompute re-prefill)."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens > 1
 
     @property
     def wants_prompt_rows(self) -> bool:
@@ -140,11 +140,11 @@ class Sequence:
             self.first_token_time = now
         p = self.params
         stop_id = (not p.ignore_eos and token_id == self.eos_token_id) or token_id in p.stop_token_ids
-        if stop_id and self.num_output_tokens > p.min_tokens:
+        if stop_id and len(self.output_token_ids) > p.min_tokens:
             self.finish(FinishReason.STOP, now)
-        elif self.num_output_tokens >= p.max_tokens:
+        elif len(self.output_token_ids) >= p.max_tokens:
             self.finish(FinishReason.LENGTH, now)
-        return self.is_finished
+        return self.status is SequenceStatus.FINISHED
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

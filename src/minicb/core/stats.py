@@ -53,6 +53,24 @@ class SchedulerSnapshot:
     arrivals_open: bool
     cached_blocks: tuple[int, ...] = ()                    # the blocks in the prefix cache (held or free)
 
+    @classmethod
+    def of(cls, sched) -> SchedulerSnapshot:
+        """The ``Scheduler``'s state right now, copied into immutable values (listeners may keep it)."""
+        bm, table = sched.block_manager, sched.slot_table
+        held = table.held()
+        return cls(
+            step=sched.stats.num_steps,
+            slots=tuple(held.get(i) for i in range(sched.config.max_num_seqs)),
+            block_tables=tuple((rid, tuple(bm.block_tables[rid])) for rid in held.values()
+                               if rid in bm.block_tables),
+            host_tables=tuple((rid, tuple(t)) for rid, t in bm.host_tables.items()),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks, num_host_blocks=sched.config.num_host_blocks,
+            num_free_host_blocks=bm.num_free_host_blocks,
+            waiting=tuple(s.request_id for s in sched.waiting),
+            running=tuple(sched.running), swapped=tuple(s.request_id for s in sched.swapped),
+            arrivals_open=sched.arrivals_open, cached_blocks=bm.cached_blocks)
+
     @property
     def num_held_slots(self) -> int:
         return sum(r is not None for r in self.slots)
