@@ -176,7 +176,8 @@ class Scheduler:
             rows.append(self._row(self._seqs[rid], n, now))
         return StepPlan(step=step, seqs=tuple(rows), padding=tuple(work.padding),
                         swap_out=tuple(work.swap_out), swap_in=tuple(work.swap_in),
-                        preempted=tuple(work.preempted), copy_blocks=tuple(work.copy_blocks.values()), block_size=self.config.block_size)
+                        preempted=tuple(work.preempted), copy_blocks=tuple(work.copy_blocks.values()),
+                        block_size=self.config.block_size)
 
     def _row(self, seq: Sequence, n: int, now: float) -> ScheduledSeq:
         """``seq``'s row: its next ``n`` tokens from ``num_computed_tokens`` on, in its blocks; it samples
