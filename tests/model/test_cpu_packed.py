@@ -168,7 +168,7 @@ def test_choose_path(monkeypatch):
     path, why = cl.choose_path(torch.float32)
     assert path == "onednn-f32" and "2.50x" in why
     for skinny_rows, tie in ((0, "mkl"), (16, "onednn-f32")):      # a near tie: the skinny kernel decides
-        monkeypatch.setattr(cl.skinny_gemm, "choose_rows", lambda dtype, settings=None, r=skinny_rows: (r, "stood in"))
+        monkeypatch.setattr(cl.skinny_gemm, "choose_rows", lambda d, s=None, r=skinny_rows: (r, "stood in"))
         monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 1.0)
         assert cl.choose_path(torch.float32)[0] == tie
         monkeypatch.setattr(cl, "onednn_speedup", lambda *a, **k: 0.8)

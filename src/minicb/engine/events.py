@@ -62,6 +62,7 @@ class Listeners:
     def __init__(self) -> None:
         self._plan: list[PlanListener] = []
         self._step: list[StepListener] = []
+        self.active = False           # anybody listening (the engine asks before taking snapshots)
 
     def add(self, on_plan: PlanListener | None = None,
             on_step: StepListener | None = None) -> Callable[[], None]:
@@ -72,12 +73,14 @@ class Listeners:
             self._plan.append(on_plan)
         if on_step is not None:
             self._step.append(on_step)
+        self.active = bool(self._plan or self._step)
 
         def remove() -> None:
             if on_plan is not None and on_plan in self._plan:
                 self._plan.remove(on_plan)
             if on_step is not None and on_step in self._step:
                 self._step.remove(on_step)
+            self.active = bool(self._plan or self._step)
 
         return remove
 

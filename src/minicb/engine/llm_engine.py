@@ -1,32 +1,29 @@
-"""The engine: the step loop that turns a scheduler's plans into tokens.
+"""The engine: the step loop (``loop.py``) behind its public API, with the guards that keep it safe.
 
-One step, every iteration (the heart of continuous batching)::
+``LLMEngine`` is what everything outside uses: ``add_request``, ``abort_request``, ``step``, ``run``,
+``listen``, ``shutdown``. Streaming is vLLM's shape: ``add_request`` queues, each ``step`` returns the
+outputs that changed (new tokens, or finished). ``run(request_ids)`` steps until given requests finish
+and keeps the outputs of any others for the next ``step`` (``LLM.generate`` is built on it). Nothing
+outside the engine reads the scheduler, the slot table or the block manager.
 
-    plan    = scheduler.schedule()         # who runs, which tokens, which blocks (no torch)
-    emit PlanEvent(plan, snapshot)         # listeners: metrics, traces, the live page, the tutorials
-    sampled = runner.run(plan, params)     # swap, pack, forward, sample: the only tensor work
-    done    = scheduler.update(plan, sampled)   # finished requests free their slot and blocks *now*
-    emit StepEvent(plan, snapshots, times, outputs)
+The loop itself (schedule, run, update, outputs) is ``StepLoop._step``. This module wraps it from
+outside; what can go wrong, and what happens then (the consistency contract, ``docs/errors.md``):
 
-The engine talks to the scheduler through those two calls only, and to everything outside it
-through its methods (``add_request``, ``abort_request``, ``step``, ``close_arrivals``) and its events
-(``listen``; ``minicb.engine.events``): nothing outside the engine reads the scheduler, the slot table or the
-block manager. Streaming is vLLM's shape: ``add_request`` queues, each ``step`` returns the outputs
-that changed (new tokens, or finished). ``run(request_ids)`` steps until given requests finish and
-keeps the outputs of any others for the next ``step`` (``LLM.generate`` is built on it).
-
-What can go wrong, and what happens then (the consistency contract, ``docs/errors.md``):
-
-* the tensor work raises (``runner.run``, or a plan listener): that step's requests end with
-  ``finish_reason == "error"`` and the reason; everybody else is served on;
+* the tensor work raises (``runner.run``): that step's requests end with ``finish_reason == "error"``
+  and the reason; everybody else is served on (the loop does this);
 * Ctrl-C: the bookkeeping (planning, recording, finishing, aborting) runs with it *deferred*
-  (``engine.interrupts``), so it lands inside the forward (the step's requests fail as above) or at
-  the step boundary (nobody is harmed), never half way through moving a request;
+  (``DeferredInterrupts`` below), so it lands inside the forward (the step's requests fail as above)
+  or at the step boundary (nobody is harmed), never half way through moving a request;
 * the bookkeeping itself raises: that is a bug, and nobody can vouch for the state it left. The
   engine ends every request with ``finish_reason == "error"`` and the reason, hands those outputs
   out, and is dead from then on (``EngineDeadError``, as in vLLM V1);
+* a listener raises: its exception leaves ``step()`` as it is, the step's outputs stay for the next;
 * an output is made all or nothing (``outputs.OutputTracker``), so whatever fails, the tokens a
   request streamed concatenate to its final ``token_ids`` and its text is their decode.
+
+The engine is not thread-safe: one thread calls it (``minicb serve`` steps it in an engine thread of
+its own and posts requests and aborts to that thread). A listener runs inside a step: it may abort a
+request (applied when the step ends) but not add one or step.
 
 **Parallel sampling** (``SamplingParams.n > 1``): ``add_request`` makes ``n`` sequences, child ``i``
 with id ``f"{i}_{request_id}"`` (vLLM V1's naming; a request with ``n == 1`` keeps its own id) and
@@ -40,44 +37,28 @@ module imports no torch: the same loop drives a model (``minicb.runtime.runner.e
 config)`` makes both), rank 0 of a tensor-parallel group, and the simulator's clock. A runner that
 breaks for good (``runner.failure``: a tensor-parallel rank died) makes that step and every later
 one raise its failure; ``shutdown()`` ends every request and closes the runner.
-
-The error contract (which argument, which range, which exception) is the table in ``docs/errors.md``.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
+import signal
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
-from minicb.core.config import SchedulerConfig
-from minicb.core.errors import (
-    EngineDeadError,
-    InvalidArgument,
-    MinicbError,
-    RequestRejected,
-    check_int,
-)
-from minicb.core.plan import StepPlan
+from minicb.core.errors import EngineDeadError, InvalidArgument, MinicbError, RequestRejected, check_int
 from minicb.core.sampling_params import SamplingParams
-from minicb.core.scheduler import Scheduler, SchedulerStats
+from minicb.core.scheduler import SchedulerStats
 from minicb.core.sequence import FinishReason, Sequence
 from minicb.engine import inputs
-from minicb.engine.events import Listeners, PlanEvent, StepEvent
-from minicb.engine.interface import Runner
-from minicb.engine.interrupts import DeferredInterrupts
-from minicb.engine.logprobs import PromptLogprobs, RowOutput, token_of
-from minicb.engine.outputs import CompletionOutput, OutputTracker, RequestOutput, RequestTracker
+from minicb.engine.events import PlanEvent, StepEvent
+from minicb.engine.loop import Passthrough, StepLoop, describe
+from minicb.engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["CompletionOutput", "LLMEngine", "RequestOutput", "child_id"]
+__all__ = ["CompletionOutput", "DeferredInterrupts", "LLMEngine", "child_id"]
 
 log = logging.getLogger("minicb.engine")
-_GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
 _SHUT_DOWN = ("this engine was shut down (its runner is closed): create a new engine (or LLM) to serve more "
               "requests")
 
@@ -88,39 +69,16 @@ def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-class LLMEngine:
-    """Owns a scheduler and drives a runner; ``step()`` runs one iteration of the loop.
+class LLMEngine(StepLoop):
+    """The step loop behind its public API, guarded (module docstring); ``step()`` runs one iteration.
 
     ``runner`` does the tensor half of every step (``minicb.engine.interface.Runner``); its KV pool
     must have the shape ``config`` schedules. ``clock`` stamps arrivals, tokens and finishes."""
 
-    def __init__(self, runner: Runner, config: SchedulerConfig, tokenizer=None, *,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        # make each output's text (the tokenizer's incremental decoder, on the stepping thread); a
-        # caller that decodes elsewhere (``minicb serve``: its event loop) turns it off before adding
-        # requests, and outputs then carry token ids only (``text == ""``)
-        self.detokenize = True
-        self.clock = clock
-        self.runner = runner
-        self.scheduler = Scheduler(config)
-        self.eos_token_id = runner.eos_token_id if tokenizer is None else tokenizer.eos_token_id
-        self.last_plan: StepPlan | None = None
-        self._live: dict[str, RequestTracker] = {}     # by request id
-        self._owner: dict[str, str] = {}                # sequence id (a child's) -> request id
-        self._ids = itertools.count()
-        self._listeners = Listeners()
-        self._pending: list[RequestOutput] = []   # outputs not yet handed out by step()
-        self._lock = threading.Lock()             # one step (or request change) at a time
-        self._step_thread: int | None = None      # the thread running a step now
-        self._aborts_waiting = 0                  # other threads' aborts waiting for the running step
-        self._turn = threading.Condition()        # ... which go before the next step (step() waits)
-        self._deferred_aborts: deque[tuple[str, int | None]] = deque()   # (request id, child index)
-        self._ready: list[RequestOutput] = []     # seen by the step listeners, not yet returned
-        self.dead: str | None = None              # why the engine died (EngineDeadError), or None
-        self._closed = False                      # shutdown() was called
-        self._token_texts: dict[int, str] = {}    # token id -> its text alone (logprobs' decoded_token)
+    dead: str | None = None          # why the engine died (EngineDeadError), or None
+    _closed = False                  # shutdown() was called
+    _in_step = False                 # a step is running (a listener is calling back)
+    _ctrl_c: DeferredInterrupts | None = None
 
     # --- what the outside may read --------------------------------------------------------------
     @property
@@ -134,8 +92,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         if self.dead is not None:
-            return bool(self._pending or self._ready)     # the final outputs still to hand out
-        return self.scheduler.has_unfinished() or bool(self._pending or self._ready)
+            return bool(self._pending)                # the final outputs still to hand out
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     def snapshot(self):
         """The scheduler's state now (``minicb.core.scheduler.SchedulerSnapshot``: immutable)."""
@@ -189,46 +147,15 @@ class LLMEngine:
         """Queue one request; a bad one raises here and leaves the engine and other requests untouched."""
         rid = request_id if request_id is not None else self.new_request_id()
         seqs = self._make_sequences(prompt, params, rid, arrival_time, priority)
-        self._add(rid, seqs)
-        return rid
-
-    def _add(self, request_id: str, seqs: list[Sequence]) -> None:
         self._not_inside_a_step("add_request()")
-        if request_id in self._live:
-            raise InvalidArgument(f"request_id {request_id!r} is already in use")
-        with self._lock, self._bookkeeping():
+        if rid in self._live:
+            raise InvalidArgument(f"request_id {rid!r} is already in use")
+        with self._bookkeeping():
             self._check_alive()
-            self._check_open()
-            self._enqueue(request_id, seqs)
-
-    def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
-        # the runner first (each child: its own generator and logits processors): what it cannot build
-        # for the request (a bad grammar) raises before the scheduler holds anything of it
-        registered = []
-        try:
-            for seq in seqs:
-                self.runner.register(seq.request_id, seq.params, seq.prompt_token_ids,
-                                     eos_token_id=seq.eos_token_id, tokenizer=self.tokenizer)
-                registered.append(seq.request_id)
-            self.scheduler.add(seqs[0], seqs[1:])
-        except BaseException:
-            for sid in registered:
-                self.runner.release(sid)
-            raise
-        tok = self.tokenizer if self.detokenize else None
-        children = []
-        for seq in seqs:
-            skip = seq.params.skip_special_tokens
-            dec = tok.incremental_decoder(skip) if tok is not None else None
-            decode = functools.partial(tok.decode, skip_special_tokens=skip) if tok is not None else None
-            child = OutputTracker(seq, dec, decode)
-            if seq.params.logprobs is not None:
-                child.logprobs = []
-            if seq.params.prompt_logprobs is not None and seq is seqs[0]:   # child 0 prefills for all
-                child.prompt = PromptLogprobs()
-            children.append(child)
-            self._owner[seq.request_id] = request_id
-        self._live[request_id] = RequestTracker(request_id, children)
+            if self._closed:
+                raise InvalidArgument(_SHUT_DOWN)
+            self._enqueue(rid, seqs)
+        return rid
 
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """End ``request_id`` (any state) with ``finish_reason == "abort"`` and free what it holds;
@@ -237,49 +164,25 @@ class LLMEngine:
         ``index`` ends only that child of a request with ``n > 1`` (a stop string it produced, say)
         and returns the request's output now, final if it was the last child. Child 0 before its
         prompt is done takes the children still waiting for the fork with it (they have nothing yet).
-
         Called from a step listener (in the middle of a step) the abort is applied when the step ends
-        and its final output comes out of the next ``step()``; from another thread it waits for the
-        running step to end, and goes before the next one (a loop calling ``step()`` cannot starve it:
-        Python's lock is not fair, so ``step()`` waits for the aborts already waiting)."""
+        and its final output comes out of the next ``step()``."""
         if not isinstance(request_id, str):
             raise InvalidArgument(f"request_id must be a str, got {type(request_id).__name__}")
         if index is not None:
             index = check_int("index", index, lo=0)
-        if self._step_thread == threading.get_ident():
+        if self._in_step:
             self._deferred_aborts.append((request_id, index))
             return None
-        out = None
-        with self._turn:
-            self._aborts_waiting += 1
-        try:
-            with self._lock:
-                try:
-                    with self._bookkeeping():
-                        out = self._abort(request_id, deliver=False, index=index)
-                except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
-                    if out is not None:       # its output comes out of the next step()
-                        self._ready.append(out)
-                    raise
-        finally:
-            with self._turn:
-                self._aborts_waiting -= 1
-                self._turn.notify_all()
-        return out
-
-    def _abort(self, request_id: str, deliver: bool, index: int | None = None) -> RequestOutput | None:
-        if self.dead is not None or request_id not in self._live:
+        if self.dead is not None:
             return None
-        now = self.clock()
-        tracker = self._live[request_id]
-        for child in tracker.children:                 # every child (finished ones are no-ops), or one
-            if index is None or child.seq.index == index:
-                self.scheduler.abort(child.seq.request_id, now)
-        if tracker.finished:
-            return self._finish(request_id, deliver)
-        out = tracker.output()
-        if deliver:
-            self._pending.append(out)
+        out = None
+        try:
+            with self._bookkeeping():
+                out = self._abort(request_id, deliver=False, index=index)
+        except KeyboardInterrupt:     # a Ctrl-C deferred to the end of the abort, which is done:
+            if out is not None:       # its output comes out of the next step()
+                self._pending.append(out)
+            raise
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -287,7 +190,7 @@ class LLMEngine:
         (vLLM's ``reset_prefix_cache``: for benchmarks that rerun the same prompts). Returns False and
         changes nothing while any request holds blocks."""
         self._not_inside_a_step("reset_prefix_cache()")
-        with self._lock, self._bookkeeping():
+        with self._bookkeeping():
             self._check_alive()
             return self.scheduler.reset_prefix_cache()
 
@@ -298,90 +201,47 @@ class LLMEngine:
     def open_arrivals(self) -> None:
         self.scheduler.open_arrivals()
 
-    # --- the loop -------------------------------------------------------------------------------
+    # --- the loop, guarded ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of the requests that got a token or finished.
-
-        A dead engine (``self.dead``) first hands out the final outputs of the requests it ended, then
-        raises ``EngineDeadError``."""
+        """Run one iteration of the loop (``StepLoop._step``); return the outputs of the requests that
+        got a token or finished. A dead engine first hands out the final outputs of the requests it
+        ended, then raises ``EngineDeadError``."""
         self._not_inside_a_step("step() / run() / generate()")
-        with self._turn:                            # aborts from other threads go first
-            self._turn.wait_for(lambda: self._aborts_waiting == 0)
-        with self._lock:
-            if self._closed and self._ready:        # the final outputs of requests ended by shutdown()
-                outs, self._ready = self._ready, []
-                return outs
+        if not (self._closed and self._pending):   # the final outputs of requests ended by shutdown()
             self._check_usable()
-            self._step_thread = threading.get_ident()
+        if self.dead is None and not self._closed:
+            self._in_step = True
             try:
-                with DeferredInterrupts() as ctrl_c:
+                with DeferredInterrupts() as self._ctrl_c:
                     try:
-                        if self.dead is None:
-                            self._step(ctrl_c)
-                        elif not (self._pending or self._ready):
-                            raise EngineDeadError(f"the engine is dead: {self.dead}")
-                    except _Passthrough as p:   # the forward's Ctrl-C, a step listener's exception
+                        self._step()
+                    except Passthrough as p:           # a listener's exception, or Ctrl-C in the forward
                         raise p.exc from None
-                    except EngineDeadError:
-                        raise
-                    except BaseException as exc:                # a bug in the bookkeeping
+                    except BaseException as exc:       # a bug in the bookkeeping
                         self._die(exc)
                         if not isinstance(exc, Exception):
                             raise
-                    self._ready += self._pending
-                    self._pending = []
             finally:
-                self._step_thread = None
+                self._in_step, self._ctrl_c = False, None
             if self.runner.failure is not None:       # the runner broke in this step: say so now (the
                 raise self.runner.failure.with_traceback(None)     # outputs stay; nobody is dropped)
-            outs, self._ready = self._ready, []       # a Ctrl-C at the boundary keeps them for later
-            return outs
+        elif self.dead is not None and not self._pending:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        outs, self._pending = self._pending, []        # a Ctrl-C at the boundary keeps them for later
+        return outs
 
-    def _step(self, ctrl_c: DeferredInterrupts) -> None:
-        """One step: plan, compute, record (see the module docstring for what each failure does)."""
-        sched = self.scheduler
-        start = self.clock()
-        plan = sched.schedule(start)
-        self.last_plan = plan
-        error = None
-        try:
-            with ctrl_c.allowed():                     # a listener is user code: Ctrl-C acts at once
-                before = self._listeners.emit_plan(plan, sched, start)
-        except BaseException as exc:                   # the step's requests fail, the caller hears it
-            self._fail_step(plan, _describe(exc))
-            raise _Passthrough(exc) from None
-        try:
-            with ctrl_c.allowed():                     # Ctrl-C acts here, in the tensor work
-                sampled = self.execute(plan) if not plan.is_empty else {}
-        except BaseException as exc:                   # the step's requests fail; the rest go on
-            error = _describe(exc)
-            self._fail_step(plan, error)
-            if not isinstance(exc, Exception):
-                raise _Passthrough(exc) from None
-        else:
-            self._record(plan, sampled)
-        while self._deferred_aborts:                  # aborts asked for by a listener of this step
-            rid, index = self._deferred_aborts.popleft()
-            self._abort(rid, deliver=True, index=index)
-        try:
-            self._listeners.emit_step(plan, sched, before, start, self.clock(), self._pending, error)
-        except BaseException as exc:                  # the step is recorded: its outputs stay ours
-            self._ready += self._pending
-            self._pending = []
-            raise _Passthrough(exc) from None
+    def _interruptible(self):
+        """Ctrl-C acts at once in the tensor work and in listeners (``DeferredInterrupts.allowed``)."""
+        return self._ctrl_c.allowed()
 
     def _not_inside_a_step(self, what: str) -> None:
-        if self._step_thread == threading.get_ident():
+        if self._in_step:
             raise InvalidArgument(f"{what} called from inside a step (an event listener): the engine "
                                   "runs one step at a time; call it after step() returns")
 
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgument(_SHUT_DOWN)
 
     def _check_usable(self) -> None:
         """Refuse to step a shut-down engine or one whose runner broke for good (``runner.failure``)."""
@@ -391,18 +251,46 @@ class LLMEngine:
         if failure is not None:
             raise failure.with_traceback(None)
 
+    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
+        """Step until the given requests (default: all) have finished; return their final outputs in
+        the order they finished. Outputs of other requests are kept for the next ``step()``."""
+        wanted = None if request_ids is None else set(request_ids)
+        done: list[RequestOutput] = []
+        others: list[RequestOutput] = []
+        try:
+            while (self.has_unfinished_requests() if wanted is None
+                   else any(r in self._live for r in wanted) or self._pending_has(wanted)):
+                for out in self.step():
+                    if wanted is not None and out.request_id not in wanted:
+                        others.append(out)
+                    elif out.finished:
+                        done.append(out)
+                        if progress is not None:
+                            progress(out)
+        finally:
+            self._pending = others + self._pending        # handed out by the next step()
+        return done
+
+    def _pending_has(self, wanted: set[str]) -> bool:
+        return any(o.request_id in wanted for o in self._pending)
+
+    def run_until_done(self, progress=None) -> list[RequestOutput]:
+        """Step until every request has finished; their final outputs in the order they finished."""
+        return self.run(None, progress)
+
     def shutdown(self) -> None:
         """End every unfinished request (``finish_reason == "abort"``) and close the runner (a
         tensor-parallel group's other ranks stop). The next ``step()`` hands out those final outputs;
         after that every ``step()`` / ``add_request()`` raises ``InvalidArgument``. Idempotent."""
         if not self._closed:
-            self._closed = True
             for rid in list(self._live):
                 out = self.abort_request(rid)
                 if out is not None:
-                    self._ready.append(out)
+                    self._pending.append(out)
+            self._closed = True
         self.runner.close()
 
+    # --- death ----------------------------------------------------------------------------------
     @contextmanager
     def _bookkeeping(self):
         """Changes to the engine's state outside ``step``: Ctrl-C deferred; an exception other than a
@@ -422,7 +310,7 @@ class LLMEngine:
         """The bookkeeping raised: end every request with ``finish_reason == "error"`` and hand out
         its final output; from now on the engine refuses work. The scheduler's state is not trusted
         (nor touched) any more: only each request's own sequence and output tracker are read."""
-        self.dead = f"internal error: {_describe(exc)}"
+        self.dead = f"internal error: {describe(exc)}"
         log.error("minicb: the engine's bookkeeping failed; every request ends with an error",
                   exc_info=(type(exc), exc, exc.__traceback__))
         now = self.clock()
@@ -439,128 +327,64 @@ class LLMEngine:
         self._owner.clear()
         self._deferred_aborts.clear()
 
-    def execute(self, plan: StepPlan) -> dict[str, int | RowOutput]:
-        """The tensor half of a step: the runner's ``run`` (whatever the runner is: a model, rank 0 of a
-        tensor-parallel group, a simulated clock). A row whose request was aborted since planning is
-        computed but samples with default params. The result maps request ids to a token, or to a
-        ``RowOutput`` (the token and the logprobs its request asked for; ``minicb.engine.logprobs``)."""
-        params = {}
-        for s in plan.seqs:
-            if s.sample or s.prompt_targets:
-                for sid in (s.request_id, *s.forks):       # a fork samples the row once per child
-                    params[sid] = self._seq_params(sid)
-        return self.runner.run(plan, params)
 
-    def _child(self, seq_id: str) -> OutputTracker | None:
-        """The output tracker of the live sequence ``seq_id`` (a child of some request), or None."""
-        tracker = self._live.get(self._owner.get(seq_id, ""))
-        if tracker is None:
-            return None
-        return next((c for c in tracker.children if c.seq.request_id == seq_id), None)
+class DeferredInterrupts:
+    """Ctrl-C at a safe point: a context in which SIGINT is recorded instead of raised.
 
-    def _seq_params(self, seq_id: str) -> SamplingParams:
-        child = self._child(seq_id)
-        return _GREEDY if child is None else child.seq.params
+    In Python a ``KeyboardInterrupt`` is raised by the SIGINT handler, between any two bytecodes of the
+    main thread. Inside the engine's bookkeeping (plain Python that moves requests between queues and
+    blocks between lists) that is the worst possible moment: a request can be in no queue, a block can
+    be freed twice, an output can be made and then dropped. So minicb does what a kernel does with a
+    critical section: it *defers* the signal::
 
-    def _record(self, plan: StepPlan, sampled: dict[str, int | RowOutput]) -> None:
-        """Record the step in the scheduler and make the outputs of the requests it touched."""
-        tokens = {}
-        for sid, value in sampled.items():
-            token = token_of(value)
-            if token is not None:
-                tokens[sid] = token
-            if isinstance(value, RowOutput):
-                child = self._child(sid)
-                if child is not None:
-                    self._keep_logprobs(child, value)
-        finished = {s.request_id for s in self.scheduler.update(plan, tokens, self.clock())}
-        self._outputs_of(list(tokens) + sorted(finished - tokens.keys()))
+        with DeferredInterrupts() as ctrl_c:        # SIGINT now only sets a flag
+            plan = scheduler.schedule()             # bookkeeping: never interrupted
+            with ctrl_c.allowed():                  # the forward: Ctrl-C acts at once here, and a
+                sampled = runner.run(plan, params)  #   pending one is delivered on entry
+            scheduler.update(plan, sampled)         # bookkeeping again
+        # leaving the block: a Ctrl-C still pending is raised here, at the step boundary
 
-    def _outputs_of(self, seq_ids: list[str]) -> None:
-        """Make the outputs of the requests these sequences belong to, each once, in that order: the
-        final one (and forget the request) when its last child has finished."""
-        rids = dict.fromkeys(self._owner[sid] for sid in seq_ids if sid in self._owner)
-        for rid in rids:
-            tracker = self._live[rid]
-            if tracker.finished:
-                self._finish(rid)
-            else:
-                self._pending.append(tracker.output())
+    So a Ctrl-C is delivered at the next safe point: inside the forward (the step's requests then end
+    with ``finish_reason == "error"``, as for any failure of the tensor work) or at the step boundary
+    (no request is harmed: the step's outputs come out of the next ``step()``). Only the main thread
+    receives signals, so in any other thread (``minicb serve`` steps the engine in one) this is a
+    no-op, and so it is when the program has its own SIGINT handler (left alone) or ignores the
+    signal. A second Ctrl-C while one is pending changes nothing: it is delivered once."""
 
-    def _keep_logprobs(self, tracker: OutputTracker, row: RowOutput) -> None:
-        """File a row's logprobs with its request, beside the token they describe (appended before
-        ``scheduler.update`` appends the token; ``OutputTracker`` copies both into an output)."""
-        if tracker.logprobs is not None and row.logprobs is not None and row.token is not None:
-            del tracker.logprobs[tracker.seq.num_output_tokens:]     # none left from a failed record
-            tracker.logprobs.append(row.logprobs.as_dict(self._token_text))
-        if tracker.prompt is not None and row.prompt:
-            tracker.prompt.add(row.prompt_start, row.prompt, self._token_text)
+    __slots__ = ("pending", "_active", "_previous")
 
-    def _token_text(self, token_id: int) -> str | None:
-        """One token's text alone (``Logprob.decoded_token``): cached, at most one per vocabulary entry."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+    def __enter__(self) -> DeferredInterrupts:
+        self.pending = False          # a Ctrl-C arrived while deferred and is not delivered yet
+        self._active = False          # our recording handler is installed
+        self._previous = None         # the handler it replaced (Python's default_int_handler)
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._record)
+            self._active = True
+        return self
 
-    def _fail_step(self, plan: StepPlan, error: str) -> None:
-        """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
-        self._outputs_of([s.request_id for s in self.scheduler.fail_step(plan, error, self.clock())])
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._active:
+            signal.signal(signal.SIGINT, self._previous)
+            self._active = False
+        if self.pending and exc_type is None:
+            self.pending = False
+            raise KeyboardInterrupt          # delivered at the safe point: the end of the block
 
-    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
-        """Step until the given requests (default: all) have finished; return their final outputs in
-        the order they finished. Outputs of other requests are kept for the next ``step()``."""
-        wanted = None if request_ids is None else set(request_ids)
-        done: list[RequestOutput] = []
-        others: list[RequestOutput] = []
+    def _record(self, signum, frame) -> None:
+        self.pending = True
+
+    @contextmanager
+    def allowed(self):
+        """A window in which Ctrl-C acts at once (the tensor work); a pending one is raised on entry."""
+        if not self._active:
+            yield
+            return
+        signal.signal(signal.SIGINT, self._previous)
         try:
-            while (self.has_unfinished_requests() if wanted is None
-                   else any(r in self._live for r in wanted) or self._pending_has(wanted)):
-                for out in self.step():
-                    if wanted is not None and out.request_id not in wanted:
-                        others.append(out)
-                    elif out.finished:
-                        done.append(out)
-                        if progress is not None:
-                            progress(out)
+            if self.pending:
+                self.pending = False
+                raise KeyboardInterrupt
+            yield
         finally:
-            self._ready = others + self._ready        # handed out by the next step()
-        return done
-
-    def _pending_has(self, wanted: set[str]) -> bool:
-        return any(o.request_id in wanted for o in self._pending + self._ready)
-
-    def run_until_done(self, progress=None) -> list[RequestOutput]:
-        """Step until every request has finished; their final outputs in the order they finished."""
-        return self.run(None, progress)
-
-    # --- outputs --------------------------------------------------------------------------------
-    def _finish(self, rid: str, deliver: bool = True) -> RequestOutput:
-        """Make a finished request's final output (into the step's outputs if ``deliver``), then
-        forget the request. In this order, so that if anything here fails the output is not lost:
-        ``_die`` hands out a final output that was made but not yet handed out."""
-        tracker = self._live[rid]
-        out = tracker.final if tracker.final is not None else tracker.output()
-        if deliver:
-            tracker.handed_out = True
-            self._pending.append(out)
-        for child in tracker.children:
-            self.runner.release(child.seq.request_id)
-            self._owner.pop(child.seq.request_id, None)
-        del self._live[rid]
-        return out
-
-
-class _Passthrough(Exception):
-    """Carries an exception that must leave ``step()`` as it is (not be taken for a bookkeeping bug)."""
-
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(exc)
-        self.exc = exc
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
+            signal.signal(signal.SIGINT, self._record)

@@ -69,11 +69,6 @@ class RowOutput:
     prompt_start: int = 1
 
 
-def token_of(value: int | RowOutput) -> int | None:
-    """The sampled token of one entry of ``Runner.run``'s result (None: the row did not sample)."""
-    return value.token if isinstance(value, RowOutput) else value
-
-
 @dataclass(slots=True)
 class PromptLogprobs:
     """A request's prompt logprobs as they arrive chunk by chunk: position 0 is ``None``, and each

@@ -50,6 +50,8 @@ def unavailable_reasons(name: str, device: torch.device | str, dtype: torch.dtyp
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
     """The concrete backend name for ``name`` (``auto`` included); raises if ``name`` cannot run."""
+    if not isinstance(name, str):
+        return reference.resolve_backend(name, device, dtype, head_dim)     # raises, naming the choices
     if name == "auto" and torch.device(device).type == "cpu":
         return _auto_cpu(dtype)
     if name == "cpu-paged":
