@@ -329,7 +329,8 @@ def test_a_mixed_step_on_the_kernel_equals_the_reference_backend(dtype, tol, mon
     starts, q_lens, tables = [9, 0, 6], [1, 7, 5], [[0, 1, 2], [5, 6], [8, 9, 10]]
     pos = [s + i for s, q in zip(starts, q_lens) for i in range(q)]
     slots = [t[p // bs] * bs + p % bs for s, q, t in zip(starts, q_lens, tables) for p in range(s, s + q)]
-    b = _to_tensors([1] * len(pos), pos, slots, q_lens, starts, tables, [], [], bs, "cpu")
+    ctx = [s + q for s, q in zip(starts, q_lens)]
+    b = _to_tensors([1] * len(pos), pos, slots, q_lens, starts, ctx, tables, [], [], bs, "cpu")
     n = len(pos)
     q = torch.randn(n, hq, d, generator=g, dtype=torch.float64).to(dtype)
     k, v = (torch.randn(n, hkv, d, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))

@@ -210,7 +210,8 @@ class Scheduler:
                     token = sampled.get(rid)
                     if (type(token) is not int or token < 0) and (rid == s.request_id or rid in self._seqs):
                         _sampled_token(sampled, rid)         # raises, naming the request
-        bm, caching, finished = self.block_manager, self.config.prefix_caching, []
+        bm, finished = self.block_manager, []
+        caching = bm.cache is not None                # prefix caching in effect (config.prefix_caching)
         for s, seq in live:
             seq.num_computed_tokens += len(s.token_ids)
             self.stats.num_batched_tokens += len(s.token_ids)

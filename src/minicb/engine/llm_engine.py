@@ -206,10 +206,14 @@ class LLMEngine(StepLoop):
         """Run one iteration of the loop (``StepLoop._step``); return the outputs of the requests that
         got a token or finished. A dead engine first hands out the final outputs of the requests it
         ended, then raises ``EngineDeadError``."""
-        self._not_inside_a_step("step() / run() / generate()")
-        if not (self._closed and self._pending):   # the final outputs of requests ended by shutdown()
-            self._check_usable()
-        if self.dead is None and not self._closed:
+        if self._in_step:
+            self._not_inside_a_step("step() / run() / generate()")    # raises
+        if self._closed:
+            if not self._pending:               # else: the final outputs of requests ended by shutdown()
+                raise InvalidArgument(_SHUT_DOWN)
+        elif self.runner.failure is not None:   # a tensor-parallel rank died: this runner is done
+            raise self.runner.failure.with_traceback(None)
+        elif self.dead is None:
             self._in_step = True
             try:
                 with DeferredInterrupts() as self._ctrl_c:
@@ -242,14 +246,6 @@ class LLMEngine(StepLoop):
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
-
-    def _check_usable(self) -> None:
-        """Refuse to step a shut-down engine or one whose runner broke for good (``runner.failure``)."""
-        if self._closed:
-            raise InvalidArgument(_SHUT_DOWN)
-        failure = self.runner.failure
-        if failure is not None:
-            raise failure.with_traceback(None)
 
     def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
         """Step until the given requests (default: all) have finished; return their final outputs in

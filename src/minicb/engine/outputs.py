@@ -100,14 +100,15 @@ class OutputTracker:
     def output(self) -> RequestOutput:
         """The request's output now; advances what counts as already handed out."""
         s = self.seq
-        n = s.num_output_tokens
+        n = len(s.output_token_ids)
         new = s.output_token_ids[self.emitted:n]
+        finished = s.finish_reason is not None
         new_text = ""
         if self.decoder is not None:          # a trailing partial character is flushed at the end
-            new_text = self.decoder.push_many(new, final=s.is_finished)
+            new_text = self.decoder.push_many(new, final=finished)
         out = self._make(new, new_text, self.text + new_text)
         self.emitted, self.text = n, out.text          # commit: nothing below can fail
-        if s.is_finished:
+        if finished:
             self.final = out
         return out
 
@@ -133,7 +134,7 @@ class OutputTracker:
         logprobs = None if self.logprobs is None else self.logprobs[:len(s.output_token_ids)]
         return RequestOutput(
             request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
-            token_ids=list(s.output_token_ids), text=text, finished=s.is_finished,
+            token_ids=list(s.output_token_ids), text=text, finished=s.finish_reason is not None,
             finish_reason=reason, new_token_ids=list(new),
             new_text=new_text, error=s.error, arrival_time=s.arrival_time,
             first_scheduled_time=s.first_scheduled_time, first_token_time=s.first_token_time,
@@ -164,6 +165,11 @@ class RequestTracker:
         return all(c.seq.is_finished for c in self.children)
 
     def output(self) -> RequestOutput:
+        if len(self.children) == 1 and not self._carry:     # one child (n == 1): its output is ours
+            out = self.children[0].output()
+            if out.finished:
+                self.final = out
+            return out
         return self._join(lambda c: c.output())
 
     def last_resort(self) -> RequestOutput:

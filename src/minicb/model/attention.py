@@ -146,36 +146,43 @@ class ReferenceAttention(AttentionBackend):
         # Once per step, not per layer: which rows attend together, and the gather indices and masks
         # of each group. Every layer reuses them (``attend``). Without a cache every row is
         # "ephemeral": it attends over this step's own tokens only.
-        n_real = meta.num_seqs - meta.num_padding_rows if self.kv_cache is not None else 0
-        rows = range(meta.num_seqs)
+        n, n_real = len(meta.q_lens), len(meta.q_lens) - meta.num_padding_rows
+        if self.kv_cache is None:
+            n_real = 0
         # Decodes (one query) and prompt chunks are padded separately: a 500-token chunk must not
         # pad forty decodes to 500 queries each. Decodes are bucketed by context length (powers of
         # two), so a 20-token sequence does not gather 400 padded keys beside a long one: decode
         # attention is memory-bound, and the padding would be pure traffic. Each prompt chunk is a
         # group of its own: padding a 5-token prompt to a 256-token one would cost 256 x 256 scores
         # for 25 useful ones, and a step holds few chunks, so one call each is cheap.
-        decodes = [i for i in rows[:n_real] if meta.q_lens[i] == 1]
-        chunks = [[i] for i in rows[:n_real] if meta.q_lens[i] > 1]
-        ephemeral = list(rows[n_real:])
+        decodes, chunks = [], []
+        for i in range(n_real):
+            (decodes if meta.q_lens[i] == 1 else chunks).append(i)
         groups = self._decode_groups(meta, decodes) if decodes else []
-        groups += [self._group(meta, c, True) for c in chunks]
-        if ephemeral:
-            groups.append(self._group(meta, ephemeral, False))
-        return _RefState(groups, meta.slot_mapping, write_mask(meta.slot_mapping))
+        for i in chunks:
+            groups.append(self._group(meta, [i], True))
+        if n_real < n:
+            groups.append(self._group(meta, list(range(n_real, n)), False))
+        written = meta.slot_mapping >= 0          # padding tokens (slot -1) are not written
+        return _RefState(groups, meta.slot_mapping, None if bool(written.all()) else written)
 
     def _decode_groups(self, meta: AttentionMetadata, decodes: list[int]) -> list:
         """The groups of this step's decode rows: one per power-of-two bucket of context length."""
         buckets: dict[int, list[int]] = {}
         for i in decodes:
             buckets.setdefault((meta.start_positions[i] + 1).bit_length(), []).append(i)
-        return [self._group(meta, b, True) for _, b in sorted(buckets.items())]
+        groups = []
+        for _, rows in sorted(buckets.items()):
+            groups.append(self._group(meta, rows, True))
+        return groups
 
     def _group(self, meta: AttentionMetadata, rows: list[int], cached: bool) -> _Group:
         # A group pads its rows to [rows, longest query run, longest context]. Query i of a row is flat
         # token q0 + i (clamped, so a shorter row repeats its last query in the padding, masked out).
         dev = meta.slot_mapping.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        q_len = torch.tensor([meta.q_lens[r] for r in rows], dtype=torch.long, device=dev)
+        lens = [meta.q_lens[r] for r in rows]
+        q_len = torch.tensor(lens, dtype=torch.long, device=dev)
         start = meta.start_pos[idx]
         ctx = start + q_len
         lq, lk = int(q_len.max()), int(ctx.max())
@@ -199,7 +206,7 @@ class ReferenceAttention(AttentionBackend):
         qpos = start[:, None] + i[None, :]                      # absolute position of each query
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
         valid = q_valid.flatten()
-        all_valid = sum(meta.q_lens[r] for r in rows) == valid.numel()
+        all_valid = sum(lens) == valid.numel()
         own = None
         if len(rows) == 1 and (not cached or meta.start_positions[rows[0]] == 0):
             a = sum(meta.q_lens[:rows[0]])               # host copies: no device sync
@@ -208,13 +215,17 @@ class ReferenceAttention(AttentionBackend):
                       None if all_valid else valid.nonzero().squeeze(1), own)
 
     def attend(self, layer: int, q, k, v, state: _RefState) -> torch.Tensor:
-        # Per layer: write this step's K/V into the paged cache first (slot -1, padding, is skipped),
-        # then attend group by group, each writing its rows of ``out``.
+        # Per layer: write this step's K/V into the paged cache first, each token at its slot
+        # (vLLM's reshape_and_cache; padding, slot -1, is skipped), then attend group by group, each
+        # writing its rows of ``out``.
+        kc = vc = None
         if self.kv_cache is not None:
-            self.kv_cache.write(layer, k, v, state.slot_mapping, state.write_mask)
-            kc, vc = self.kv_cache.layer(layer)
-        else:
-            kc = vc = None
+            kc, vc = self.kv_cache.layers[layer]
+            slots, kw, vw = state.slot_mapping, k, v
+            if state.write_mask is not None:
+                slots, kw, vw = slots[state.write_mask], k[state.write_mask], v[state.write_mask]
+            kc[slots] = kw
+            vc[slots] = vw
         out = torch.empty_like(q)
         for g in state.groups:
             self._attend_group(g, q, k, v, kc, vc, out)

@@ -61,8 +61,8 @@ class KVCache:
         self.data = lazy_zeros(shape, dtype, device)
         # each layer's K and V as flat [slots, kv_heads, head_dim] views, made once: a step asks for
         # them twice per layer (write, then attend), and making them is five small torch ops each time
-        self._layers = [(self.data[i, 0].flatten(0, 1), self.data[i, 1].flatten(0, 1))
-                        for i in range(num_layers)]
+        self.layers = [(self.data[i, 0].flatten(0, 1), self.data[i, 1].flatten(0, 1))
+                       for i in range(num_layers)]
         host_shape = (num_layers, 2, num_host_blocks, block_size, kv_heads, head_dim)
         self.host = torch.zeros(host_shape, dtype=dtype, device="cpu")
 
@@ -72,7 +72,7 @@ class KVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as flat ``[slots, kv_heads, head_dim]`` views (of ``data``)."""
-        return self._layers[layer]
+        return self.layers[layer]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               valid: torch.Tensor | None = None) -> None:

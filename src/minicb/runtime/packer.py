@@ -73,6 +73,7 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
     q_lens: list[int] = []
     starts: list[int] = []
     tables: list[tuple[int, ...]] = []
+    ctx: list[int] = []
     logits_rows: list[int] = []
     sample_ids: list[str] = []
     sample_pos: list[int] = []          # where each sampled row sits among logits_rows
@@ -83,13 +84,14 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
     # block table) times the block size, plus the offset inside that block. The last row of a sequence
     # that samples is where its next token's logits come from.
     for s in plan.seqs:
-        n, p0 = s.num_tokens, s.start_pos
+        n, p0 = len(s.token_ids), s.start_pos
         ids.extend(s.token_ids)
-        positions = range(p0, p0 + n)
-        pos.extend(positions)
-        slots.extend(s.block_table[p // bs] * bs + p % bs for p in positions)
+        pos.extend(range(p0, p0 + n))
+        for p in range(p0, p0 + n):
+            slots.append(s.block_table[p // bs] * bs + p % bs)
         q_lens.append(n)
         starts.append(p0)
+        ctx.append(p0 + n)
         tables.append(s.block_table)
         if s.prompt_targets:            # prompt logprobs: the chunk's leading rows return logits too
             first = len(ids) - n
@@ -108,8 +110,9 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
         slots.extend([-1] * n)
         q_lens.append(n)
         starts.append(0)
+        ctx.append(n)
         tables.append(())
-    batch = _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
+    batch = _to_tensors(ids, pos, slots, q_lens, starts, ctx, tables, logits_rows, sample_ids, bs, device,
                         num_padding_rows=len(plan.padding))
     if spans:
         batch.sample_rows = torch.tensor(sample_pos, dtype=torch.long, device=device)
@@ -117,10 +120,10 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
     return batch
 
 
-def _to_tensors(ids, pos, slots, q_lens, starts, tables, logits_rows, sample_ids, bs, device,
+def _to_tensors(ids, pos, slots, q_lens, starts, ctx, tables, logits_rows, sample_ids, bs, device,
                 num_padding_rows: int = 0):
-    ctx = [s + q for s, q in zip(starts, q_lens)]
-    width = max((len(t) for t in tables), default=0)
+    # ``ctx[i]``: the keys row i attends over after the step (its start plus its new tokens)
+    width = max(map(len, tables), default=0)
     bt = torch.zeros((len(tables), width), dtype=torch.int32)
     for i, t in enumerate(tables):
         if t:
@@ -157,6 +160,6 @@ def pack_prompts(prompts: list[list[int]], device: torch.device | str = "cpu") -
     ids = [t for p in prompts for t in p]
     pos = [i for p in prompts for i in range(len(p))]
     q_lens = [len(p) for p in prompts]
-    batch = _to_tensors(ids, pos, [-1] * len(ids), q_lens, [0] * len(prompts), [()] * len(prompts),
+    batch = _to_tensors(ids, pos, [-1] * len(ids), q_lens, [0] * len(prompts), q_lens, [()] * len(prompts),
                         list(range(len(ids))), [], 1, device)
     return batch

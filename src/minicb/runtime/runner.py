@@ -85,6 +85,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos,
                                argmax=argmax)
         self.pad_token_id = pad_token_id
+        self._device = model.device
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)
 
     @classmethod
@@ -123,12 +124,13 @@ class ModelRunner:
             ) -> dict[str, int | RowOutput]:
         """Swap, pack, forward, sample. ``params`` maps each request of the plan to its sampling
         parameters; ``None`` (tensor-parallel worker ranks) runs every layer but samples nothing."""
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        self.kv_cache.copy_blocks(plan.copy_blocks)
-        batch = pack(plan, self.model.device, self.pad_token_id)
-        if batch.num_tokens == 0:
+        if plan.swap_out or plan.swap_in or plan.copy_blocks:   # preemption and forks only
+            self.kv_cache.swap_out(plan.swap_out)
+            self.kv_cache.swap_in(plan.swap_in)
+            self.kv_cache.copy_blocks(plan.copy_blocks)
+        if not (plan.seqs or plan.padding):
             return {}
+        batch = pack(plan, self._device, self.pad_token_id)
         rows = batch.logits_indices if params is not None else self._no_rows
         logits = self.model(batch.input_ids, batch.positions, self.backend, batch.attn, rows)
         if params is None or not (batch.sample_request_ids or batch.prompt_spans):
@@ -144,8 +146,11 @@ class ModelRunner:
         ids = batch.sample_request_ids
         if not ids:
             return {}
-        plist = [params[r] for r in ids]
-        if all(p.logprobs is None for p in plist):            # the usual step: tokens only
+        plist, logprobs = [], False
+        for r in ids:
+            plist.append(params[r])
+            logprobs = logprobs or params[r].logprobs is not None
+        if not logprobs:                                       # the usual step: tokens only
             return dict(zip(ids, self.sampler.sample(logits, ids, plist)))
         tokens, lps = self.sampler.sample_with_logprobs(logits, ids, plist)
         return {r: t if lp is None else RowOutput(t, lp) for r, t, lp in zip(ids, tokens, lps)}

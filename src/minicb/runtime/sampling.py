@@ -35,6 +35,7 @@ row's numbers) can raise in the middle of a batch and take the other requests of
 
 from __future__ import annotations
 
+import operator
 import secrets
 
 import torch
@@ -43,6 +44,8 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.engine.logprobs import TokenLogprobs
 from minicb.runtime.logits_processors import RowProcessor, build_processors
 from minicb.runtime.logprobs import row_logprobs
+
+_temperature = operator.attrgetter("temperature")
 
 
 def greedy_tokens(logits: torch.Tensor, argmax=None) -> list[int]:
@@ -168,7 +171,7 @@ class Sampler:
                 lps: list | None) -> list[int]:
         procs = self._processors
         greedy = None
-        if all(p.greedy for p in params):
+        if not any(map(_temperature, params)):            # every row greedy (SamplingParams.greedy)
             greedy = greedy_tokens(logits, self.argmax)
             if lps is None and not (procs and any(r in procs for r in request_ids)):
                 return greedy
