@@ -2,19 +2,25 @@
 
 Builds the tiny random model, queues two requests, runs until both are decoding, then traces exactly
 one ``engine.step()`` with ``sys.settrace`` and counts the distinct files and the distinct functions
-(file, first line, name) of the package that the step called. Torch's own code is not counted; the
-model's Python code (``minicb.model``) is. ``--list`` prints them, grouped by file.
+(file, first line, name; comprehensions count, as the tracer sees them) of the package that the step
+called. Torch's own code is not counted; the model's Python code is. Two modes:
 
-    python bench/step_trace.py            # "one decode step: 17 files, 88 functions under src/minicb"
-    python bench/step_trace.py --list
+* ``reference``: the model and runner as ``LLM(fast_paths=False)`` has them (``minicb/model`` as it
+  reads, the PyTorch attention, torch's argmax);
+* ``fast``: as ``LLM()`` has them (``minicb.fastpaths.install``: fused ops, packed GEMMs, the C decode
+  kernel, the C argmax).
 
-It runs on any revision of the engine: it uses ``minicb.runtime.runner.engine_for`` where it exists and
-``LLMEngine(model, config)`` otherwise, so the figure before and after a change comes from one script.
+It also prints the largest classes of ``minicb/core`` and ``minicb/engine`` (lines from ``class`` to
+its last line). ``tests/test_step_gauge.py`` holds the reference figures to their limits.
+
+    python bench/step_trace.py            # "reference: one decode step crosses 14 files, 54 functions"
+    python bench/step_trace.py --list     # every file and function, grouped by file
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import pathlib
 import sys
 from collections import defaultdict
@@ -25,17 +31,19 @@ from minicb.core.sampling_params import SamplingParams
 from minicb.measure.bench_cli import build_model
 
 PACKAGE = pathlib.Path(minicb.__file__).resolve().parent
+MODES = ("reference", "fast")
 
 
-def make_engine(config: SchedulerConfig):
+def make_engine(config: SchedulerConfig, mode: str = "reference"):
+    from minicb.runtime.runner import engine_for
+
     model = build_model("tiny", "float32")[0]
-    try:
-        from minicb.runtime.runner import engine_for
-    except ImportError:                        # an engine that builds its own runner
-        from minicb.engine.llm_engine import LLMEngine
+    if mode == "reference":
+        return engine_for(model, config, seed=0)
+    from minicb.fastpaths.install import cpu_fast_paths, runner_kwargs
 
-        return LLMEngine(model, config, seed=0)
-    return engine_for(model, config, seed=0)
+    cpu_fast_paths(model, "cpu")
+    return engine_for(model, config, seed=0, **runner_kwargs())
 
 
 def trace_one_decode_step(engine) -> dict[str, set[tuple[int, str]]]:
@@ -57,12 +65,10 @@ def trace_one_decode_step(engine) -> dict[str, set[tuple[int, str]]]:
     return seen
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--list", action="store_true", help="print every file and function")
-    args = ap.parse_args()
+def decode_step(mode: str) -> dict[str, set[tuple[int, str]]]:
+    """What one decode step of two requests calls, in ``mode`` (module docstring)."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4, num_blocks=64)
-    engine = make_engine(config)
+    engine = make_engine(config, mode)
     for i, prompt in enumerate(([5, 6, 7, 8, 9], [10, 11, 12])):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     engine.step()                              # both prompts (one step: the budget holds them)
@@ -70,14 +76,38 @@ def main() -> None:
     plan_before = engine.last_plan
     seen = trace_one_decode_step(engine)
     plan = engine.last_plan
-    assert plan is not plan_before and plan.seqs and all(s.num_tokens == 1 for s in plan.seqs), \
+    assert plan is not plan_before and plan.seqs and all(len(s.token_ids) == 1 for s in plan.seqs), \
         "the traced step must be a decode step"
-    n_funcs = sum(len(f) for f in seen.values())
-    print(f"one decode step: {len(seen)} files, {n_funcs} functions under src/minicb")
-    if args.list:
-        for name in sorted(seen):
-            funcs = ", ".join(f for _, f in sorted(seen[name]))
-            print(f"  {name} ({len(seen[name])}): {funcs}")
+    return seen
+
+
+def class_sizes(*packages: str) -> list[tuple[int, str, str]]:
+    """(lines, class, file) of every class in these packages of ``src/minicb``, largest first."""
+    sizes = []
+    for pkg in packages:
+        for path in sorted((PACKAGE / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    where = str(path.relative_to(PACKAGE))
+                    sizes.append((node.end_lineno - node.lineno + 1, node.name, where))
+    return sorted(sizes, reverse=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--list", action="store_true", help="print every file and function")
+    ap.add_argument("--mode", choices=("both", *MODES), default="both")
+    args = ap.parse_args()
+    for mode in MODES if args.mode == "both" else (args.mode,):
+        seen = decode_step(mode)
+        n_funcs = sum(len(f) for f in seen.values())
+        print(f"{mode}: one decode step crosses {len(seen)} files, {n_funcs} functions under src/minicb")
+        if args.list:
+            for name in sorted(seen):
+                funcs = ", ".join(f for _, f in sorted(seen[name]))
+                print(f"  {name} ({len(seen[name])}): {funcs}")
+    top = class_sizes("core", "engine")[:3]
+    print("largest classes in core/ and engine/: " + ", ".join(f"{c} {n} lines ({f})" for n, c, f in top))
 
 
 if __name__ == "__main__":

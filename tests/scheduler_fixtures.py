@@ -229,7 +229,7 @@ def assert_drained(sched: Scheduler) -> None:
     assert sched.slot_table.num_free == c.max_num_seqs
     assert sched.block_manager.num_free_blocks == c.num_blocks
     assert sched.block_manager.num_free_host_blocks == c.num_host_blocks
-    assert (sched.num_waiting, sched.num_running, sched.num_swapped) == (0, 0, 0)
+    assert (len(sched.waiting), len(sched.running), len(sched.swapped)) == (0, 0, 0)
     sched.check_integrity()
 
 

@@ -114,6 +114,54 @@ def test_one_module_reads_the_fast_paths_switches():
     assert readers == set(READS_ENVIRONMENT), readers ^ set(READS_ENVIRONMENT)
 
 
+QUEUES = {"waiting", "running", "swapped"}
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "pop", "popleft", "popitem", "remove", "clear",
+            "insert", "setdefault", "update", "rotate"}
+
+
+def _queue_writes(path: Path) -> list[str]:
+    """Every place ``path`` changes a ``.waiting`` / ``.running`` / ``.swapped`` queue: a mutating
+    call on it, an item assigned or deleted, the attribute assigned (other than ``self.x = y.x``, an
+    alias for reading)."""
+    tree = ast.parse(path.read_text(), str(path))
+    hits = []
+
+    def is_queue(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr in QUEUES
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS \
+                and is_queue(n.func.value):
+            hits.append(f"{path.name}:{n.lineno}: .{n.func.value.attr}.{n.func.attr}()")
+        targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else \
+            [n.target] if isinstance(n, ast.AugAssign) else []
+        for tgt in targets:
+            if isinstance(tgt, ast.Subscript) and is_queue(tgt.value):
+                hits.append(f"{path.name}:{n.lineno}: .{tgt.value.attr}[...]")
+            elif is_queue(tgt) and not (isinstance(n, ast.Assign) and is_queue(n.value)
+                                        and n.value.attr == tgt.attr):
+                hits.append(f"{path.name}:{n.lineno}: .{tgt.attr} =")
+    return hits
+
+
+def test_the_scheduler_is_the_one_writer_of_its_queues():
+    """Only ``core/scheduler.py`` changes the waiting / running / swapped queues; the policies read
+    them and ask the scheduler to move a request (``admit``, ``resume``, ``preempt``, ``free``)."""
+    # core and engine: nothing else can reach the scheduler (test_nothing_outside_the_engine_reads...)
+    writers = [hit for p in _py_files(SRC / "core", SRC / "engine") if p != SRC / "core" / "scheduler.py"
+               for hit in _queue_writes(p)]
+    assert not writers, "\n".join(writers)
+    assert _queue_writes(SRC / "core" / "scheduler.py"), "the checker sees the scheduler's own writes"
+
+
+def test_the_queue_checker_sees_every_kind_of_write(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(self, s):\n    self.waiting.appendleft(s)\n    del self.running[s]\n"
+                   "    s.swapped = []\n    self.running = s.running\n    n = len(self.waiting)\n")
+    assert sorted(h.split(": ")[1] for h in _queue_writes(bad)) == [".running[...]", ".swapped =",
+                                                                   ".waiting.appendleft()"]
+
+
 def test_the_layer_table_has_no_circle():
     state: dict[str, int] = {}
 

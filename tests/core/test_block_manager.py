@@ -70,7 +70,7 @@ def test_swap_out_and_in_with_exact_copies():
     bm.allocate("b", 5)                           # [2, 3, 4]
     assert bm.can_swap_out("b")
     assert bm.swap_out("b") == [(2, 0), (3, 1), (4, 2)]
-    assert bm.block_table("b") == [] and bm.host_block_table("b") == [0, 1, 2]
+    assert bm.block_table("b") == [] and bm.host_tables.get("b") == [0, 1, 2]
     assert bm.is_swapped("b") and not bm.is_swapped("a")
     assert bm.device.free_blocks() == [2, 3, 4, 5]
     assert bm.host.free_blocks() == [3]

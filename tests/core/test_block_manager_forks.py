@@ -13,10 +13,10 @@ def test_fork_shares_every_block_and_the_hashing_progress():
     bm = BlockManager(6, 4, enable_caching=True)
     bm.allocate("p", 10)                                 # [0, 1, 2]; blocks 0 and 1 full
     bm.cache_full_blocks("p", list(range(10)), 10)
-    assert bm.num_hashed_blocks("p") == 2
+    assert bm.num_hashed.get("p", 0) == 2
     bm.fork("p", "c")
     assert bm.block_table("c") == [0, 1, 2] and bm.device.ref_counts[:3] == [2, 2, 2]
-    assert bm.num_hashed_blocks("c") == 2                # the child offers only blocks after those
+    assert bm.num_hashed.get("c", 0) == 2                # the child offers only blocks after those
     bm.check_integrity()
 
 
@@ -65,9 +65,9 @@ def test_a_new_table_may_start_with_held_blocks_and_counts_only_cached_ones_as_o
     bm.cache_full_blocks("a", list(range(12)), 4)        # only block 0 is cached (computed so far)
     assert bm.allocate("b", 12, [0, 1]) == [3]           # 0 cached, 1 held by a (a same-step share)
     assert bm.device.ref_counts[:4] == [2, 2, 1, 1]
-    assert bm.num_hashed_blocks("b") == 1                # block 1 is offered again once computed
+    assert bm.num_hashed.get("b", 0) == 1                # block 1 is offered again once computed
     bm.allocate("c", 8, [0])
-    assert bm.num_hashed_blocks("c") == 1
+    assert bm.num_hashed.get("c", 0) == 1
     with pytest.raises(InvalidArgument, match="cached or held"):
         bm.allocate("d", 8, [5])                         # a free, uncached block is not computed
     bm.check_integrity()

@@ -80,7 +80,7 @@ def test_n4_allocates_the_prompts_blocks_once_and_copies_the_last_block_on_write
     assert taken == [0, 1, 2]                           # the prompt's 3 blocks: allocated once
     assert bm.device.ref_counts[:3] == [4, 4, 4]        # ... and named by all 4 tables
     assert {bm.block_table(f"{i}_r") == [0, 1, 2] for i in range(4)} == {True}
-    assert sched.num_running == 4 and sched.stats.num_batched_tokens == 10
+    assert len(sched.running) == 4 and sched.stats.num_batched_tokens == 10
     plan, _ = step(sched, model)                        # each child writes position 10 into block 2
     assert plan.copy_blocks == ((2, 3), (2, 4), (2, 5))  # 3 copies; the last holder writes in place
     assert [s.block_table for s in plan.seqs] == [(0, 1, 3), (0, 1, 4), (0, 1, 5), (0, 1, 2)]

@@ -66,12 +66,12 @@ def test_full_computed_blocks_get_chained_hashes():
     assert bm.cache.by_hash == {h0: 0, h1: 1}
     assert bm.cache.blocks == {0: CachedBlock(h0, None, (10, 11, 12, 13)),
                                1: CachedBlock(h1, 0, (14, 15, 16, 17))}
-    assert bm.num_hashed_blocks("a") == 2
+    assert bm.num_hashed.get("a", 0) == 2
     assert bm.cache_full_blocks("a", A + [20, 21], 11) == 0  # block 2 full, not all computed yet
     assert bm.cache_full_blocks("a", A + [20, 21], 12) == 1  # now (filled by generated tokens)
     assert bm.cache.blocks[2] == CachedBlock(hash_block(h1, (18, 19, 20, 21)), 1, (18, 19, 20, 21))
     assert bm.cache_full_blocks("a", A + [20, 21], 12) == 0  # each block is offered once
-    assert bm.num_hashed_blocks("a") == 3
+    assert bm.num_hashed.get("a", 0) == 3
     bm.check_integrity()
 
 

@@ -82,7 +82,7 @@ def test_admission_fills_slots_and_a_freed_slot_is_refilled_next_step():
     assert plan.step == 0
     assert rows(plan) == [("a", 0, 0, 5, (0, 1), True), ("b", 1, 0, 3, (2,), True)]
     assert plan.seqs[0].token_ids == tuple(sched.get("a").prompt_token_ids)
-    assert (sched.num_running, sched.num_waiting, done) == (2, 1, [])
+    assert (len(sched.running), len(sched.waiting), done) == (2, 1, [])
     # load-independent: a fake clock (times passed in)
     assert sched.get("a").first_scheduled_time == 1.0 and sched.get("c").first_scheduled_time is None
     plan, done = step(sched)
@@ -160,7 +160,7 @@ def test_recompute_preempts_the_newest_and_it_reprefills_everything():
     b = sched.get("b")
     assert (b.status, b.num_computed_tokens, b.slot_id, b.num_preemptions) == (SequenceStatus.WAITING, 0,
                                                                                None, 1)
-    assert sched.block_manager.block_table("b") == [] and sched.num_waiting == 1
+    assert sched.block_manager.block_table("b") == [] and len(sched.waiting) == 1
     assert (sched.stats.num_preemptions, sched.stats.num_recomputes, sched.stats.num_recomputed_tokens) \
         == (1, 1, 4)
     assert rows(step(sched)[0]) == [("a", 0, 5, 1, (0, 1, 2), True)]      # b needs 3 blocks, 1 free
@@ -211,7 +211,7 @@ def test_swap_preemption_moves_blocks_to_host_and_back():
     assert rows(plan) == [("a", 0, 4, 1, (0, 1, 2), True)]
     b = sched.get("b")
     assert (b.status, b.num_computed_tokens, b.slot_id) == (SequenceStatus.SWAPPED, 4, None)
-    assert sched.block_manager.host_block_table("b") == [0, 1] and sched.num_swapped == 1
+    assert sched.block_manager.host_tables.get("b") == [0, 1] and len(sched.swapped) == 1
     sched.add(seq("c", 1, 1))              # fits in the free block, but swapped b comes first
     assert rows(step(sched)[0]) == [("a", 0, 5, 1, (0, 1, 2), True)]       # b would need 3 blocks
     assert sched.get("c").status is SequenceStatus.WAITING
@@ -289,7 +289,7 @@ def test_requests_that_can_never_fit_are_rejected_without_changing_state():
         sched.add(seq("long", 15, 6))
     with pytest.raises(RequestRejected, match="'huge' needs 5 KV blocks of 4 tokens for 17.*num_blocks=4"):
         sched.add(seq("huge", 10, 7))
-    assert (sched.num_waiting, sched.has_unfinished(), sched.get("huge")) == (0, False, None)
+    assert (len(sched.waiting), sched.has_unfinished(), sched.get("huge")) == (0, False, None)
     sched.check_integrity()
     ok = seq("ok", 10, 6)                   # 16 tokens = exactly the whole pool
     sched.add(ok)
@@ -302,7 +302,7 @@ def test_requests_that_can_never_fit_are_rejected_without_changing_state():
         sched.add(used)
     with pytest.raises(InvalidArgument, match="must be a Sequence"):
         sched.add("ok")
-    assert sched.num_waiting == 1
+    assert len(sched.waiting) == 1
     drain_scheduler(sched)
     assert ok.output_token_ids == [7] * 6
 
@@ -457,14 +457,14 @@ def test_static_waits_for_a_full_batch_or_closed_arrivals():
     plan, _ = step(sched)
     assert [s.request_id for s in plan.seqs] == ["a", "b"] and plan.padding == (1,) and plan.step == 1
     sched.add(seq("c", 2, 1))
-    while sched.num_running:
+    while len(sched.running):
         step(sched)
     plan, _ = step(sched)
     assert plan.seqs == () and sched.get("c").status is SequenceStatus.WAITING
     sched.close_arrivals()
     plan, _ = step(sched)
     assert [s.request_id for s in plan.seqs] == ["c"]
-    sched.open_arrivals()
+    sched.close_arrivals(False)
     assert sched.arrivals_open
     assert_drained(sched)
 

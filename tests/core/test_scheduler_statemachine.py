@@ -444,11 +444,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         total = len(prompt) + max_tokens
         never_fits = not prompt or total > self.config.max_model_len \
             or -(-total // self.config.block_size) > self.config.num_blocks
-        before = (self.sched.num_waiting, self.sched.has_unfinished())
+        before = (len(self.sched.waiting), self.sched.has_unfinished())
         if never_fits:
             with pytest.raises(RequestRejected):
                 self.sched.add(group[0], group[1:])
-            assert (self.sched.num_waiting, self.sched.has_unfinished()) == before
+            assert (len(self.sched.waiting), self.sched.has_unfinished()) == before
             self.requests[rid] = None
             return
         self.sched.add(group[0], group[1:])
@@ -482,7 +482,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif what == "close":
             self.sched.close_arrivals()
         elif what == "open":
-            self.sched.open_arrivals()
+            self.sched.close_arrivals(False)
 
     def _failing_step(self):
         plan = self.sched.schedule(now=1.0)

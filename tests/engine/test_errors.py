@@ -188,7 +188,7 @@ def assert_nothing_ran(eng: LLMEngine) -> None:
     s = eng.scheduler
     assert s.stats.num_steps == 0, "a step ran before validation finished"
     assert not eng.has_unfinished_requests() and not s.has_unfinished()
-    assert (s.num_waiting, s.num_running, s.num_swapped) == (0, 0, 0)
+    assert (len(s.waiting), len(s.running), len(s.swapped)) == (0, 0, 0)
     assert s.block_manager.num_free_blocks == s.config.num_blocks
     assert s.slot_table.num_free == s.config.max_num_seqs
     assert s.arrivals_open
@@ -310,5 +310,5 @@ def test_scheduler_validate_raises_without_changing_state():
     ]:
         with pytest.raises(exc, match=needle):
             sched.validate(seq)
-    assert sched.num_waiting == 1 and sched.stats.num_steps == 0
+    assert len(sched.waiting) == 1 and sched.stats.num_steps == 0
     sched.check_integrity()

@@ -115,8 +115,7 @@ class BlockManager:
 
     @property
     def cached_blocks(self) -> tuple[int, ...]:
-        """The blocks in the prefix cache (held or free), in the order they were cached: one C-level
-        copy of the cache's keys (the live page marks them)."""
+        """The blocks in the prefix cache (held or free), in the order they were cached."""
         return tuple(self.cache.blocks) if self.cache is not None else ()
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -128,20 +127,12 @@ class BlockManager:
         """The request's device block table (a copy; empty when it holds no device blocks)."""
         return list(self.block_tables.get(request_id, ()))
 
-    def host_block_table(self, request_id: str) -> list[int]:
-        """The request's host block table (a copy; empty unless it is swapped out)."""
-        return list(self.host_tables.get(request_id, ()))
-
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self.host_tables
 
     def is_cached(self, block: int) -> bool:
         """Is the device ``block`` in the prefix cache?"""
         return self.cache is not None and self.cache.is_cached(block)
-
-    def num_hashed_blocks(self, request_id: str) -> int:
-        """Leading blocks of the request's table already offered to the prefix cache."""
-        return self.num_hashed.get(request_id, 0)
 
     def num_new_blocks(self, request_id: str, num_tokens: int, computed: Sequence[int] = ()) -> int:
         """Blocks the request's device table must gain to cover ``num_tokens`` positions (a new table
@@ -163,9 +154,8 @@ class BlockManager:
         return self.cache.computed_blocks(token_ids, self.block_size) if self.cache is not None else []
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        """Offer the request's full blocks whose K/V is computed (its first ``num_computed_tokens``
-        positions, ``token_ids`` being at least those tokens) to the prefix cache; return how many
-        entered it. Each block is offered once; a no-op without caching."""
+        """Offer the request's full blocks whose K/V is computed (its first ``num_computed_tokens`` of
+        ``token_ids``) to the prefix cache, each once; return how many entered it."""
         table = self.block_tables.get(request_id)
         if self.cache is None or table is None:
             return 0
@@ -176,10 +166,8 @@ class BlockManager:
         return added
 
     def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache (vLLM's ``reset_prefix_cache``), so that the next request computes its
-        whole prompt again: what a benchmark wants before it reruns the same prompts. Only possible when
-        no request holds a block (a held cached block is part of a live request's K/V); returns whether
-        it was done. A no-op returning True without caching."""
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``: a benchmark rerunning the same prompts);
+        only when no request holds a block (False otherwise, nothing done). True without caching."""
         if self.cache is None:
             return True
         if self.block_tables or self.host_tables:
@@ -196,7 +184,7 @@ class BlockManager:
         another row of this step fills); cached ones on the free list are taken from it too. With
         ``start`` (where this step's writes begin) a shared block there costs one copy-on-write block."""
         self._check_not_swapped(request_id)
-        self._check_computed(request_id, computed)
+        _check_computed(self, request_id, computed)
         reused = sum(1 for b in computed if self.device.ref_counts[b] == 0)
         copy = start is not None and self.needs_copy(request_id, start)
         return self.num_new_blocks(request_id, num_tokens, computed) + reused + copy <= self.device.num_free
@@ -289,8 +277,7 @@ class BlockManager:
 
     # --- swapping ----------------------------------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
-        """Does the host pool have room for the request's whole device table, none of whose blocks is
-        shared with another request? (A request holding shared blocks is recomputed instead.)"""
+        """Room in the host pool for the request's whole table, none of it shared? (Else: recompute.)"""
         table = self.block_tables.get(request_id)
         return (table is not None and len(table) <= self.host.num_free
                 and all(self.device.ref_counts[b] == 1 for b in table))
@@ -304,7 +291,7 @@ class BlockManager:
                                   f"blocks, host has {self.host.num_free} free; {shared} of its blocks are "
                                   "shared (a shared block is never swapped out)")
         self.num_hashed.pop(request_id, None)
-        return self._move(request_id, self.block_tables, self.device, self.host_tables, self.host)
+        return _move(request_id, self.block_tables, self.device, self.host_tables, self.host)
 
     def can_swap_in(self, request_id: str, num_tokens: int = 0) -> bool:
         """Can the request's host table come back to the device, grown to cover ``num_tokens``?"""
@@ -320,45 +307,54 @@ class BlockManager:
         enter the cache unless their prefix is still cached from before)."""
         if not self.can_swap_in(request_id):
             raise InvalidArgument(f"cannot swap in request {request_id!r}: it holds "
-                                  f"{len(self.host_block_table(request_id))} host blocks, device has "
+                                  f"{len(self.host_tables.get(request_id, ()))} host blocks, device has "
                                   f"{self.device.num_free} free")
-        return self._move(request_id, self.host_tables, self.host, self.block_tables, self.device)
+        return _move(request_id, self.host_tables, self.host, self.block_tables, self.device)
 
     # --- helpers -----------------------------------------------------------------------------
     def _check_not_swapped(self, request_id: str) -> None:
         if request_id in self.host_tables:
             raise InvalidArgument(f"request {request_id!r} is swapped out: swap it in before allocating")
 
-    def _check_computed(self, request_id: str, computed: Sequence[int]) -> None:
-        if not computed:
-            return
-        if self.block_tables.get(request_id):
-            raise InvalidArgument(f"computed blocks can only start a new table; request {request_id!r} "
-                                  "already holds blocks")
-        if not all(isinstance(b, int) and 0 <= b < self.num_blocks
-                   and (self.is_cached(b) or self.device.ref_counts[b] > 0) for b in computed):
-            raise InvalidArgument(
-                f"computed blocks must be cached or held device blocks, got {list(computed)}")
-
-    @staticmethod
-    def _move(request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
-              dst_tables: dict[str, list[int]], dst: BlockPool) -> list[tuple[int, int]]:
-        # Take every destination block before dropping the sources, so that a copy never lands on a
-        # block another copy of the same move still reads from.
-        table = src_tables.pop(request_id)
-        copies = [(block, dst.take()) for block in table]
-        src.drop_table(table)
-        dst_tables[request_id] = [d for _, d in copies]
-        return copies
-
     def check_integrity(self) -> None:
-        both = set(self.block_tables) & set(self.host_tables)
-        assert not both, f"requests with both a device and a host table: {sorted(both)}"
-        self.device.check_integrity(self.block_tables, "device pool")
-        self.host.check_integrity(self.host_tables, "host pool")
-        assert all(c <= 1 for c in self.host.ref_counts), "a host block is shared (only private tables swap)"
-        assert set(self.num_hashed) <= set(self.block_tables), "hashing progress without a table"
-        for rid, n in self.num_hashed.items():
-            assert 0 <= n <= len(self.block_tables[rid]), f"{rid}: {n} blocks hashed of a shorter table"
-        if self.cache is not None:
-            self.cache.check_integrity(self.block_tables, self.block_size)
+        """Every invariant of the module docstring (``check_block_manager``)."""
+        check_block_manager(self)
+
+
+def _move(request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
+          dst_tables: dict[str, list[int]], dst: BlockPool) -> list[tuple[int, int]]:
+    # Take every destination block before dropping the sources, so that a copy never lands on a
+    # block another copy of the same move still reads from.
+    table = src_tables.pop(request_id)
+    copies = [(block, dst.take()) for block in table]
+    src.drop_table(table)
+    dst_tables[request_id] = [d for _, d in copies]
+    return copies
+
+
+def _check_computed(bm: BlockManager, request_id: str, computed: Sequence[int]) -> None:
+    if not computed:
+        return
+    if bm.block_tables.get(request_id):
+        raise InvalidArgument(f"computed blocks can only start a new table; request {request_id!r} "
+                              "already holds blocks")
+    if not all(isinstance(b, int) and 0 <= b < bm.num_blocks
+               and (bm.is_cached(b) or bm.device.ref_counts[b] > 0) for b in computed):
+        raise InvalidArgument(
+            f"computed blocks must be cached or held device blocks, got {list(computed)}")
+
+
+def check_block_manager(bm: BlockManager) -> None:
+    """The block manager's invariants (its module docstring): no request has both a device and a
+    host table; each pool's own against the tables in it; a host block is never shared; hashing
+    progress within each table; the prefix cache's against the device tables."""
+    both = set(bm.block_tables) & set(bm.host_tables)
+    assert not both, f"requests with both a device and a host table: {sorted(both)}"
+    bm.device.check_integrity(bm.block_tables, "device pool")
+    bm.host.check_integrity(bm.host_tables, "host pool")
+    assert all(c <= 1 for c in bm.host.ref_counts), "a host block is shared (only private tables swap)"
+    assert set(bm.num_hashed) <= set(bm.block_tables), "hashing progress without a table"
+    for rid, n in bm.num_hashed.items():
+        assert 0 <= n <= len(bm.block_tables[rid]), f"{rid}: {n} blocks hashed of a shorter table"
+    if bm.cache is not None:
+        bm.cache.check_integrity(bm.block_tables, bm.block_size)

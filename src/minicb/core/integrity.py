@@ -122,3 +122,4 @@ def _check_shared_blocks(bm: BlockManager, running: list[Sequence]) -> None:
                 assert i == len(table) - 1 and i * bs <= seq.num_computed_tokens, \
                     f"{seq.request_id}: shared block {block} (ref {bm.device.ref_counts[block]}) " \
                     "would be written without a copy"
+

@@ -108,18 +108,6 @@ class Scheduler:
         self.policy = ContinuousPolicy(self) if c.policy == "continuous" else PaddedPolicy(self)
 
     # --- queries ---------------------------------------------------------------------------
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
-
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
@@ -137,9 +125,8 @@ class Scheduler:
 
     # --- requests in -----------------------------------------------------------------------------
     def add(self, seq: Sequence, forks: list[Sequence] | tuple[Sequence, ...] = ()) -> None:
-        """Validate ``seq`` and queue it (WAITING). ``forks``: the other children of a request with
-        ``n > 1`` (same prompt, ``index`` 1 .. n - 1), forked from ``seq`` after its prompt (the
-        module docstring). Raises before changing any state."""
+        """Validate ``seq`` and queue it (WAITING); raises before changing anything. ``forks``: the other
+        children of a request with ``n > 1``, forked from ``seq`` after its prompt (module docstring)."""
         self.validate(seq, forks)
         for s in (seq, *forks):
             s.arrival_index, self.num_arrivals = self.num_arrivals, self.num_arrivals + 1
@@ -152,22 +139,18 @@ class Scheduler:
             self.waiting.extend(forks)
 
     def validate(self, seq: Sequence, forks: list[Sequence] | tuple[Sequence, ...] = ()) -> None:
-        """Raise (``InvalidArgument``, or ``RequestRejected`` for a request that can never be served) if
-        ``add(seq, forks)`` would; change nothing. ``LLM.generate`` calls it on every prompt first."""
+        """Raise what ``add(seq, forks)`` would (``integrity.check_request``); change nothing."""
         in_use = set(self._seqs) | {s.request_id for s in self.policy.batch}
         integrity.check_request(seq, forks, self.config, self.block_manager, in_use)
 
-    def close_arrivals(self) -> None:
-        """No more requests will come: the static policy may now run a batch smaller than max_num_seqs."""
-        self.arrivals_open = False
-
-    def open_arrivals(self) -> None:
-        self.arrivals_open = True
+    def close_arrivals(self, closed: bool = True) -> None:
+        """No more requests will come (or, ``False``, they may again): the static policy may now run a
+        batch smaller than max_num_seqs."""
+        self.arrivals_open = not closed
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> StepPlan:
-        """Plan one step: the policy chooses (module docstring), each choice becomes a row. A plan
-        without seqs means nothing to do now."""
+        """Plan one step: the policy chooses (module docstring), each choice becomes a row."""
         step = self.stats.num_steps
         self.stats.num_steps += 1
         work = self.policy.schedule()
@@ -198,7 +181,6 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[Sequence]:
         """Record a finished step: advance progress, append sampled tokens, retire finished requests.
-
         Rows whose request was aborted (or failed) since ``schedule`` are skipped. Every sampled token
         is checked before anything changes."""
         live = []
@@ -206,10 +188,7 @@ class Scheduler:
             seq = self.running.get(s.request_id)
             if seq is not None and seq.num_computed_tokens == s.start_pos:      # still the planned row
                 live.append((s, seq))
-                for rid in (s.request_id, *s.forks) if s.sample else ():
-                    token = sampled.get(rid)
-                    if (type(token) is not int or token < 0) and (rid == s.request_id or rid in self._seqs):
-                        _sampled_token(sampled, rid)         # raises, naming the request
+                _check_tokens(s, sampled, self._seqs)
         bm, finished = self.block_manager, []
         caching = bm.cache is not None                # prefix caching in effect (config.prefix_caching)
         for s, seq in live:
@@ -234,8 +213,8 @@ class Scheduler:
         return finished
 
     def abort(self, request_id: str, now: float = 0.0) -> Sequence | None:
-        """Finish ``request_id`` with ABORT from any state and free all it holds (None if unknown).
-        A child 0 aborted before its fork takes its attached children with it."""
+        """Finish ``request_id`` with ABORT from any state and free all it holds (None if unknown); a
+        child 0 aborted before its fork takes its attached children with it."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -243,11 +222,8 @@ class Scheduler:
         return seq
 
     def fail_step(self, plan: StepPlan, error: str, now: float = 0.0) -> list[Sequence]:
-        """The forward of ``plan`` raised: finish its requests with ERROR and free what they hold.
-
-        Sequences swapped out by that plan lose their (possibly uncopied) host copy and will recompute.
-        Everybody else keeps being served.
-        """
+        """The forward of ``plan`` raised: finish its requests with ERROR and free what they hold. Those it
+        swapped out lose their (maybe uncopied) host copy and will recompute; everybody else goes on."""
         failed = [self.running[s.request_id] for s in plan.seqs if s.request_id in self.running
                   and self.running[s.request_id].num_computed_tokens == s.start_pos]
         children = [c for seq in failed for c in self._attached.get(seq.request_id, ())]
@@ -268,12 +244,7 @@ class Scheduler:
         prefix-cache ``hits``, ``cached`` tokens), a slot, and the end of the running dict."""
         self.waiting.remove(seq)              # the front (fcfs): O(1)
         self.block_manager.allocate(seq.request_id, num_tokens, hits)
-        st = self.stats
-        if seq.admitted_index < 0:                # its first admission
-            st.num_prompt_tokens += seq.num_prompt_tokens
-            st.num_cached_prompt_tokens += cached
-        else:                                     # back after recompute preemption
-            st.num_cached_reprefill_tokens += cached
+        self.stats.count_admission(seq.num_prompt_tokens, cached, first=seq.admitted_index < 0)
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         self._start_running(seq)
 
@@ -294,11 +265,7 @@ class Scheduler:
         del self.running[seq.request_id]
         p = preempt(seq, self.config.preemption_mode, self.block_manager, self.slot_table)
         (self.swapped if p.mode == "swap" else self.waiting).appendleft(seq)
-        st = self.stats
-        st.num_preemptions += 1
-        st.num_swaps += p.mode == "swap"
-        st.num_recomputes += p.mode == "recompute"
-        st.num_recomputed_tokens += p.num_lost_tokens
+        self.stats.count_preemption(p.mode, p.num_lost_tokens)
         return p
 
     def free(self, request_id: str) -> None:
@@ -361,6 +328,14 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every invariant of the module docstring (``integrity.check_scheduler``); tests call it."""
         integrity.check_scheduler(self, self._seqs, self._attached)
+
+
+def _check_tokens(s: ScheduledSeq, sampled: Mapping[str, int], unfinished: Mapping[str, Sequence]) -> None:
+    """A sampling row has a plain token id >= 0 for itself and each child it still forks."""
+    for rid in (s.request_id, *s.forks) if s.sample else ():
+        token = sampled.get(rid)
+        if (type(token) is not int or token < 0) and (rid == s.request_id or rid in unfinished):
+            _sampled_token(sampled, rid)         # raises, naming the request
 
 
 def _sampled_token(sampled: Mapping[str, int], request_id: str) -> int:

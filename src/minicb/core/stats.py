@@ -33,6 +33,22 @@ class SchedulerStats:
         """Prompt tokens served from the prefix cache / prompt tokens (first admissions; 0.0 if none)."""
         return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
+    def count_admission(self, num_prompt_tokens: int, num_cached: int, first: bool) -> None:
+        """A request was admitted with ``num_cached`` tokens from the prefix cache: its first
+        admission, or a recompute-preempted one coming back."""
+        if first:
+            self.num_prompt_tokens += num_prompt_tokens
+            self.num_cached_prompt_tokens += num_cached
+        else:
+            self.num_cached_reprefill_tokens += num_cached
+
+    def count_preemption(self, mode: str, num_lost_tokens: int) -> None:
+        """A running request was preempted (``"swap"`` or ``"recompute"``, losing so many tokens)."""
+        self.num_preemptions += 1
+        self.num_swaps += mode == "swap"
+        self.num_recomputes += mode == "recompute"
+        self.num_recomputed_tokens += num_lost_tokens
+
 
 @dataclass(slots=True, frozen=True)
 class SchedulerSnapshot:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from minicb.core.errors import EngineDeadError, InvalidArgument, MinicbError, RequestRejected, check_int
@@ -199,7 +199,7 @@ class LLMEngine(StepLoop):
         self.scheduler.close_arrivals()
 
     def open_arrivals(self) -> None:
-        self.scheduler.open_arrivals()
+        self.scheduler.close_arrivals(False)
 
     # --- the loop, guarded ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -246,33 +246,6 @@ class LLMEngine(StepLoop):
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
-
-    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
-        """Step until the given requests (default: all) have finished; return their final outputs in
-        the order they finished. Outputs of other requests are kept for the next ``step()``."""
-        wanted = None if request_ids is None else set(request_ids)
-        done: list[RequestOutput] = []
-        others: list[RequestOutput] = []
-        try:
-            while (self.has_unfinished_requests() if wanted is None
-                   else any(r in self._live for r in wanted) or self._pending_has(wanted)):
-                for out in self.step():
-                    if wanted is not None and out.request_id not in wanted:
-                        others.append(out)
-                    elif out.finished:
-                        done.append(out)
-                        if progress is not None:
-                            progress(out)
-        finally:
-            self._pending = others + self._pending        # handed out by the next step()
-        return done
-
-    def _pending_has(self, wanted: set[str]) -> bool:
-        return any(o.request_id in wanted for o in self._pending)
-
-    def run_until_done(self, progress=None) -> list[RequestOutput]:
-        """Step until every request has finished; their final outputs in the order they finished."""
-        return self.run(None, progress)
 
     def shutdown(self) -> None:
         """End every unfinished request (``finish_reason == "abort"``) and close the runner (a

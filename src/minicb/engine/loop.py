@@ -30,7 +30,7 @@ import functools
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.plan import StepPlan
@@ -161,6 +161,34 @@ class StepLoop:
     def _fail_step(self, plan: StepPlan, error: str) -> None:
         """The step's requests end with ``finish_reason == "error"``; their slots and blocks are freed."""
         self._outputs_of([s.request_id for s in self.scheduler.fail_step(plan, error, self.clock())])
+
+    # --- driving it -------------------------------------------------------------------------------
+    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> list[RequestOutput]:
+        """Step until the given requests (default: all) have finished; return their final outputs in
+        the order they finished. Outputs of other requests are kept for the next ``step()``."""
+        wanted = None if request_ids is None else set(request_ids)
+        done: list[RequestOutput] = []
+        others: list[RequestOutput] = []
+        try:
+            while (self.has_unfinished_requests() if wanted is None
+                   else any(r in self._live for r in wanted) or self._pending_has(wanted)):
+                for out in self.step():
+                    if wanted is not None and out.request_id not in wanted:
+                        others.append(out)
+                    elif out.finished:
+                        done.append(out)
+                        if progress is not None:
+                            progress(out)
+        finally:
+            self._pending = others + self._pending        # handed out by the next step()
+        return done
+
+    def _pending_has(self, wanted: set[str]) -> bool:
+        return any(o.request_id in wanted for o in self._pending)
+
+    def run_until_done(self, progress=None) -> list[RequestOutput]:
+        """Step until every request has finished; their final outputs in the order they finished."""
+        return self.run(None, progress)
 
     # --- requests in and out ----------------------------------------------------------------------
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
