@@ -37,7 +37,7 @@ def test_a_reference_decode_step_stays_within_its_limits(step_trace):
     # and the figure the script's docstring quotes is today's
     quoted = re.search(r"reference: one decode step crosses (\d+) files, (\d+) functions", step_trace.__doc__)
     assert quoted and (int(quoted[1]), int(quoted[2])) == (files, functions), \
-        f"bench/step_trace.py's docstring: {quoted and quoted[0]}; today: {files} files, {functions} functions"
+        f"the docstring: {quoted and quoted[0]}; today: {files} files, {functions} functions"
 
 
 def test_the_fast_step_runs_the_fast_paths(step_trace):
