@@ -275,6 +275,49 @@ def test_silent_and_slowloris_connections_are_closed(gguf):
             s.close()
 
 
+def _answer(sock: socket.socket) -> tuple[int, bytes, str | None]:
+    """(status, body, Connection header) of one response read from ``sock`` (nothing more is read)."""
+    r = httpc.HTTPResponse(sock)
+    r.begin()
+    return r.status, r.read(), r.getheader("connection")
+
+
+def test_a_keep_alive_connection_survives_every_refused_request(served):
+    """40 requests on one keep-alive connection: POSTs with a body to an unknown route (404) or with a
+    method the route does not take (405), each answered before its body is even sent (the body follows
+    the answer, the race a real client loses sometimes), alternating with good requests. Every one is
+    answered, on the same connection: a refused request's body is read and dropped, never taken for the
+    next request's head, and the connection is not closed under the client."""
+    url = served[1]
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+    s.settimeout(60)                                                  # a hang guard
+    good = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 1}).encode()
+    refused = [("POST", "/v1/embeddings", 404), ("POST", "/nope", 404), ("POST", "/v1/models", 405),
+               ("PUT", "/v1/completions", 405)]
+    answered = []
+    try:
+        for i in range(40):
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: %d\r\n\r\n" % len(good) + good)
+                status, payload, conn = _answer(s)
+                assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 1, payload
+            else:
+                method, path, want = refused[(i // 2) % len(refused)]
+                body = json.dumps({"model": MODEL, "input": "x" * (i * 50)}).encode()
+                s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode())
+                status, payload, conn = _answer(s)           # answered before its body was sent
+                assert status == want and "error" in json.loads(payload), payload
+                s.sendall(body)                              # the body, late: read and dropped
+            assert conn != "close", (i, status)
+            answered.append(status)
+    finally:
+        s.close()
+    assert len(answered) == 40
+
+
 def test_live_watchers_are_capped(served):
     url = served[1]
     host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -122,14 +122,15 @@ class _Uvicorn(uvicorn.Server):
 class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
     that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
-    or of its previous response, is closed; so is one whose response is done while its body is still
-    arriving (a 413 or a 408), after ``body_linger`` seconds of reading and dropping what still comes.
-    A head larger than ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag."""
+    or of its previous response, is closed. A response sent before its request's body has all arrived
+    (a 404, a 405, a 413, a 408) leaves uvicorn reading and dropping the rest of that body, and the
+    connection then serves the next request; a body still arriving ``body_linger`` seconds after its
+    answer (a 413's 10 MB, a stalled 408) closes the connection. A head larger than
+    ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag."""
 
     header_timeout = 10.0
     body_linger = 2.0
     max_header_bytes = 16 * 2**10
-    _discarding = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -142,17 +143,18 @@ class _DeadlineH11(H11Protocol):
         if self.cycle is cycle_then and (cycle_then is None or cycle_then.response_complete):
             self.transport.close()            # no new request's head since the timer was armed
 
+    def _linger_deadline(self, cycle_then) -> None:
+        if self.cycle is cycle_then and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()            # the refused body is still arriving: enough of it
+
     def on_response_complete(self) -> None:
         body_left = self.conn.their_state is h11.SEND_BODY       # before uvicorn starts the next cycle
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if body_left:                         # the body was refused half way (413, 408): read and drop
-            self._discarding = True           # the rest for a moment, so that the client, still
-            self._unset_keepalive_if_required()   # sending, gets to read the answer; then close
-            self.loop.call_later(self.body_linger, self.transport.close)
-            return
-        self._head_timer.cancel()
+        if body_left:                         # uvicorn drops the rest of it (h11 still parses it, so
+            self.loop.call_later(self.body_linger, self._linger_deadline, self.cycle)   # the next head is
+        self._head_timer.cancel()             # found after it), for at most body_linger seconds
         self._arm()
 
     def send_400_response(self, msg: str) -> None:
@@ -169,10 +171,6 @@ class _DeadlineH11(H11Protocol):
         for event in (head, h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        if not self._discarding:
-            super().data_received(data)
 
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()
