@@ -416,7 +416,21 @@ def test_host_allow_list_cors_and_api_key(gguf):
                            {"Authorization": "Bearer sesame", "Host": "localhost"})
         assert status == 200 and got["usage"]["completion_tokens"] == 1
         r = client(url).models  # the openai client sends its api_key as a bearer token
+        host, port = url.removeprefix("http://").rsplit(":", 1)
         assert health(url)["status"] == "ok"                        # /health needs no key, as vLLM's
+        # what shows other users' activity needs the key too: the live page, its feed, /metrics
+        for path in ("/", "/live/events", "/metrics", "/tokenize"):
+            c = httpc.HTTPConnection(host, int(port), timeout=60)  # a hang guard
+            c.request("GET", path)
+            resp = c.getresponse()
+            got = json.loads(resp.read())
+            assert resp.status == 401 and got["error"]["code"] == "invalid_api_key", (path, got)
+            c.close()
+        c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard
+        c.request("GET", "/metrics", headers={"Authorization": "Bearer sesame"})
+        resp = c.getresponse()
+        assert resp.status == 200 and b"vllm:generation_tokens_total" in resp.read()
+        c.close()
         host, port = url.removeprefix("http://").rsplit(":", 1)
         for origin, allowed in (("http://ok.example", True), ("http://evil.example", False)):
             c = httpc.HTTPConnection(host, int(port), timeout=60)  # a hang guard
@@ -428,6 +442,9 @@ def test_host_allow_list_cors_and_api_key(gguf):
             assert (resp.getheader("access-control-allow-origin") == origin) is allowed, resp.getheaders()
             c.close()
         del r
+    with running_server(gguf, api_key="sesame", open_metrics=True, **SMALL) as (_, url):
+        assert http("GET", url + "/metrics")[0] == 200           # --open-metrics: for a scraper
+        assert http("GET", url + "/live/events")[0] == 401       # the live feed stays keyed
     with running_server(gguf, **SMALL) as (_, url):                   # no --allowed-origins: no CORS at all
         host, port = url.removeprefix("http://").rsplit(":", 1)
         c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard

@@ -220,6 +220,7 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
     params = parsed.generate.params
     check_choices(params.n, server.engine_thread.engine.config.max_n)
+    check_prompt_count(len(prepared.requests), server.engine_thread)
     handles = []
     for ids, stops in prepared.requests:      # each prompt: its own request, decoder and stop strings
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -252,6 +253,16 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     if parsed.stream:
         return EventStream(answer.stream(), abort_all)
     return await answer.whole(request, abort_all)
+
+
+def check_prompt_count(num_prompts: int, engine_thread) -> None:
+    """More prompts in one body than the server could ever hold at once (its slots and
+    ``--max-waiting``): a 400, since no retry can succeed (a 503 would have SDKs retry in vain)."""
+    room = engine_thread.engine.config.max_num_seqs + engine_thread.max_waiting
+    if num_prompts > room:
+        raise ApiError(400, f"the request holds {num_prompts:,} prompts; this server holds at most {room:,} "
+                            f"requests at once (max_num_seqs + --max-waiting {engine_thread.max_waiting}): "
+                            "send them in several requests", "invalid_request_error", "prompt")
 
 
 def _request_text(server: Server, params, rid: str, stops: StopMatcher,

@@ -88,8 +88,11 @@ def add_parser(sub, add_engine_args) -> None:
     sec.add_argument("--allowed-origins", default="", metavar="O1,O2",
                      help="CORS: origins whose pages may call the API ('*' = any; default none, as vLLM)")
     sec.add_argument("--api-key", default=os.environ.get("MINICB_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); default "
-                          "$MINICB_API_KEY, else none")
+                     help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, the live "
+                          "page and its feed and /metrics (401 otherwise); default $MINICB_API_KEY, "
+                          "else none")
+    sec.add_argument("--open-metrics", action="store_true",
+                     help="with --api-key: leave /metrics open (a Prometheus scraper without the key)")
     sec.add_argument("--allow-control-text", action="store_true",
                      help="pass chat message text that contains control tokens (<|im_start|>) to the "
                           "template; default: refuse it with 400 (a user could forge a system turn)")
@@ -178,7 +181,8 @@ def _serve(args, sock) -> int:
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=limits_from(args), allowed_hosts=_hosts(args.allowed_hosts),
                         allowed_origins=_hosts(args.allowed_origins) or (), api_key=args.api_key or None,
-                        allow_control_text=args.allow_control_text, frontend_workers=args.frontend_workers)
+                        open_metrics=args.open_metrics, allow_control_text=args.allow_control_text,
+                        frontend_workers=args.frontend_workers)
         url = base_url(sock)
         print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
               flush=True)

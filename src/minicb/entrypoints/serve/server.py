@@ -184,7 +184,8 @@ class Server:
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning",
                  limits: ServeLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
                  allowed_origins: tuple[str, ...] = (), api_key: str | None = None,
-                 allow_control_text: bool = False, frontend_workers: int | None = None,
+                 open_metrics: bool = False, allow_control_text: bool = False,
+                 frontend_workers: int | None = None,
                  exit_on_engine_death: bool = True) -> None:
         if max_waiting < 0:
             raise MinicbError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -203,6 +204,7 @@ class Server:
             self.tokenizer.incremental_decoder()  # its byte table, built now rather than at a first request
         self.limits = (limits or ServeLimits()).with_model_len(cfg.max_model_len)
         self.allowed_hosts, self.allowed_origins, self.api_key = allowed_hosts, allowed_origins, api_key
+        self.open_metrics = open_metrics
         self.exit_on_engine_death = exit_on_engine_death
         self.exit_code = EXIT_STOPPED
         self.frontend = Frontend(model_name=model_name, tokenizer=engine.tokenizer,
@@ -227,7 +229,8 @@ class Server:
         if hosts is None:
             hosts = guard.default_allowed_hosts(sock.getsockname()[0])
         asgi = guard.wrap(self.app, allowed_hosts=hosts, api_key=self.api_key,
-                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes)
+                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes,
+                          open_metrics=self.open_metrics)
         lim = self.limits
         protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout,
                                                          "body_linger": lim.body_linger,
