@@ -157,21 +157,23 @@ class BlockManager:
         return i < len(table) and self.device.ref_counts[table[i]] > 1
 
     # --- prefix caching ----------------------------------------------------------------------------
-    def computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
-        """The longest chain of cached blocks holding a prefix of ``token_ids``, leaving at least the
-        last token to compute (see the module docstring). Changes nothing; [] without caching."""
-        return self.cache.computed_blocks(token_ids, self.block_size) if self.cache is not None else []
+    def computed_blocks(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """The longest chain of cached blocks holding a prefix of ``token_ids`` under the cache ``salt``,
+        leaving at least the last token to compute (see the module docstring). Changes nothing; []
+        without caching."""
+        return self.cache.computed_blocks(token_ids, self.block_size, salt) if self.cache is not None else []
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: str | None = None) -> int:
         """Offer the request's full blocks whose K/V is computed (its first ``num_computed_tokens``
-        positions, ``token_ids`` being at least those tokens) to the prefix cache; return how many
-        entered it. Each block is offered once; a no-op without caching."""
+        positions, ``token_ids`` being at least those tokens; its cache ``salt``) to the prefix cache;
+        return how many entered it. Each block is offered once; a no-op without caching."""
         table = self.block_tables.get(request_id)
         if self.cache is None or table is None:
             return 0
         full = min(num_computed_tokens // self.block_size, len(table))
         start = self._num_hashed.get(request_id, 0)
-        added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size)
+        added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size, salt)
         self._num_hashed[request_id] = max(start, full)
         return added
 
