@@ -40,6 +40,9 @@ def add_parser(sub, add_engine_args) -> None:
                    help="refuse new requests with 503 + Retry-After while this many wait (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds running requests get to finish (default 30)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs (default): arrival order; priority: a request's 'priority' field orders it "
+                        "(lower first, as vLLM; without it the field is a 400)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's name)")
     p.add_argument("--seed", type=int, default=None, help="the engine's seed for unseeded sampling")
@@ -171,6 +174,7 @@ def _serve(args, sock) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+              scheduling_policy=args.scheduling_policy,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,

@@ -40,8 +40,10 @@ Field by field (vLLM's choices where OpenAI leaves room):
   ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
   string stays in the text) and ``skip_special_tokens`` (default true).
 * ``n`` choices (parallel sampling) up to the engine's ``max_n``. ``best_of``, chat's ``echo``, vLLM's
-  ``spaces_between_special_tokens``, ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``,
-  and the chat fields that would change the rendered prompt (``add_generation_prompt: false``,
+  ``spaces_between_special_tokens``, ``allowed_token_ids``, beam search (``use_beam_search``,
+  ``length_penalty``, ``early_stopping``), ``prompt_embeds``, ``logits_processors``, ``vllm_xargs``,
+  ``kv_transfer_params``, ``guided_whitespace_pattern``, OpenAI's ``prediction`` / ``audio`` and the chat
+  fields that would change the rendered prompt (``add_generation_prompt: false``,
   ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, ``mm_processor_kwargs``,
   ``documents``): a clear 400 naming the field
   rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
@@ -52,6 +54,13 @@ Field by field (vLLM's choices where OpenAI leaves room):
   here, before the chat template or the tokenizer runs; ``chat`` refuses message text that contains
   the model's control tokens (``<|im_start|>``) unless the server allows it (``--allow-control-text``):
   rendered by the template, such text would become real control tokens (a user forging a system turn).
+* vLLM's request fields: ``stream_options.continuous_usage_stats`` (with ``include_usage``: every chunk
+  carries the usage so far, its choice's completion tokens), ``return_tokens_as_token_ids`` (the
+  logprobs' tokens are ``"token_id:N"``), ``request_id`` (the response's id is ``cmpl-`` /
+  ``chatcmpl-`` + it), ``priority`` (lower is more important; a 400 unless the server runs
+  ``--scheduling-policy priority``, as vLLM), ``cache_salt`` (prefix-cache blocks are shared only
+  between requests of one salt). Every choice carries vLLM's ``stop_reason``: the stop string or stop
+  token id that ended it, else ``null``.
 * ``return_token_ids`` (vLLM's extension): the response carries ``prompt_token_ids`` and each
   choice its ``token_ids``; the tests use it to compare with ``LLM.generate`` token for token.
 """
@@ -84,6 +93,7 @@ class GenerateRequest:
     params: SamplingParams
     stops: tuple[str, ...] = ()
     max_tokens_from_room: bool = False
+    priority: int = 0                 # vLLM's: lower is more important (--scheduling-policy priority only)
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,6 +112,9 @@ class ParsedRequest:
     echo: bool = False                # completions: return the prompt before the completion
     logprobs: int | None = None       # top logprobs per token in the answer (None: no logprobs field)
     prompt_logprobs: int | None = None   # vLLM's ``prompt_logprobs`` asked for (None: not in the answer)
+    continuous_usage: bool = False    # stream_options.continuous_usage_stats: usage in every chunk
+    tokens_as_ids: bool = False       # vLLM's return_tokens_as_token_ids: logprobs' tokens "token_id:N"
+    request_id: str | None = None     # vLLM's request_id: the response's id ("cmpl-" + it)
 
 
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
@@ -112,6 +125,11 @@ _UNSUPPORTED = {
     "spaces_between_special_tokens": (None, True), "guided_decoding_backend": (None,),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
+    # beam search (vLLM's): not implemented, and n > 1 would otherwise return n sampled texts
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "early_stopping": (None, False),
+    "prompt_embeds": (None,), "logits_processors": (None, []), "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None, {}), "guided_whitespace_pattern": (None,),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 # chat fields of vLLM's that change the rendered prompt: refused unless they ask for what minicb does
 _UNSUPPORTED_CHAT = {
@@ -119,7 +137,7 @@ _UNSUPPORTED_CHAT = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
 }
-_UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
+MAX_REQUEST_ID_CHARS = 256
 
 
 def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
@@ -189,14 +207,15 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
     model = body.get("model")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("stream_options must be an object", "stream_options")
         if not stream:
             raise bad_request("stream_options is allowed only with stream: true", "stream_options")
-        _unsupported(opts, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
         include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
+        # vLLM's: each chunk carries the usage so far; with include_usage only, as in vLLM
+        continuous = _bool(opts, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
     max_tokens = body.get("max_tokens")
     from_room = max_tokens is None and default_max_tokens is None
     max_tokens = MAX_INT if from_room else (default_max_tokens if max_tokens is None else max_tokens)
@@ -205,10 +224,21 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
     scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     params = _sampling_params(body, max_tokens, limits, structured, logprobs=logprobs,
                               prompt_logprobs=max(scored) if scored else None)
-    return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room), stream,
+    priority = body.get("priority")
+    try:
+        priority = 0 if priority is None else check_int("priority", priority, lo=-MAX_INT - 1, hi=MAX_INT)
+    except InvalidArgument as e:
+        raise bad_request(str(e), "priority") from None
+    request_id = body.get("request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id
+                                   or len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable()):
+        raise bad_request(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
+                          f"printable characters, got {describe(request_id)}", "request_id")
+    return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room, priority), stream,
                          include_usage, _bool(body, "return_token_ids", False),
                          tools if tools is not None and tools.shown else None, param, tuple(prompts), echo,
-                         logprobs, prompt_logprobs)
+                         logprobs, prompt_logprobs, include_usage and continuous,
+                         _bool(body, "return_tokens_as_token_ids", False), request_id)
 
 
 def _logprob_fields(body: dict, kind: str) -> tuple[int | None, bool, int | None]:
@@ -322,6 +352,8 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
         ("skip_special_tokens", lambda: _bool(body, "skip_special_tokens", True)),
         # n choices: parallel sampling, the children share the prompt's KV blocks (engine: max_n)
         ("n", lambda: 1 if body.get("n") is None else check_int("n", body["n"], lo=1, hi=MAX_INT)),
+        # vLLM's: prefix-cache blocks are shared only between requests of one salt (one tenant)
+        ("cache_salt", lambda: _salt(body.get("cache_salt"))),
     ]
     for name, check in checks:
         try:
@@ -338,6 +370,13 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
         message = str(e)
         param = next((name for name in args if message.startswith(name)), None)
         raise bad_request(message, param) from None
+
+
+def _salt(salt) -> str | None:
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_REQUEST_ID_CHARS):
+        raise InvalidArgument(f"cache_salt must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
+                              f"characters, got {describe(salt)}")
+    return salt
 
 
 def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
