@@ -77,7 +77,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(url, path, b
     """guidellm's request shape: stream, include_usage and continuous_usage_stats."""
     chunks = sse(url, path, base | {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
                                     "return_token_ids": True,
-                                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+                                    "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}})
     last = chunks[-1]
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
     prompt = last["usage"]["prompt_tokens"]
@@ -87,7 +88,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(url, path, b
         assert ch["usage"] == {"prompt_tokens": prompt, "completion_tokens": seen,
                                "total_tokens": prompt + seen}, ch
     assert seen == 6
-    plain = sse(url, path, base | {"max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+    plain = sse(url, path, base | {"max_tokens": 3, "stream": True,
+                                   "stream_options": {"include_usage": True}})
     assert all(ch["usage"] is None for ch in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 3
 
 
@@ -99,8 +101,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(url):
     assert all(all(k.startswith("token_id:") for k in top) for top in c["logprobs"]["top_logprobs"])
     echo = post(url, "/v1/completions", body | {"echo": True, "max_tokens": 1})["choices"][0]
     assert echo["logprobs"]["tokens"][:len(PROMPT)] == [f"token_id:{t}" for t in PROMPT]
-    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 3,
-                                              "temperature": 0, "ignore_eos": True, "logprobs": True,
+    chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}],
+                                              "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": True,
                                               "top_logprobs": 2, "return_token_ids": True,
                                               "return_tokens_as_token_ids": True})["choices"][0]
     content = chat["logprobs"]["content"]
