@@ -102,8 +102,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(url):
     echo = post(url, "/v1/completions", body | {"echo": True, "max_tokens": 1})["choices"][0]
     assert echo["logprobs"]["tokens"][:len(PROMPT)] == [f"token_id:{t}" for t in PROMPT]
     chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}],
-                                              "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": True,
-                                              "top_logprobs": 2, "return_token_ids": True,
+                                              "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                              "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
                                               "return_tokens_as_token_ids": True})["choices"][0]
     content = chat["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["token_ids"]]
