@@ -17,6 +17,13 @@ constant time per character and stop string (``StopMatcher``; at most ``--max-st
 Per step that is at most one token per running request: microseconds, the same order as writing its
 SSE chunk. Nothing here grows with a prompt.
 
+Why not ``tokenizers``' own ``DecodeStream``: it holds back a token that ends inside a UTF-8
+character until the character completes, and a request that *ends* there loses those bytes (with the
+tiny test tokenizer, ``"h" + the first byte of "é"`` streams as ``"h"`` where ``decode`` gives
+``"h\ufffd"``), which breaks the contract below; the tokenizer's ``IncrementalDecoder`` flushes them
+as U+FFFD, as ``decode`` does, and is one table lookup per token for byte-level BPE
+(``tests/serve/test_serve_detokenizer.py`` compares them).
+
 The consistency contract of ``docs/errors.md`` holds for what a client receives: the token ids it
 is sent concatenate to the final ``token_ids``, and a request that ends without a stop string has
 ``text == tokenizer.decode(token_ids)`` (the decoder is flushed at the end, the held-back text is
