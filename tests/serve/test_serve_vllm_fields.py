@@ -193,3 +193,20 @@ def test_a_forced_tool_call_cut_short_is_plain_text_without_the_wrapper(url):
     chunks = sse(url, "/v1/chat/completions", body | {"stream": True})
     text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
     assert "<tool_call>" not in text and text == c["message"]["content"]
+
+
+@pytest.mark.parametrize("path, shape", [
+    ("/v1/completions", {"prompt": "one two three four", "max_tokens": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                          "text": "one two three"}]}],
+                              "max_completion_tokens": 5}),
+])
+def test_guidellms_exact_request_shapes_are_answered(url, path, shape):
+    """What guidellm 0.8's request handlers send for a streaming benchmark (``bench/guidellm_check.py``
+    runs guidellm itself): every one must succeed, with the usage guidellm reads from each chunk."""
+    body = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stop": None, "ignore_eos": True, **shape}
+    chunks = sse(url, path, body)
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all(ch["usage"] is not None for ch in chunks)
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
