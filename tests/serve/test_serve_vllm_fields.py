@@ -210,3 +210,23 @@ def test_guidellms_exact_request_shapes_are_answered(url, path, shape):
     assert chunks[-1]["usage"]["completion_tokens"] == 5
     assert all(ch["usage"] is not None for ch in chunks)
     assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+
+
+def test_openapi_json_shows_the_request_bodies_fields_types_and_ranges(url):
+    status, _, spec = http("GET", url + "/openapi.json")
+    assert status == 200
+    schemas = {}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        schemas[path] = body
+        props = body["properties"]
+
+        def bounds(name):
+            (kind,) = [x for x in props[name]["anyOf"] if x.get("type") != "null"]
+            return kind
+
+        assert bounds("temperature") == {"type": "number", "minimum": 0.0, "maximum": 2.0}
+        assert bounds("top_p")["exclusiveMinimum"] == 0.0 and bounds("n")["minimum"] == 1
+        assert {"cache_salt", "priority", "request_id", "return_tokens_as_token_ids"} <= set(props)
+    assert schemas["/v1/completions"]["required"] == ["prompt"]
+    assert schemas["/v1/chat/completions"]["required"] == ["messages"]

@@ -54,7 +54,7 @@ from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
-from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from minicb.entrypoints.serve.stops import StopMatcher
 from minicb.entrypoints.serve.tools import parse_calls, unwrapped
 
@@ -146,18 +146,25 @@ def build_app(server: Server) -> FastAPI:
                                             "created": server.created, "owned_by": "minicb",
                                             "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("completion", raw))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
     app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
+
+
+def _body_schema(model) -> dict:
+    """A route's request body for /openapi.json: the pydantic model's JSON schema (the body itself is
+    read raw and checked in a worker process, ``protocol.py``)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def _health(engine) -> dict:
