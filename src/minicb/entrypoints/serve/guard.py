@@ -25,7 +25,10 @@ A server on a shared machine is reachable by more than its operator:
   ``--open-metrics`` opens it for a scraper without the key); ``/health``, ``/ping`` and ``/version``
   stay open.
 
-Every refusal is OpenAI's error object.
+Every refusal is OpenAI's error object. That is why the Host check is not Starlette's
+``TrustedHostMiddleware``: its refusal is a plain-text ``Invalid host header`` (no ``code`` a client can
+act on, no flag named), and it redirects to ``www.`` names by default; the check itself is the few
+lines of ``Guard.__call__``.
 """
 
 from __future__ import annotations
