@@ -126,7 +126,12 @@ class _DeadlineH11(H11Protocol):
     (a 404, a 405, a 413, a 408) leaves uvicorn reading and dropping the rest of that body, and the
     connection then serves the next request; a body still arriving ``body_linger`` seconds after its
     answer (a 413's 10 MB, a stalled 408) closes the connection. A head larger than
-    ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag."""
+    ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag.
+
+    Why a subclass of uvicorn's (private) protocol: uvicorn has no deadline on a request's head (a
+    slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head past
+    ``h11_max_incomplete_event_size`` with a plain-text 400. Everything else, reading and dropping a
+    refused body included, is uvicorn's own."""
 
     header_timeout = 10.0
     body_linger = 2.0
