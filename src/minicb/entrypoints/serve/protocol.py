@@ -48,6 +48,11 @@ Field by field (vLLM's choices where OpenAI leaves room):
   ``documents``): a clear 400 naming the field
   rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
   are ignored (clients send extras).
+* The scalar fields (numbers, flags, strings) are one pydantic model, ``Fields``, built from the
+  ``RANGES`` table: each field's type and range in one place, strict (no ``"5"`` for 5, no ``true``
+  for 1), its JSON schema (with the bodies' other fields: ``CompletionRequest``,
+  ``ChatCompletionRequest``) at ``/openapi.json``; ``_message`` words pydantic's first error as
+  minicb's 400. What depends on the server's flags (list lengths, characters) is checked by hand.
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
   1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
 * The cost bounds of ``limits.py`` (prompt characters and ids, messages, stop strings) are checked
