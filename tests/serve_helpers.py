@@ -17,7 +17,8 @@ from minicb.entrypoints.llm import LLM
 from minicb.entrypoints.serve.server import Server, listen
 
 MODEL = "tiny"
-SERVER_OPTIONS = ("limits", "allowed_hosts", "allowed_origins", "api_key", "allow_control_text",
+SERVER_OPTIONS = ("limits", "allowed_hosts", "allowed_origins", "api_key", "open_metrics",
+                  "allow_control_text",
                   "frontend_workers", "exit_on_engine_death")
 
 

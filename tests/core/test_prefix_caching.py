@@ -490,3 +490,57 @@ def test_staggered_sharing_hits_and_saves_compute():
     assert on.outputs == off.outputs
     assert on.scheduler.stats.num_cached_prompt_tokens == 5 * 20
     assert off.scheduler.stats.num_batched_tokens - on.scheduler.stats.num_batched_tokens == 5 * 20
+
+
+# --- cache salts (vLLM's cache_salt): tenants never share a block ------------------------------------
+def test_two_salts_never_share_a_cached_block():
+    bm = bm4(num_blocks=12)
+    compute(bm, "a", A)                                    # no salt: blocks 0, 1 cached
+    assert bm.computed_blocks(A, "tenant-1") == []         # the same tokens under a salt: no hit
+    hits = bm.computed_blocks(A, "tenant-1")
+    bm.allocate("b", len(A), hits)
+    assert bm.cache_full_blocks("b", A, len(A), "tenant-1") == 2        # its own copies, cached
+    b_blocks = bm.block_table("b")[:2]
+    assert not set(b_blocks) & {0, 1}
+    assert bm.computed_blocks(A, "tenant-1") == b_blocks   # the same salt finds them again
+    assert bm.computed_blocks(A, "tenant-2") == []         # another salt does not
+    assert bm.computed_blocks(A) == [0, 1]                 # nor does no salt find the salted ones
+    first = bm.cache.blocks[b_blocks[0]]
+    assert first.salt == "tenant-1" and first.block_hash == hash_block(prefix_cache.root_hash("tenant-1"),
+                                                                        tuple(A[:4]))
+    assert bm.cache.blocks[b_blocks[1]].salt is None       # deeper blocks: their parent carries it
+    bm.check_integrity()
+
+
+def test_a_salt_collision_is_guarded_like_a_token_collision(monkeypatch):
+    monkeypatch.setattr(prefix_cache, "root_hash", lambda salt: ROOT_HASH)   # every salt hashes alike
+    bm = bm4()
+    compute(bm, "a", A)
+    assert bm.computed_blocks(A, "other") == []            # the stored salt is compared
+
+
+def test_requests_with_different_salts_do_not_share_in_the_same_step_either():
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.core.sequence import Sequence
+
+    sched = Scheduler(ccfg())
+    a, b = seq("a", 10, 2), seq("b", 10, 2)
+    salted = Sequence("c", list(b.prompt_token_ids),
+                      SamplingParams(max_tokens=2, ignore_eos=True, cache_salt="tenant-1"))
+    sched.add(a)
+    sched.add(salted)
+    plan, _ = step(sched)
+    assert rows(plan)[1][2] == 0                           # c computes its whole prompt: nothing shared
+    assert sched.get("c").num_cached_tokens == 0
+    sched.add(b)                                           # no salt, same tokens as a: shares a's blocks
+    step(sched)
+    assert sched.get("b").num_cached_tokens == 8
+    drain_scheduler(sched)
+
+
+def test_cache_salt_must_be_a_non_empty_string():
+    from minicb.core.sampling_params import SamplingParams
+
+    for bad in ("", 5, b"x"):
+        with pytest.raises(InvalidArgument, match="cache_salt"):
+            SamplingParams(cache_salt=bad)

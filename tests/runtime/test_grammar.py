@@ -164,3 +164,19 @@ def test_the_grammar_holds_whatever_the_sampling_knobs_ask(llm, eos):
         assert o.text in choices and o.token_ids[-1] == eos and o.finish_reason == "stop", o.text
     with pytest.raises(InvalidArgument, match="min_tokens"):
         SamplingParams(max_tokens=9, min_tokens=2, structured_outputs=S(choice=choices))
+
+
+def test_a_regex_digit_means_0_to_9_not_any_unicode_digit(llm, eos):
+    """``\\d`` in a regex constraint is ``[0-9]`` (as in OpenAI's, JavaScript's and ``re.ASCII``'s
+    regexes), not Rust's Unicode digit: the first token of "٣" (ARABIC-INDIC THREE) or "𝟕"
+    (MATHEMATICAL BOLD SEVEN) is masked, "7"'s is allowed."""
+    assert grammar.ascii_digits(r"\d+[\d_]\D\\d[^\d]") == r"[0-9]+[0-9_][^0-9]\\d[^0-9]"
+    assert grammar.ascii_digits(r"[]\d]") == r"[]0-9]"
+    tok, v = llm.tokenizer, llm.engine.runner.vocab_size
+    for regex in (r"\d", r"[\d]"):
+        proc = grammar.GrammarProcessor(grammar.new_matcher(S(regex=regex), tok, v, eos), v, eos)
+        allowed = proc.allowed()
+        assert allowed[tok.encode("7")[0]]
+        for digit in ("\u0663", "\U0001d7d5"):
+            assert re.fullmatch(r"\d", digit) and not re.fullmatch(r"\d", digit, re.ASCII)
+            assert not allowed[tok.encode(digit)[0]], (regex, digit)

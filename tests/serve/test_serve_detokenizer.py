@@ -67,3 +67,23 @@ def test_an_engine_without_detokenize_makes_token_ids_only(tmp_path):
     llm.engine.detokenize = False
     got = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert got.token_ids == want.token_ids and got.text == ""
+
+
+def test_the_tokenizers_decode_stream_would_lose_a_split_character_at_the_end(tok):
+    """Why the server keeps the tokenizer's ``IncrementalDecoder`` rather than ``tokenizers``'
+    ``DecodeStream``: over every prefix of a text with 2-, 3- and 4-byte characters, ours always equals
+    ``decode`` (a request may end anywhere); ``DecodeStream`` agrees except where a prefix ends inside a
+    character, whose bytes it never emits."""
+    from tokenizers.decoders import DecodeStream
+
+    ids = tok.encode("héllo 😀 wörld \u0663 ok")
+    differ = []
+    for cut in range(1, len(ids) + 1):
+        want = tok.decode(ids[:cut])
+        assert tok.incremental_decoder().push_many(ids[:cut], final=True) == want
+        stream = DecodeStream(skip_special_tokens=True)
+        theirs = "".join(x for t in ids[:cut] if (x := stream.step(tok._tk, t)) is not None)
+        if theirs != want:
+            assert want == theirs + "\ufffd" * (len(want) - len(theirs)), (theirs, want)
+            differ.append(cut)
+    assert differ and all(tok.decode(ids[:cut]).endswith("\ufffd") for cut in differ)

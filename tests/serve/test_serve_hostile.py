@@ -275,6 +275,49 @@ def test_silent_and_slowloris_connections_are_closed(gguf):
             s.close()
 
 
+def _answer(sock: socket.socket) -> tuple[int, bytes, str | None]:
+    """(status, body, Connection header) of one response read from ``sock`` (nothing more is read)."""
+    r = httpc.HTTPResponse(sock)
+    r.begin()
+    return r.status, r.read(), r.getheader("connection")
+
+
+def test_a_keep_alive_connection_survives_every_refused_request(served):
+    """40 requests on one keep-alive connection: POSTs with a body to an unknown route (404) or with a
+    method the route does not take (405), each answered before its body is even sent (the body follows
+    the answer, the race a real client loses sometimes), alternating with good requests. Every one is
+    answered, on the same connection: a refused request's body is read and dropped, never taken for the
+    next request's head, and the connection is not closed under the client."""
+    url = served[1]
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+    s.settimeout(60)                                                  # a hang guard
+    good = json.dumps({"model": MODEL, "prompt": [5, 6], "max_tokens": 1}).encode()
+    refused = [("POST", "/v1/embeddings", 404), ("POST", "/nope", 404), ("POST", "/v1/models", 405),
+               ("PUT", "/v1/completions", 405)]
+    answered = []
+    try:
+        for i in range(40):
+            if i % 2:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: %d\r\n\r\n" % len(good) + good)
+                status, payload, conn = _answer(s)
+                assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 1, payload
+            else:
+                method, path, want = refused[(i // 2) % len(refused)]
+                body = json.dumps({"model": MODEL, "input": "x" * (i * 50)}).encode()
+                s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode())
+                status, payload, conn = _answer(s)           # answered before its body was sent
+                assert status == want and "error" in json.loads(payload), payload
+                s.sendall(body)                              # the body, late: read and dropped
+            assert conn != "close", (i, status)
+            answered.append(status)
+    finally:
+        s.close()
+    assert len(answered) == 40
+
+
 def test_live_watchers_are_capped(served):
     url = served[1]
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -373,7 +416,21 @@ def test_host_allow_list_cors_and_api_key(gguf):
                            {"Authorization": "Bearer sesame", "Host": "localhost"})
         assert status == 200 and got["usage"]["completion_tokens"] == 1
         r = client(url).models  # the openai client sends its api_key as a bearer token
+        host, port = url.removeprefix("http://").rsplit(":", 1)
         assert health(url)["status"] == "ok"                        # /health needs no key, as vLLM's
+        # what shows other users' activity needs the key too: the live page, its feed, /metrics
+        for path in ("/", "/live/events", "/metrics", "/tokenize"):
+            c = httpc.HTTPConnection(host, int(port), timeout=60)  # a hang guard
+            c.request("GET", path)
+            resp = c.getresponse()
+            got = json.loads(resp.read())
+            assert resp.status == 401 and got["error"]["code"] == "invalid_api_key", (path, got)
+            c.close()
+        c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard
+        c.request("GET", "/metrics", headers={"Authorization": "Bearer sesame"})
+        resp = c.getresponse()
+        assert resp.status == 200 and b"vllm:generation_tokens_total" in resp.read()
+        c.close()
         host, port = url.removeprefix("http://").rsplit(":", 1)
         for origin, allowed in (("http://ok.example", True), ("http://evil.example", False)):
             c = httpc.HTTPConnection(host, int(port), timeout=60)  # a hang guard
@@ -385,6 +442,9 @@ def test_host_allow_list_cors_and_api_key(gguf):
             assert (resp.getheader("access-control-allow-origin") == origin) is allowed, resp.getheaders()
             c.close()
         del r
+    with running_server(gguf, api_key="sesame", open_metrics=True, **SMALL) as (_, url):
+        assert http("GET", url + "/metrics")[0] == 200           # --open-metrics: for a scraper
+        assert http("GET", url + "/live/events")[0] == 401       # the live feed stays keyed
     with running_server(gguf, **SMALL) as (_, url):                   # no --allowed-origins: no CORS at all
         host, port = url.removeprefix("http://").rsplit(":", 1)
         c = httpc.HTTPConnection(host, int(port), timeout=60)      # a hang guard

@@ -120,3 +120,27 @@ def test_a_prompt_list_with_n_numbers_choices_prompt_index_times_n_plus_child(ur
         texts[c["index"]] += c["text"]
     assert [texts[i] for i in range(4)] == [o.text for o in want]
     assert chunks[-1]["usage"] == b["usage"]
+
+
+def test_the_generation_token_counter_counts_every_choice(url):
+    """``vllm:generation_tokens_total`` grows by every choice's tokens: ``n=3`` x 10 tokens is 30 (as the
+    usage says), not one child's 10."""
+    from serve_helpers import metrics
+
+    key = ("vllm:generation_tokens_total", ())
+    before = metrics(url)[key]
+    status, _, got = http("POST", url + "/v1/completions",
+                          {"model": MODEL, "prompt": PROMPT, "n": 3, "seed": 1, **KNOBS, "max_tokens": 10})
+    assert status == 200 and got["usage"]["completion_tokens"] == 30, got
+    assert metrics(url)[key] - before == 30
+
+
+def test_more_prompts_than_the_server_ever_holds_is_a_400_not_a_503(url):
+    """An idle server with 4 slots and --max-waiting 256 can never take 600 prompts at once: a 400 (a
+    503 would have an SDK retry in vain); 260 = 4 + 256 prompts fit."""
+    too_many = {"model": MODEL, "prompt": [[5, 6]] * 600, "max_tokens": 1}
+    status, headers, got = http("POST", url + "/v1/completions", too_many)
+    assert status == 400 and got["error"]["param"] == "prompt" and "--max-waiting" in got["error"]["message"]
+    assert "retry-after" not in headers
+    status, _, got = http("POST", url + "/v1/completions", too_many | {"prompt": [[5, 6]] * 260})
+    assert status == 200 and len(got["choices"]) == 260, got

@@ -117,8 +117,28 @@ def test_chat_renders_the_template_and_takes_the_room_the_prompt_leaves():
     ({"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
     ({"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
     ({"prompt": "x", "guided_json": 7}, "guided_json", "must be a JSON schema"),
-    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats", "not supported"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats", "true or false"),
+    # beam search and the other fields minicb does not implement: each a 400 naming it
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"prompt": "x", "length_penalty": 0.5}, "length_penalty", "not supported"),
+    ({"prompt": "x", "early_stopping": True}, "early_stopping", "not supported"),
+    ({"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds", "not supported"),
+    ({"prompt": "x", "logits_processors": ["m.f"]}, "logits_processors", "not supported"),
+    ({"prompt": "x", "vllm_xargs": {"a": 1}}, "vllm_xargs", "not supported"),
+    ({"prompt": "x", "kv_transfer_params": {"a": 1}}, "kv_transfer_params", "not supported"),
+    ({"prompt": "x", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    ({"prompt": "x", "prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    # vLLM's fields minicb implements: their types checked
+    ({"prompt": "x", "priority": 1.5}, "priority", "must be an integer"),
+    ({"prompt": "x", "priority": 2**63}, "priority", "priority must be in"),
+    ({"prompt": "x", "request_id": 5}, "request_id", "non-empty string"),
+    ({"prompt": "x", "request_id": ""}, "request_id", "non-empty string"),
+    ({"prompt": "x", "request_id": "a" * 257}, "request_id", "at most 256"),
+    ({"prompt": "x", "request_id": "a\nb"}, "request_id", "printable"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt", "non-empty string"),
+    ({"prompt": "x", "cache_salt": 7}, "cache_salt", "non-empty string"),
+    ({"prompt": "x", "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids", "true or false"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(body, param, needle):
     with pytest.raises(ApiError) as e:
@@ -233,6 +253,20 @@ def test_the_defaults_of_the_unimplemented_fields_are_accepted():
                           "skip_special_tokens": True, "guided_json": None, "stream": True,
                           "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
     assert r.generate.params == SamplingParams(max_tokens=16, temperature=1.0) and r.include_usage
+    r = parse_completion({"prompt": "x", "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+                          "logits_processors": [], "vllm_xargs": {}, "cache_salt": None})
+    assert r.generate.params == SamplingParams(max_tokens=16, temperature=1.0) and r.generate.priority == 0
+
+
+def test_vllms_request_fields_reach_the_request():
+    r = parse_completion({"prompt": "x", "stream": True, "priority": -3, "request_id": "my-id",
+                          "cache_salt": "tenant-1", "return_tokens_as_token_ids": True,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.generate.priority == -3 and r.request_id == "my-id" and r.tokens_as_ids
+    assert r.generate.params.cache_salt == "tenant-1" and r.continuous_usage and r.include_usage
+    # continuous_usage_stats without include_usage: no usage at all (vLLM's rule)
+    r = parse_completion({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert not r.continuous_usage and not r.include_usage
 
 
 LIMITS = ServeLimits(max_prompt_chars=100, max_prompt_tokens=50, max_messages=3, max_stop=2,

@@ -148,20 +148,21 @@ class BlockManager:
         return i < len(table) and self.device.ref_counts[table[i]] > 1
 
     # --- prefix caching ----------------------------------------------------------------------------
-    def computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
-        """The longest chain of cached blocks holding a prefix of ``token_ids``, leaving at least the
-        last token to compute (see the module docstring). Changes nothing; [] without caching."""
-        return self.cache.computed_blocks(token_ids, self.block_size) if self.cache is not None else []
+    def computed_blocks(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """The longest chain of cached blocks holding a prefix of ``token_ids`` under the cache ``salt``,
+        leaving the last token to compute (module docstring). Changes nothing; [] without caching."""
+        return self.cache.computed_blocks(token_ids, self.block_size, salt) if self.cache is not None else []
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          salt: str | None = None) -> int:
         """Offer the request's full blocks whose K/V is computed (its first ``num_computed_tokens`` of
-        ``token_ids``) to the prefix cache, each once; return how many entered it."""
+        ``token_ids``; its cache ``salt``) to the prefix cache, each once; return how many entered it."""
         table = self.block_tables.get(request_id)
         if self.cache is None or table is None:
             return 0
         full = min(num_computed_tokens // self.block_size, len(table))
         start = self.num_hashed.get(request_id, 0)
-        added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size)
+        added = self.cache.cache_blocks(table, token_ids, start, full, self.block_size, salt)
         self.num_hashed[request_id] = max(start, full)
         return added
 

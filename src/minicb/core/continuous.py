@@ -165,8 +165,8 @@ class ContinuousPolicy(Policy):
             hits = []
             if self.config.prefix_caching and not seq.wants_prompt_rows:
                 tokens = seq.all_token_ids
-                hits = bm.computed_blocks(tokens)
-                hits += self._same_step_hits(tokens, hits, work)
+                hits = bm.computed_blocks(tokens, seq.params.cache_salt)
+                hits += self._same_step_hits(tokens, hits, work, seq.params.cache_salt)
             cached = len(hits) * bm.block_size
             n = budget.chunk(seq.num_tokens - cached)
             if not n or not bm.can_allocate(seq.request_id, cached + n, hits):
@@ -175,7 +175,8 @@ class ContinuousPolicy(Policy):
             budget.take(n)
             work.scheduled[seq.request_id] = n
 
-    def _same_step_hits(self, tokens: list[int], hits: list[int], work: StepWork) -> list[int]:
+    def _same_step_hits(self, tokens: list[int], hits: list[int], work: StepWork,
+                        salt: str | None = None) -> list[int]:
         """The blocks that continue ``hits`` (the cached head of ``tokens``) with the same tokens, filled
         by a row granted earlier in this step: the longest such run of one row's full blocks, at most
         up to ``tokens``' last full block before its last token (see the module docstring)."""
@@ -183,6 +184,8 @@ class ContinuousPolicy(Policy):
         limit, k0, best = (len(tokens) - 1) // bs, len(hits), []
         for rid, n in work.scheduled.items():
             other = self.running[rid]
+            if other.params.cache_salt != salt:   # another tenant's blocks: never shared
+                continue
             table = bm.block_tables[rid]
             full = min((other.num_computed_tokens + n) // bs, limit, len(table))
             if full <= k0 + len(best) or table[:k0] != hits:

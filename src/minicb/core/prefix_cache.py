@@ -27,6 +27,10 @@ blocks::
 * **Collisions**: each cached block stores its token ids and its parent block. A lookup accepts a
   block only if both match (the parent is the block it matched one level up), so by induction a hit's
   whole prefix equals the request's, whatever the hash function does; a collision only costs a miss.
+* **Salts** (vLLM's ``cache_salt``, ``SamplingParams.cache_salt``): a request's salt starts its chain
+  at a root of its own (``root_hash(salt)``) and is stored with its first cached block, which a lookup
+  compares like the tokens. Two requests with different salts (tenants) never share a cached block,
+  even for equal prompts: nobody can learn from a hit's speed what another tenant's prompt holds.
 * **Free and evict**: a freed cached block keeps its hash and goes to the device pool's LRU list of
   reusable free blocks (``block_pool``; the table's tail first, so a request's last blocks are evicted
   before its first ones). The pool hands out blocks that hold nothing reusable first and only then
@@ -41,6 +45,7 @@ parent is the block before it. This module imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +60,15 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(salt: str | None) -> int:
+    """The "parent hash" of a request's first block: ``ROOT_HASH``, or one of the salt's own (a
+    digest of its text, the same in every process, as ``hash_block``'s are)."""
+    if salt is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 @dataclass(slots=True, frozen=True)
 class CachedBlock:
     """What the prefix cache knows about one cached block."""
@@ -62,6 +76,7 @@ class CachedBlock:
     block_hash: int
     parent: int | None                 # the block holding the previous block_size tokens (None: first)
     token_ids: tuple[int, ...]         # this block's tokens, compared on lookup (collision guard)
+    salt: str | None = None            # a first block's cache salt, compared on lookup like the tokens
 
 
 @dataclass(slots=True)
@@ -75,39 +90,43 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self.blocks
 
-    def hash_of(self, block: int | None) -> int:
-        return ROOT_HASH if block is None else self.blocks[block].block_hash
+    def hash_of(self, block: int | None, salt: str | None = None) -> int:
+        return root_hash(salt) if block is None else self.blocks[block].block_hash
 
-    def lookup(self, parent: int | None, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block that follows ``parent`` (None: at the start) with ``token_ids``, or None."""
-        block = self.by_hash.get(hash_block(self.hash_of(parent), token_ids))
+    def lookup(self, parent: int | None, token_ids: tuple[int, ...], salt: str | None = None) -> int | None:
+        """The cached block that follows ``parent`` (None: at the start, under ``salt``) with
+        ``token_ids``, or None."""
+        block = self.by_hash.get(hash_block(self.hash_of(parent, salt), token_ids))
         if block is None:
             return None
         rec = self.blocks[block]
-        if rec.parent != parent or rec.token_ids != token_ids:
+        if rec.parent != parent or rec.token_ids != token_ids or (parent is None and rec.salt != salt):
             return None                            # a hash collision: not our prefix
         return block
 
-    def insert(self, block: int, parent: int | None, token_ids: tuple[int, ...]) -> bool:
-        """Cache ``block`` (full and computed) after ``parent``; False if it cannot be: already cached,
-        its parent is not cached, or its hash is taken (the same prefix cached already, or a collision)."""
+    def insert(self, block: int, parent: int | None, token_ids: tuple[int, ...],
+               salt: str | None = None) -> bool:
+        """Cache ``block`` (full and computed) after ``parent`` (None: first, under ``salt``); False if it
+        cannot be: already cached, its parent is not cached, or its hash is taken (the same prefix
+        cached already, or a collision)."""
         if block in self.blocks or (parent is not None and parent not in self.blocks):
             return False
-        h = hash_block(self.hash_of(parent), token_ids)
+        h = hash_block(self.hash_of(parent, salt), token_ids)
         if h in self.by_hash:
             return False
         self.by_hash[h] = block
-        self.blocks[block] = CachedBlock(h, parent, token_ids)
+        self.blocks[block] = CachedBlock(h, parent, token_ids, salt if parent is None else None)
         if parent is not None:
             self.num_children[parent] += 1
         return True
 
-    def computed_blocks(self, token_ids: Sequence[int], block_size: int) -> list[int]:
-        """The longest chain of cached blocks holding a prefix of ``token_ids``, leaving at least the
-        last token to compute (see the module docstring). Changes nothing."""
+    def computed_blocks(self, token_ids: Sequence[int], block_size: int,
+                        salt: str | None = None) -> list[int]:
+        """The longest chain of cached blocks holding a prefix of ``token_ids`` under ``salt``, leaving
+        at least the last token to compute (see the module docstring). Changes nothing."""
         bs, hits, parent = block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
-            block = self.lookup(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block = self.lookup(parent, tuple(token_ids[i * bs:(i + 1) * bs]), salt)
             if block is None:
                 break
             hits.append(block)
@@ -115,14 +134,14 @@ class PrefixCache:
         return hits
 
     def cache_blocks(self, table: Sequence[int], token_ids: Sequence[int], start: int, stop: int,
-                     block_size: int) -> int:
-        """Offer ``table[start:stop]``, full blocks of one request holding ``token_ids``, in order;
-        return how many entered the cache."""
+                     block_size: int, salt: str | None = None) -> int:
+        """Offer ``table[start:stop]``, full blocks of one request holding ``token_ids`` (its cache
+        ``salt``), in order; return how many entered the cache."""
         bs, added = block_size, 0
         for i in range(start, stop):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             assert len(tokens) == bs, f"cache_blocks needs the tokens of block {i}"
-            added += self.insert(table[i], table[i - 1] if i else None, tokens)
+            added += self.insert(table[i], table[i - 1] if i else None, tokens, salt)
         return added
 
     def clear(self) -> None:

@@ -82,6 +82,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    cache_salt: str | None = None        # vLLM's: requests share prefix-cache blocks only with equal salts
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -122,6 +123,8 @@ class SamplingParams:
             raise InvalidArgument("bad_words must be a list of strings")
         set_(self, "bad_words", tuple(self.bad_words))
         set_(self, "n", _int64("n", self.n, lo=1))
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidArgument(f"cache_salt must be a non-empty string, got {describe(self.cache_salt)}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidArgument("structured_outputs must be a StructuredOutputsParams, got "

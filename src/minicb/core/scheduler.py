@@ -197,7 +197,8 @@ class Scheduler:
             if s.prompt_targets:
                 seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, s.start_pos + len(s.prompt_targets))
             if caching and seq.num_computed_tokens // bm.block_size > bm.num_hashed.get(s.request_id, 0):
-                bm.cache_full_blocks(s.request_id, seq.all_token_ids, seq.num_computed_tokens)  # offer them
+                bm.cache_full_blocks(s.request_id, seq.all_token_ids, seq.num_computed_tokens,
+                                     seq.params.cache_salt)                 # offer the full blocks
             if not s.sample:
                 continue
             done = seq.append_token(int(sampled[s.request_id]), now)
@@ -240,8 +241,7 @@ class Scheduler:
 
     # --- the policy's moves (the only writes to the queues besides add / update / abort) ------------
     def admit(self, seq: Sequence, num_tokens: int, hits=(), cached: int = 0) -> None:
-        """The waiting ``seq`` runs: blocks for its first ``num_tokens`` positions (starting with the
-        prefix-cache ``hits``, ``cached`` tokens), a slot, and the end of the running dict."""
+        """The waiting ``seq`` runs: blocks for ``num_tokens`` positions (first the cache's ``hits``)."""
         self.waiting.remove(seq)              # the front (fcfs): O(1)
         self.block_manager.allocate(seq.request_id, num_tokens, hits)
         self.stats.count_admission(seq.num_prompt_tokens, cached, first=seq.admitted_index < 0)

@@ -56,6 +56,40 @@ CACHE_SIZE = 256                  # compiled constraints kept (an LRU: a new sch
 # max_tokens; unimplemented schema keywords are ignored rather than refused (pydantic adds some).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
+def ascii_digits(regex: str) -> str:
+    """``regex`` with ``\\d`` meaning ``[0-9]`` (and ``\\D`` ``[^0-9]``), as in Python's ``re`` with
+    ASCII, JavaScript and OpenAI's regex constraints. llguidance's regexes are Rust's, where ``\\d`` is
+    any Unicode digit: a model constrained to digits wrote "segmented digit" characters (U+1FBF0..).
+    An escaped backslash stays as it is; inside a class ``[\\d_]`` becomes ``[0-9_]``."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            if nxt == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif nxt == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(c + nxt)
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            i += 1
+            for lead in ("^", "]"):             # "[]..." and "[^]...": that "]" is a literal
+                if regex.startswith(lead, i):
+                    out.append(lead)
+                    i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The constraint as an llguidance grammar definition (not yet checked: ``compiled`` does that)."""
     import llguidance
@@ -67,7 +101,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if kind == "json":
         return LLMatcher.grammar_from_json_schema(spec.json, overrides=JSON_OPTIONS)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_regex(ascii_digits(spec.regex))
     if kind == "choice":
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     try:                                   # Lark, or GBNF (llguidance converts it)

@@ -54,9 +54,9 @@ from minicb.entrypoints.serve.extra_routes import extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
-from minicb.entrypoints.serve.protocol import ApiError
+from minicb.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from minicb.entrypoints.serve.stops import StopMatcher
-from minicb.entrypoints.serve.tools import parse_calls
+from minicb.entrypoints.serve.tools import parse_calls, unwrapped
 
 log = logging.getLogger("minicb.entrypoints.serve")
 
@@ -146,18 +146,25 @@ def build_app(server: Server) -> FastAPI:
                                             "created": server.created, "owned_by": "minicb",
                                             "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("completion", raw))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         raw = await read_body(request, server.limits)
         return await generate(server, request, await server.frontend.prepare("chat", raw))
 
     app.include_router(extra_routes(server, read_body))   # /tokenize, /detokenize, /version, /ping, ...
     return app
+
+
+def _body_schema(model) -> dict:
+    """A route's request body for /openapi.json: the pydantic model's JSON schema (the body itself is
+    read raw and checked in a worker process, ``protocol.py``)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 def _health(engine) -> dict:
@@ -220,9 +227,12 @@ async def generate(server: Server, request: Request, prepared: Prepared):
     prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
     params = parsed.generate.params
     check_choices(params.n, server.engine_thread.engine.config.max_n)
+    check_prompt_count(len(prepared.requests), server.engine_thread)
     handles = []
-    for ids, stops in prepared.requests:      # each prompt: its own request, decoder and stop strings
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+    base = f"{prefix}-{parsed.request_id or uuid.uuid4().hex}"     # the response's id
+    several = len(prepared.requests) > 1
+    for k, (ids, stops) in enumerate(prepared.requests):  # each prompt: its own request, decoder, stops
+        rid = f"{base}-{k}" if several else base
         # n > 1: each choice its own decoder and stop strings (a stop ends that choice only)
         text = _request_text(server, params, rid, stops) if params.n == 1 else \
             [_request_text(server, params, rid, StopMatcher(stops.stops, stops.include), i)
@@ -248,10 +258,20 @@ async def generate(server: Server, request: Request, prepared: Prepared):
         abort_all()
         raise refused
     assert all(isinstance(v, Accepted) for v in verdicts)
-    answer = _Answer(server, parsed, handles, verdicts)
+    answer = _Answer(server, parsed, handles, verdicts, base)
     if parsed.stream:
         return EventStream(answer.stream(), abort_all)
     return await answer.whole(request, abort_all)
+
+
+def check_prompt_count(num_prompts: int, engine_thread) -> None:
+    """More prompts in one body than the server could ever hold at once (its slots and
+    ``--max-waiting``): a 400, since no retry can succeed (a 503 would have SDKs retry in vain)."""
+    room = engine_thread.engine.config.max_num_seqs + engine_thread.max_waiting
+    if num_prompts > room:
+        raise ApiError(400, f"the request holds {num_prompts:,} prompts; this server holds at most {room:,} "
+                            f"requests at once (max_num_seqs + --max-waiting {engine_thread.max_waiting}): "
+                            "send them in several requests", "invalid_request_error", "prompt")
 
 
 def _request_text(server: Server, params, rid: str, stops: StopMatcher,
@@ -259,8 +279,10 @@ def _request_text(server: Server, params, rid: str, stops: StopMatcher,
     """The loop's decoder and stop strings of request ``rid`` (or of its choice ``index``)."""
     decoder = (server.tokenizer.incremental_decoder(params.skip_special_tokens)
                if server.tokenizer is not None else None)
+    eos = server.engine_thread.engine.eos_token_id
+    stop_ids = frozenset(params.stop_token_ids) - ({eos} if not params.ignore_eos else set())
     return RequestText(decoder, stops, functools.partial(server.engine_thread.abort, rid, "stop", index),
-                       params.min_tokens)
+                       params.min_tokens, stop_ids)
 
 
 class EventStream(StreamingResponse):
@@ -300,8 +322,10 @@ class _Answer:
 
     N = 1       # choices per prompt (``n``: set per request)
 
-    def __init__(self, server: Server, parsed, handles: list[RequestHandle], accepted: list[Accepted]):
+    def __init__(self, server: Server, parsed, handles: list[RequestHandle], accepted: list[Accepted],
+                 response_id: str):
         self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
+        self.response_id = response_id
         self.chat = parsed.kind == "chat"
         self.created = int(time.time())
         self.tokenizer = server.tokenizer
@@ -315,14 +339,20 @@ class _Answer:
         done = sum(d.num_output_tokens for _, d in finals)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
+    def _usage_so_far(self, i: int, d: Delta | None) -> dict:
+        """stream_options.continuous_usage_stats: prompt ``i``'s tokens and this choice's so far."""
+        prompt = len(self.accepted[i].prompt_token_ids)
+        done = d.num_output_tokens if d is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     def _envelope(self, obj: str) -> dict:
-        env = {"id": self.handles[0].request_id, "object": obj, "created": self.created,
+        env = {"id": self.response_id, "object": obj, "created": self.created,
                "model": self.server.model_name}
         return env
 
     # --- echo and logprobs ------------------------------------------------------------------------
     def _name(self, token_id: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.parsed.tokens_as_ids:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -339,13 +369,14 @@ class _Answer:
         if k is None:
             return None
         ids, entries = list(d.token_ids), list(d.logprobs or [])
+        as_ids = self.parsed.tokens_as_ids
         if self.chat:
-            return logprob_format.chat_logprobs(ids, entries, k)
+            return logprob_format.chat_logprobs(ids, entries, k, as_ids)
         if first and self.parsed.echo:
             prompt = self.accepted[i].prompt_token_ids
             scored = d.prompt_logprobs or prompt_scores or [None] * len(prompt)
             ids, entries = prompt + ids, scored + entries
-        fmt = state.setdefault("fmt", logprob_format.CompletionLogprobs(k))
+        fmt = state.setdefault("fmt", logprob_format.CompletionLogprobs(k, as_ids))
         return fmt.add(ids, entries, self._name)
 
     def _prompt_logprobs(self, d: Delta):
@@ -368,14 +399,17 @@ class _Answer:
             if d is not None and d.prompt_logprobs:
                 prompt_scores[i] = d.prompt_logprobs
             logprobs = self._choice_logprobs(i, st, d, first, prompt_scores.get(i)) if d is not None else None
+            stop_reason = d.stop_reason if d is not None and reason is not None else None
             if self.chat:
                 delta = {"role": "assistant", "content": text or ""} if first else \
                     ({"content": text} if text else {})
-                choice = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                choice = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": stop_reason}
             else:
                 if first and p.echo:
                     text = self._echo_text(i) + (text or "")
-                choice = {"index": j, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+                choice = {"index": j, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
+                          "stop_reason": stop_reason}
             if p.return_token_ids:
                 choice["token_ids"] = ids
             body = {**self._envelope(obj), "choices": [choice]}
@@ -386,7 +420,7 @@ class _Answer:
             elif d is not None and self._prompt_logprobs(d) is not None:
                 body["prompt_logprobs"] = self._prompt_logprobs(d)
             if p.include_usage:
-                body["usage"] = None
+                body["usage"] = self._usage_so_far(i, d) if p.continuous_usage else None
             st["first"] = False
             return _sse(body)
 
@@ -422,7 +456,7 @@ class _Answer:
                     whole = _joined(held[j] + [d])
                     calls = parse_calls(whole.text)
                     if calls is None:
-                        yield chunk(i, c, whole.text, whole, d.finish_reason)
+                        yield chunk(i, c, unwrapped(whole.text), whole, d.finish_reason)
                         continue
                     content, tool_calls = calls
                     delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
@@ -430,11 +464,13 @@ class _Answer:
                         delta["content"] = content
                     choice = {"index": j, "delta": delta,
                               "logprobs": self._choice_logprobs(i, states[j], whole, states[j]["first"]),
-                              "finish_reason": "tool_calls" if d.finish_reason == "stop" else d.finish_reason}
+                              "finish_reason": "tool_calls" if d.finish_reason == "stop" else d.finish_reason,
+                              "stop_reason": d.stop_reason}
                     if p.return_token_ids:
                         choice["token_ids"] = whole.token_ids
+                    usage = self._usage_so_far(i, d) if p.continuous_usage else None
                     yield _sse({**self._envelope(obj), "choices": [choice]}
-                               | ({"usage": None} if p.include_usage else {}))
+                               | ({"usage": usage} if p.include_usage else {}))
                 elif d.finished:
                     finals.append((i, d))
                     yield chunk(i, c, d.text, d, d.finish_reason)
@@ -488,8 +524,11 @@ class _Answer:
                 else:
                     echo = self._echo_text(i) if self.parsed.echo else ""
                     choice = {"index": self.index(i, c), "text": echo + text}
-                choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason}
+                choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason,
+                           "stop_reason": d.stop_reason}
                 calls = parse_calls(text) if self.chat and self.parsed.tools is not None else None
+                if calls is None and self.chat and self.parsed.tools is not None:
+                    choice["message"]["content"] = unwrapped(text)    # a call cut short: its text only
                 if calls is not None:          # the model called tools: OpenAI's tool_calls message
                     content, tool_calls = calls
                     choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
@@ -529,7 +568,8 @@ def _joined(deltas: list[Delta]) -> Delta:
         [e for x in deltas for e in x.logprobs or []]
     return Delta("".join(x.text for x in deltas), [t for x in deltas for t in x.token_ids],
                  d.num_prompt_tokens, d.num_output_tokens, d.finished, d.finish_reason, d.error, d.failure,
-                 logprobs, next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None), d.index)
+                 logprobs, next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None), d.index,
+                 d.stop_reason)
 
 
 async def _disconnect(request: Request) -> None:

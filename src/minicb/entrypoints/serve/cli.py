@@ -40,6 +40,9 @@ def add_parser(sub, add_engine_args) -> None:
                    help="refuse new requests with 503 + Retry-After while this many wait (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C: seconds running requests get to finish (default 30)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs (default): arrival order; priority: a request's 'priority' field orders it "
+                        "(lower first, as vLLM; without it the field is a 400)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's name)")
     p.add_argument("--seed", type=int, default=None, help="the engine's seed for unseeded sampling")
@@ -88,8 +91,11 @@ def add_parser(sub, add_engine_args) -> None:
     sec.add_argument("--allowed-origins", default="", metavar="O1,O2",
                      help="CORS: origins whose pages may call the API ('*' = any; default none, as vLLM)")
     sec.add_argument("--api-key", default=os.environ.get("MINICB_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); default "
-                          "$MINICB_API_KEY, else none")
+                     help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, the live "
+                          "page and its feed and /metrics (401 otherwise); default $MINICB_API_KEY, "
+                          "else none")
+    sec.add_argument("--open-metrics", action="store_true",
+                     help="with --api-key: leave /metrics open (a Prometheus scraper without the key)")
     sec.add_argument("--allow-control-text", action="store_true",
                      help="pass chat message text that contains control tokens (<|im_start|>) to the "
                           "template; default: refuse it with 400 (a user could forge a system turn)")
@@ -168,6 +174,7 @@ def _serve(args, sock) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+              scheduling_policy=args.scheduling_policy,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
               attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
@@ -179,7 +186,8 @@ def _serve(args, sock) -> int:
                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                         limits=limits_from(args), allowed_hosts=_hosts(args.allowed_hosts),
                         allowed_origins=_hosts(args.allowed_origins) or (), api_key=args.api_key or None,
-                        allow_control_text=args.allow_control_text, frontend_workers=args.frontend_workers)
+                        open_metrics=args.open_metrics, allow_control_text=args.allow_control_text,
+                        frontend_workers=args.frontend_workers)
         url = base_url(sock)
         print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
               flush=True)

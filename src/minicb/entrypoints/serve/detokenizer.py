@@ -17,11 +17,20 @@ constant time per character and stop string (``StopMatcher``; at most ``--max-st
 Per step that is at most one token per running request: microseconds, the same order as writing its
 SSE chunk. Nothing here grows with a prompt.
 
+Why not ``tokenizers``' own ``DecodeStream``: it holds back a token that ends inside a UTF-8
+character until the character completes, and a request that *ends* there loses those bytes (with the
+tiny test tokenizer, ``"h" + the first byte of "é"`` streams as ``"h"`` where ``decode`` gives
+``"h\ufffd"``), which breaks the contract below; the tokenizer's ``IncrementalDecoder`` flushes them
+as U+FFFD, as ``decode`` does, and is one table lookup per token for byte-level BPE
+(``tests/serve/test_serve_detokenizer.py`` compares them).
+
 The consistency contract of ``docs/errors.md`` holds for what a client receives: the token ids it
 is sent concatenate to the final ``token_ids``, and a request that ends without a stop string has
 ``text == tokenizer.decode(token_ids)`` (the decoder is flushed at the end, the held-back text is
-released). A stop string cuts the text right before it; the token ids are those up to the token that
-completed it, and whatever the engine made after that (the step that was already running when the
+released), less the last token's text when one of ``stop_token_ids`` ended it (vLLM's rule, unless
+``include_stop_str_in_output``; the choice's ``stop_reason`` is then that id). A stop string cuts the
+text right before it; the token ids are those up to the token that completed it, and whatever the
+engine made after that (the step that was already running when the
 abort arrived) is dropped, never sent.
 """
 
@@ -37,15 +46,17 @@ class RequestText:
     """One request's decoder and stop strings; ``push`` turns the engine thread's token-only ``Delta``
     into the ``Delta`` a client is sent (``None``: nothing more is sent for this request)."""
 
-    __slots__ = ("decoder", "stops", "abort", "done", "num_output_tokens", "min_tokens")
+    __slots__ = ("decoder", "stops", "abort", "done", "num_output_tokens", "min_tokens", "stop_ids")
 
-    def __init__(self, decoder, stops: StopMatcher, abort: Callable[[], None], min_tokens: int = 0) -> None:
+    def __init__(self, decoder, stops: StopMatcher, abort: Callable[[], None], min_tokens: int = 0,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         self.decoder = decoder                # the tokenizer's IncrementalDecoder, or None (ids only)
         self.stops = stops
         self.abort = abort                    # ends the request on the engine thread ("stop")
         self.done = False                     # the last Delta went out (a stop, or the engine's end)
         self.num_output_tokens = 0
         self.min_tokens = min_tokens          # vLLM's min_tokens: no stop string ends it before that many
+        self.stop_ids = stop_ids              # stop_token_ids (less EOS, when EOS ends it): their text is cut
 
     def push(self, d):
         """``d`` is an ``engine_thread.Delta`` without text; returns it with its text, or None."""
@@ -54,7 +65,12 @@ class RequestText:
         if d.finished:
             self.done = True
         clean = d.failure is None and d.finish_reason in ("stop", "length")
-        text = "" if self.decoder is None else self.decoder.push_many(d.token_ids, final=d.finished)
+        ids, stop_reason = d.token_ids, None
+        if d.finished and d.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            stop_reason = ids[-1]             # a stop token id ended it: vLLM leaves its text out
+            if not self.stops.include:        # (unless include_stop_str_in_output); the id stays
+                ids = ids[:-1]
+        text = "" if self.decoder is None else self.decoder.push_many(ids, final=d.finished)
         self.num_output_tokens += len(d.token_ids)
         sent = self.stops.push(text, self.num_output_tokens >= self.min_tokens)
         if self.stops.stopped:
@@ -62,7 +78,8 @@ class RequestText:
                 self.done = True
                 self.abort()
             return dataclasses.replace(d, text=sent, finished=True, finish_reason="stop", error=None,
-                                       failure=None, num_output_tokens=self.num_output_tokens)
+                                       failure=None, num_output_tokens=self.num_output_tokens,
+                                       stop_reason=self.stops.matched)
         if d.finished and clean:              # no stop string appeared: the held-back text is text
             sent += self.stops.flush()
-        return dataclasses.replace(d, text=sent)
+        return dataclasses.replace(d, text=sent, stop_reason=stop_reason)

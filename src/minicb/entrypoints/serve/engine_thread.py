@@ -96,6 +96,7 @@ class Delta:
     logprobs: list | None = None          # one {token_id: Logprob} per token of token_ids (if asked for)
     prompt_logprobs: list | None = None   # the prompt's, once (on the first Delta that has them)
     index: int = 0                        # which of the request's n choices (parallel sampling)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (the loop's)
 
 
 @dataclass(slots=True, eq=False)
@@ -321,9 +322,14 @@ class EngineThread:
             ids = req.prompt
             params = req.params
             check_choices(params.n, self.engine.config.max_n)
+            if req.priority and self.engine.config.scheduling_policy != "priority":
+                raise bad_request(f"priority {req.priority} needs priority scheduling; this server schedules "
+                                  f"{self.engine.config.scheduling_policy} (--scheduling-policy priority)",
+                                  "priority")
             if req.max_tokens_from_room:
                 params = dataclasses.replace(params, max_tokens=self._room(len(ids)))
-            self.engine.add_request(handle.request_id, ids, params, arrival_time=handle.arrival_time)
+            self.engine.add_request(handle.request_id, ids, params, arrival_time=handle.arrival_time,
+                                    priority=req.priority)
             self._admit[0] += 1
         except ApiError as e:
             self._send(handle, e)
@@ -332,7 +338,8 @@ class EngineThread:
             self._send(handle, bad_request(str(e), "prompt", "context_length_exceeded"))
             return
         except InvalidArgument as e:       # the prompt, or a knob only the engine can judge
-            knob = next((k for k in ("logit_bias", "bad_words", "min_tokens") if str(e).startswith(k)), None)
+            knob = next((k for k in ("logit_bias", "bad_words", "min_tokens", "request_id")
+                         if str(e).startswith(k)), None)
             self._send(handle, bad_request(str(e), knob or "prompt"))
             return
         except Exception:   # noqa: BLE001 - a bug must cost this request only, and never show a traceback

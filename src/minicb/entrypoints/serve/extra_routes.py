@@ -70,7 +70,8 @@ def extra_routes(server, read_body) -> APIRouter:
     async def version():
         return {"version": minicb.__version__}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.get("/ping", operation_id="ping_get")
+    @router.post("/ping", operation_id="ping_post")
     async def ping():
         await engine_answers(server)
         return Response(status_code=200)

@@ -20,10 +20,15 @@ A server on a shared machine is reachable by more than its operator:
   ``vllm serve --allowed-origins`` does (Starlette's ``CORSMiddleware``).
 * **Other users.** ``--api-key KEY`` (or ``MINICB_API_KEY``) makes every ``/v1/*`` request need
   ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time), as ``vllm serve
-  --api-key``, and so do ``/tokenize`` and ``/detokenize``; ``/health``, ``/ping``, ``/version``,
-  ``/metrics`` and the live page stay open, as vLLM's do.
+  --api-key``, and so do ``/tokenize`` and ``/detokenize``, the live page (``/``) and its feed
+  (``/live/events``: other users' request ids and every step) and ``/metrics`` (unless
+  ``--open-metrics`` opens it for a scraper without the key); ``/health``, ``/ping`` and ``/version``
+  stay open.
 
-Every refusal is OpenAI's error object.
+Every refusal is OpenAI's error object. That is why the Host check is not Starlette's
+``TrustedHostMiddleware``: its refusal is a plain-text ``Invalid host header`` (no ``code`` a client can
+act on, no flag named), and it redirects to ``www.`` names by default; the check itself is the few
+lines of ``Guard.__call__``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import ipaddress
 import json
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})     # outside /v1/, and keyed too (extra_routes.py)
+# outside /v1/ and keyed too: extra_routes.py's, and what shows other users' activity
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/", "/live/events", "/metrics"})
 
 
 def default_allowed_hosts(bound_host: str) -> tuple[str, ...]:
@@ -59,8 +65,9 @@ class Guard:
     """ASGI middleware: the Host allow-list, then (``/v1/*``) the API key, around ``app``."""
 
     def __init__(self, app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None,
-                 max_header_bytes: int | None = None) -> None:
+                 max_header_bytes: int | None = None, open_metrics: bool = False) -> None:
         self.app = app
+        self.keyed = KEYED_PATHS - {"/metrics"} if open_metrics else KEYED_PATHS
         self.max_header_bytes = max_header_bytes
         self.allowed = None if allowed_hosts is None or "*" in allowed_hosts else \
             frozenset(host_name(h) for h in allowed_hosts)
@@ -85,7 +92,7 @@ class Guard:
                                                 "server does not answer to (--allowed-hosts)",
                                      "invalid_host")
         path = scope.get("path", "")
-        guarded = (path.startswith("/v1/") or path in KEYED_PATHS) and scope.get("method") != "OPTIONS"
+        guarded = (path.startswith("/v1/") or path in self.keyed) and scope.get("method") != "OPTIONS"
         if self._key is not None and guarded:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):
@@ -105,10 +112,11 @@ async def _refuse(send, status: int, message: str, code: str, extra: dict | None
 
 
 def wrap(app, *, allowed_hosts: tuple[str, ...] | None, api_key: str | None,
-         allowed_origins: tuple[str, ...] = (), max_header_bytes: int | None = None):
+         allowed_origins: tuple[str, ...] = (), max_header_bytes: int | None = None,
+         open_metrics: bool = False):
     """``app`` behind the head size, the Host check, CORS (when ``allowed_origins``) and the API key,
     in that order."""
-    inner = Guard(app, allowed_hosts=None, api_key=api_key)
+    inner = Guard(app, allowed_hosts=None, api_key=api_key, open_metrics=open_metrics)
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 

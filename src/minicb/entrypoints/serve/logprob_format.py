@@ -27,8 +27,10 @@ def number(x: float) -> float:
     return x if x > MIN_LOGPROB else MIN_LOGPROB
 
 
-def text(token_id: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+def text(token_id: int, lp: Logprob, as_id: bool = False) -> str:
+    """A token's text in an answer: its decode, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``,
+    or a token without text)."""
+    return lp.decoded_token if lp.decoded_token is not None and not as_id else f"token_id:{token_id}"
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -39,8 +41,9 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 class CompletionLogprobs:
     """Builds completions' ``logprobs`` object chunk by chunk (``text_offset`` runs on across chunks)."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, as_ids: bool = False) -> None:
         self.k = k
+        self.as_ids = as_ids      # return_tokens_as_token_ids
         self.offset = 0
 
     def add(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], names=None) -> dict:
@@ -52,9 +55,9 @@ class CompletionLogprobs:
                 name = names(tid) if names is not None else f"token_id:{tid}"
                 lp, top = None, None
             else:
-                name = text(tid, entry[tid])
+                name = text(tid, entry[tid], self.as_ids)
                 lp = number(entry[tid].logprob)
-                top = {text(t, e): number(e.logprob) for t, e in entry.items()
+                top = {text(t, e, self.as_ids): number(e.logprob) for t, e in entry.items()
                        if t == tid or e.rank <= self.k}
             out["tokens"].append(name)
             out["token_logprobs"].append(lp)
@@ -64,10 +67,11 @@ class CompletionLogprobs:
         return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
+                  as_ids: bool = False) -> dict:
     """Chat's ``logprobs`` object for ``token_ids`` (each scored by its entry)."""
     def one(t: int, lp: Logprob) -> dict:
-        name = text(t, lp)
+        name = text(t, lp, as_ids)
         return {"token": name, "logprob": number(lp.logprob), "bytes": list(name.encode("utf-8", "replace"))}
 
     return {"content": [one(t, e[t]) | {"top_logprobs": [one(u, x) for u, x in _top(e, k)]}

@@ -162,8 +162,9 @@ class ServerMetrics:
 
     # --- from the outputs ---------------------------------------------------------------------------
     def observe_tokens(self, out: RequestOutput, first: bool) -> None:
-        """A step's output of one request: its new tokens (``first``: the request's first ones)."""
-        k = len(out.new_token_ids)
+        """A step's output of one request: its new tokens, every choice's (``n > 1``: each child's count,
+        as vLLM counts each of them), ``first``: the request's first ones."""
+        k = sum(len(c.new_token_ids) for c in out.outputs) if len(out.outputs) > 1 else len(out.new_token_ids)
         if not k:
             return
         self.generation_tokens.inc(k)

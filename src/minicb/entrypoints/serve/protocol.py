@@ -40,29 +40,43 @@ Field by field (vLLM's choices where OpenAI leaves room):
   ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
   string stays in the text) and ``skip_special_tokens`` (default true).
 * ``n`` choices (parallel sampling) up to the engine's ``max_n``. ``best_of``, chat's ``echo``, vLLM's
-  ``spaces_between_special_tokens``, ``allowed_token_ids`` and ``stream_options.continuous_usage_stats``,
-  and the chat fields that would change the rendered prompt (``add_generation_prompt: false``,
+  ``spaces_between_special_tokens``, ``allowed_token_ids``, beam search (``use_beam_search``,
+  ``length_penalty``, ``early_stopping``), ``prompt_embeds``, ``logits_processors``, ``vllm_xargs``,
+  ``kv_transfer_params``, ``guided_whitespace_pattern``, OpenAI's ``prediction`` / ``audio`` and the chat
+  fields that would change the rendered prompt (``add_generation_prompt: false``,
   ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, ``mm_processor_kwargs``,
   ``documents``): a clear 400 naming the field
   rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
   are ignored (clients send extras).
+* The scalar fields (numbers, flags, strings) are one pydantic model, ``Fields``, built from the
+  ``RANGES`` table: each field's type and range in one place, strict (no ``"5"`` for 5, no ``true``
+  for 1), its JSON schema (with the bodies' other fields: ``CompletionRequest``,
+  ``ChatCompletionRequest``) at ``/openapi.json``; ``_message`` words pydantic's first error as
+  minicb's 400. What depends on the server's flags (list lengths, characters) is checked by hand.
 * Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
   1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
 * The cost bounds of ``limits.py`` (prompt characters and ids, messages, stop strings) are checked
   here, before the chat template or the tokenizer runs; ``chat`` refuses message text that contains
   the model's control tokens (``<|im_start|>``) unless the server allows it (``--allow-control-text``):
   rendered by the template, such text would become real control tokens (a user forging a system turn).
+* vLLM's request fields: ``stream_options.continuous_usage_stats`` (with ``include_usage``: every chunk
+  carries the usage so far, its choice's completion tokens), ``return_tokens_as_token_ids`` (the
+  logprobs' tokens are ``"token_id:N"``), ``request_id`` (the response's id is ``cmpl-`` /
+  ``chatcmpl-`` + it), ``priority`` (lower is more important; a 400 unless the server runs
+  ``--scheduling-policy priority``, as vLLM), ``cache_salt`` (prefix-cache blocks are shared only
+  between requests of one salt). Every choice carries vLLM's ``stop_reason``: the stop string or stop
+  token id that ended it, else ``null``.
 * ``return_token_ids`` (vLLM's extension): the response carries ``prompt_token_ids`` and each
   choice its ``token_ids``; the tests use it to compare with ``LLM.generate`` token for token.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import ConfigDict, Field, ValidationError, create_model
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
 from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
@@ -84,6 +98,7 @@ class GenerateRequest:
     params: SamplingParams
     stops: tuple[str, ...] = ()
     max_tokens_from_room: bool = False
+    priority: int = 0                 # vLLM's: lower is more important (--scheduling-policy priority only)
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,6 +117,9 @@ class ParsedRequest:
     echo: bool = False                # completions: return the prompt before the completion
     logprobs: int | None = None       # top logprobs per token in the answer (None: no logprobs field)
     prompt_logprobs: int | None = None   # vLLM's ``prompt_logprobs`` asked for (None: not in the answer)
+    continuous_usage: bool = False    # stream_options.continuous_usage_stats: usage in every chunk
+    tokens_as_ids: bool = False       # vLLM's return_tokens_as_token_ids: logprobs' tokens "token_id:N"
+    request_id: str | None = None     # vLLM's request_id: the response's id ("cmpl-" + it)
 
 
 # fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
@@ -112,6 +130,11 @@ _UNSUPPORTED = {
     "spaces_between_special_tokens": (None, True), "guided_decoding_backend": (None,),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
+    # beam search (vLLM's): not implemented, and n > 1 would otherwise return n sampled texts
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "early_stopping": (None, False),
+    "prompt_embeds": (None,), "logits_processors": (None, []), "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None, {}), "guided_whitespace_pattern": (None,),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
 # chat fields of vLLM's that change the rendered prompt: refused unless they ask for what minicb does
 _UNSUPPORTED_CHAT = {
@@ -119,7 +142,7 @@ _UNSUPPORTED_CHAT = {
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
 }
-_UNSUPPORTED_STREAM_OPTIONS = {"continuous_usage_stats": (None, False)}
+MAX_REQUEST_ID_CHARS = 256
 
 
 def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
@@ -173,12 +196,109 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
                               prefix + name)
 
 
+# --- the scalar fields: types and ranges in one place (pydantic), shown at /openapi.json -------------
+# name: (type, low, high, low excluded). Floats accept JSON integers, never booleans; NaN is in no range.
+RANGES: dict[str, tuple[type, float | None, float | None, bool]] = {
+    "max_tokens": (int, 1, MAX_INT, False), "temperature": (float, 0.0, 2.0, False),
+    "top_p": (float, 0.0, 1.0, True), "top_k": (int, -1, MAX_INT, False), "seed": (int, 0, MAX_INT, False),
+    "presence_penalty": (float, -2.0, 2.0, False), "frequency_penalty": (float, -2.0, 2.0, False),
+    "repetition_penalty": (float, 0.0, None, True), "min_p": (float, 0.0, 1.0, False),
+    "min_tokens": (int, 0, MAX_INT, False), "n": (int, 1, MAX_INT, False),
+    "priority": (int, -MAX_INT - 1, MAX_INT, False),
+}
+_FLAGS = ("stream", "echo", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+          "return_token_ids", "return_tokens_as_token_ids")
+
+
+def _ranged(kind: type, lo, hi, lo_open: bool):
+    bound = {"gt" if lo_open else "ge": lo} if lo is not None else {}
+    if hi is not None:
+        bound["le"] = hi
+    return Annotated[kind, Field(strict=True, allow_inf_nan=False, **bound) if kind is float
+                     else Field(strict=True, **bound)]
+
+
+_Text = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+
+Fields = create_model(
+    "Fields", __config__=ConfigDict(extra="allow"),
+    **{name: (_ranged(*r) | None, None) for name, r in RANGES.items()},
+    **{name: (Annotated[bool, Field(strict=True)] | None, None) for name in _FLAGS},
+    stop_token_ids=(list[_ranged(int, 0, MAX_INT, False)] | None, None),
+    model=(Annotated[str, Field(strict=True)] | None, None),
+    user=(Annotated[str, Field(strict=True)] | None, None),
+    request_id=(Annotated[_Text, Field(pattern=r"^[^\x00-\x1f\x7f]*$")] | None, None),
+    cache_salt=(_Text | None, None),
+)
+Fields.__doc__ = """The body's scalar fields (both endpoints): OpenAI's names and vLLM's extensions, each with
+its type and range. ``None`` is "unset" (the default applies). Unknown fields pass (clients send extras)."""
+
+
+_Ids = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
+_Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+# The rest of each body, declared for /openapi.json; checked by hand below and in structured.py / tools.py
+# (their bounds are the server's flags, their messages name them).
+_BODY = dict(stop=(str | list[str] | None, None), logit_bias=(dict[str, float] | None, None),
+             bad_words=(list[str] | None, None), prompt_logprobs=(_Logprobs | None, None),
+             stream_options=(dict[str, bool] | None, None), response_format=(dict | None, None),
+             structured_outputs=(dict | None, None))
+CompletionRequest = create_model("CompletionRequest", __base__=Fields, __doc__="POST /v1/completions",
+                                 prompt=(str | _Ids | list[str] | list[_Ids], ...),
+                                 logprobs=(_Logprobs | None, None), **_BODY)
+ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=Fields,
+                                     __doc__="POST /v1/chat/completions", messages=(list[dict], ...),
+                                     max_completion_tokens=(int | None, None),
+                                     logprobs=(bool | None, None), top_logprobs=(_Logprobs | None, None),
+                                     tools=(list[dict] | None, None), tool_choice=(str | dict | None, None),
+                                     parallel_tool_calls=(bool | None, None), **_BODY)
+
+
+def _what(value) -> str:
+    return f"{type(value).__name__} {describe(value)}"
+
+
+def _message(err: dict) -> tuple[str, str]:
+    """A pydantic error as (message, param) in minicb's words: the field and what it must be."""
+    loc = [str(x) for x in err["loc"] if not str(x).startswith(("constrained-", "function-"))]
+    name = loc[0] + "".join("[i]" for x in loc[1:] if x.isdigit())
+    value, kind = err["input"], err["type"]
+    r = RANGES.get(loc[0]) if len(loc) == 1 else (int, 0, MAX_INT, False)
+    if kind == "bool_type":
+        return f"{name} must be true or false, got {describe(value)}", loc[0]
+    if kind == "list_type":
+        return f"{name} must be a list, got {type(value).__name__}", loc[0]
+    if kind.startswith("string") and loc[0] in ("request_id", "cache_salt"):
+        return (f"{name} must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} printable characters, "
+                f"got {describe(value)}"), loc[0]
+    if kind.startswith("string"):
+        return f"{name} must be a string, got {type(value).__name__}", loc[0]
+    if kind.startswith("int"):
+        return f"{name} must be an integer, got {_what(value)}", loc[0]
+    if kind.startswith("float"):
+        return f"{name} must be a number, got {_what(value)}", loc[0]
+    kind_, lo, hi, lo_open = r
+    if kind_ is float:
+        lo, hi = (None if lo is None else float(lo)), (None if hi is None else float(hi))
+    rng = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    if kind == "finite_number" and hi is None:       # NaN is out of any range; inf only of an open one
+        return f"{name} must be a finite number in {rng}, got {describe(value)}", loc[0]
+    return f"{name} must be in {rng}, got {describe(value)}", loc[0]
+
+
+def checked_fields(body: dict):
+    """``Fields`` of ``body``; the first error as a 400 naming its field."""
+    try:
+        return Fields.model_validate(body)
+    except ValidationError as e:
+        message, param = _message(e.errors(include_url=False)[0])
+        raise bad_request(message, param) from None
+
+
 def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
            limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
     _unsupported(body, _UNSUPPORTED)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad_request(f"user must be a string, got {describe(body['user'])}", "user")
-    logprobs, echo, prompt_logprobs = _logprob_fields(body, kind)
+    f = checked_fields({k: v for k, v in body.items() if k != "logprobs"})
+    logprobs, echo, prompt_logprobs = _logprob_fields(body, kind, f)
     structured, param = parse_structured(body, limits)
     forced = constraint(tools) if tools is not None else None
     if forced is not None:
@@ -186,32 +306,36 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
             raise bad_request(f"tool_choice {tools.choice!r} forces a tool call; it cannot be combined with "
                               f"{param}", param)
         structured, param = forced, "tools"
-    model = body.get("model")
-    stream = _bool(body, "stream", False)
+    stream = bool(f.stream)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad_request("stream_options must be an object", "stream_options")
         if not stream:
             raise bad_request("stream_options is allowed only with stream: true", "stream_options")
-        _unsupported(opts, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
-        include_usage = _bool(opts, "include_usage", False, "stream_options.include_usage")
-    max_tokens = body.get("max_tokens")
-    from_room = max_tokens is None and default_max_tokens is None
-    max_tokens = MAX_INT if from_room else (default_max_tokens if max_tokens is None else max_tokens)
+        for name in ("include_usage", "continuous_usage_stats"):
+            if opts.get(name) is not None and not isinstance(opts[name], bool):
+                raise bad_request(f"stream_options.{name} must be true or false, got {describe(opts[name])}",
+                                  f"stream_options.{name}")
+        include_usage = bool(opts.get("include_usage"))
+        # vLLM's: each chunk carries the usage so far; with include_usage only, as in vLLM
+        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+    from_room = f.max_tokens is None and default_max_tokens is None
+    max_tokens = MAX_INT if from_room else (default_max_tokens if f.max_tokens is None else f.max_tokens)
     stops = _stops(body.get("stop"), limits)
     # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
     scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
-    params = _sampling_params(body, max_tokens, limits, structured, logprobs=logprobs,
+    params = _sampling_params(body, f, max_tokens, limits, structured, logprobs=logprobs,
                               prompt_logprobs=max(scored) if scored else None)
-    return ParsedRequest(kind, model, GenerateRequest(prompts[0], params, stops, from_room), stream,
-                         include_usage, _bool(body, "return_token_ids", False),
+    generate = GenerateRequest(prompts[0], params, stops, from_room, f.priority or 0)
+    return ParsedRequest(kind, f.model, generate, stream, include_usage, bool(f.return_token_ids),
                          tools if tools is not None and tools.shown else None, param, tuple(prompts), echo,
-                         logprobs, prompt_logprobs)
+                         logprobs, prompt_logprobs, continuous, bool(f.return_tokens_as_token_ids),
+                         f.request_id)
 
 
-def _logprob_fields(body: dict, kind: str) -> tuple[int | None, bool, int | None]:
+def _logprob_fields(body: dict, kind: str, f) -> tuple[int | None, bool, int | None]:
     """(top logprobs per generated token or None, echo, prompt_logprobs or None), checked.
 
     Completions: ``logprobs`` is the count (OpenAI's legacy field); chat: ``logprobs`` is a bool and
@@ -229,10 +353,12 @@ def _logprob_fields(body: dict, kind: str) -> tuple[int | None, bool, int | None
 
     prompt_logprobs = count("prompt_logprobs")
     if kind == "completion":
-        return count("logprobs"), _bool(body, "echo", False), prompt_logprobs
+        return count("logprobs"), bool(f.echo), prompt_logprobs
     if body.get("echo") not in (None, False):
         raise bad_request("echo is not supported by minicb serve for chat (leave it unset)", "echo")
-    wanted = _bool(body, "logprobs", False)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request(f"logprobs must be true or false, got {describe(wanted)}", "logprobs")
     top = count("top_logprobs")
     if top and not wanted:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -244,18 +370,15 @@ def _is_default(value, defaults: tuple) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, structured=None, *,
+def _sampling_params(body: dict, f, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, structured=None, *,
                      logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    def get(name, default):
-        v = body.get(name)
-        return default if v is None else v
-
+    """``f`` holds the checked scalar fields; what depends on the server's flags is checked here."""
     def stop_token_ids():
-        ids = _list(body, "stop_token_ids")
+        ids = f.stop_token_ids or []
         if len(ids) > limits.max_stop_token_ids:
             raise InvalidArgument(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids "
                                   f"({flag('max_stop_token_ids')}), got {len(ids)}")
-        return tuple(check_int("stop_token_ids[i]", t, lo=0, hi=MAX_INT) for t in ids)
+        return tuple(ids)
 
     def logit_bias():
         bias = body.get("logit_bias")
@@ -280,7 +403,11 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
         return out
 
     def bad_words():
-        words = _list(body, "bad_words")
+        words = body.get("bad_words")
+        if words is None:
+            return ()
+        if not isinstance(words, list):
+            raise InvalidArgument(f"bad_words must be a list, got {type(words).__name__}")
         if len(words) > limits.max_bad_words:
             raise InvalidArgument(f"bad_words may hold at most {limits.max_bad_words} strings "
                                   f"({flag('max_bad_words')}), got {len(words):,}")
@@ -293,43 +420,32 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
                                   f"({flag('max_bad_words_chars')})")
         return tuple(words)
 
-    def number(name, default, **bounds):
-        v = get(name, default)
-        if type(v) not in (int, float):
-            raise InvalidArgument(f"{name} must be a number, got {describe(v)}")
-        return check_float(name, v, **bounds)
+    def given(name, default):
+        v = getattr(f, name)
+        return default if v is None else v
 
-    top_k = get("top_k", 0)
-    args: dict[str, Any] = {}
-    checks = [
-        ("max_tokens", lambda: check_int("max_tokens", max_tokens, lo=1, hi=MAX_INT)),
-        ("temperature", lambda: check_float("temperature", get("temperature", 1.0), lo=0.0, hi=2.0)),
-        ("top_p", lambda: check_float("top_p", get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True)),
-        ("top_k", lambda: 0 if (type(top_k) is int and top_k == -1) else check_int("top_k", top_k, lo=-1,
-                                                                                  hi=MAX_INT)),
-        ("seed", lambda: None if body.get("seed") is None
-         else check_int("seed", body["seed"], lo=0, hi=2**63 - 1)),
-        ("stop_token_ids", stop_token_ids),
-        ("ignore_eos", lambda: _bool(body, "ignore_eos", False)),
-        ("presence_penalty", lambda: number("presence_penalty", 0.0, lo=-2.0, hi=2.0)),
-        ("frequency_penalty", lambda: number("frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
-        ("repetition_penalty", lambda: number("repetition_penalty", 1.0, lo=0.0, lo_open=True, finite=True)),
-        ("min_p", lambda: number("min_p", 0.0, lo=0.0, hi=1.0)),
-        ("min_tokens", lambda: check_int("min_tokens", get("min_tokens", 0), lo=0, hi=MAX_INT)),
-        ("logit_bias", logit_bias),
-        ("bad_words", bad_words),
-        ("include_stop_str_in_output", lambda: _bool(body, "include_stop_str_in_output", False)),
-        ("skip_special_tokens", lambda: _bool(body, "skip_special_tokens", True)),
-        # n choices: parallel sampling, the children share the prompt's KV blocks (engine: max_n)
-        ("n", lambda: 1 if body.get("n") is None else check_int("n", body["n"], lo=1, hi=MAX_INT)),
-    ]
-    for name, check in checks:
+    args: dict[str, Any] = {"max_tokens": max_tokens, "temperature": given("temperature", 1.0),
+                            "top_p": given("top_p", 1.0), "top_k": max(0, given("top_k", 0)), "seed": f.seed,
+                            "ignore_eos": given("ignore_eos", False), "min_tokens": given("min_tokens", 0),
+                            "presence_penalty": given("presence_penalty", 0.0),
+                            "frequency_penalty": given("frequency_penalty", 0.0),
+                            "repetition_penalty": given("repetition_penalty", 1.0),
+                            "min_p": given("min_p", 0.0),
+                            "include_stop_str_in_output": given("include_stop_str_in_output", False),
+                            "skip_special_tokens": given("skip_special_tokens", True), "n": given("n", 1),
+                            # vLLM's: prefix-cache blocks are shared only between requests of one salt
+                            "cache_salt": f.cache_salt}
+    if max_tokens != MAX_INT or f.max_tokens is not None:
+        try:
+            check_int("max_tokens", max_tokens, lo=1, hi=MAX_INT)
+        except InvalidArgument as e:
+            raise bad_request(str(e), "max_tokens") from None
+    for name, check in (("stop_token_ids", stop_token_ids), ("logit_bias", logit_bias),
+                        ("bad_words", bad_words)):
         try:
             args[name] = check()
         except InvalidArgument as e:
             raise bad_request(str(e), name) from None
-    if not math.isfinite(args["temperature"]):
-        raise bad_request("temperature must be finite", "temperature")
     if structured is not None:
         args["structured_outputs"] = structured
     try:
@@ -338,24 +454,6 @@ def _sampling_params(body: dict, max_tokens, limits: ServeLimits = DEFAULT_LIMIT
         message = str(e)
         param = next((name for name in args if message.startswith(name)), None)
         raise bad_request(message, param) from None
-
-
-def _bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{param or name} must be true or false, got {describe(v)}", param or name)
-    return v
-
-
-def _list(body: dict, name: str) -> list:
-    v = body.get(name)
-    if v is None:
-        return []
-    if not isinstance(v, list):
-        raise InvalidArgument(f"{name} must be a list, got {type(v).__name__}")
-    return v
 
 
 def _stops(stop, limits: ServeLimits = DEFAULT_LIMITS) -> tuple[str, ...]:

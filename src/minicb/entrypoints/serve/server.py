@@ -122,14 +122,20 @@ class _Uvicorn(uvicorn.Server):
 class _DeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
     that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
-    or of its previous response, is closed; so is one whose response is done while its body is still
-    arriving (a 413 or a 408), after ``body_linger`` seconds of reading and dropping what still comes.
-    A head larger than ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag."""
+    or of its previous response, is closed. A response sent before its request's body has all arrived
+    (a 404, a 405, a 413, a 408) leaves uvicorn reading and dropping the rest of that body, and the
+    connection then serves the next request; a body still arriving ``body_linger`` seconds after its
+    answer (a 413's 10 MB, a stalled 408) closes the connection. A head larger than
+    ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag.
+
+    Why a subclass of uvicorn's (private) protocol: uvicorn has no deadline on a request's head (a
+    slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head past
+    ``h11_max_incomplete_event_size`` with a plain-text 400. Everything else, reading and dropping a
+    refused body included, is uvicorn's own."""
 
     header_timeout = 10.0
     body_linger = 2.0
     max_header_bytes = 16 * 2**10
-    _discarding = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -142,17 +148,18 @@ class _DeadlineH11(H11Protocol):
         if self.cycle is cycle_then and (cycle_then is None or cycle_then.response_complete):
             self.transport.close()            # no new request's head since the timer was armed
 
+    def _linger_deadline(self, cycle_then) -> None:
+        if self.cycle is cycle_then and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()            # the refused body is still arriving: enough of it
+
     def on_response_complete(self) -> None:
         body_left = self.conn.their_state is h11.SEND_BODY       # before uvicorn starts the next cycle
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if body_left:                         # the body was refused half way (413, 408): read and drop
-            self._discarding = True           # the rest for a moment, so that the client, still
-            self._unset_keepalive_if_required()   # sending, gets to read the answer; then close
-            self.loop.call_later(self.body_linger, self.transport.close)
-            return
-        self._head_timer.cancel()
+        if body_left:                         # uvicorn drops the rest of it (h11 still parses it, so
+            self.loop.call_later(self.body_linger, self._linger_deadline, self.cycle)   # the next head is
+        self._head_timer.cancel()             # found after it), for at most body_linger seconds
         self._arm()
 
     def send_400_response(self, msg: str) -> None:
@@ -170,10 +177,6 @@ class _DeadlineH11(H11Protocol):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
-    def data_received(self, data: bytes) -> None:
-        if not self._discarding:
-            super().data_received(data)
-
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()
         super().connection_lost(exc)
@@ -186,7 +189,8 @@ class Server:
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, log_level: str = "warning",
                  limits: ServeLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
                  allowed_origins: tuple[str, ...] = (), api_key: str | None = None,
-                 allow_control_text: bool = False, frontend_workers: int | None = None,
+                 open_metrics: bool = False, allow_control_text: bool = False,
+                 frontend_workers: int | None = None,
                  exit_on_engine_death: bool = True) -> None:
         if max_waiting < 0:
             raise MinicbError(f"max_waiting must be >= 0, got {max_waiting}")
@@ -205,6 +209,7 @@ class Server:
             self.tokenizer.incremental_decoder()  # its byte table, built now rather than at a first request
         self.limits = (limits or ServeLimits()).with_model_len(cfg.max_model_len)
         self.allowed_hosts, self.allowed_origins, self.api_key = allowed_hosts, allowed_origins, api_key
+        self.open_metrics = open_metrics
         self.exit_on_engine_death = exit_on_engine_death
         self.exit_code = EXIT_STOPPED
         self.frontend = Frontend(model_name=model_name, tokenizer=engine.tokenizer,
@@ -229,7 +234,8 @@ class Server:
         if hosts is None:
             hosts = guard.default_allowed_hosts(sock.getsockname()[0])
         asgi = guard.wrap(self.app, allowed_hosts=hosts, api_key=self.api_key,
-                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes)
+                          allowed_origins=self.allowed_origins, max_header_bytes=self.limits.max_header_bytes,
+                          open_metrics=self.open_metrics)
         lim = self.limits
         protocol = type("DeadlineH11", (_DeadlineH11,), {"header_timeout": lim.header_timeout,
                                                          "body_linger": lim.body_linger,

@@ -53,12 +53,13 @@ class StopMatcher:
     a stop string completed there is passed over, and the automaton carries on as if it had not
     matched (its state falls back along the failure table), so a later occurrence is still found."""
 
-    __slots__ = ("stops", "include", "stopped", "held", "_fail", "_state")
+    __slots__ = ("stops", "include", "stopped", "matched", "held", "_fail", "_state")
 
     def __init__(self, stops: tuple[str, ...] = (), include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)          # "" would match everywhere: ignore it
         self.include = include
         self.stopped = False
+        self.matched: str | None = None                    # the stop string that matched (vLLM's stop_reason)
         self.held = ""
         self._fail = [_failure(s) for s in self.stops]
         self._state = [0] * len(self.stops)
@@ -73,7 +74,7 @@ class StopMatcher:
             self.held = ""
             return buf
         base = len(self.held)                # buf[:base] was fed before; feed only ``text``
-        first = None                         # (start, end) of the earliest stop string this text completes
+        first = None                         # (start, end, j) of the earliest stop string this text completes
         for j, (s, fail) in enumerate(zip(self.stops, self._fail)):
             k, n = self._state[j], len(s)
             for i, ch in enumerate(text):
@@ -85,12 +86,12 @@ class StopMatcher:
                     if not can_stop:         # too early to stop: go on as after a mismatch
                         k = fail[n - 1]
                         continue
-                    span = (base + i + 1 - n, base + i + 1)
+                    span = (base + i + 1 - n, base + i + 1, j)
                     first = span if first is None else min(first, span)
                     break
             self._state[j] = k
         if first is not None:
-            self.stopped, self.held = True, ""
+            self.stopped, self.held, self.matched = True, "", self.stops[first[2]]
             return buf[:first[1] if self.include else first[0]]
         keep = max(self._state)              # the longest suffix that is a proper prefix of a stop
         self.held = buf[len(buf) - keep:] if keep else ""

@@ -210,6 +210,18 @@ def constraint(req: ToolRequest) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(grammar=lark)
 
 
+def unwrapped(text: str) -> str:
+    """A tool-call answer that did not parse (cut short by ``max_tokens``) as plain text: without the
+    model's ``<tool_call>[`` ... ``]</tool_call>`` wrapper, which is the format's, not the answer's."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text
+    inner = text[start + len(OPEN):]
+    inner = inner.removesuffix(CLOSE).removesuffix("]") if inner.endswith(CLOSE) else inner
+    inner = inner.removeprefix("[").strip("\n")
+    return (text[:start] + inner).strip() if text[:start].strip() else inner
+
+
 def parse_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """``(content before the calls, OpenAI tool_calls)`` if ``text`` holds the tool-call format with
     at least one well-formed call; None otherwise (the text is a plain answer)."""
