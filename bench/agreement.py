@@ -1,14 +1,16 @@
 """How close float32 and bfloat16 runs come to float64: measured on the real model, never asserted.
 
-    python bench/agreement.py                      # float32 + bfloat16, reference + cpu-paged (~3 min)
-    python bench/agreement.py --dtypes bfloat16 --backends cpu-paged --new-tokens 64
-    python bench/agreement.py --backends cpu-paged --linear auto,mkl   # each linear path (MINICB_LINEAR)
+    python bench/agreement.py                      # float32 + bfloat16, reference and fast modes
+    python bench/agreement.py --dtypes bfloat16 --modes fast --new-tokens 64
+    python bench/agreement.py --modes fast --linear auto,mkl   # each linear path (MINICB_LINEAR)
 
 The 16 SmolLM2 check prompts (``minicb.measure.workloads.SMOLLM2_PROMPTS``, chat template applied) are
 generated greedily, 32 new tokens each, by the engine with its defaults (continuous batching, chunked
-prefill, paged KV; bfloat16 linears in float32 where the CPU has no bfloat16 matmul, as ``LLM()``
-does) in each dtype and attention backend, and compared with the same engine in float64
-on the reference backend, the one the test suite holds exact. For every output that differs the
+prefill, paged KV) in each dtype and mode (``reference``: ``LLM(fast_paths=False)``, the model as
+``minicb/model`` reads; ``fast``: the CPU fast paths ``LLM()`` installs, bfloat16 linears in float32
+where the CPU has no bfloat16 matmul), and compared with the reference mode in float64, the one the
+test suite holds exact (and equal to the fast mode in float64: tests/model/test_reference_mode.py).
+For every output that differs the
 script prints where it first diverges and the float64 logit margin there: the gap between the two
 candidate tokens' float64 logits after the common prefix. A small margin means a near-tie that any
 rounding may flip (bfloat16 keeps 8 significant bits, so its logits move by ~0.1-1 on this model); a
@@ -40,15 +42,15 @@ from minicb.model.weights.loader import load_model  # noqa: E402
 
 
 def generate(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int,
-             backend: str) -> list[list[int]]:
-    llm = LLM(model, attn_backend=backend)
+             mode: str) -> list[list[int]]:
+    llm = LLM(model, fast_paths=mode == "fast")
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new_tokens))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--backends", default="reference,cpu-paged")
+    ap.add_argument("--modes", default="reference,fast", help="reference (fast_paths=False) and/or fast")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--linear", default="auto", help="linear paths to compare (cpu_linear.PATHS or auto)")
@@ -63,21 +65,22 @@ def main() -> None:
     ref = generate(model64, prompts, args.new_tokens, "reference")
     print(f"float64 reference: {sum(map(len, ref))} tokens in {time.perf_counter() - t0:.0f} s "
           f"({len(prompts)} prompts, {args.new_tokens} new tokens each, greedy, EOS honoured)")
-    print(f"{'dtype':<10}{'linear':<13}{'backend':<11}{'identical':>10}   "
+    print(f"{'dtype':<10}{'linear':<13}{'mode':<11}{'identical':>10}   "
           "first divergences (token index, float64 margin)")
     for dname in args.dtypes.split(","):
         for path in args.linear.split(","):
             os.environ["MINICB_LINEAR"] = path
-            model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
-            cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
-            for backend in args.backends.split(","):
-                got = generate(model, prompts, args.new_tokens, backend)
+            for mode in args.modes.split(","):
+                model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
+                if mode == "fast":
+                    cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
+                got = generate(model, prompts, args.new_tokens, mode)
                 same = sum(a == b for a, b in zip(got, ref))
                 margins = [m for p, a, b in zip(prompts, ref, got)
                            if (m := first_divergence_margin(model64, p, a, b)) is not None]
                 where = ", ".join(f"({i}, {gap:.2f})"
                                   for i, gap in sorted(margins, key=lambda m: m[1])) or "-"
-                print(f"{dname:<10}{linear_path(model):<13}{backend:<11}{same:>6}/{len(prompts):<3}"
+                print(f"{dname:<10}{linear_path(model):<13}{mode:<11}{same:>6}/{len(prompts):<3}"
                       f"   {where}", flush=True)
 
 
