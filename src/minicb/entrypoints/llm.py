@@ -108,9 +108,42 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self):
+        """vLLM's name for the engine: the same object as ``llm.engine`` (``LLMEngine``)."""
+        return self.engine
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer()``; the same object as ``llm.tokenizer``)."""
+        return self.engine.tokenizer
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation, or a list of them (vLLM's ``LLM.chat``).
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` dicts; each is rendered with the
+        model's chat template (``tokenizer.apply_chat_template``, ending with the assistant's header),
+        exactly as ``minicb generate --chat`` does, and then generated like a text prompt: so
+        ``llm.chat([{"role": "user", "content": "Hi"}])`` answers as ``minicb generate --chat "Hi"``.
+        Returns one ``RequestOutput`` per conversation; its ``prompt`` is the rendered text."""
+        one = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise InvalidArgument("messages must be a conversation (a list of {'role', 'content'} dicts) "
+                                  "or a non-empty list of conversations")
+        template = self.get_tokenizer().apply_chat_template
+        prompts = [template(list(c) if isinstance(c, tuple) else c, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; everything is validated before any work starts."""
+                 progress: bool = False, *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; everything is validated before any work starts.
+
+        ``progress`` (or ``use_tqdm``, vLLM's name for it) shows a progress bar of finished requests
+        on the terminal (rich's, not tqdm's); minicb's default is no bar, vLLM's is a bar."""
+        if use_tqdm is not None:
+            progress = bool(use_tqdm)
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                                                and _is_int(prompts[0]))
         plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
@@ -134,7 +167,11 @@ class LLM:
             raise
         finally:
             eng.open_arrivals()
-        return [results[rid] for rid in ids]
+        outs = [results[rid] for rid in ids]
+        for out, p in zip(outs, plist):          # queued as token ids above: the text is put back
+            if isinstance(p, str):
+                out.prompt = p
+        return outs
 
 
 
