@@ -155,6 +155,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the padded policies never share them)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say in detail which matrix-product path the model got, and why (measured speeds, "
+                        "CPU flags)")
 
 
 EPILOG = """\
@@ -241,6 +244,8 @@ def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     for i, p in enumerate(prompts):
         _check_text(p, f"prompt {i + 1}")
+        if not p and not args.chat:      # refused now, not after the model's load (--chat wraps it)
+            raise InvalidArgument(f"prompt {i + 1} is empty: a prompt needs at least one token")
     if args.file:
         prompts += _read_prompt_file(args.file)
     if not prompts:
@@ -284,15 +289,16 @@ def cmd_generate(args) -> int:
     check_generate_flags(args)
     prompts = _read_prompts(args)
     from minicb.core.kv_budget import gib_flag
+    from minicb.entrypoints.loading import load_lines
     from minicb.measure.progress import Progress
 
-    with Progress(f"loading {model_name(args.model)}"):      # torch's import is most of a short load
+    # which GEMM path the model gets: one line on stderr (-v: and why); the load's phases on the line
+    with load_lines(args.verbose), Progress(f"loading {model_name(args.model)}") as prog:
+        prog.phase("importing torch")    # torch's import is most of a short load
         from minicb.core.sampling_params import SamplingParams
         from minicb.engine.arrivals import Arrival, drive
         from minicb.entrypoints.llm import LLM
-        from minicb.model.fast_paths import show_load_lines
 
-        show_load_lines()                # which GEMM path the model gets, and why: one line on stderr
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,

@@ -17,8 +17,10 @@ left to that caller's ``step()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -44,6 +46,34 @@ FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 _log = logging.getLogger("minicb")
 
 
+def _shows_loading(init):
+    """``LLM.__init__`` under a progress line on stderr (``minicb.measure.progress``), whose phases
+    (``_phase``) name each step of the load: the line of a command that already shows one
+    (``minicb generate``, ``serve``, ``demo``), else a ``loading NAME`` line of its own, which appears
+    once the load has lasted a second. A model given already built loads in no time and says nothing;
+    ``MINICB_PROGRESS=0`` silences it all."""
+    @functools.wraps(init)
+    def wrapped(self, model=None, *args, **kwargs):
+        from minicb.measure.progress import Progress
+
+        if Progress.current() is not None or isinstance(model, LlamaForCausalLM):
+            return init(self, model, *args, **kwargs)
+        name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(os.path.normpath(str(model)))
+        with Progress(f"loading {name}"):
+            return init(self, model, *args, **kwargs)
+
+    return wrapped
+
+
+def _phase(name: str) -> None:
+    """The load moves on to step ``name``: a line of its own on the progress line it runs under."""
+    from minicb.measure.progress import Progress
+
+    prog = Progress.current()
+    if prog is not None:
+        prog.phase(name)
+
+
 class LLM:
     """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
 
@@ -58,6 +88,7 @@ class LLM:
     (or use ``with LLM(...) as llm:``) to stop them.
     """
 
+    @_shows_loading
     def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
@@ -71,20 +102,25 @@ class LLM:
         if not isinstance(model, LlamaForCausalLM):
             from minicb.model.weights.loader import load_model
 
+            _phase("reading the weights")
             loaded = load_model(model, dtype=torch_dtype)
             tokenizer = tokenizer or loaded.tokenizer
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
+            _phase("building the model")
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
             if tensor_parallel_size == 1:
+                _phase("packing the weights for this CPU (and compiling its C kernels)")
                 cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
             from minicb.distributed.launch import launch
 
+            _phase(f"starting {tensor_parallel_size} tensor-parallel ranks")
             self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
                                  clock=clock, attn_backend=attn_backend, device=device)
         else:
+            _phase("allocating the KV cache")
             self.engine = engine_for(model, sched, tokenizer, seed=seed, clock=clock,
                                      attn_backend=attn_backend)
 

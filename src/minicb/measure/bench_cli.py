@@ -189,7 +189,13 @@ def shape_plan(shape, block_size: int = 16):
 
 def cmd_bench(args) -> int:
     from minicb.core.errors import check_float, check_int
-    from minicb.measure.flags import check_out_dir, check_rate, check_scale, check_workload_args
+    from minicb.measure.flags import (
+        check_out_dir,
+        check_plots_possible,
+        check_rate,
+        check_scale,
+        check_workload_args,
+    )
 
     check_workload_args(args)
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -202,6 +208,7 @@ def cmd_bench(args) -> int:
     if args.peak_gflops is not None:
         check_float("--peak-gflops", args.peak_gflops, lo=0.0, lo_open=True, hi=1e9, finite=True)
     check_out_dir("--out", args.out)
+    check_plots_possible("--out", bool(args.out) and not args.no_plots)
     if args.clock == "cpu" and args.threads != 1:
         raise InvalidArgument("--clock cpu measures one thread's CPU time: use it with --threads 1")
     if args.replay and args.trace == "sharegpt":

@@ -95,7 +95,7 @@ def _rates(text: str) -> list[float]:
 def build(args):
     """(cost model, scheduler config, rates, policies) from the parsed arguments."""
     from minicb.core.config import SchedulerConfig
-    from minicb.measure.flags import check_out_dir, check_workload_args
+    from minicb.measure.flags import check_out_dir, check_plots_possible, check_workload_args
     from minicb.simulate.simulator import MAX_STEP_SECONDS, load_calibration, preset
 
     if args.num_requests is None:
@@ -118,6 +118,7 @@ def build(args):
     if args.plot_rate is not None and args.plot_rate not in rates:
         raise InvalidArgument(f"--plot-rate {args.plot_rate} is not one of --rates {rates}")
     check_out_dir("--out", args.out)
+    check_plots_possible("--out", bool(args.out) and not args.no_plots)
     cal = load_calibration(args.calibration) if args.calibration else None
     cost = preset(args.preset, calibration=cal, **over)
     blocks = args.num_blocks if args.num_blocks is not None else cost.num_kv_blocks(args.block_size)
