@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
                    help="GGUF file or Hugging Face directory for part 2 (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer in part 2 (default 24)")
     p.add_argument("--no-model", action="store_true",
-                   help="only the diagrams (part 1, about a second): no model is loaded")
+                   help="only the diagrams (part 1): no model is loaded")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="colour the diagrams (auto: on a terminal, unless NO_COLOR is set)")
     p.set_defaults(run=cmd_demo)
