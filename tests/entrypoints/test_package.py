@@ -179,3 +179,29 @@ def test_an_installed_wheel_generates_compiling_its_kernels(wheel_venv, smollm2_
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip()
     assert CHECKOUT_ONLY.findall(run.stdout + run.stderr) == []
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_serves(wheel_venv, tmp_path):
+    """``minicb serve`` from the wheel starts and says where it listens (a tiny GGUF: no model
+    package needed); Ctrl-C stops it with exit 0."""
+    import signal
+
+    from tiny_files import write_gguf
+
+    py, env, cwd = wheel_venv
+    gguf = write_gguf(tmp_path / "tiny.gguf")
+    env = {**env, "MINICB_CACHE_DIR": str(tmp_path / "cache"), "MINICB_PROGRESS": "0"}
+    p = subprocess.Popen([py, "-m", "minicb", "serve", "--model", str(gguf), "--port", "0", "--threads", "1"],
+                         cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()                   # "minicb serve: tiny on http://127.0.0.1:PORT ..."
+        assert " on http://127.0.0.1:" in line, (line, p.stderr.read() if p.poll() is not None else "")
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)        # a bound on a hang, not a speed
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-2000:]
+    assert CHECKOUT_ONLY.findall(line + out + err) == []
