@@ -8,7 +8,6 @@
 # venv made again is set up again.
 VENV ?= .venv
 BOOTSTRAP_PYTHON ?= python3
-VENV_ARGS ?=            # e.g. --system-site-packages: reuse the system's torch (tests/docs/test_first_hour.py)
 ifeq ($(origin PYTHON),undefined)
 PYTHON := $(VENV)/bin/python
 ENV_MARK := $(VENV)/pyvenv.cfg
@@ -24,8 +23,9 @@ DEV_STAMP := .setup.$(KEY).dev.stamp
 .PHONY: setup setup-demo browser demo test test-fast test-core test-hog lint docs docs-pages serve-docs bench clean mutate
 
 $(VENV)/pyvenv.cfg:
-	@echo "make: creating the virtual environment $(VENV) ($(BOOTSTRAP_PYTHON) -m venv $(VENV_ARGS) $(VENV)); PYTHON=... uses another interpreter"
-	@$(BOOTSTRAP_PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	@echo "make: creating the virtual environment $(VENV) ($(BOOTSTRAP_PYTHON) -m venv $(VENV)); PYTHON=... uses another interpreter"
+	@$(BOOTSTRAP_PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo "make: could not create $(VENV): on \
+	Debian or Ubuntu, apt-get install python3-venv; or set up an existing environment: make demo PYTHON=python3" >&2; exit 1; }
 
 # Idempotent set-up in two levels, each one line per phase with its time (pip's own output is shown: it
 # is most of the wait). The demo's (setup-demo): torch (the installed one, else the CPU wheel

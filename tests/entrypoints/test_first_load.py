@@ -158,3 +158,16 @@ def test_plots_without_matplotlib_are_refused_before_the_run(argv, tmp_path):
     assert run.stdout.split() == ["2", "False"], run.stderr
     assert "--out draws plots with matplotlib, which is not installed: pip install 'minicb[plots]'" \
         in run.stderr
+
+
+def test_under_a_running_progress_line_the_load_names_its_phases_there_then_gives_it_back(tiny_gguf,
+                                                                                        shown):
+    """A tutorial's heartbeat line (or a command's) carries the load's phases, and its own words after."""
+    from minicb.entrypoints.llm import LLM
+
+    with progress.Progress("tutorials/05_step_loop.py") as beat:
+        beat.update(info="still running")
+        LLM(str(tiny_gguf), max_num_seqs=2, num_blocks=16, block_size=4).shutdown()
+        assert beat.info == "still running"
+    assert shown[1:3] == ["tutorials/05_step_loop.py: reading the weights", "LOADER CALLED"]
+    assert not any(line.startswith("loading ") for line in shown)          # no second line of its own

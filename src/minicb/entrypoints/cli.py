@@ -382,7 +382,12 @@ def _run(argv: list[str] | None) -> int:
         from minicb.measure.trace_cli import cmd_trace
 
         return cmd_trace(args)
-    if args.command in ("bench", "simulate", "serve", "demo", "completion"):
+    if args.command == "completion":    # the script is written from this very parser
+        from minicb.entrypoints.completion import bash_script
+
+        print(bash_script(parser), end="")
+        return 0
+    if args.command in ("bench", "simulate", "serve", "demo"):
         return args.run(args)
     return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
 

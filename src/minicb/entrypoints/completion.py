@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                        description="Print a bash completion script for minicb (commands, flags, choices). "
                                    "Use it with: eval \"$(minicb completion)\", or save it as "
                                    "~/.local/share/bash-completion/completions/minicb.")
-    p.set_defaults(run=cmd_completion)
+    p.set_defaults(run=None)             # minicb.entrypoints.cli prints bash_script(its parser)
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -69,10 +69,3 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
         lines.append(f'            COMPREPLY=($(compgen -W {shlex.quote(" ".join(flags))} -- "$cur"));;')
     lines += ["    esac", "}", "complete -o default -F _minicb minicb", ""]
     return "\n".join(lines)
-
-
-def cmd_completion(args) -> int:
-    from minicb.entrypoints.cli import build_parser
-
-    print(bash_script(build_parser()), end="")
-    return 0

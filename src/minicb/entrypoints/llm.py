@@ -56,7 +56,14 @@ def _shows_loading(init):
     def wrapped(self, model=None, *args, **kwargs):
         from minicb.measure.progress import Progress
 
-        if Progress.current() is not None or isinstance(model, LlamaForCausalLM):
+        outer = Progress.current()
+        if outer is not None:                # its phase names are this load's; then its own again
+            info = outer.info
+            try:
+                return init(self, model, *args, **kwargs)
+            finally:
+                outer.update(info=info)
+        if isinstance(model, LlamaForCausalLM):
             return init(self, model, *args, **kwargs)
         name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(os.path.normpath(str(model)))
         with Progress(f"loading {name}"):
