@@ -290,10 +290,10 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     from minicb.core.kv_budget import gib_flag
     from minicb.entrypoints.loading import load_lines
-    from minicb.measure.progress import Progress
+    from minicb.measure.progress import LOAD_AFTER, Progress
 
     # which GEMM path the model gets: one line on stderr (-v: and why); the load's phases on the line
-    with load_lines(args.verbose), Progress(f"loading {model_name(args.model)}") as prog:
+    with load_lines(args.verbose), Progress(f"loading {model_name(args.model)}", after=LOAD_AFTER) as prog:
         prog.phase("importing torch")    # torch's import is most of a short load
         from minicb.core.sampling_params import SamplingParams
         from minicb.engine.arrivals import Arrival, drive

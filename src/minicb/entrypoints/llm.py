@@ -54,7 +54,7 @@ def _shows_loading(init):
     ``MINICB_PROGRESS=0`` silences it all."""
     @functools.wraps(init)
     def wrapped(self, model=None, *args, **kwargs):
-        from minicb.measure.progress import Progress
+        from minicb.measure.progress import LOAD_AFTER, Progress
 
         outer = Progress.current()
         if outer is not None:                # its phase names are this load's; then its own again
@@ -66,7 +66,7 @@ def _shows_loading(init):
         if isinstance(model, LlamaForCausalLM):
             return init(self, model, *args, **kwargs)
         name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(os.path.normpath(str(model)))
-        with Progress(f"loading {name}"):
+        with Progress(f"loading {name}", after=LOAD_AFTER):
             return init(self, model, *args, **kwargs)
 
     return wrapped

@@ -38,6 +38,10 @@ import sys
 import threading
 import time
 
+# A model load's line shows sooner than other waits': a load is never short with a real model, and a
+# person who just typed a command should see within a second or two that it is on its way.
+LOAD_AFTER = 0.5
+
 
 def enabled_by_default() -> bool:
     """False when ``MINICB_PROGRESS`` is ``0`` (or ``false``, ``no``, ``off``)."""

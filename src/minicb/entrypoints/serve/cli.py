@@ -159,11 +159,11 @@ def _as_program() -> bool:
 def _serve(args, sock) -> int:
     from minicb.entrypoints.checks import model_name as shown_name  # torch-free
     from minicb.entrypoints.loading import load_lines
-    from minicb.measure.progress import Progress
+    from minicb.measure.progress import LOAD_AFTER, Progress
 
     # the load's phases on one progress line (stderr), from the imports on; which GEMM path the model
     # gets: one line (-v: and why)
-    with load_lines(args.verbose), Progress(f"loading {shown_name(args.model)}") as prog:
+    with load_lines(args.verbose), Progress(f"loading {shown_name(args.model)}", after=LOAD_AFTER) as prog:
         prog.phase("importing torch and the server")
         import torch
 
