@@ -171,3 +171,21 @@ def test_under_a_running_progress_line_the_load_names_its_phases_there_then_give
         assert beat.info == "still running"
     assert shown[1:3] == ["tutorials/05_step_loop.py: reading the weights", "LOADER CALLED"]
     assert not any(line.startswith("loading ") for line in shown)          # no second line of its own
+
+
+def test_the_bench_explains_dynamic_below_static_and_only_then():
+    from types import SimpleNamespace as S
+
+    from minicb.measure.bench_cli import padded_note
+
+    def table(static_tps, dynamic_tps):
+        return [S(label="static", output_tokens_per_s=static_tps, num_steps=600),
+                S(label="dynamic", output_tokens_per_s=dynamic_tps, num_steps=1197),
+                S(label="continuous", output_tokens_per_s=750.0, num_steps=500)]
+
+    note = padded_note(table(356.0, 210.0))
+    assert note.startswith("note: dynamic below static") and "dynamic took 1,197 steps, static 600" \
+        in " ".join(note.split())
+    assert max(map(len, note.splitlines())) <= 100                  # the tables' width
+    assert padded_note(table(208.6, 226.3)) is None
+    assert padded_note(table(356.0, 210.0)[2:]) is None             # one policy alone: nothing to compare
