@@ -20,7 +20,7 @@ from tiny_files import write_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = str(ROOT / "src")
-COMMANDS = ["demo", "generate", "trace", "bench", "simulate", "serve", "export-hf"]
+COMMANDS = ["demo", "generate", "trace", "bench", "simulate", "serve", "export-hf", "completion"]
 NEVER_DOWNLOADS = "minicb never downloads: pass a .gguf file or a local Hugging Face directory"
 
 
@@ -263,7 +263,7 @@ def test_simulate_is_small_by_default_and_full_is_the_15000_request_run():
         _, _, rates, policies = build(args)
         return args.num_requests * len(rates) * len(policies)
 
-    assert simulated() == 200 * 3 * 3                  # about 10 s on two cores
+    assert simulated() == 200 * 3 * 3                  # 24 s of CPU (bench/readme_times.py)
     assert simulated("--full") == 15_000
     assert simulated("--full", "--rates", "12", "--policy", "continuous") == 1000
     assert simulated("--num-requests", "50") == 50 * 3 * 3

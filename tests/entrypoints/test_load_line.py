@@ -1,6 +1,7 @@
 """The commands say which GEMM path the model got, and why: one ``minicb: <dtype> linear layers on
-<path>: <why>`` line on stderr per load (``minicb.fastpaths.install.show_load_lines``), for ``generate``,
-``bench`` and ``serve``; the library's INFO line stays out of a caller's stderr unless asked for."""
+<path>: <why>`` line on stderr per load (``minicb.fastpaths.install.show_load_lines``), for ``bench``,
+and for ``generate`` and ``serve`` with ``-v`` (without it, in plain words:
+``minicb.entrypoints.loading``); the library's INFO line stays out of a caller's stderr unless asked for."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from minicb.fastpaths import cpu_linear, skinny_gemm
 from tiny_files import write_gguf
 
 SRC = str(pathlib.Path(__file__).resolve().parents[2] / "src")
-PINNED = "minicb: float32 linear layers on mkl: MINICB_LINEAR=mkl"
+PINNED = "minicb: float32 linear layers on mkl: MINICB_LINEAR=mkl"          # with -v
+PLAIN = "minicb: linear layers on PyTorch's default matrix library (MKL) (-v: which path and why)"
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,12 @@ def load_lines(err: str) -> list[str]:
 
 def test_generate_says_which_path_once_per_load(tiny_gguf, capsys):
     for _ in range(2):                                # a second load in the same process says it again
-        assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"]) == 0
+        assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", "-v"]) == 0
         out, err = capsys.readouterr()
         assert load_lines(err) == [PINNED] and " linear layers on " not in out
+        assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"]) == 0
+        out, err = capsys.readouterr()                # without -v: in plain words (test_first_load.py)
+        assert load_lines(err) == [PLAIN] and " linear layers on " not in out
 
 
 def test_generate_names_the_path_and_reason_choose_path_gives(tiny_gguf, capsys, monkeypatch):
@@ -50,7 +55,7 @@ def test_generate_names_the_path_and_reason_choose_path_gives(tiny_gguf, capsys,
     if path.startswith("onednn"):                  # the packed paths say whether few-row steps use the kernel
         why += f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else \
             f"; no skinny kernel ({rows_why})"
-    assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "1"]) == 0
+    assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "1", "--verbose"]) == 0
     assert load_lines(capsys.readouterr().err) == [f"minicb: float32 linear layers on {path}: {why}"]
 
 
@@ -80,7 +85,7 @@ def test_serve_says_which_path_before_it_listens(tiny_gguf):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MINICB_LINEAR="mkl")
     p = subprocess.Popen([sys.executable, "-m", "minicb", "serve", "--model", str(tiny_gguf), "--port", "0",
-                          "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          "--threads", "1", "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env)
     try:
         line = p.stdout.readline()                    # "minicb serve: tiny on http://127.0.0.1:PORT"

@@ -126,3 +126,49 @@ def test_the_thread_writes_heartbeats_while_the_caller_blocks():
     lines = p.stderr.splitlines()
     # load-independent: waits for the lines (no time limit but a 60 s hang guard); no value read
     assert len(lines) >= 3 and lines[0].startswith("loading: (") and lines[-1].startswith("loading: done in")
+
+
+# --- phases: one line per step of a long wait (issue 45) ----------------------------------------------
+def test_phases_before_the_first_line_print_nothing_after_it_one_line_each():
+    p, clock, out = pipe_progress(after=1.0, every=5.0)
+    p.start()
+    p.phase("importing torch")          # at 0 s: nothing is shown yet, so nothing is said
+    clock.now = 101.0
+    p.tick()                            # the first line, naming the phase it is in
+    clock.now = 102.0
+    p.phase("reading the weights")      # a line at once, not at the next heartbeat
+    p.phase("reading the weights")      # the same phase again: nothing
+    clock.now = 103.0
+    p.phase("building the model")
+    clock.now = 104.0
+    p.tick()                            # a heartbeat is due only at 1 + 5 s... after the last line
+    p.stop()
+    assert out.getvalue().splitlines() == [
+        "simulate: importing torch (1 s)", "simulate: reading the weights (2 s)",
+        "simulate: building the model (3 s)", "simulate: done in 4.0 s"]
+
+
+def test_on_a_terminal_each_phase_keeps_its_own_line():
+    clock, out = FakeClock(), io.StringIO()
+    p = Progress("loading", stream=out, clock=clock, thread=False, enabled=True, tty=True)
+    p.start()
+    p.phase("one")
+    clock.now = 101.5
+    p.tick()
+    p.phase("two")                      # "one" ends with a newline, its time on it
+    clock.now = 103.0
+    p.tick()
+    p.stop()
+    shown = [ln.split("\x1b[2K")[-1] for ln in out.getvalue().split("\n") if ln]
+    assert shown == ["loading: one (2 s)", "loading: done in 3.0 s"]
+    assert out.getvalue().count("\n") == 2
+
+
+def test_current_is_the_innermost_running_progress():
+    assert Progress.current() is None
+    with Progress("outer", enabled=False) as outer:
+        assert Progress.current() is outer
+        with Progress("inner", enabled=False) as inner:
+            assert Progress.current() is inner
+        assert Progress.current() is outer
+    assert Progress.current() is None

@@ -82,6 +82,7 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    prompt: str | None = None            # the prompt's text when it came as text (RequestOutput.prompt)
 
     # --- sizes -------------------------------------------------------------------------------
     @property

@@ -30,7 +30,10 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, max_model_len: int) -> 
     elif isinstance(prompt, (list, tuple)):
         ids = _token_ids(prompt, vocab_size)
     else:
-        raise InvalidArgument(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        hint = ("; add_request takes (request_id, prompt, params), the id first, as vLLM's LLMEngine does"
+                if type(prompt).__name__ == "SamplingParams" else "")
+        raise InvalidArgument(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+                              f"{hint}")
     if not ids:
         raise InvalidArgument("prompt must not be empty: it needs at least 1 token (it has 0)")
     return ids

@@ -130,7 +130,8 @@ class LLMEngine(StepLoop):
                                   f"max_n={self.config.max_n}")
         ids = self.tokenize(prompt)
         seqs = [Sequence(child_id(rid, i, params.n), list(ids), params.child_params(i), arrival_time=now,
-                         priority=priority, eos_token_id=self.eos_token_id, index=i)
+                         priority=priority, eos_token_id=self.eos_token_id, index=i,
+                         prompt=prompt if isinstance(prompt, str) else None)
                 for i in range(params.n)]
         self.scheduler.validate(seqs[0], seqs[1:])
         return seqs

@@ -75,6 +75,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None                 # one per token_ids entry
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # one per prompt token
+    prompt: str | None = None            # the prompt as text (vLLM's); None when it was given as token ids
 
 
 @dataclass(slots=True)
@@ -141,6 +142,7 @@ class OutputTracker:
             token_times=list(s.token_times), finish_time=s.finish_time,
             num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
             logprobs=logprobs, prompt_logprobs=None if self.prompt is None else list(self.prompt.entries),
+            prompt=s.prompt,
             outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), reason, list(new), new_text,
                                       s.error, logprobs)],
         )

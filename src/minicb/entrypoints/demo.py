@@ -19,11 +19,26 @@ from __future__ import annotations
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write one sentence about the sea.",
                 "Name three colours of the rainbow.", "Say hello in French.")
 DEMO_SLOTS = 3                  # one prompt more than slots: the fourth takes the first slot that frees
 TRACE = dict(num_requests=6, num_slots=3, prompt_len=(4, 12), output_len=(2, 14), seed=0)
+
+
+def source_checkout() -> Path | None:
+    """The repository minicb runs from (an editable install, ``PYTHONPATH=src``), or None for an
+    installed wheel, which has no tutorials, docs or Makefile: what to read next is said accordingly."""
+    root = Path(__file__).resolve().parents[3]          # entrypoints -> minicb -> src -> the repository
+    return root if (root / "tutorials" / "01_static_batching.py").is_file() else None
+
+
+def where_to_learn() -> str:
+    """One line pointing to the tutorials, naming only what this install has."""
+    if source_checkout() is not None:
+        return "Tutorials: python tutorials/01_static_batching.py, then 02 ... 11 (the site: make docs)"
+    return "Tutorials and docs: in minicb's source, not in this installed package (here: minicb CMD --help)"
 
 
 def add_parser(sub) -> None:
@@ -35,7 +50,7 @@ def add_parser(sub) -> None:
                    help="GGUF file or Hugging Face directory for part 2 (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer in part 2 (default 24)")
     p.add_argument("--no-model", action="store_true",
-                   help="only the diagrams (part 1, about a second): no model is loaded")
+                   help="only the diagrams (part 1): no model is loaded")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="colour the diagrams (auto: on a terminal, unless NO_COLOR is set)")
     p.set_defaults(run=cmd_demo)
@@ -118,7 +133,7 @@ def cmd_demo(args) -> int:
         "of continuous batching,")
     say("  and SmolLM2 answered with each request joining and leaving the batch on its own.")
     say("Next: minicb trace --policy continuous --num-requests 12 --arrival-gap 2   (arrivals over time)")
-    say("Tutorials: python tutorials/01_static_batching.py, then 02 ... 11 (tutorials/; the site: make docs)")
+    say(where_to_learn())
     return 0
 
 

@@ -17,8 +17,10 @@ left to that caller's ``step()``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -44,6 +46,41 @@ FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 _log = logging.getLogger("minicb")
 
 
+def _shows_loading(init):
+    """``LLM.__init__`` under a progress line on stderr (``minicb.measure.progress``), whose phases
+    (``_phase``) name each step of the load: the line of a command that already shows one
+    (``minicb generate``, ``serve``, ``demo``), else a ``loading NAME`` line of its own, which appears
+    once the load has lasted a second. A model given already built loads in no time and says nothing;
+    ``MINICB_PROGRESS=0`` silences it all."""
+    @functools.wraps(init)
+    def wrapped(self, model=None, *args, **kwargs):
+        from minicb.measure.progress import LOAD_AFTER, Progress
+
+        outer = Progress.current()
+        if outer is not None:                # its phase names are this load's; then its own again
+            info = outer.info
+            try:
+                return init(self, model, *args, **kwargs)
+            finally:
+                outer.update(info=info)
+        if isinstance(model, LlamaForCausalLM):
+            return init(self, model, *args, **kwargs)
+        name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(os.path.normpath(str(model)))
+        with Progress(f"loading {name}", after=LOAD_AFTER):
+            return init(self, model, *args, **kwargs)
+
+    return wrapped
+
+
+def _phase(name: str) -> None:
+    """The load moves on to step ``name``: a line of its own on the progress line it runs under."""
+    from minicb.measure.progress import Progress
+
+    prog = Progress.current()
+    if prog is not None:
+        prog.phase(name)
+
+
 class LLM:
     """``LLM(model=None, dtype="float32", **config)``: the offline, batch API (vLLM's ``LLM``).
 
@@ -64,6 +101,7 @@ class LLM:
     (or use ``with LLM(...) as llm:``) to stop them.
     """
 
+    @_shows_loading
     def __init__(self, model=None, *, tokenizer=None, dtype: str | torch.dtype = "float32",
                  device: str = "cpu", seed: int | None = None, attn_backend: str = "auto",
                  clock: Callable[[], float] = time.perf_counter, tensor_parallel_size: int = 1,
@@ -79,21 +117,26 @@ class LLM:
         if not isinstance(model, LlamaForCausalLM):
             from minicb.model.weights.loader import load_model
 
+            _phase("reading the weights")
             loaded = load_model(model, dtype=torch_dtype)
             tokenizer = tokenizer or loaded.tokenizer
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
+            _phase("building the model")
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
             if tensor_parallel_size == 1 and fast_paths:
+                _phase("packing the weights for this CPU (and compiling its C kernels)")
                 cpu_fast_paths(model, device)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
             from minicb.distributed.launch import launch
 
+            _phase(f"starting {tensor_parallel_size} tensor-parallel ranks")
             self.engine = launch(model, sched, tensor_parallel_size, tokenizer=tokenizer, seed=seed,
                                  clock=clock, attn_backend=attn_backend, device=device)
         else:
             kernels = runner_kwargs() if fast_paths else {}
+            _phase("allocating the KV cache")
             self.engine = engine_for(model, sched, tokenizer, seed=seed, clock=clock,
                                      attn_backend=attn_backend, **kernels)
 
@@ -117,9 +160,42 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self):
+        """vLLM's name for the engine: the same object as ``llm.engine`` (``LLMEngine``)."""
+        return self.engine
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer()``; the same object as ``llm.tokenizer``)."""
+        return self.engine.tokenizer
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Answer one conversation, or a list of them (vLLM's ``LLM.chat``).
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` dicts; each is rendered with the
+        model's chat template (``tokenizer.apply_chat_template``, ending with the assistant's header),
+        exactly as ``minicb generate --chat`` does, and then generated like a text prompt: so
+        ``llm.chat([{"role": "user", "content": "Hi"}])`` answers as ``minicb generate --chat "Hi"``.
+        Returns one ``RequestOutput`` per conversation; its ``prompt`` is the rendered text."""
+        one = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise InvalidArgument("messages must be a conversation (a list of {'role', 'content'} dicts) "
+                                  "or a non-empty list of conversations")
+        template = self.get_tokenizer().apply_chat_template
+        prompts = [template(list(c) if isinstance(c, tuple) else c, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; everything is validated before any work starts."""
+                 progress: bool = False, *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; everything is validated before any work starts.
+
+        ``progress`` (or ``use_tqdm``, vLLM's name for it) shows a progress bar of finished requests
+        on the terminal (rich's, not tqdm's); minicb's default is no bar, vLLM's is a bar."""
+        if use_tqdm is not None:
+            progress = bool(use_tqdm)
         single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                                                and _is_int(prompts[0]))
         plist = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
@@ -143,7 +219,11 @@ class LLM:
             raise
         finally:
             eng.open_arrivals()
-        return [results[rid] for rid in ids]
+        outs = [results[rid] for rid in ids]
+        for out, p in zip(outs, plist):          # queued as token ids above: the text is put back
+            if isinstance(p, str):
+                out.prompt = p
+        return outs
 
 
 

@@ -65,3 +65,14 @@ def check_out_file(flag: str, path: str | None) -> None:
         raise InvalidArgument(f"{flag} {path}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InvalidArgument(f"{flag} {path}: the directory {folder} is not writable")
+
+
+def check_plots_possible(flag: str, wanted: bool, skip_flag: str | None = "--no-plots") -> None:
+    """``wanted`` plots need matplotlib, an optional dependency: say so before the run, not after it
+    (the run may take minutes, and its figures would be lost with the plots)."""
+    import importlib.util
+
+    if wanted and importlib.util.find_spec("matplotlib") is None:
+        skip = f", or leave the plots out with {skip_flag}" if skip_flag else ""
+        raise InvalidArgument(f"{flag} draws plots with matplotlib, which is not installed: "
+                              f"pip install 'minicb[plots]'{skip}")

@@ -21,6 +21,11 @@ and ``minicb simulate`` does the same for one command.
         for ...:
             p.update(done=n, info="sim 12.5 s")
 
+A long wait made of steps (a model load: reading the weights, packing them, the KV cache) names
+each step with ``phase``: every phase after the first line gets a line of its own, so a log reads
+one plain line per phase. Code deep inside a wait finds the progress line it runs under with
+``Progress.current()`` (``LLM()`` names its load phases on the command's line, or makes its own).
+
 A daemon thread draws the line (the work may be one call that never returns control, like a model
 load); ``update`` only stores the numbers. Torch-free. ``tick(now)`` is what the thread calls, so a
 test drives it with a fake clock and no thread (``thread=False``).
@@ -32,6 +37,10 @@ import os
 import sys
 import threading
 import time
+
+# A model load's line shows sooner than other waits': a load is never short with a real model, and a
+# person who just typed a command should see within a second or two that it is on its way.
+LOAD_AFTER = 0.5
 
 
 def enabled_by_default() -> bool:
@@ -53,6 +62,13 @@ class Progress:
     requests``), or None for a wait with no count. ``after``: seconds of silence before the first
     line; ``every``: seconds between heartbeat lines when stderr is not a terminal. ``tty`` overrides
     the terminal check (tests)."""
+
+    _active: list[Progress] = []           # the started, not yet stopped ones, innermost last
+
+    @classmethod
+    def current(cls) -> Progress | None:
+        """The innermost progress line now being shown (started, not stopped), or None."""
+        return cls._active[-1] if cls._active else None
 
     def __init__(self, what: str, total: int | None = None, unit: str = "", *, stream=None,
                  after: float = 1.0, every: float = 5.0, enabled: bool | None = None,
@@ -77,6 +93,7 @@ class Progress:
     # --- the caller's side --------------------------------------------------------------------------
     def start(self) -> Progress:
         self._t0 = self._clock()
+        Progress._active.append(self)
         if self._enabled and self._use_thread:
             self._thread = threading.Thread(target=self._run, name="minicb-progress", daemon=True)
             self._thread.start()
@@ -92,9 +109,26 @@ class Progress:
             if total is not None:
                 self.total = total
 
+    def phase(self, info: str, now: float | None = None) -> None:
+        """The wait moves on to its next step, ``info`` (``"packing the weights for this CPU"``).
+        Once a line has been shown, the step gets a line of its own at once: on a terminal the live
+        line of the step before stays on screen, with its time, and a new one starts below it."""
+        with self._lock:
+            if self._enabled and self._t0 is not None and info != self.info and (self._drawn or self.lines):
+                now = self._clock() if now is None else now
+                if self._tty:
+                    self._write(self.line(now), final=True)    # the step before, as it ended
+                self.info = info
+                if not self._tty:
+                    self._write(self.line(now))
+                    self._last_line = now
+            self.info = info
+
     def stop(self, ok: bool = True) -> float:
         """End the task; if anything was shown, end with ``what: done in N s`` (``ok``) or erase the
         live line (an error follows, and says what happened). Returns the elapsed seconds."""
+        if self in Progress._active:
+            Progress._active.remove(self)
         self._stopped.set()
         if self._thread is not None:
             self._thread.join()

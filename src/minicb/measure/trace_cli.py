@@ -50,11 +50,12 @@ def add_parser(sub) -> None:
 
 def cmd_trace(args) -> int:
     """``minicb trace``: run, print the ASCII diagram, optionally write the image."""
-    from minicb.measure.flags import MAX_SEED, check_out_file
+    from minicb.measure.flags import MAX_SEED, check_out_file, check_plots_possible
 
     if args.out is not None and os.path.splitext(args.out)[1].lower() not in (".png", ".svg"):
         raise InvalidArgument(f"--out must end in .png or .svg, got {args.out!r}")
     check_out_file("--out", args.out)                    # before the run, not after it
+    check_plots_possible("--out", args.out is not None, skip_flag=None)
     if args.replay is not None and os.path.splitext(args.replay)[1].lower() not in (".html", ".htm"):
         raise InvalidArgument(f"--replay must end in .html, got {args.replay!r}")
     check_out_file("--replay", args.replay)

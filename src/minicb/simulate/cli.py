@@ -13,9 +13,10 @@ on a simulated clock; Poisson arrivals in simulated time) and prints the table; 
 per policy), plus the throughput bars, latency CDFs and slot occupancy of ``--plot-rate``.
 Torch-free. The cost is the scheduler's own: about 20 us per scheduled sequence per step on this
 machine, so 1,000 ShareGPT requests (about 350,000 sequence-steps) take 5-10 s per policy and rate;
-the default (200 requests, three rates: 1,800 simulated requests) takes about 10 s on two cores,
-``--full`` (15,000) several minutes. Progress goes to stderr (``minicb.measure.progress``): one line
-per policy and rate, and a heartbeat every few seconds when stderr is not a terminal.
+the default (200 requests, three rates: 1,800 simulated requests) takes 24 s of CPU on the 2-core
+AMD EPYC VM (``python bench/readme_times.py``), ``--full`` (15,000) several minutes. Progress goes
+to stderr (``minicb.measure.progress``): one line per policy and rate, and a heartbeat every few
+seconds when stderr is not a terminal.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.measure.metrics import format_table, records_to_json
 
-DEFAULT_REQUESTS, DEFAULT_RATES = 200, "2,8,16"        # about 10 s here
+DEFAULT_REQUESTS, DEFAULT_RATES = 200, "2,8,16"        # 24 s of CPU here (bench/readme_times.py)
 FULL_REQUESTS, FULL_RATES = 1000, "2,4,8,12,16"        # --full: 15,000 simulated requests, minutes
 
 
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--full", action="store_true",
                    help=f"the full run: {FULL_REQUESTS:,} requests per rate at {FULL_RATES} req/s "
                         f"(15,000 simulated requests, minutes), unless --num-requests / --rates say "
-                        f"otherwise (default: {DEFAULT_REQUESTS} at {DEFAULT_RATES}, about 10 s)")
+                        f"otherwise (default: {DEFAULT_REQUESTS} at {DEFAULT_RATES})")
     p.add_argument("--preset", default="llama-3-70b", choices=list(PRESETS),
                    help="model and hardware of the cost model (default llama-3-70b on 8 x A100-80GB)")
     p.add_argument("--policy", default="all", choices=list(POLICY_ORDER) + ["all"],
@@ -66,7 +67,9 @@ def add_parser(sub) -> None:
                    help="longest prompt + output a request may have")
     p.add_argument("--step-overhead-ms", type=float, default=None, help="override the preset's")
     p.add_argument("--seq-overhead-us", type=float, default=None, help="override the preset's")
-    p.add_argument("--calibration", default=None, help="smollm2-135m: a bench/calibrate_cpu.py JSON")
+    p.add_argument("--calibration", default=None,
+                   help="smollm2-135m: a CPU calibration JSON (the source repository's calibration "
+                        "script writes one)")
     p.add_argument("--plot-rate", type=float, default=None, help="rate of the bar/CDF/occupancy plots "
                                                                  "(default: the highest)")
     p.add_argument("--out", default=None, help="directory for simulate.json and the PNGs")
@@ -93,7 +96,7 @@ def _rates(text: str) -> list[float]:
 def build(args):
     """(cost model, scheduler config, rates, policies) from the parsed arguments."""
     from minicb.core.config import SchedulerConfig
-    from minicb.measure.flags import check_out_dir, check_workload_args
+    from minicb.measure.flags import check_out_dir, check_plots_possible, check_workload_args
     from minicb.simulate.simulator import MAX_STEP_SECONDS, load_calibration, preset
 
     if args.num_requests is None:
@@ -116,6 +119,7 @@ def build(args):
     if args.plot_rate is not None and args.plot_rate not in rates:
         raise InvalidArgument(f"--plot-rate {args.plot_rate} is not one of --rates {rates}")
     check_out_dir("--out", args.out)
+    check_plots_possible("--out", bool(args.out) and not args.no_plots)
     cal = load_calibration(args.calibration) if args.calibration else None
     cost = preset(args.preset, calibration=cal, **over)
     blocks = args.num_blocks if args.num_blocks is not None else cost.num_kv_blocks(args.block_size)

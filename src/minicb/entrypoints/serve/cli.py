@@ -163,23 +163,29 @@ def _as_program() -> bool:
 
 
 def _serve(args, sock) -> int:
-    import torch
+    from minicb.entrypoints.checks import model_name as shown_name  # torch-free
+    from minicb.entrypoints.loading import load_lines
+    from minicb.measure.progress import LOAD_AFTER, Progress
 
-    from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, checked as generate checks it
-    from minicb.entrypoints.llm import LLM
-    from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
-    from minicb.fastpaths.install import show_load_lines
+    # the load's phases on one progress line (stderr), from the imports on; which GEMM path the model
+    # gets: one line (-v: and why)
+    with load_lines(args.verbose), Progress(f"loading {shown_name(args.model)}", after=LOAD_AFTER) as prog:
+        prog.phase("importing torch and the server")
+        import torch
 
-    show_load_lines()                    # which GEMM path the model gets, and why: one line on stderr
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
-              scheduling_policy=args.scheduling_policy,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
-              attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
-              fast_paths=not args.reference,
-              enable_prefix_caching=args.prefix_caching, kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
+        from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, as generate checks it
+        from minicb.entrypoints.llm import LLM
+        from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
+                  scheduling_policy=args.scheduling_policy, fast_paths=not args.reference,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
+                  attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
+                  enable_prefix_caching=args.prefix_caching,
+                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
     try:
         name = args.served_model_name or model_name(args.model)
         server = Server(llm.engine, model_name=name, max_waiting=args.max_waiting,
