@@ -257,6 +257,16 @@ class Scheduler:
         self._end(seq, FinishReason.ABORT, now)
         return seq
 
+    def fail(self, request_id: str, error: str, now: float = 0.0) -> list[Sequence]:
+        """Finish ``request_id`` alone with ERROR (its row failed: ``RowOutput.error``) and free what it
+        holds; ``update`` then skips its row. Returns it and the attached children that end with it."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return []
+        children = list(self._attached.get(request_id, ()))
+        self._end(seq, FinishReason.ERROR, now, str(error))
+        return [seq, *children]
+
     def fail_step(self, plan: StepPlan, error: str, now: float = 0.0) -> list[Sequence]:
         """The forward of ``plan`` raised: finish its requests with ERROR and free what they hold.
 

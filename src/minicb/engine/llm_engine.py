@@ -19,6 +19,9 @@ What can go wrong, and what happens then (the consistency contract, ``docs/error
 
 * the tensor work raises (``runner.run``, or a plan listener): that step's requests end with
   ``finish_reason == "error"`` and the reason; everybody else is served on;
+* one request's row fails alone (``RowOutput.error``: its logits are not finite, its grammar's
+  matcher broke): that request ends with ``finish_reason == "error"`` and the message, the step's
+  other requests are recorded as usual;
 * Ctrl-C: the bookkeeping (planning, recording, finishing, aborting) runs with it *deferred*
   (``engine.interrupts``), so it lands inside the forward (the step's requests fail as above) or at
   the step boundary (nobody is harmed), never half way through moving a request;
@@ -463,9 +466,14 @@ class LLMEngine:
         return _GREEDY if child is None else child.seq.params
 
     def _record(self, plan: StepPlan, sampled: dict[str, int | RowOutput]) -> None:
-        """Record the step in the scheduler and make the outputs of the requests it touched."""
-        tokens = {}
+        """Record the step in the scheduler and make the outputs of the requests it touched. A row
+        that failed alone (``RowOutput.error``: logits not finite, a broken grammar) ends its request
+        with ``finish_reason == "error"`` before the others are recorded."""
+        tokens, failed = {}, []
         for sid, value in sampled.items():
+            if isinstance(value, RowOutput) and value.error is not None:
+                failed += [s.request_id for s in self.scheduler.fail(sid, value.error, self.clock())]
+                continue
             token = token_of(value)
             if token is not None:
                 tokens[sid] = token
@@ -474,7 +482,7 @@ class LLMEngine:
                 if child is not None:
                     self._keep_logprobs(child, value)
         finished = {s.request_id for s in self.scheduler.update(plan, tokens, self.clock())}
-        self._outputs_of(list(tokens) + sorted(finished - tokens.keys()))
+        self._outputs_of(failed + list(tokens) + sorted(finished - tokens.keys()))
 
     def _outputs_of(self, seq_ids: list[str]) -> None:
         """Make the outputs of the requests these sequences belong to, each once, in that order: the

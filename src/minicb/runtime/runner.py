@@ -150,7 +150,7 @@ class ModelRunner:
             rows = row_logprobs(logits[first:first + len(targets)], targets, params[rid].prompt_logprobs)
             sampled = out.get(rid)
             if isinstance(sampled, RowOutput):
-                out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start)
+                out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start, sampled.error)
             else:
                 out[rid] = RowOutput(sampled, None, tuple(rows), start)
         return out
