@@ -21,9 +21,13 @@ text (lm-eval, a reranker) wants is the model's own distribution, which this is;
 without top-k/top-p it is exactly the distribution the token was drawn from. Prompt rows have no
 processors: their logprobs are the model's raw distribution.
 
-Numbers: float64 ``log_softmax`` of the row (exact for a float64 model: the 1e-6 comparison with
-transformers is on those). The rank is vLLM's: 1 + the number of tokens with a strictly larger
-logprob. Prompt rows are done ``CHUNK_ROWS`` at a time, so a long prompt's float64 copy stays small.
+Numbers: ``log_softmax`` of the row in the logits' own precision when that is float32 or float64
+(float64 for a float64 model: the 1e-6 comparison with transformers is on those), float32 for half
+types. The rank is vLLM's: 1 + the number of tokens with a strictly larger logprob (counted on the
+logits, whose order is the logprobs' without the ties float32 rounding makes). Prompt rows are
+done ``CHUNK_ROWS`` at a time, and nothing wider than the chunk is copied: the float64 copy (and its
+NaN-masked copy) that every row used to get made an 8,000-row prompt with ``prompt_logprobs: 20``
+cost several times its own prefill (``python bench/logprob_memory.py`` prints the cost now).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from minicb.engine.logprobs import TokenLogprobs
 
-CHUNK_ROWS = 64       # prompt rows turned into float64 logprobs at once (64 x 49,152 x 8 B = 25 MB)
+CHUNK_ROWS = 64       # prompt rows scored at once (64 x 49,152 x 4 B = 12.6 MB of float32 logprobs)
 
 
 def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
@@ -42,13 +46,16 @@ def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[T
     ``k`` most likely tokens (best first) with theirs. NaN logits count as ``-inf``."""
     out: list[TokenLogprobs] = []
     for lo in range(0, logits.shape[0], CHUNK_ROWS):
-        x = logits[lo:lo + CHUNK_ROWS].to(torch.float64)
-        x = x.masked_fill(torch.isnan(x), float("-inf"))
+        x = logits[lo:lo + CHUNK_ROWS]
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        if bool(torch.isnan(x.amax(dim=-1)).any()):             # rare: a broken row (amax keeps NaN)
+            x = x.masked_fill(torch.isnan(x), float("-inf"))
         lp = torch.log_softmax(x, dim=-1)
-        tgt = torch.tensor(targets[lo:lo + CHUNK_ROWS], dtype=torch.long, device=lp.device)
-        mine = lp.gather(1, tgt[:, None])
-        ranks = ((lp > mine).sum(dim=1) + 1).tolist()
-        mine = mine[:, 0].tolist()
+        tgt = torch.tensor(targets[lo:lo + CHUNK_ROWS], dtype=torch.long, device=x.device)
+        # the rank on the logits themselves: the same order as the logprobs', without float32's ties
+        ranks = (torch.count_nonzero(x > x.gather(1, tgt[:, None]), dim=1) + 1).tolist()
+        mine = lp.gather(1, tgt[:, None])[:, 0].tolist()
         if k:
             top = torch.topk(lp, min(k, lp.shape[1]), dim=1)
             top_ids, top_lps = top.indices.tolist(), top.values.tolist()
