@@ -174,6 +174,7 @@ class LLMEngine:
             raise RequestRejected(f"request {rid!r} asks for n={params.n} parallel samples, more than "
                                   f"max_n={self.config.max_n}")
         ids = self.tokenize(prompt)
+        inputs.check_logprob_cost(params, len(ids), self.config.max_logprob_entries)
         seqs = [Sequence(child_id(rid, i, params.n), list(ids), params.child_params(i), arrival_time=now,
                          priority=priority, eos_token_id=self.eos_token_id, index=i)
                 for i in range(params.n)]
