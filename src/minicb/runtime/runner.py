@@ -53,7 +53,7 @@ from minicb.engine.logprobs import RowOutput
 from minicb.model.backends import make_backend
 from minicb.model.kv_cache import KVCache
 from minicb.model.llama import LlamaForCausalLM
-from minicb.runtime.logprobs import row_logprobs
+from minicb.runtime.logprobs import release_heap, row_logprobs
 from minicb.runtime.packer import RaggedBatch, pack
 from minicb.runtime.sampling import Sampler
 
@@ -153,6 +153,7 @@ class ModelRunner:
                 out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start, sampled.error)
             else:
                 out[rid] = RowOutput(sampled, None, tuple(rows), start)
+        release_heap()                       # the rows' temporaries: back to the system, not kept
         return out
 
 
