@@ -84,3 +84,16 @@ def test_a_schema_that_only_refers_to_itself_is_refused_before_any_work(llm):
     with pytest.raises(InvalidArgument, match="structured_outputs.json cannot be compiled: NoExtensionBias"):
         llm.generate(["ab"], [SamplingParams(max_tokens=5, structured_outputs=S(json=SELF_REF))])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_every_child_of_a_request_whose_grammar_breaks_ends_with_the_error(llm):
+    """``n = 3``: the children fork after the prompt and each has its own matcher; each breaks at its
+    second token and ends "error" alone; the scheduler is left consistent, nothing held."""
+    (out,) = llm.generate(["ab"], [SamplingParams(max_tokens=20, n=3, temperature=1.0, seed=5,
+                                                  structured_outputs=S(grammar='start: "a" start'))])
+    assert [c.finish_reason for c in out.outputs] == ["error"] * 3
+    assert all("Too many items" in c.error and c.text == "a" for c in out.outputs)
+    sched = llm.engine.scheduler
+    sched.check_integrity()
+    assert sched.num_running == sched.num_waiting == 0 and sched.block_manager.num_free_blocks == \
+        sched.block_manager.num_blocks
