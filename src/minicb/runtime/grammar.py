@@ -47,9 +47,8 @@ import json
 import numpy as np
 import torch
 
-from minicb.core.errors import InvalidArgument
+from minicb.core.errors import InvalidArgument, RowFailed
 from minicb.core.structured_outputs import StructuredOutputsParams
-from minicb.runtime.logits_processors import RowFailed
 
 CACHE_SIZE = 256                  # compiled constraints kept (an LRU: a new schema evicts the oldest)
 

@@ -58,17 +58,12 @@ import torch
 from minicb.core.sampling_params import SamplingParams
 
 
-class RowFailed(Exception):
-    """Raised by a processor's ``process`` when its request cannot go on (a grammar's matcher broke):
-    the sampler ends that request alone with ``finish_reason == "error"`` and this message."""
-
-
 class RowProcessor:
     """Per-request state that edits that request's row of logits before the sampler's filters.
 
     ``process`` maps a ``[V]`` row to a new ``[V]`` row (float32 or float64, never in place on the
-    input), or raises ``RowFailed`` to end its request with an error; ``accept`` is called once for
-    every token the request generates, after the step's rows are all sampled."""
+    input), or raises ``minicb.core.errors.RowFailed`` to end its request with an error; ``accept``
+    is called once for every token the request generates, after the step's rows are all sampled."""
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -48,9 +48,10 @@ import secrets
 
 import torch
 
+from minicb.core.errors import RowFailed
 from minicb.core.sampling_params import SamplingParams
 from minicb.engine.logprobs import RowOutput, TokenLogprobs
-from minicb.runtime.logits_processors import RowFailed, RowProcessor, build_processors
+from minicb.runtime.logits_processors import RowProcessor, build_processors
 from minicb.runtime.logprobs import row_logprobs
 
 
