@@ -4,6 +4,7 @@ each computed beside a running decode, and whether the memory comes back when th
     python bench/logprob_memory.py                          # 20 requests of 8,000 prompt tokens
     python bench/logprob_memory.py --requests 5 --prompt-tokens 2000 --top 5
     python bench/logprob_memory.py --model default          # SmolLM2 itself (its prefill dominates)
+    python bench/logprob_memory.py --keep-heap              # without handing the C heap's free pages back
 
 The default model is a random LLaMA of 2 small layers with SmolLM2's vocabulary (49,152 tokens) and
 tokenizer: the prefill costs little, so what is measured is the logprob work (the LM head over every
@@ -11,7 +12,9 @@ prompt row, the logprobs, the per-token entries of the output), which is the par
 the vocabulary. The engine is ``LLM``'s (2,048-token steps). For each request: the wall time and the
 steps it took, then the process's resident memory (``/proc/self/statm``) after the request has ended
 and ``gc.collect()`` ran, against the resident memory before the first (after one warm-up request),
-and the peak. Issue 46 saw 475 MB kept for good by a server after such requests.
+and the peak. Issue 46 saw 475 MB kept for good by a server after such requests. ``--keep-heap`` skips
+``runtime.logprobs.release_heap`` (glibc's ``malloc_trim`` after a step that scored prompt rows), to
+show what the C heap keeps without it.
 """
 
 from __future__ import annotations
@@ -81,7 +84,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="prompt_logprobs (top-k per prompt token)")
     ap.add_argument("--model", default="random", choices=["random", "default"])
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--keep-heap", action="store_true", help="do not hand the C heap's free pages back")
     args = ap.parse_args()
+    if args.keep_heap:
+        import minicb.runtime.runner as runner
+
+        runner.release_heap = lambda: None
     torch.manual_seed(0)
     max_len = args.prompt_tokens + 64
     model, tokenizer = model_and_tokenizer(args.model, max_len)
@@ -92,7 +100,8 @@ def main() -> None:
     prompts = [torch.randint(4, vocab, (args.prompt_tokens,)).tolist() for _ in range(args.requests + 1)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {args.model}, vocabulary "
           f"{vocab}; {args.requests} requests of {args.prompt_tokens} prompt tokens, prompt_logprobs "
-          f"{args.top}, {args.max_num_batched_tokens}-token steps, each beside a running decode")
+          f"{args.top}, {args.max_num_batched_tokens}-token steps, each beside a running decode"
+          f"{'; the C heap kept (--keep-heap)' if args.keep_heap else ''}")
     one(engine, "warm-up", prompts[-1], args.top)
     gc.collect()
     before = resident_mb()

@@ -83,9 +83,10 @@ def release_heap() -> None:
 
     Scoring a chunk allocates tensors of ``CHUNK_ROWS x V`` (12.6 MB for SmolLM2) again and again. glibc
     serves allocations of that size from its heap once a freed one has raised its mmap threshold, and a
-    heap keeps freed memory resident: a server's resident memory stayed up to ~180 MB higher after
-    prompt-logprob requests had ended (``python bench/logprob_memory.py``), all of it free memory that
-    ``malloc_trim`` returns. A few milliseconds, in steps that score prompt rows only."""
+    heap keeps freed memory resident: without this, resident memory stayed tens of MB higher (up to
+    ~100 MB, varying from request to request) after prompt-logprob requests had ended, all of it free
+    memory that ``malloc_trim`` returns (``python bench/logprob_memory.py`` with and without
+    ``--keep-heap``). A few milliseconds, in steps that score prompt rows only."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
