@@ -52,9 +52,10 @@ def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[T
         x = logits[lo:lo + CHUNK_ROWS]
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
-        if bool(torch.isnan(x.amax(dim=-1)).any()):             # rare: a broken row (amax keeps NaN)
-            x = x.masked_fill(torch.isnan(x), float("-inf"))
         lp = torch.log_softmax(x, dim=-1)
+        if bool(torch.isnan(lp[:, 0]).any()):          # rare: a NaN logit makes its whole row NaN here
+            x = x.masked_fill(torch.isnan(x), float("-inf"))
+            lp = torch.log_softmax(x, dim=-1)
         tgt = torch.tensor(targets[lo:lo + CHUNK_ROWS], dtype=torch.long, device=x.device)
         # the rank on the logits themselves: the same order as the logprobs', without float32's ties
         ranks = (torch.count_nonzero(x > x.gather(1, tgt[:, None]), dim=1) + 1).tolist()
