@@ -1,15 +1,12 @@
 """A chat template is untrusted code from a model file (``minicb.model.text.chat_template``): it renders
 like ``transformers`` renders it when it is well-behaved, and when it is not, it stops within its
-limits (time, size, memory) with a minicb error instead of running for hours, allocating terabytes
-or leaking a Jinja2 exception.
+limits (steps, work, size, memory: counts, never the clock) with a minicb error instead of running
+for hours, allocating terabytes or leaking a Jinja2 exception.
 
 Every hostile template below ran unbounded (or raised a bare ``jinja2`` / ``ZeroDivisionError``)
 before the limits existed. A template that never returns would hang the suite, so each render runs
-in a daemon thread that must finish within a generous wall-clock bound (``finishes``). The memory
-limit is lowered for these tests (64 MiB) so that the memory case costs little. The time limit is a
-wall clock, so it is lowered (0.3 s) only for the cases it must stop (``TIME_CASES``); everywhere else
-it is a hang guard (30 s), so that on a busy machine no other render (the slowest, ``join``, takes
-~0.1 s) is cut by the clock before its own guard or its end.
+in a daemon thread that must finish within a generous bound (``finishes``: a hang guard, not a
+limit). The memory limit is lowered for these tests (64 MiB) so that the memory case costs little.
 """
 
 from __future__ import annotations
@@ -30,21 +27,15 @@ from tokenizer_fixtures import CHATML, tiny_gguf_tokenizer_metadata
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 DEFAULT_MEMORY = ct.MAX_RENDER_MEMORY     # read before any test lowers it
-HANG_GUARD_S = 30.0                       # the render time limit where time is not what is tested
-TIME_LIMIT_S = 0.3                        # where it is (TIME_CASES): small, so that those cost little
 
 
 @pytest.fixture(autouse=True)
 def small_limits(monkeypatch):
-    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", HANG_GUARD_S)
     monkeypatch.setattr(ct, "MAX_RENDER_MEMORY", 64 * 2**20)
 
 
 def render(source: str, messages=MESSAGES):
-    """``ct.render`` in a bounded thread; also checks that the thread's tracer is restored after it.
-    The time limit is the small one for the templates that only it stops, the hang guard otherwise
-    (``small_limits`` puts the module's value back after the test)."""
-    ct.MAX_RENDER_SECONDS = TIME_LIMIT_S if source in TIME_SOURCES else HANG_GUARD_S
+    """``ct.render`` in a bounded thread; also checks that the thread's tracer is restored after it."""
 
     def run():
         before = sys.gettrace()
@@ -52,18 +43,25 @@ def render(source: str, messages=MESSAGES):
             return ct.render(source, messages=messages, add_generation_prompt=True, bos_token="<s>",
                              eos_token="</s>", pad_token=None)
         finally:
-            assert sys.gettrace() is before, "the time guard's tracer was left installed"
+            assert sys.gettrace() is before, "the step guard's tracer was left installed"
 
     return finishes(run)
 
 
 # (template, expected error class, words the one-line message holds)
 HOSTILE = {
-    # time: loops the sandbox allows (range is capped at 100,000 but nesting multiplies)
+    # steps: loops the sandbox allows (range is capped at 100,000 but nesting multiplies)
     "nested ranges": ("{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}"
-                      "{% endfor %}{% endfor %}{% endfor %}", ModelLoadError, ["ran for more than"]),
+                      "{% endfor %}{% endfor %}{% endfor %}", ModelLoadError, ["more than 200,000 steps"]),
     "nested lists": ("{% set x = range(1000)|list %}{% for a in x %}{% for b in x %}{% for c in x %}"
-                     "{% endfor %}{% endfor %}{% endfor %}", ModelLoadError, ["ran for more than"]),
+                     "{% endfor %}{% endfor %}{% endfor %}", ModelLoadError, ["more than 200,000 steps"]),
+    # work: a 2 MB string rebuilt (and thrown away) on every step of a loop, by '~' and by '+'
+    "rebuild by ~": ("{% set big = 'x' * 1000000 %}{% for i in range(100000) %}{% set t = big ~ big %}"
+                     "{% endfor %}", InvalidArgument, ["builds more than 134,217,728 characters in all"]),
+    "rebuild by +": ("{% set big = 'x' * 1000000 %}{% for i in range(100000) %}{% set t = big + big %}"
+                     "{% endfor %}", InvalidArgument, ["builds more than 134,217,728 characters in all"]),
+    "one ~ too big": ("{% set big = 'x' * 2000000 %}{{ big ~ big }}", InvalidArgument,
+                      ["'~'", "would build"]),
     # size, refused before anything is allocated
     "repeat": ("{{ 'x' * 10**12 }}", InvalidArgument, ["repeats", "times"]),
     "repeat list": ("{{ ([1] * 100000) * 100000 }}", InvalidArgument, ["repeats"]),
@@ -85,12 +83,15 @@ HOSTILE = {
     "tojson indent": ("{{ (range(10)|list)|tojson(indent=100000) }}", InvalidArgument, ["filter 'tojson'"]),
     "doubling in a namespace": ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
                                 "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
-                                InvalidArgument, ["builds a value"]),
+                                InvalidArgument, ["'~'", "would build"]),
     "output": ("{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}", InvalidArgument,
                ["output exceeds"]),
-    # memory: '~' compiles to a call the sandbox cannot intercept; the peak-memory guard stops it
     "doubling by lines": ("{% set s = 'ab' %}" + "{% set s = s ~ s %}" * 45 + "{{ s|length }}",
-                          ModelLoadError, ["more than"]),
+                          InvalidArgument, ["'~'", "would build"]),
+    # memory: 60 lists of 100,000 new ints (~3.6 MB each), every one within the size and work limits,
+    # all kept
+    "many big values": ("".join(f"{{% set a{i} = range(100000)|list %}}" for i in range(60))
+                        + "{{ a0|length }}", ModelLoadError, ["MiB of memory"]),
     # errors of the template itself
     "raise_exception": ("{{ raise_exception('Conversation roles must alternate') }}", InvalidArgument,
                         ["rejects these messages", "Conversation roles must alternate"]),
@@ -101,8 +102,6 @@ HOSTILE = {
     "sandbox escape": ("{{ ''.__class__.__mro__ }}", ModelLoadError, ["SecurityError"]),
     "syntax": ("{% for %}", ModelLoadError, ["not valid Jinja2"]),
 }
-TIME_CASES = ("nested ranges", "nested lists")         # stopped by the time limit alone
-TIME_SOURCES = {HOSTILE[name][0] for name in TIME_CASES}
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
@@ -171,18 +170,22 @@ def test_the_memory_guard_sees_a_render_grow_below_the_process_s_old_peak():
     held = b"x" * (512 * 2**20)           # every page written, so resident; freed at once (munmap)
     del held
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    source, error, needles = HOSTILE["doubling by lines"]
+    source, error, needles = HOSTILE["many big values"]
     result = render(source)
     assert isinstance(result, error) and "MiB of memory" in str(result), result
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss == peak
 
 
+@pytest.mark.timing
 def test_a_long_conversation_is_not_mistaken_for_an_attack(monkeypatch):
-    """1,000 messages, and one message of a million characters, render under the default size and
-    memory limits. (The time limit stays the hang guard: a wall clock can be tripped by a busy machine;
-    these take ~0.05 s.)"""
+    """The most messages a server accepts (``--max-messages``, 1,024), and one message of a million
+    characters, render under the default limits, the step count included, however busy the machine
+    (``python tests/under_hog.py`` runs this under a CPU hog: a 2 s wall-clock limit used to refuse
+    this chat under load, issue 46)."""
+    from minicb.entrypoints.serve.limits import ServeLimits
+
     monkeypatch.setattr(ct, "MAX_RENDER_MEMORY", DEFAULT_MEMORY)
-    many = [{"role": "user", "content": "hello there " * 20}] * 1000
+    many = [{"role": "user", "content": "hello there " * 20}] * ServeLimits().max_messages
     long = [{"role": "user", "content": "word " * 200_000}]
     for messages in (many, long):
         result = finishes(lambda m=messages: ct.render(CHATML, messages=m, add_generation_prompt=True))
@@ -203,3 +206,31 @@ def test_every_error_is_a_minicb_error_and_a_value_error():
     for source, _, _ in HOSTILE.values():
         result = render(source)
         assert isinstance(result, MinicbError) and isinstance(result, ValueError), result
+
+
+def test_the_step_limit_is_a_count_of_template_lines(monkeypatch):
+    """The same template and messages are accepted or refused by the count alone: a loop of ``n``
+    empty iterations runs a fixed number of lines per iteration, so with the limit set just above
+    what ``n`` iterations need it passes, and one more iteration makes it fail, on any machine."""
+    loop = "{% for i in range(n) %}{% endfor %}"
+
+    def steps(n: int) -> int:
+        guards = []
+        real = ct._Guard
+
+        class Counting(real):
+            def __init__(self):
+                super().__init__()
+                guards.append(self)
+
+        monkeypatch.setattr(ct, "_Guard", Counting)
+        ct.render(loop, n=n)
+        monkeypatch.setattr(ct, "_Guard", real)
+        return guards[0].lines
+
+    per_iteration = steps(101) - steps(100)
+    assert per_iteration >= 1 and steps(1000) - steps(100) == 900 * per_iteration
+    monkeypatch.setattr(ct, "MAX_RENDER_STEPS", steps(1000))
+    assert ct.render(loop, n=1000) == ""
+    with pytest.raises(ModelLoadError, match=f"ran more than {steps(1000):,} steps"):
+        ct.render(loop, n=1001)

@@ -519,7 +519,32 @@ def test_gguf_non_finite_weights_are_refused(tmp_path):
         p = tmp_path / f"{name}.gguf"
         p.write_bytes(bytes(data))
         msg = load_error(p)
-        assert "output_norm.weight" in msg and "1 values that are NaN or infinite" in msg, msg
+        assert "model.norm.weight" in msg and "1 value(s) that are NaN or infinite" in msg, msg
+
+
+def test_a_layer_of_nan_weights_is_refused_at_load_naming_the_tensor(tmp_path):
+    """One layer's ``down_proj`` filled with NaN (issue 46): the model used to load, print an empty text
+    and exit 0. Both formats, and a finite float32 value too large for float16 (it becomes inf in the
+    cast), are refused in one line that names the tensor."""
+    import numpy as np
+
+    from tiny_files import tiny_weights
+
+    weights = tiny_weights()
+    weights["model.layers.0.mlp.down_proj.weight"][:] = np.nan
+    name = "model.layers.0.mlp.down_proj.weight"
+    n = weights[name].size
+    for path in (write_gguf(tmp_path / "nan.gguf", weights, quantize=False),
+                 write_hf_dir(tmp_path / "nan_hf", weights)):
+        msg = load_error(path)
+        assert name in msg and f"{n} value(s) that are NaN or infinite" in msg and "\n" not in msg, msg
+    big = tiny_weights()
+    big["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e6          # finite in float32, inf in float16
+    d = write_hf_dir(tmp_path / "big_hf", big)
+    load_model(d)                                                  # float32: it loads
+    with pytest.raises(ModelLoadError) as e:
+        load_model(d, dtype=__import__("torch").float16)
+    assert "model.layers.0.mlp.up_proj.weight" in str(e.value) and "float16" in str(e.value)
 
 
 @pytest.mark.parametrize("key, value, needles", [

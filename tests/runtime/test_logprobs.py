@@ -173,3 +173,54 @@ def test_the_simulator_answers_logprobs_of_a_model_certain_of_every_token():
     (out,) = eng.run_until_done()
     assert out.logprobs == [{5: Logprob(0.0, 1)}] * 2
     assert out.prompt_logprobs == [None, {2: Logprob(0.0, 1)}, {3: Logprob(0.0, 1)}]
+
+
+def test_a_long_prompt_is_scored_chunk_by_chunk_beside_a_running_decode():
+    """Issue 46: prompt logprobs of a prompt many chunks long are computed with its prefill, chunk by
+    chunk, while a decode keeps getting a token at every step (counted in steps, no clock); each
+    chunk's rows come out of that chunk's own forward (the LM head sees the chunk's rows once), and the
+    result equals one plain forward over the whole prompt."""
+    budget = 16
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, block_size=4, num_blocks=128)
+    prompt = random_prompts(1, 150, 150, V, seed=11)[0]
+    seen: list[int] = []
+    hook = MODEL.lm_head.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
+    try:
+        eng = engine_for(MODEL, config)
+        eng.add_request("decode", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        eng.step()                                              # the decode runs before the prompt arrives
+        eng.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))
+        steps, decode_tokens, final = 0, 0, None
+        while final is None:
+            seen.clear()
+            outs = eng.step()
+            steps += 1
+            plan = {s.request_id: s for s in eng.last_plan.seqs}
+            assert plan["decode"].sample                        # the decode is never held back
+            decode_tokens += sum(len(o.new_token_ids) for o in outs if o.request_id == "decode")
+            scored = plan.get("scored")
+            if scored is not None and scored.prompt_targets:    # this chunk's rows, in this chunk's forward
+                assert seen == [1 + len(scored.prompt_targets) + scored.sample]
+            final = next((o for o in outs if o.request_id == "scored" and o.finished), None)
+    finally:
+        hook.remove()
+    chunks = -(-len(prompt) // (budget - 1))                    # the decode takes 1 token of each step
+    assert steps == chunks and decode_tokens == steps           # several chunks, a decode token each
+    check_prompt(final, 3)
+
+
+def test_a_request_asking_for_too_many_logprob_entries_is_refused_before_any_work():
+    """``max_logprob_entries`` counts rows x (top-k + 1): (prompt - 1) x (prompt_logprobs + 1) plus
+    n x max_tokens x (logprobs + 1). At the limit a request is accepted, one entry past it refused
+    with ``InvalidArgument`` before it is queued (a 400 through the server)."""
+    prompt = list(range(4, 24))                                 # 20 tokens: 19 scored rows
+    want = 19 * (5 + 1) + 2 * 3 * (4 + 1)                      # 114 + 30
+    fits = SamplingParams(max_tokens=3, n=2, logprobs=4, prompt_logprobs=5)
+    eng = engine_for(MODEL, SchedulerConfig(max_num_seqs=4, block_size=4, num_blocks=64,
+                                            max_logprob_entries=want))
+    eng.add_request("fits", prompt, fits)
+    with pytest.raises(InvalidArgument, match=f"asks for {want + 6:,} logprob entries.*limit is {want:,}"):
+        eng.add_request("over", prompt + [24], fits)            # one more prompt row: 6 more entries
+    assert [o.request_id for o in eng.run_until_done()] == ["fits"]
+    with pytest.raises(InvalidArgument, match="max_logprob_entries"):
+        SchedulerConfig(max_logprob_entries=-1)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minicb.core.sampling_params import SamplingParams
-from minicb.runtime.sampling import Sampler, filter_logits, sample_token
+from minicb.runtime.sampling import Sampler, filter_logits, greedy_tokens, sample_token
 
 
 def softmax(xs: list[float]) -> list[float]:
@@ -242,6 +242,11 @@ def test_greedy_on_bfloat16_logits_is_the_first_maximum_of_each_row():
     logits[4, 999] = float("inf")
     logits[5, 0] = 100.0                                    # the last row: its first token
     params = [SamplingParams(max_tokens=4)] * 6
+    want = torch.argmax(logits.double(), dim=-1).tolist()
+    assert greedy_tokens(logits) == want
+    # the sampler itself refuses to pick a token from the rows holding NaN or inf (a broken forward):
+    # those requests fail, the others get the argmax
     got = Sampler(seed=0).sample(logits, tuple(f"r{i}" for i in range(6)), params)
-    assert got == torch.argmax(logits.double(), dim=-1).tolist()
-    assert got[1:5] == [10, 0, 5, 999] and got[5] == 0
+    assert [t.error is not None and "not finite" in t.error for t in got[3:5]] == [True, True]
+    assert got[:3] + got[5:] == want[:3] + want[5:]
+    assert want[1:5] == [10, 0, 5, 999] and want[5] == 0

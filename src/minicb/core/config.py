@@ -13,6 +13,11 @@
 * ``preemption_mode``: ``recompute`` or ``swap`` (which falls back to recompute when the host pool is full).
 * ``max_n``: the most children one request may fork into (``SamplingParams.n``, parallel sampling):
   each child is a sequence with its own slot and blocks, so ``n`` is bounded like the other limits.
+* ``max_logprob_entries``: the most logprob entries one request may ask for, counted before any work
+  as rows x (top-k + 1): ``(prompt tokens - 1) x (prompt_logprobs + 1)`` plus ``n x max_tokens x
+  (logprobs + 1)``. Each entry is a few dozen bytes of response (``engine.inputs.LOGPROB_ENTRY_BYTES``)
+  and some work, so this bounds what one request may cost; past it ``add_request`` refuses the request
+  (``InvalidArgument``: a 400 through the server, ``--max-logprob-entries``).
 * ``enable_prefix_caching``: share the KV blocks of common prompt prefixes between requests (on by
   default; ``continuous`` only, see ``block_manager``).
 * ``scheduling_policy``: ``fcfs`` (arrival order; ``priority`` is ignored) or ``priority``: as in
@@ -99,7 +104,7 @@ TINY_MODEL = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, n
 
 
 _INT_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk", "block_size", "num_blocks",
-               "num_host_blocks", "max_model_len", "priority_aging", "max_n")
+               "num_host_blocks", "max_model_len", "priority_aging", "max_n", "max_logprob_entries")
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,6 +124,7 @@ class SchedulerConfig:
     priority_aging: int = 32                   # priority: +1 level per this many later arrivals (0: strict)
     enable_prefix_caching: bool = True         # reuse cached prefix blocks (continuous only, as vLLM)
     max_n: int = 16                            # the most children of one request (SamplingParams.n)
+    max_logprob_entries: int = 500_000         # rows x (top-k + 1) one request may ask for (~40 MB of JSON)
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:       # numpy / torch integers are stored as plain ints (frozen: set once)
@@ -133,6 +139,7 @@ class SchedulerConfig:
         check_int("max_model_len", self.max_model_len, lo=1)
         check_int("priority_aging", self.priority_aging, lo=0)
         check_int("max_n", self.max_n, lo=1)
+        check_int("max_logprob_entries", self.max_logprob_entries, lo=0)
         if self.long_prefill_chunk is not None:
             check_int("long_prefill_chunk", self.long_prefill_chunk, lo=1, hi=self.max_num_batched_tokens)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:

@@ -30,6 +30,12 @@ class DistributedError(MinicbError, RuntimeError):
     """Tensor-parallel ranks disagree, or a rank died: raised on every rank instead of hanging."""
 
 
+class RowFailed(MinicbError):
+    """One request's row of a step cannot be sampled (a logits processor raises it: a grammar's matcher
+    broke). The sampler catches it and ends that request alone with ``finish_reason == "error"`` and
+    this message; it never leaves the step."""
+
+
 class EngineDeadError(MinicbError, RuntimeError):
     """The engine's own bookkeeping failed (a bug, not a request's fault): every request it held has
     ended with ``finish_reason == "error"`` and the reason, and it refuses further work (vLLM V1's name)."""

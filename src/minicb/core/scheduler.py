@@ -213,13 +213,13 @@ class Scheduler:
         self.stats.num_padding_tokens += sum(plan.padding)
         return finished
 
-    def abort(self, request_id: str, now: float = 0.0) -> Sequence | None:
-        """Finish ``request_id`` with ABORT from any state and free all it holds (None if unknown); a
-        child 0 aborted before its fork takes its attached children with it."""
+    def abort(self, request_id: str, now: float = 0.0, error: str | None = None) -> Sequence | None:
+        """Finish ``request_id`` with ABORT (ERROR with ``error``: its row failed alone) from any state
+        and free all it holds (None if unknown); an attached child 0 takes its children with it."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        self._end(seq, FinishReason.ABORT, now)
+        self._end(seq, FinishReason.ABORT if error is None else FinishReason.ERROR, now, error)
         return seq
 
     def fail_step(self, plan: StepPlan, error: str, now: float = 0.0) -> list[Sequence]:

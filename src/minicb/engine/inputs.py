@@ -74,6 +74,34 @@ def check_params_fit(params: SamplingParams, vocab_size: int, tokenizer) -> None
                               "logit_bias -100 instead")
 
 
+# About one entry in a JSON response, '"12345": {"logprob": -1.2345678901234567, "rank": 12,
+# "decoded_token": " word"}, ' (vLLM's shape; issue 46 saw a 12.6 MB body for 168,000 entries, 75 B
+# each): what the refusal below quotes as the response's size.
+LOGPROB_ENTRY_BYTES = 80
+
+
+def logprob_entries(params: SamplingParams, num_prompt_tokens: int) -> int:
+    """The logprob entries a request asks for: per scored row the token's own and the top-k."""
+    entries = 0
+    if params.prompt_logprobs is not None:
+        entries += (num_prompt_tokens - 1) * (params.prompt_logprobs + 1)
+    if params.logprobs is not None:
+        entries += params.n * params.max_tokens * (params.logprobs + 1)
+    return entries
+
+
+def check_logprob_cost(params: SamplingParams, num_prompt_tokens: int, limit: int) -> None:
+    """Refuse, before any work, a request whose logprobs would cost more than ``limit`` entries
+    (``SchedulerConfig.max_logprob_entries``)."""
+    entries = logprob_entries(params, num_prompt_tokens)
+    if entries > limit:
+        raise InvalidArgument(
+            f"logprobs: this request asks for {entries:,} logprob entries (prompt tokens x "
+            f"(prompt_logprobs + 1) + n x max_tokens x (logprobs + 1)), about "
+            f"{entries * LOGPROB_ENTRY_BYTES / 1e6:,.0f} MB of response; the limit is {limit:,} "
+            "(max_logprob_entries): ask for fewer top logprobs, fewer tokens or a shorter prompt")
+
+
 def checked_request_id(rid) -> str:
     if not isinstance(rid, str) or not rid:
         raise InvalidArgument(f"request_id must be a non-empty str, got {rid!r}")

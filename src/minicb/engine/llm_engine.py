@@ -11,6 +11,9 @@ outside; what can go wrong, and what happens then (the consistency contract, ``d
 
 * the tensor work raises (``runner.run``): that step's requests end with ``finish_reason == "error"``
   and the reason; everybody else is served on (the loop does this);
+* one request's row fails alone (``RowOutput.error``: its logits are not finite, its grammar's
+  matcher broke): that request ends with ``finish_reason == "error"`` and the message, the step's
+  other requests are recorded as usual (the loop does this too);
 * Ctrl-C: the bookkeeping (planning, recording, finishing, aborting) runs with it *deferred*
   (``DeferredInterrupts`` below), so it lands inside the forward (the step's requests fail as above)
   or at the step boundary (nobody is harmed), never half way through moving a request;
@@ -129,6 +132,7 @@ class LLMEngine(StepLoop):
             raise RequestRejected(f"request {rid!r} asks for n={params.n} parallel samples, more than "
                                   f"max_n={self.config.max_n}")
         ids = self.tokenize(prompt)
+        inputs.check_logprob_cost(params, len(ids), self.config.max_logprob_entries)
         seqs = [Sequence(child_id(rid, i, params.n), list(ids), params.child_params(i), arrival_time=now,
                          priority=priority, eos_token_id=self.eos_token_id, index=i,
                          prompt=prompt if isinstance(prompt, str) else None)

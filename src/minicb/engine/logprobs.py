@@ -6,6 +6,10 @@ A step's runner returns one value per request whose row produced something (``Ru
     {request_id: RowOutput(token=17,            the same token with what the request asked for:
                            logprobs=...,        its logprob, rank and the top-k (SamplingParams.logprobs)
                            prompt=...)}         logprobs of prompt tokens this chunk scored (prompt_logprobs)
+    {request_id: RowOutput(error="...")}       this request's row failed (its logits are not finite,
+                                                its grammar's matcher broke): the request ends with
+                                                ``finish_reason == "error"`` and this message, and the
+                                                other rows of the step go on
 
 A plain ``int`` stays the common answer, so a runner that knows nothing of logprobs (a test's, the
 simulator's) is still a runner. Everything here is plain Python (ints, floats, tuples): the tensors
@@ -67,6 +71,7 @@ class RowOutput:
     logprobs: TokenLogprobs | None = None
     prompt: tuple[TokenLogprobs, ...] = ()
     prompt_start: int = 1
+    error: str | None = None            # this request's row failed: it ends with finish_reason "error"
 
 
 @dataclass(slots=True)

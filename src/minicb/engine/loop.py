@@ -129,12 +129,18 @@ class StepLoop:
         return params
 
     def _record(self, plan: StepPlan, sampled: dict[str, int | RowOutput]) -> None:
-        """Record the step in the scheduler and make the outputs of the requests it touched."""
-        tokens = {}
+        """Record the step in the scheduler and make the outputs of the requests it touched. A row
+        that failed alone (``RowOutput.error``: logits not finite, a broken grammar) ends its request
+        with ``finish_reason == "error"`` before the others are recorded."""
+        tokens, failed = {}, []
         for sid, value in sampled.items():
             if not isinstance(value, RowOutput):
                 if value is not None:
                     tokens[sid] = value
+                continue
+            if value.error is not None:
+                self.scheduler.abort(sid, self.clock(), error=value.error)
+                failed.append(sid)
                 continue
             if value.token is not None:
                 tokens[sid] = value.token
@@ -142,7 +148,7 @@ class StepLoop:
             if tracker is not None:
                 self._keep_logprobs(tracker, value)
         finished = self.scheduler.update(plan, tokens, self.clock())
-        self._outputs_of(list(tokens) + sorted({s.request_id for s in finished} - tokens.keys()))
+        self._outputs_of(failed + list(tokens) + sorted({s.request_id for s in finished} - tokens.keys()))
 
     def _outputs_of(self, seq_ids: list[str]) -> None:
         """Make the outputs of the requests these sequences belong to, each once, in that order: the

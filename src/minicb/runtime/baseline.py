@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minicb.core.sampling_params import SamplingParams
+from minicb.engine.logprobs import RowOutput
 from minicb.model.attention import StaticCacheAttention, StaticMeta
 from minicb.model.llama import LlamaForCausalLM
 from minicb.runtime.sampling import Sampler
@@ -84,6 +85,9 @@ def generate_padded(model: LlamaForCausalLM, prompts: list[list[int]],
     t = 0
     while True:
         tokens = sampler.sample(logits, rids, plist)
+        failed = next((t.error for t in tokens if isinstance(t, RowOutput)), None)
+        if failed is not None:           # the padded baseline has no per-request errors: it stops
+            raise RuntimeError(failed)
         for r in range(b):
             if not done[r]:
                 out[r].append(tokens[r])

@@ -47,7 +47,7 @@ import json
 import numpy as np
 import torch
 
-from minicb.core.errors import InvalidArgument
+from minicb.core.errors import InvalidArgument, RowFailed
 from minicb.core.structured_outputs import StructuredOutputsParams
 
 CACHE_SIZE = 256                  # compiled constraints kept (an LRU: a new schema evicts the oldest)
@@ -132,8 +132,13 @@ def compiled(spec: StructuredOutputsParams, tokenizer, vocab_size: int, eos_toke
         raise
     except Exception as e:  # noqa: BLE001 - the engine's errors have no common class; all mean "bad grammar"
         raise InvalidArgument(f"structured_outputs.{spec.kind} cannot be compiled: {e}") from None
+    if not matcher.is_error():          # the first mask: where a schema that only refers to itself fails
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            matcher = probe
     if matcher.is_error():
-        raise InvalidArgument(f"structured_outputs.{spec.kind} cannot be compiled: {matcher.get_error()}")
+        raise InvalidArgument(f"structured_outputs.{spec.kind} cannot be compiled: {matcher_error(matcher)}")
     return matcher
 
 
@@ -148,13 +153,21 @@ def new_matcher(spec: StructuredOutputsParams, tokenizer, vocab_size: int, eos_t
     return compiled(spec, tokenizer, vocab_size, eos_token_id).deep_copy()
 
 
+def matcher_error(matcher) -> str:
+    """The first line of the matcher's error (llguidance appends a dump of its parser state)."""
+    return (matcher.get_error() or "unknown error").strip().splitlines()[0][:300]
+
+
 class GrammarProcessor:
     """One request's grammar as a ``RowProcessor``: ``process`` masks its row, ``accept`` advances.
 
-    ``process`` never fails the batch: if the grammar is in an error state (a token it refused was
-    forced in: cannot happen through the mask) only EOS is allowed, so the request ends; if the row
-    has no usable logit among the allowed tokens (a broken forward), the allowed tokens share the
-    probability equally instead of the sampler's uniform fallback over the whole vocabulary."""
+    **A broken matcher is an error, never a normal end.** llguidance reports what goes wrong while it
+    computes a mask (a grammar without any finite string, ``start: "a" start``, runs into "Too many
+    items"; a schema that only refers to itself is "NoExtensionBias") as an error *state*, not an
+    exception. ``process`` then raises ``RowFailed`` with the matcher's message, so the request ends
+    with ``finish_reason == "error"`` (the other rows of the step go on); allowing only EOS instead
+    would end it with "stop", a wrong answer that looks like a right one. If the row has no usable
+    logit among the allowed tokens, the allowed tokens share the probability equally."""
 
     def __init__(self, matcher, vocab_size: int, eos_token_id: int) -> None:
         self.matcher = matcher
@@ -164,12 +177,12 @@ class GrammarProcessor:
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next: a ``[V]`` bool tensor."""
+        """The tokens the grammar allows next: a ``[V]`` bool tensor (``RowFailed`` if the matcher
+        is, or goes, into its error state)."""
+        if not self.matcher.is_error():
+            self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         if self.matcher.is_error():
-            out = torch.zeros(self.vocab_size, dtype=torch.bool)
-            out[self.eos_token_id] = True
-            return out
-        self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+            raise RowFailed(f"structured output failed: {matcher_error(self.matcher)}")
         words = torch.from_numpy(self._words)
         bits = (words.unsqueeze(1) >> self._shifts) & 1      # [V/32, 32]: bit j of word i is token 32i+j
         return bits.reshape(-1)[: self.vocab_size].bool()

@@ -62,8 +62,8 @@ class RowProcessor:
     """Per-request state that edits that request's row of logits before the sampler's filters.
 
     ``process`` maps a ``[V]`` row to a new ``[V]`` row (float32 or float64, never in place on the
-    input); ``accept`` is called once for every token the request generates, after the step's rows
-    are all sampled."""
+    input), or raises ``minicb.core.errors.RowFailed`` to end its request with an error; ``accept``
+    is called once for every token the request generates, after the step's rows are all sampled."""
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -21,20 +21,27 @@ text (lm-eval, a reranker) wants is the model's own distribution, which this is;
 without top-k/top-p it is exactly the distribution the token was drawn from. Prompt rows have no
 processors: their logprobs are the model's raw distribution.
 
-Numbers: float64 ``log_softmax`` of the row (exact for a float64 model: the 1e-6 comparison with
-transformers is on those). The rank is vLLM's: 1 + the number of tokens with a strictly larger
-logprob. Prompt rows are done ``CHUNK_ROWS`` at a time, so a long prompt's float64 copy stays small.
+Numbers: ``log_softmax`` of the row in the logits' own precision when that is float32 or float64
+(float64 for a float64 model: the 1e-6 comparison with transformers is on those), float32 for half
+types. The rank is vLLM's: 1 + the number of tokens with a strictly larger logprob (counted on the
+logits, whose order is the logprobs' without the ties float32 rounding makes). Prompt rows are
+done ``CHUNK_ROWS`` at a time, and nothing wider than the chunk is copied: the float64 copy (and its
+NaN-masked copy) that every row used to get made an 8,000-row prompt with ``prompt_logprobs: 20``
+cost several times its own prefill (``python bench/logprob_memory.py`` prints the cost now).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from minicb.engine.logprobs import TokenLogprobs
 
-CHUNK_ROWS = 64       # prompt rows turned into float64 logprobs at once (64 x 49,152 x 8 B = 25 MB)
+CHUNK_ROWS = 64       # prompt rows scored at once (64 x 49,152 x 4 B = 12.6 MB of float32 logprobs)
 
 
 def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
@@ -42,13 +49,17 @@ def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[T
     ``k`` most likely tokens (best first) with theirs. NaN logits count as ``-inf``."""
     out: list[TokenLogprobs] = []
     for lo in range(0, logits.shape[0], CHUNK_ROWS):
-        x = logits[lo:lo + CHUNK_ROWS].to(torch.float64)
-        x = x.masked_fill(torch.isnan(x), float("-inf"))
+        x = logits[lo:lo + CHUNK_ROWS]
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
         lp = torch.log_softmax(x, dim=-1)
-        tgt = torch.tensor(targets[lo:lo + CHUNK_ROWS], dtype=torch.long, device=lp.device)
-        mine = lp.gather(1, tgt[:, None])
-        ranks = ((lp > mine).sum(dim=1) + 1).tolist()
-        mine = mine[:, 0].tolist()
+        if bool(torch.isnan(lp[:, 0]).any()):          # rare: a NaN logit makes its whole row NaN here
+            x = x.masked_fill(torch.isnan(x), float("-inf"))
+            lp = torch.log_softmax(x, dim=-1)
+        tgt = torch.tensor(targets[lo:lo + CHUNK_ROWS], dtype=torch.long, device=x.device)
+        # the rank on the logits themselves: the same order as the logprobs', without float32's ties
+        ranks = (torch.count_nonzero(x > x.gather(1, tgt[:, None]), dim=1) + 1).tolist()
+        mine = lp.gather(1, tgt[:, None])[:, 0].tolist()
         if k:
             top = torch.topk(lp, min(k, lp.shape[1]), dim=1)
             top_ids, top_lps = top.indices.tolist(), top.values.tolist()
@@ -57,3 +68,26 @@ def row_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[T
         out += [TokenLogprobs(int(t), m, r, tuple(i), tuple(v))
                 for t, m, r, i, v in zip(tgt.tolist(), mine, ranks, top_ids, top_lps)]
     return out
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is not glibc (musl, macOS, Windows)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_heap() -> None:
+    """Hand the C heap's free pages back to the system after a step that scored prompt rows.
+
+    Scoring a chunk allocates tensors of ``CHUNK_ROWS x V`` (12.6 MB for SmolLM2) again and again. glibc
+    serves allocations of that size from its heap once a freed one has raised its mmap threshold, and a
+    heap keeps freed memory resident: without this, resident memory stayed tens of MB higher (up to
+    ~100 MB, varying from request to request) after prompt-logprob requests had ended, all of it free
+    memory that ``malloc_trim`` returns (``python bench/logprob_memory.py`` with and without
+    ``--keep-heap``). A few milliseconds, in steps that score prompt rows only."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

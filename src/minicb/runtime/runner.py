@@ -56,7 +56,7 @@ from minicb.engine.logprobs import RowOutput
 from minicb.model import backends
 from minicb.model.kv_cache import KVCache
 from minicb.model.llama import LlamaForCausalLM
-from minicb.runtime.logprobs import row_logprobs
+from minicb.runtime.logprobs import release_heap, row_logprobs
 from minicb.runtime.packer import RaggedBatch, pack
 from minicb.runtime.sampling import Sampler
 
@@ -164,9 +164,10 @@ class ModelRunner:
             rows = row_logprobs(logits[first:first + len(targets)], targets, params[rid].prompt_logprobs)
             sampled = out.get(rid)
             if isinstance(sampled, RowOutput):
-                out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start)
+                out[rid] = RowOutput(sampled.token, sampled.logprobs, tuple(rows), start, sampled.error)
             else:
                 out[rid] = RowOutput(sampled, None, tuple(rows), start)
+        release_heap()                       # the rows' temporaries: back to the system, not kept
         return out
 
 

@@ -24,7 +24,15 @@ from is valid by construction, whatever its logits hold:
   smallest temperature ``SamplingParams`` accepts cannot overflow to ``inf - inf = nan``;
 * a NaN logit is a token the model could not score: it is never drawn (it counts as ``-inf``);
 * ``+inf`` logits share all the probability between them (the limit of very large logits);
-* a row with no usable logit at all (every one NaN or ``-inf``: a broken forward) draws uniformly.
+* a row with no usable logit at all (every one NaN or ``-inf``) draws uniformly.
+
+**A broken forward is an error, not a draw.** Those rules keep ``sample_token`` total, but the model's
+own row is checked first: a row whose largest logit is not finite (a NaN anywhere, a ``+inf``, or no
+finite logit at all: damaged weights, an overflow) ends *its* request with ``finish_reason ==
+"error"`` (a ``RowOutput`` with an ``error``, ``unscorable_rows``) instead of returning a token drawn
+from a fallback, which would be garbage that looks like an answer. So does a processor that raises
+``RowFailed`` (a grammar whose matcher broke). Either way the other rows of the step are sampled as
+if nothing happened.
 
 Greedy rows are a plain ``argmax``, which never raises either (it treats NaN as the largest value,
 as the padded baseline does).
@@ -40,8 +48,9 @@ import secrets
 
 import torch
 
+from minicb.core.errors import RowFailed
 from minicb.core.sampling_params import SamplingParams
-from minicb.engine.logprobs import TokenLogprobs
+from minicb.engine.logprobs import RowOutput, TokenLogprobs
 from minicb.runtime.logits_processors import RowProcessor, build_processors
 from minicb.runtime.logprobs import row_logprobs
 
@@ -61,6 +70,24 @@ def greedy_tokens(logits: torch.Tensor, argmax=None) -> list[int]:
     if logits.dtype == torch.bfloat16:
         return torch.max(logits, dim=-1).indices.tolist()
     return torch.argmax(logits, dim=-1).tolist()
+
+
+NOT_FINITE = ("the model's logits for this request are not finite (NaN or infinity: damaged weights or "
+              "an overflow in the forward), so no token can be chosen")
+
+
+def unscorable_rows(logits: torch.Tensor, greedy: list[int] | None = None) -> list[int]:
+    """The rows whose largest logit is not finite: a NaN anywhere in the row (``max`` and ``argmax``
+    propagate it), a ``+inf``, or no finite logit at all. ``greedy``: the rows' argmax tokens when
+    they are known already, so the check reads one value per row instead of the whole matrix."""
+    if not logits.shape[0] or not logits.shape[-1]:
+        return []
+    if greedy is not None:
+        top = logits.gather(1, torch.tensor(greedy, device=logits.device)[:, None])[:, 0]
+    else:
+        top = logits.amax(dim=-1)
+    bad = ~torch.isfinite(top)
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
 
 
 def usable_scores(logits: torch.Tensor) -> torch.Tensor:
@@ -149,8 +176,10 @@ class Sampler:
         self._processors.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: tuple[str, ...],
-               params: list[SamplingParams]) -> list[int]:
-        """One token per row; row ``i`` belongs to ``request_ids[i]``.
+               params: list[SamplingParams]) -> list[int | RowOutput]:
+        """One token per row; row ``i`` belongs to ``request_ids[i]``. A row that cannot be sampled
+        (its logits are not finite, a processor raised ``RowFailed``) gets ``RowOutput(error=...)``
+        instead of a token; its processors hear nothing.
 
         Each row with processors goes through them first (in order); every processor then hears its
         row's token, once all rows are sampled (so a row that raises leaves no processor advanced).
@@ -159,7 +188,8 @@ class Sampler:
         return self._sample(logits, request_ids, params, None)
 
     def sample_with_logprobs(self, logits: torch.Tensor, request_ids: tuple[str, ...],
-                             params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
+                             params: list[SamplingParams]
+                             ) -> tuple[list[int | RowOutput], list[TokenLogprobs | None]]:
         """``sample``, and for each row whose request asks for ``logprobs = k`` the sampled token's
         logprob, rank and the row's top-k (None for the others), taken from the row the token was
         drawn from: after the request's processors, before temperature / top-k / top-p
@@ -168,27 +198,37 @@ class Sampler:
         return self._sample(logits, request_ids, params, lps), lps
 
     def _sample(self, logits: torch.Tensor, request_ids: tuple[str, ...], params: list[SamplingParams],
-                lps: list | None) -> list[int]:
+                lps: list | None) -> list[int | RowOutput]:
         procs = self._processors
         greedy = None
         if not any(map(_temperature, params)):            # every row greedy (SamplingParams.greedy)
             greedy = greedy_tokens(logits, self.argmax)
-            if lps is None and not (procs and any(r in procs for r in request_ids)):
-                return greedy
-        tokens = []
+        broken = unscorable_rows(logits, greedy)
+        plain = lps is None and not (procs and any(r in procs for r in request_ids))   # no extra per row
+        if greedy is not None and not broken and plain:
+            return greedy
+        tokens: list[int | RowOutput] = []
         for i, (rid, p) in enumerate(zip(request_ids, params)):
+            if broken and i in broken:
+                tokens.append(RowOutput(error=NOT_FINITE))
+                continue
             mine = procs.get(rid)
             row = logits[i]
             if mine is None:           # untouched: the batched argmax, or the row as it is
                 token = greedy[i] if greedy is not None else sample_token(row, p, self._generators.get(rid))
             else:
-                for proc in mine:
-                    row = proc.process(row)
+                try:
+                    for proc in mine:
+                        row = proc.process(row)
+                except RowFailed as e:
+                    tokens.append(RowOutput(error=str(e)))
+                    continue
                 token = sample_token(row, p, self._generators.get(rid))
             if lps is not None and p.logprobs is not None:     # the row sampled from, before accept()
                 lps[i] = row_logprobs(row[None], [token], p.logprobs)[0]
             tokens.append(token)
         for rid, token in zip(request_ids, tokens):
-            for proc in procs.get(rid, ()):
-                proc.accept(token)
+            if not isinstance(token, RowOutput):
+                for proc in procs.get(rid, ()):
+                    proc.accept(token)
         return tokens

@@ -46,6 +46,10 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model file's name)")
     p.add_argument("--seed", type=int, default=None, help="the engine's seed for unseeded sampling")
+    p.add_argument("--max-logprob-entries", type=int, default=500_000,
+                   help="refuse (400) a request asking for more logprob entries than this: rows x "
+                        "(top-k + 1) over its prompt (prompt_logprobs, echo) and its tokens (logprobs); "
+                        "default 500000, about 40 MB of response")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: torch's choice; 1 is often faster for a small "
                         "model on a busy machine)")
@@ -185,7 +189,8 @@ def _serve(args, sock) -> int:
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
                   attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
                   enable_prefix_caching=args.prefix_caching,
-                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
+                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory),
+                  max_logprob_entries=args.max_logprob_entries)
     try:
         name = args.served_model_name or model_name(args.model)
         server = Server(llm.engine, model_name=name, max_waiting=args.max_waiting,

@@ -13,41 +13,50 @@ Jinja2's ``ImmutableSandboxedEnvironment`` (no access to Python internals, input
 limits a sandbox alone does not have. A sandbox stops a template from *reaching* anything; it does
 not stop it from looping for hours (``range`` is capped at 100,000, but four nested loops are 10**20
 iterations) or from building a string of terabytes (``'x' * 10**12``, or doubling a string 40 times).
-So a render is bounded three ways:
+So a render is bounded three ways, all of them **counts**, never the clock: whether a conversation is
+accepted must not depend on how busy the machine is (a wall-clock limit of 2 s refused the 1,024-message
+chat a server allows whenever the CPUs were busy, and passed it when they were quiet):
 
-* **time**: at most ``MAX_RENDER_SECONDS`` of wall time. Jinja2 compiles a template to Python, so
-  ``sys.settrace`` sees every line the template's own code runs (not the library code it calls) and
-  stops it past the deadline: a loop with an empty body is still a line per iteration;
+* **steps**: at most ``MAX_RENDER_STEPS`` lines of the template's own code. Jinja2 compiles a template
+  to Python, so ``sys.settrace`` sees every line the template runs (not the library code it calls) and
+  stops it past the count: a loop with an empty body is still a line per iteration. A real template
+  runs about 7 lines per message (``python bench/chat_template_steps.py``), so the limit leaves every
+  template ~28 times what SmolLM2's needs for the most messages a server accepts;
+* **work**: the characters all the operations below build in one render (kept or thrown away) are
+  added up, and stop at ``MAX_RENDER_WORK``, so a loop cannot rebuild a 2 MB string on each of its
+  steps either;
 * **size**: no value the template builds and no output may exceed ``MAX_RENDER_CHARS``. Every
-  operation that can *multiply* sizes in one C-level step (``*``, ``+``, ``**``, ``%``, and the
+  operation that can *multiply* sizes in one C-level step (``*``, ``+``, ``**``, ``%``, ``~``, and the
   filters and ``str`` methods in ``_FILTER_SIZES`` / ``_METHOD_SIZES``: ``join``, ``replace``,
   ``indent``, ``center``, ``format``, ``sum``, ...) has its worst-case result size computed from its
   arguments *before* it runs, because a check afterwards would come after the gigabytes were
   allocated; every call, filter result, attribute read and output piece is checked after, and
   integer arguments of calls and filters are capped at ``MAX_INT_ARGUMENT``;
 * **memory**: what the render adds to the process's resident memory is checked on every 8th
-  template line against ``MAX_RENDER_MEMORY`` (``a ~ a`` concatenation is compiled to a call the
-  sandbox cannot intercept; this catches it and anything else the size checks miss).
+  template line against ``MAX_RENDER_MEMORY`` (anything the size checks miss).
+
+(``a ~ b`` is compiled to a call of ``str_join`` that the sandbox cannot intercept, so
+``compile_template`` replaces that name in the compiled template's namespace with a checked one.)
 
 What goes wrong becomes one of minicb's errors, so a caller never sees a Jinja2 exception:
 
 ===============================================  ==================================================
 the template calls ``raise_exception(msg)``      ``InvalidArgument``: it rejects these messages
-output (or a value) over the size limit          ``InvalidArgument``: the conversation is too long
+output (or a value, or the work) over its limit  ``InvalidArgument``: the conversation is too long
 invalid Jinja2 syntax                            ``ModelLoadError``: the model file is broken
-over time or memory, a sandbox violation, an     ``ModelLoadError``: the model's template is broken
+over the steps or memory, a sandbox violation,   ``ModelLoadError``: the model's template is broken
 undefined name used as a value, any other error
 ===============================================  ==================================================
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
@@ -59,8 +68,9 @@ try:                         # the memory guard's fallback where /proc is missin
 except ImportError:          # pragma: no cover - Windows
     resource = None
 
-MAX_RENDER_SECONDS = 2.0             # a real template renders in well under a millisecond
+MAX_RENDER_STEPS = 200_000           # template lines per render: ~7 per message in a real template
 MAX_RENDER_CHARS = 2**21             # = tokenizer.MAX_TEXT_CHARS: longer text cannot be encoded anyway
+MAX_RENDER_WORK = 64 * MAX_RENDER_CHARS   # characters the checked operations may build in one render
 MAX_RENDER_MEMORY = 256 * 2**20      # bytes a render may add to the process's resident memory
 MAX_INT_ARGUMENT = 100_000           # Jinja2's own cap on range(); widths and indents of that size
 _TEMPLATE_FILE = "<template>"        # the file name Jinja2 gives code compiled from a string
@@ -76,12 +86,14 @@ def render(source: str, **context) -> str:
     template = compile_template(source)
     guard = _Guard()
     previous = sys.gettrace()
+    token = _GUARD.set(guard)
     sys.settrace(guard.on_call)
     try:
         pieces: list[str] = []
         size = 0
         for piece in template.generate(**context):
             size += len(piece)
+            guard.built(len(piece))
             if size > MAX_RENDER_CHARS:
                 raise InvalidArgument(f"the chat template's output exceeds {MAX_RENDER_CHARS:,} characters "
                                       "(the most minicb encodes); shorten the messages")
@@ -100,6 +112,7 @@ def render(source: str, **context) -> str:
                              f"{_one_line(e)}") from None
     finally:
         sys.settrace(previous)
+        _GUARD.reset(token)
 
 
 @lru_cache(maxsize=8)
@@ -111,23 +124,41 @@ def compile_template(source: str):
         raise ModelLoadError(f"a chat template must be text, got {type(source).__name__}")
     env = _limited_sandbox()
     try:
-        return env.from_string(source)
+        template = env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ModelLoadError(f"the model's chat_template is not valid Jinja2: {_one_line(e)}") from None
     except (RecursionError, MemoryError) as e:   # absurdly deep nesting in the source
         raise ModelLoadError(f"the model's chat_template cannot be compiled: {type(e).__name__}") from None
+    namespace = template.root_render_func.__globals__     # the compiled module's names, macros' too
+    for name in ("str_join", "markup_join"):
+        namespace[name] = _checked_join(namespace[name])
+    return template
+
+
+def _checked_join(join):
+    """Jinja2's ``str_join`` / ``markup_join`` (what ``a ~ b`` compiles to), with the size of the
+    result checked before it is built and counted as work."""
+
+    @functools.wraps(join)
+    def checked(seq):
+        parts = list(seq)
+        _check_estimate(sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts), "'~'")
+        return _sized(join(parts), "'~'", built=True)
+
+    return checked
 
 
 class _Guard:
-    """The time and memory limits of one render, checked on the template's own lines (every 8th).
+    """The step, work and memory limits of one render: steps and memory checked on the template's own
+    lines (memory on every 8th), work added up by every checked operation (``built``).
 
     ``sys.settrace`` is per thread and is put back as it was after the render: a debugger or a
     coverage tool tracing this thread sees nothing of the render itself, and everything else."""
 
     def __init__(self) -> None:
-        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
         self.rss0 = _resident_bytes()
         self.lines = 0
+        self.work = 0
 
     def on_call(self, frame, event, arg):
         """``sys.settrace``'s global hook: trace lines only in frames of compiled template code."""
@@ -142,14 +173,25 @@ class _Guard:
 
     def check(self) -> None:
         self.lines += 1
-        if self.lines % 8:        # a line cannot allocate much; look at the clock and memory every 8th
+        if self.lines > MAX_RENDER_STEPS:
+            raise ModelLoadError(f"the model's chat template ran more than {MAX_RENDER_STEPS:,} steps "
+                                 "(template lines; an endless or enormous loop?)")
+        if self.lines % 8:        # a line cannot allocate much; look at memory every 8th
             return
-        if time.monotonic() > self.deadline:
-            raise ModelLoadError(f"the model's chat template ran for more than {MAX_RENDER_SECONDS:g} s "
-                                 "(an endless or enormous loop?)")
         if self.rss0 is not None and _resident_bytes() - self.rss0 > MAX_RENDER_MEMORY:
             raise ModelLoadError(f"the model's chat template used more than {MAX_RENDER_MEMORY // 2**20} MiB "
                                  "of memory")
+
+
+    def built(self, chars: int) -> None:
+        """Count ``chars`` characters built by an operation of the template (or output)."""
+        self.work += chars
+        if self.work > MAX_RENDER_WORK:
+            raise InvalidArgument(f"the chat template builds more than {MAX_RENDER_WORK:,} characters in "
+                                  "all for these messages; shorten them")
+
+
+_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("chat_template_guard", default=None)
 
 
 def _resident_bytes() -> int | None:
@@ -171,11 +213,16 @@ def _resident_bytes() -> int | None:
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _sized(value, what: str):
-    """``value`` if it is not a sequence longer than ``MAX_RENDER_CHARS``."""
-    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
-        raise InvalidArgument(f"the chat template builds a value of {len(value):,} items in {what} "
-                              f"(at most {MAX_RENDER_CHARS:,})")
+def _sized(value, what: str, built: bool = False):
+    """``value`` if it is not a sequence longer than ``MAX_RENDER_CHARS``; ``built``: it is a new value
+    an operation made, whose size counts as the render's work (a value read is not)."""
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        if len(value) > MAX_RENDER_CHARS:
+            raise InvalidArgument(f"the chat template builds a value of {len(value):,} items in {what} "
+                                  f"(at most {MAX_RENDER_CHARS:,})")
+        guard = _GUARD.get() if built else None
+        if guard is not None:
+            guard.built(len(value))
     return value
 
 
@@ -196,12 +243,12 @@ def _limited_sandbox():
 
         def call_binop(self, context, operator, left, right):
             _check_binop(operator, left, right)
-            return _sized(super().call_binop(context, operator, left, right), f"'{operator}'")
+            return _sized(super().call_binop(context, operator, left, right), f"'{operator}'", built=True)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja2's own signature
             _check_int_args(args, kwargs, "a call")
             args = _check_method(__obj, args, kwargs)
-            return _sized(super().call(__context, __obj, *args, **kwargs), "a call's result")
+            return _sized(super().call(__context, __obj, *args, **kwargs), "a call's result", built=True)
 
         def getattr(self, obj, attribute):
             return _sized(super().getattr(obj, attribute), "an attribute")
@@ -349,7 +396,7 @@ def _guard_filter(name: str, f):
             except TypeError:             # wrong arguments: let the filter itself say so
                 size = 0
             _check_estimate(size, f"the filter '{name}'")
-        return _sized(f(*args, **kwargs), f"the filter '{name}'")
+        return _sized(f(*args, **kwargs), f"the filter '{name}'", built=True)
 
     return guarded
 

@@ -41,8 +41,8 @@ format gives them, and anything that still goes wrong while parsing becomes ``Mo
 Nor does a file that parses get to produce garbage: what the header claims is checked against the
 data. Tensors must lie end to end with only alignment padding between them (``_check_layout``), so
 aliased or overlapping offsets and a quantisation type that does not match the bytes are refused;
-metadata numbers must be finite (and ``ModelConfig`` bounds them); and every dequantized weight must
-be finite.
+metadata numbers must be finite (and ``ModelConfig`` bounds them); and every weight must be finite
+(checked for both formats by ``loader.check_finite``).
 """
 
 from __future__ import annotations
@@ -521,10 +521,6 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
     for name, target in names.items():
         info = g.tensors[name]
         w = dequantize(g.raw(name), info.ggml_type, info.shape)
-        if not np.isfinite(w).all():     # NaN/inf weights: corrupt data, or a type the bytes are not
-            bad = int(w.size - np.count_nonzero(np.isfinite(w)))
-            raise ModelLoadError(f"{g.path}: tensor {_short(name)} ({info.type_name}) holds {bad} values "
-                                 "that are NaN or infinite (corrupt data, or a wrong type in the header)")
         if name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_attention_heads)
         elif name.endswith("attn_k.weight"):

@@ -13,7 +13,8 @@ the very same tensors. ``lm_head.weight`` is present only when the embeddings ar
 
 The two formats live in ``gguf_loader`` (llama.cpp files: dequantization, the Q/K row permutation)
 and ``hf_loader`` (``save_pretrained`` directories). This module picks one, builds the tokenizer,
-and checks the result: every expected tensor present with its expected shape, nothing extra. Every
+and checks the result: every expected tensor present with its expected shape, nothing extra, and
+every value finite (``check_finite``: a NaN weight would turn every logit into NaN). Every
 failure is a ``ModelLoadError`` (a ``ValueError``) with a one-line message saying what to do.
 """
 
@@ -121,6 +122,24 @@ def check_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], s
                                  f"the config implies {shape}")
 
 
+def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``ModelLoadError`` naming the first tensor that holds a NaN or an infinity.
+
+    A NaN weight does not crash anything: it makes every logit NaN, and a model that prints garbage
+    and exits 0 is worse than one that refuses to load. The check is one sum per tensor, in its own
+    dtype (any NaN or infinity makes the sum non-finite; a vectorised sum is the cheapest full pass),
+    and the exact ``isfinite`` pass runs only on a tensor whose sum is not finite (huge but finite
+    values can overflow a sum, a float16 one most easily)."""
+    for name, t in state_dict.items():
+        if t.numel() and not bool(torch.isfinite(t.sum())):
+            bad = ~torch.isfinite(t)
+            count = int(bad.sum())
+            if count:
+                raise ModelLoadError(f"{source}: weight {name} holds {count} value(s) that are NaN or "
+                                     f"infinite (e.g. {t[bad].flatten()[0].item()}): the file is damaged, "
+                                     f"or a value does not fit {str(t.dtype).removeprefix('torch.')}")
+
+
 def _check_special_ids(tokenizer: Tokenizer, source: str) -> None:
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, name)
@@ -185,6 +204,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
         tokenizer = _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(metadata), str(p))
     source = str(p)
     check_state_dict(config, state_dict, source)
+    check_finite(state_dict, source)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                              f"only {config.vocab_size} embedding rows")
