@@ -95,5 +95,5 @@ def test_every_child_of_a_request_whose_grammar_breaks_ends_with_the_error(llm):
     assert all("Too many items" in c.error and c.text == "a" for c in out.outputs)
     sched = llm.engine.scheduler
     sched.check_integrity()
-    assert sched.num_running == sched.num_waiting == 0 and sched.block_manager.num_free_blocks == \
+    assert len(sched.running) == len(sched.waiting) == 0 and sched.block_manager.num_free_blocks == \
         sched.block_manager.num_blocks
