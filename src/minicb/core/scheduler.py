@@ -274,12 +274,21 @@ class Scheduler:
 
     # --- helpers -----------------------------------------------------------------------------------
     def _make_plan(self, step: int, work: StepWork, now: float) -> StepPlan:
+        """The policy's work (``{request_id: tokens granted}``, plus swaps, copies, preemptions) as a
+        frozen ``StepPlan``: one row per granted request, in the order the policy granted them::
+
+            work.scheduled = {"A": 1, "B": 5}     A decodes, B gets a 5-token chunk
+            rows: A start_pos 9, 1 token, sample   B start_pos 0, 5 tokens, sample only if 5 ends it
+        """
         seqs = tuple(self._scheduled_seq(self._seqs[rid], n, now) for rid, n in work.scheduled.items())
         return StepPlan(step=step, seqs=seqs, padding=tuple(work.padding), swap_out=tuple(work.swap_out),
                         swap_in=tuple(work.swap_in), preempted=tuple(work.preempted),
                         copy_blocks=tuple(work.copy_blocks.values()), block_size=self.config.block_size)
 
     def _scheduled_seq(self, seq: Sequence, n: int, now: float) -> ScheduledSeq:
+        """The row of ``seq`` granted ``n`` tokens: they start where its computed tokens end
+        (``start_pos = num_computed_tokens``), its block table covers them, and the row samples only
+        when it reaches the sequence's last token (``start_pos + n == num_tokens``)."""
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         start = seq.num_computed_tokens
