@@ -118,7 +118,7 @@ def cmd_demo(args) -> int:
         "of continuous batching,")
     say("  and SmolLM2 answered with each request joining and leaving the batch on its own.")
     say("Next: minicb trace --policy continuous --num-requests 12 --arrival-gap 2   (arrivals over time)")
-    say("Tutorials: python tutorials/01_static_batching.py, then 02 ... 11 (tutorials/; the site: make docs)")
+    say("Tutorials: python tutorials/00_why_batch.py, then 01 ... 11: twelve chapters (the site: make docs)")
     return 0
 
 
