@@ -467,8 +467,8 @@ def annotated_page(name: str) -> str:
         out += [f"## `minicb/{rel}`", "", '<div class="annotated" markdown>', ""]
         if doc:
             intro = rest_to_markdown(doc)
-            out += ['<div class="section" markdown>', '<div class="prose" markdown>', "", intro, "",
-                    "</div>", '<div class="code" markdown></div>', "</div>", ""]
+            out += ['<div class="section intro" markdown>', '<div class="prose" markdown>', "", intro, "",
+                    "</div>", "</div>", ""]       # the module's whole docstring, across both columns
         for qualname in names:
             for k, (prose, runs) in enumerate(source_sections(source, qualname)):
                 head = f"**`{qualname}`**\n\n" if k == 0 else ""
