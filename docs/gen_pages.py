@@ -203,7 +203,7 @@ def chapter_page(path: pathlib.Path, run, exercise_runs: list) -> tuple[str, dic
     top = [f"# {head['title']}\n", HEADER, f"<!-- chapter: {json.dumps(meta)} -->\n",
            f"**Run it:** `{head['run']}` (about {math.ceil(meta['run_s'])} s{flags_note}).",
            f"**Prerequisites:** {head['prerequisites']}\n",
-           rest_to_markdown(head["intro"]) + "\n"]
+           rest_to_markdown(head["intro"], lang="") + "\n"]     # ```text is for outputs only
     return "\n".join(top + body).rstrip() + "\n", meta
 
 
