@@ -62,7 +62,9 @@
       parts.push((s.kind === "chunk" ? "a prompt chunk of " : "the last prompt tokens of ") + s.id +
         " (" + span(s) + ")");
     });
-    kinds.recompute.forEach(function (s) { parts.push("a recompute of " + s.id + " (" + rowText(s) + ")"); });
+    kinds.recompute.forEach(function (s) {
+      parts.push("a recompute of " + s.id + " (" + rowText(s).replace(/^recompute, /, "") + ")");
+    });
     var tokens = frame.cu_seqlens_q[frame.cu_seqlens_q.length - 1];
     var text = frame.seqs.length ? "Computes " + parts.join(", ") + ": " + plural(tokens, "token") +
       " of the " + cfg.max_num_batched_tokens + "-token budget." : "Computes nothing (no request is runnable).";
