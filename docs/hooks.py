@@ -1,7 +1,11 @@
 """mkdocs hooks: add the replay player's script and style (``src/minicb/measure/replay_web/``: the
 package ships them, so ``minicb trace --replay`` can inline them) to the site under ``assets/replay/``;
 pull ``bench/RESULTS.md`` (written by the benchmarks, outside docs/) into the
-Benchmarks page at build time, so the page always shows the latest committed results.
+Benchmarks page at build time, so the page always shows the latest committed results; and make every
+page fit a phone (``fit_narrow``): each SVG picture, scaled to the column by
+``docs/assets/css/pictures.css``, becomes a link to itself at full size with an "open full size" link
+under it, and identifiers in tables may break after a ``.``, ``_`` or ``/`` (a ``<wbr>``) instead of
+in the middle of a word.
 
 The page ``benchmarks.md`` holds the line ``<!-- include: bench/RESULTS.md -->``; this hook replaces
 it with the file, headings pushed one level down. Files the results link to by a relative path (plots
@@ -41,6 +45,31 @@ def on_files(files, config):
             files.append(File.generated(config, f"bench-files/{target}",
                                         abs_src_path=str(RESULTS.parent / target)))
     return files
+
+
+SVG_IMG = re.compile(r'(<a\b[^>]*>\s*)?(<img\b[^>]*\bsrc="([^"]+\.svg)"[^>]*>)(\s*</a>)?')
+TABLE = re.compile(r"<table\b.*?</table>", re.S)
+TABLE_CODE = re.compile(r"<code>([^<]*)</code>")
+BREAK_AFTER = re.compile(r"(?<=[._/])(?=[^\s._/&;])")
+
+
+def _svg_link(m: re.Match) -> str:
+    img, src = m.group(2), m.group(3)
+    linked = m.group(0) if m.group(1) and m.group(4) else f'<a class="svg-full" href="{src}">{img}</a>'
+    return (f'{linked}<span class="svg-open"><a href="{src}" target="_blank">open full size'
+            "</a></span>")
+
+
+def fit_narrow(html: str) -> str:
+    """``html`` with every SVG picture linked to its full-size file and breaks allowed in tables'
+    identifiers after ``.``, ``_`` and ``/`` (see the module docstring)."""
+    html = SVG_IMG.sub(_svg_link, html)
+    return TABLE.sub(lambda t: TABLE_CODE.sub(
+        lambda c: "<code>" + BREAK_AFTER.sub("<wbr>", c.group(1)) + "</code>", t.group(0)), html)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    return fit_narrow(html)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -24,9 +24,10 @@ numbers sit on. Then the first fix, a static batch, and the waste that chapter
 # %%
 import contextlib
 import platform
+import sys
 import time
 
-from _common import Exercise, flags
+from _common import Exercise, flags, median, noise
 
 from minicb.core.config import ModelConfig
 from minicb.core.errors import ModelLoadError
@@ -35,12 +36,15 @@ from minicb.measure.workloads import trace_lengths
 from minicb.simulate import simulator
 
 args = flags(__doc__, steps=(5, "decode steps timed per batch size"),
+             repeats=(3, "runs of each batch size (the median is shown)"),
              context=(512, "tokens of context per request in section 2"),
              figure=("", "write the roofline picture to this file (.svg)"))
 BATCHES = [1, 4, 16, 64]
 # lines whose numbers are measured on the machine that runs the chapter (the
 # page generator's tests compare them with their digits masked)
-MEASURED = r"^(measured here: | +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$)"
+MEASURED = (r"^(measured here: |spread between runs: "
+            r"| +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$)")
+NOISY = 0.25      # repeats further apart than this: the CPU column is noise
 # SmolLM2-135M's shape (its GGUF's metadata), for when the model is missing
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9,
@@ -102,17 +106,22 @@ for b in BATCHES + [256]:
 # ## 3. Step time against batch size, measured
 #
 # The same step on this CPU: `B` requests with 8-token prompts, then the time
-# of whole decode steps (each row one token), the fastest of a few. The
-# A100 numbers are microsoft/vidur's profile of one LLaMA-3-70B layer's four
-# matmuls (`minicb/data/profiles`, the file the simulator is calibrated on).
+# of whole decode steps (each row one token), the fastest of a few. Each batch
+# size is run `--repeats` times (3) and the median shown; the spread between
+# the runs says how much to trust it. Over 25% (or a larger batch faster than
+# batch 1) the machine was busy with something else, and the chapter prints a
+# warning that the CPU column is too noisy to read. The A100 numbers are
+# microsoft/vidur's profile of one LLaMA-3-70B layer's four matmuls
+# (`minicb/data/profiles`, the file the simulator is calibrated on).
 
 # %%
-def decode_step_ms(batch: int) -> float:
+def decode_step_ms(batch: int, run: int = 0) -> float:
     """Wall time of a decode step of ``batch`` requests on SmolLM2: the fastest
     of a few (on a shared machine the slower ones measure the neighbours)."""
     eng, times = llm.engine, []
     for k in range(batch):
-        eng.add_request(f"b{batch}.{k}", [1 + k % 50 + j for j in range(8)],
+        eng.add_request(f"b{batch}.{run}.{k}",
+                        [1 + k % 50 + j for j in range(8)],
                         SamplingParams(max_tokens=args.steps + 2,
                                        ignore_eos=True))
     while eng.has_unfinished_requests():
@@ -131,8 +140,10 @@ with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
     CPU = next((ln.split(":", 1)[1].strip() for ln in f
                 if ln.startswith("model name")), CPU)
 if llm:
-    decode_step_ms(BATCHES[-1])      # warm up: kernels compile on first use
-cpu_ms = {b: decode_step_ms(b) for b in BATCHES} if llm else {}
+    decode_step_ms(BATCHES[-1], -1)  # warm up: kernels compile on first use
+runs = {b: [decode_step_ms(b, r) for r in range(args.repeats)]
+        for b in BATCHES} if llm else {}
+cpu_ms = {b: median(t) for b, t in runs.items()}
 vidur = {r["tokens"]: sum(r[op] for op in simulator._LINEAR_OPS)
          for r in simulator.vidur_layer_timings() if r["tp"] == 1}
 a100_ms = {b: 1000 * vidur[b] for b in BATCHES}
@@ -143,6 +154,17 @@ for b in BATCHES:
     cpu = (f"{cpu_ms[b]:>12.1f} {cpu_ms[b] / cpu_ms[1]:>9.2f}" if cpu_ms
            else f"{'-':>12} {'-':>9}")
     print(f"{b:>5} {cpu} {a100_ms[b]:>14.3f} {a100_ms[b] / a100_ms[1]:>9.2f}")
+if runs:
+    spreads = [f"{max(t) / min(t) - 1:.0%}" for t in runs.values()]
+    print(f"spread between runs: {args.repeats} of each, max/min - 1: "
+          + ", ".join(spreads))
+    # the verdict goes to stderr: the page shows stdout, whose words must not
+    # change from run to run
+    why = noise(runs, NOISY)
+    if why:
+        print("warning: this run is too noisy to read (" + "; ".join(why)
+              + "): the machine was busy; rerun it on a quiet one",
+              file=sys.stderr)
 
 # %% [markdown]
 # On the A100 a step of 64 requests costs about what a step of one does: the
@@ -150,8 +172,9 @@ for b in BATCHES:
 # cores do less arithmetic per byte of memory bandwidth), so time grows
 # sooner, but still much less than 64-fold. Either way, tokens per second grow
 # with the batch. (The CPU column is measured on whatever machine runs the
-# chapter, shared or not: expect its small batches to move by tens of percent
-# from run to run; the page's run is the one its picture shows.)
+# chapter, shared or not: the spread line says how far its runs were apart,
+# and a warning says when they were too far apart to read; the page's run is
+# the one its picture shows.)
 #
 # ## 4. The roofline
 #

@@ -187,3 +187,31 @@ def ranks_skip_this_script():
 def rule(title: str) -> str:
     """A section line of the output, ``WIDTH`` wide: ``--- title -----``."""
     return f"--- {title} " + "-" * max(0, WIDTH - len(title) - 5)
+
+
+def noise(runs: dict[int, list[float]], limit: float) -> list[str]:
+    """Why a timing run is too noisy to read (empty when it is not).
+
+    ``runs`` maps a batch size to the times of its repeated runs. A run is
+    noisy when the repeats of a batch size spread more than ``limit``
+    (``max / min - 1``) or when a larger batch took clearly less time than
+    batch 1 (a step cannot get cheaper by doing more work: the machine was
+    busier while batch 1 ran). The rule reads the numbers only; nothing is
+    asserted about time."""
+    out = []
+    for b, times in runs.items():
+        spread = max(times) / min(times) - 1
+        if spread > limit:
+            out.append(f"batch {b}'s {len(times)} runs spread {spread:.0%} "
+                       f"(over {limit:.0%})")
+    first = min(runs, default=None)
+    for b, times in runs.items():
+        ratio = median(times) / median(runs[first])
+        if b > first and ratio < 1 - limit:
+            out.append(f"batch {b} took {ratio:.2f}x batch {first}'s time")
+    return out
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2

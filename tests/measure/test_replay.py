@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 import time
 
@@ -205,7 +207,7 @@ def test_the_replay_page_says_what_the_recording_shows(committed):
     assert set(why(7).values()) == {"no blocks"}
     # step 10: r1 finished at 9; r3 back from the front, positions 16-22 recomputed; r4 no blocks
     assert "r1" in fr[9]["finished"] and fr[9]["state"]["waiting"][0] == "r3"
-    assert rows(10)["r3"] == ("prefill", 16, 7) and why(10) == {"r4": "no blocks", "r5": "behind r4",
+    assert rows(10)["r3"] == ("recompute", 16, 7) and why(10) == {"r4": "no blocks", "r5": "behind r4",
                                                               "r6": "behind r4"}
     # step 11: swapped this time; step 12: swap pending
     assert fr[11]["victims"]["r3"]["mode"] == "swap" and fr[11]["state"]["refs"] == {}
@@ -229,6 +231,64 @@ def test_the_replay_page_says_what_the_recording_shows(committed):
     assert all(s["kind"] == "decode" for f in fr[18:] for s in f["seqs"])
     for k in (2, 4, 7, 10, 11, 12, 14, 15, 17):
         assert f"?step={k})" in text
+
+
+REPLAY_JS = ROOT / "src/minicb/measure/replay_web/replay.js"
+
+
+def _row_texts(rows: list[dict]) -> list[str]:
+    """What the player's ``rowText`` says for each recorded row (run with node, no browser)."""
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        unavailable("node is not installed (the player's wording is checked with it or in Chromium)")
+    script = ("global.window = {}; global.document = {readyState: 'complete', querySelectorAll: () => []};"
+              f"require({json.dumps(str(REPLAY_JS))});"
+              f"console.log(JSON.stringify({json.dumps(rows)}.map(window.MinicbReplay.rowText)));")
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def _recompute_words(start: int, n: int, num_prompt: int) -> str:
+    last = start + n - 1
+    pos = f"position {start}" if n == 1 else f"positions {start}–{last}"
+    words = f"recompute, {pos}: prompt 0–{num_prompt - 1}"
+    if last >= num_prompt:
+        words += ", generated " + (str(num_prompt) if last == num_prompt else f"{num_prompt}–{last}")
+    return words
+
+
+def test_rows_after_a_recompute_preemption_are_worded_as_recompute():
+    """A real run (tiny model) whose pool is too small: a request is preempted by recompute, and the
+    rows that compute its tokens again are ``recompute`` rows, worded with the part of the prompt and
+    the generated tokens they cover; every other row keeps ``row_kind``'s word."""
+    engine = build_engine("tiny", policy="continuous", max_num_seqs=3, block_size=4, num_blocks=7,
+                          max_num_batched_tokens=32, preemption_mode="recompute", enable_prefix_caching=False)
+    rec = replay.ReplayRecorder().attach(engine)
+    prompts = {f"q{i}": [7 + i] * (5 + 3 * i) for i in range(3)}
+    drive(engine, [Arrival(0, rid, p, SamplingParams(max_tokens=8, ignore_eos=True))
+                   for rid, p in prompts.items()])
+    frames = rec.to_json()["frames"]
+    preempted_at = {rid: f["step"] for f in frames for rid, v in f["victims"].items()
+                    if v["mode"] == "recompute"}
+    assert preempted_at, "the pool was meant to force a recompute preemption"
+    rows, expected = [], []
+    for f in frames:
+        for s in f["seqs"]:
+            num_prompt = len(prompts[s["id"]])
+            assert s["prompt"] == num_prompt
+            again = s["id"] in preempted_at and f["step"] > preempted_at[s["id"]] and s["start"] == 0
+            if again:        # no prefix cache: it starts over, prompt and generated tokens in one go
+                assert s["kind"] == "recompute" and s["start"] + s["n"] > num_prompt, s
+                expected.append(_recompute_words(s["start"], s["n"], num_prompt))
+            else:
+                kind = row_kind(s["start"], s["n"], num_prompt)
+                assert s["kind"] in ((DECODE,) if kind == DECODE else ("prefill", "chunk")), s
+                expected.append(None)
+            rows.append(s)
+    said = _row_texts(rows)
+    checked = [(w, e) for w, e in zip(said, expected, strict=True) if e is not None]
+    assert checked and all(w == e for w, e in checked), checked
+    assert not any(w.startswith("recompute") for w, e in zip(said, expected) if e is None)
 
 
 SLOTS = "[...document.querySelectorAll('[data-slot]')].map(c => c.dataset.request || null)"
@@ -319,6 +379,29 @@ def test_replay_widget_in_headless_chromium(site, committed):
             by_slot = {s["slot"]: s["kind"] for s in fr[7]["seqs"]}
             assert kinds == [by_slot.get(i, "") for i in range(ns)]
             assert tab.errors() == []
+        with browser.tab(base + "replay/?step=10") as tab:                # the recompute row's words
+            r3 = next(s for s in fr[10]["seqs"] if s["id"] == "r3")
+            words = tab.evaluate(f"document.querySelector('[data-slot=\"{r3['slot']}\"]')"
+                                 ".parentElement.querySelector('.mr-what').textContent")
+            num_prompt = replay.DEMO_REQUESTS[3][1]
+            assert words == _recompute_words(r3["start"], r3["n"], num_prompt) \
+                == "recompute, positions 16–22: prompt 0–18, generated 19–22"
+            assert words.replace("–", "-") in " ".join(PAGE.read_text().split()).replace("–", "-")
+        with browser.tab(base + "replay/?step=7") as tab:                 # every former block shows its mark
+            said = int(re.search(r"Its (\d+) former blocks have a dashed red border",
+                                 PAGE.read_text()).group(1))
+            dashed = tab.evaluate("[...document.querySelectorAll('[data-block]')].filter(c => {"
+                                  " const s = getComputedStyle(c); return s.borderTopStyle === 'dashed'"
+                                  " && s.outlineStyle === 'none'; }).length")
+            assert dashed == said == len(fr[7]["victims"]["r3"]["blocks"])
+        with browser.tab(base + "replay/?step=14") as tab:                # the swap's ring, in the legend
+            moved = tab.evaluate("[...document.querySelectorAll('[data-block]')].filter(c =>"
+                                 " getComputedStyle(c).outlineStyle === 'solid').map(c => +c.dataset.block)")
+            assert sorted(moved) == sorted(dst for _, dst in fr[14]["swap_in"])
+            notes = tab.evaluate("[...document.querySelectorAll('.mr-note')]"
+                                 ".map(n => n.textContent).join(' ')")
+            assert "solid red ring: copied in from the host by a swap" in notes
+            assert "dashed red border" in notes and "framed inside: written" in notes
         with browser.tab(base + "replay/?step=11") as tab:
             host = "[...document.querySelectorAll('[data-host-block]')].map(c => c.dataset.owner || null)"
             assert tab.evaluate(host)[:6] == ["r3"] * 6
@@ -366,3 +449,46 @@ def test_trace_replay_page_plays_from_a_file(tmp_path):
         assert tab.evaluate(LABEL) == f"step 3 of {len(data['frames']) - 1}"
         assert len(tab.evaluate(STRIP)) == data["config"]["num_slots"] * len(data["frames"])
         assert tab.errors() == []
+
+
+def test_trace_prompts_records_your_prompts_and_their_text(tmp_path, capsys, smollm2_path):
+    """``minicb trace --prompts FILE --replay out.html``: your prompts on SmolLM2, each with the text it
+    has generated so far, step by step; the player shows both."""
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    src = tmp_path / "prompts.txt"
+    src.write_text("\n".join(prompts[:1] + [""] + prompts[1:]) + "\n")     # a blank line is skipped
+    out = tmp_path / "own.html"
+    assert main(["trace", "--prompts", str(src), "--max-tokens", "4", "--width", "80", "--color", "never",
+                 "--replay", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    data = replay.from_js(out.read_text())
+    assert data["prompts"] == {"r0": prompts[0], "r1": prompts[1]}
+    texts: dict[str, list[str]] = {}
+    for f in data["frames"]:
+        for rid, text in f["text"].items():
+            texts.setdefault(rid, []).append(text)
+    assert set(texts) == {"r0", "r1"}
+    for rid, seen in texts.items():         # the text so far only grows, and something was generated
+        assert seen[-1].strip() and all(b.startswith(a) for a, b in zip(seen, seen[1:])), (rid, seen)
+    binary = site_check.find_chromium()
+    if binary is None:
+        return                               # the page's own test below needs a browser
+    with site_check.Chromium(binary) as browser, \
+            browser.tab(out.as_uri() + f"#step={len(data['frames']) - 1}", width=390) as tab:
+        shown = tab.evaluate("Object.fromEntries([...document.querySelectorAll('[data-text]')].map(e =>"
+                             " [e.dataset.text, [e.querySelector('.mr-prompt').textContent,"
+                             " e.querySelector('.mr-generated').textContent]]))")
+        assert shown == {rid: [data["prompts"][rid], texts[rid][-1]] for rid in texts}
+        assert tab.evaluate("document.documentElement.scrollWidth") <= 390
+        assert tab.errors() == []
+
+
+def test_trace_prompts_refuses_the_tiny_model_and_an_empty_file(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["trace", "--prompts", str(empty)]) == 2
+    assert "has no prompt" in capsys.readouterr().err
+    src = tmp_path / "p.txt"
+    src.write_text("hello\n")
+    assert main(["trace", "--prompts", str(src), "--model", "tiny"]) == 2
+    assert "needs a model with a tokenizer" in capsys.readouterr().err

@@ -20,8 +20,16 @@ keeps the plan and the scheduler's snapshots as JSON values, and a few facts der
 and blocks, victims are already in the swapped or waiting queue), ``after`` the scheduler once the step
 is recorded (finished requests gone). ``kv_slots`` is the row's ``slot_mapping``: where each new
 token's K/V is written, ``table[p // block_size] * block_size + p % block_size``. ``kind`` is
-``minicb.core.plan.row_kind`` (a row that starts inside its prompt is a prefill, whatever its length),
-refined: ``"chunk"`` is a prefill that does not reach the prompt's end, ``"prefill"`` one that does.
+``minicb.core.plan.row_kind`` (a row is a decode when it starts at or past the prompt's end *and* feeds
+one token; any other row is a prefill), refined: ``"recompute"`` is a prefill that computes again what
+a recompute preemption threw away (the request was preempted by recompute and has not sampled since,
+or the row feeds generated tokens: it ends past the prompt), ``"chunk"`` a prefill that does not
+reach the prompt's end, ``"prefill"`` one that does. The player words a recompute row with both
+parts of the sequence it covers: "recompute, positions 16-22: prompt 0-18, generated 19-22".
+
+With a tokenizer (``minicb trace --prompts FILE``), the recording also has each request's prompt as
+text (``"prompts": {"r0": "..."}``) and every frame the text each request has generated so far, for
+the requests that got a token in that step (``"text": {"r0": "..."}``); the player shows both.
 
 The derived facts, each from the snapshot, the plan and the config (the scheduler is not asked):
 
@@ -119,9 +127,18 @@ def waiting_reasons(plan, state: dict, config: dict) -> dict[str, list[str]]:
     return out
 
 
-def _row_kind(prompts: PromptLengths, seq) -> str:
+RECOMPUTE, CHUNK = "recompute", "chunk"
+
+
+def _row_kind(prompts: PromptLengths, seq, recomputing: bool = False) -> str:
+    """``row_kind`` refined (module docstring): recompute, chunk, prefill or decode."""
     kind = prompts.kind(seq)
-    return kind if kind != PREFILL or seq.sample else "chunk"   # a prefill that does not reach the end
+    if kind != PREFILL:
+        return kind
+    num_prompt = prompts.known(seq.request_id)
+    if recomputing or (num_prompt is not None and seq.start_pos + seq.num_tokens > num_prompt):
+        return RECOMPUTE                      # K/V computed before, thrown away by a recompute preemption
+    return kind if seq.sample else CHUNK      # a prefill that does not reach the prompt's end
 
 
 @dataclass(slots=True)
@@ -134,6 +151,8 @@ class ReplayRecorder:
     prompts: PromptLengths = field(default_factory=PromptLengths)
     _engine: object = None
     _cached: list[int] = field(default_factory=list)          # the prefix cache when the step was planned
+    _recomputing: set[str] = field(default_factory=set)       # recompute-preempted, not sampled since
+    record_text: bool = False                                 # keep each request's text so far
 
     def attach(self, engine) -> ReplayRecorder:
         c = engine.config
@@ -160,7 +179,9 @@ class ReplayRecorder:
         seqs, cu = [], [0]
         for s in plan.seqs:
             positions = range(s.start_pos, s.start_pos + s.num_tokens)
-            kind = _row_kind(self.prompts, s)
+            kind = _row_kind(self.prompts, s, s.request_id in self._recomputing)
+            if s.sample:
+                self._recomputing.discard(s.request_id)
             seqs.append({"id": s.request_id, "slot": s.slot_id, "start": s.start_pos, "n": s.num_tokens,
                          "sample": s.sample, "kind": kind, "prompt": self.prompts.known(s.request_id),
                          "table": list(s.block_table),
@@ -175,6 +196,7 @@ class ReplayRecorder:
         before = self.frames[-1]["after"]["block_tables"] if self.frames else {}
         victims = {rid: {"mode": "swap" if rid in state["swapped"] else "recompute",
                          "blocks": list(before.get(rid, []))} for rid in plan.preempted}
+        self._recomputing |= {rid for rid, v in victims.items() if v["mode"] == "recompute"}
         self.frames.append({
             "step": plan.step, "seqs": seqs, "cu_seqlens_q": cu, "padding": list(plan.padding),
             "swap_out": [list(m) for m in plan.swap_out], "swap_in": [list(m) for m in plan.swap_in],
@@ -182,6 +204,8 @@ class ReplayRecorder:
             "waiting": waiting_reasons(plan, state, self.config), "victims": victims,
             "budget_left": self.config.get("max_num_batched_tokens", 0) - plan.num_batched_tokens,
             "finished": [o.request_id for o in event.outputs if o.finished], "error": event.error})
+        if self.record_text:
+            self.frames[-1]["text"] = {o.request_id: o.text for o in event.outputs}
 
     def _after_cached(self) -> list[int]:
         bm = getattr(getattr(self._engine, "scheduler", None), "block_manager", None)

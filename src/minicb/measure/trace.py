@@ -643,26 +643,29 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_len: tup
 
 def build_engine(model: str = "tiny", dtype: str = "float32", seed: int = 0, **config):
     """An ``LLMEngine`` with the tiny random model (``model="tiny"``), the default SmolLM2
-    (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields."""
+    (``"default"``) or a GGUF file / Hugging Face directory; ``config``: ``SchedulerConfig`` fields.
+    A real model's engine has its tokenizer (``engine.tokenizer``: outputs carry text)."""
     from minicb.core.config import SchedulerConfig
     from minicb.measure.models import build_model
     from minicb.runtime.runner import engine_for
 
-    m, _ = build_model(model, dtype, seed)
+    m, tokenizer = build_model(model, dtype, seed)
     config.setdefault("max_model_len", min(4096, m.config.max_position_embeddings))
-    return engine_for(m, SchedulerConfig(**config), seed=seed)
+    return engine_for(m, SchedulerConfig(**config), tokenizer, seed=seed)   # a real model's text too
 
 
-def run_trace(engine, workload: Workload, on_step: Callable | None = None) -> SlotTrace:
-    """Run ``workload`` through ``engine`` (greedy, ``ignore_eos``: lengths are the workload's) and
-    return the slot trace. Arrivals are in steps (``minicb.engine.arrivals.drive``); arrivals close after the
-    last request is added. Steps that compute nothing (waiting for arrivals) stay in the trace."""
+def run_trace(engine, workload: Workload, on_step: Callable | None = None, ignore_eos: bool = True
+              ) -> SlotTrace:
+    """Run ``workload`` through ``engine`` (greedy; ``ignore_eos``, the default: lengths are the
+    workload's; without it a request may stop at its end-of-sequence token) and return the slot
+    trace. Arrivals are in steps (``minicb.engine.arrivals.drive``); arrivals close after the last
+    request is added. Steps that compute nothing (waiting for arrivals) stay in the trace."""
     from minicb.core.sampling_params import SamplingParams
     from minicb.engine.arrivals import Arrival, drive
 
     # Idle steps are kept: with arrivals over time they are real time in which the slots stood empty.
     rec = TraceRecorder(engine.config.max_num_seqs, skip_empty=False).attach(engine)
     drive(engine, [Arrival(workload.arrivals[i], f"r{i}", list(workload.prompts[i]),
-                           SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=True))
+                           SamplingParams(max_tokens=workload.max_tokens[i], ignore_eos=ignore_eos))
                    for i in range(len(workload.prompts))], on_step=on_step)
     return rec.trace

@@ -7,7 +7,37 @@ from __future__ import annotations
 import os
 
 from minicb.core.errors import InvalidArgument, check_int
-from minicb.measure.trace import build_engine, make_workload, render_ascii, render_image, run_trace
+from minicb.measure.trace import (
+    Workload,
+    build_engine,
+    make_workload,
+    render_ascii,
+    render_image,
+    run_trace,
+)
+
+
+def read_prompts(path: str) -> list[str]:
+    """The prompts of ``--prompts FILE``: one a line, blank lines skipped (UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"--prompts: cannot read {path!r}: {exc}") from None
+    if not prompts:
+        raise InvalidArgument(f"--prompts: {path!r} has no prompt (one a line)")
+    return prompts
+
+
+def prompts_workload(prompts: list[str], tokenizer, max_tokens: int, arrival_gap: int) -> Workload:
+    """Your prompts as a workload: each tokenized (no special tokens), ``max_tokens`` at most, arriving
+    ``arrival_gap`` steps apart."""
+    ids = [tuple(tokenizer.encode(p)) for p in prompts]
+    for k, t in enumerate(ids):
+        if not t:
+            raise InvalidArgument(f"--prompts: line {k + 1} encodes to no token")
+    return Workload(prompts=tuple(ids), max_tokens=(max_tokens,) * len(ids),
+                    arrivals=tuple(arrival_gap * i for i in range(len(ids))))
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -24,8 +54,15 @@ def add_parser(sub) -> None:
     p.add_argument("--replay", default=None, metavar="OUT.html",
                    help="also record the run step by step into one self-contained HTML page (the docs' "
                         "replay player, offline: no network)")
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (random, instant; default), 'default' (SmolLM2) or a GGUF file / HF dir")
+    p.add_argument("--model", default=None,
+                   help="'tiny' (random, instant; the default), 'default' (SmolLM2; the default with "
+                        "--prompts) or a GGUF file / HF dir")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="run your own prompts (a text file, one prompt a line) on a real model, greedy, "
+                        "instead of a random workload; with --replay the page shows each prompt and its "
+                        "text so far")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="with --prompts: tokens to generate at most for each prompt (default 32)")
     p.add_argument("--max-num-seqs", type=int, default=4, help="slots")
     p.add_argument("--max-num-batched-tokens", type=int, default=64,
                    help="token budget of a step (default 64)")
@@ -62,6 +99,14 @@ def cmd_trace(args) -> int:
     check_int("--seed", args.seed, lo=0, hi=MAX_SEED)
     if args.width is not None:
         check_int("--width", args.width, lo=20, hi=100_000)
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
+    if args.model is None:
+        args.model = "default" if prompts is not None else "tiny"
+    if prompts is not None:
+        if args.model == "tiny":
+            raise InvalidArgument("--prompts needs a model with a tokenizer: --model default (SmolLM2) "
+                                  "or a GGUF file / HF dir, not the tiny random model")
+        check_int("--max-tokens", args.max_tokens, lo=1, hi=100_000)
     if args.model not in ("tiny", "default"):
         from minicb.model.weights.paths import check_model_path
 
@@ -77,13 +122,16 @@ def cmd_trace(args) -> int:
                           long_prefill_chunk=args.long_prefill_chunk, block_size=args.block_size,
                           num_blocks=args.num_blocks, num_host_blocks=args.num_host_blocks,
                           preemption_mode=args.preemption_mode)
-    workload = make_workload(args.num_requests, args.seed, engine.runner.vocab_size, **wl_kwargs)
+    if prompts is None:
+        workload = make_workload(args.num_requests, args.seed, engine.runner.vocab_size, **wl_kwargs)
+    else:
+        workload = prompts_workload(prompts, engine.tokenizer, args.max_tokens, args.arrival_gap)
     recorder = None
     if args.replay is not None:
         from minicb.measure.replay import ReplayRecorder
 
-        recorder = ReplayRecorder().attach(engine)
-    trace = run_trace(engine, workload)
+        recorder = ReplayRecorder(record_text=prompts is not None).attach(engine)
+    trace = run_trace(engine, workload, ignore_eos=prompts is None)
     colour = {"auto": None, "always": True, "never": False}[args.color]
     print(render_ascii(trace, width=args.width, colour=colour))
     if args.out is not None:
@@ -94,7 +142,10 @@ def cmd_trace(args) -> int:
 
         data = recorder.to_json()
         data["arrivals"] = {f"r{i}": t for i, t in enumerate(workload.arrivals)}
-        write_html(data, args.replay, title=f"minicb trace --policy {args.policy}: {args.num_requests} "
-                                            f"requests, {args.max_num_seqs} slots, {args.num_blocks} blocks")
+        if prompts is not None:
+            data["prompts"] = {f"r{i}": text for i, text in enumerate(prompts)}
+        write_html(data, args.replay, title=f"minicb trace --policy {args.policy}: "
+                                            f"{len(workload.prompts)} requests, {args.max_num_seqs} slots, "
+                                            f"{args.num_blocks} blocks")
         print(f"wrote {args.replay} ({len(data['frames'])} steps; open it in a browser)")
     return 0
