@@ -89,3 +89,7 @@ def causal_mask(num_queries: int, num_keys: int) -> list[list[bool]]:
     out = attn.attend(0, q, torch.zeros(num_queries, 1, num_keys),
                       eye[start:], attn.prepare(meta))
     return (out[:, 0, :] > 0).tolist()
+
+
+# exercise 7: the continuous policy itself
+from minicb.core.continuous import ContinuousPolicy  # noqa: E402, F401

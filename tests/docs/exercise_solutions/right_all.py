@@ -1,5 +1,9 @@
-"""Right answers to all six exercises, written apart from minicb's code: the
-checkers must pass a learner's file that is right, not only minicb itself."""
+"""Right answers to the exercises, written apart from minicb's code: the
+checkers must pass a learner's file that is right, not only minicb itself.
+(The wrong_policy_* files import ContinuousPolicy from here and break one rule.)"""
+
+from minicb.core.planner import TokenBudget
+from minicb.core.policy import Policy, StepWork
 
 
 class SlotTable:
@@ -48,3 +52,92 @@ def causal_mask(num_queries, num_keys):
     start = num_keys - num_queries
     return [[j <= start + i for j in range(num_keys)]
             for i in range(num_queries)]
+
+
+class ContinuousPolicy(Policy):
+    """Exercise 7, written as a learner would: one method per rule."""
+
+    def schedule(self):
+        c = self.config
+        work = StepWork()
+        budget = TokenBudget(c.max_num_batched_tokens, c.max_num_seqs,
+                             c.long_prefill_chunk or c.max_num_batched_tokens)
+        self.run_running(work, budget)
+        if not work.preempted:
+            self.run_swapped(work, budget)
+            if not self.swapped:
+                self.run_waiting(work, budget)
+        return work
+
+    def run_running(self, work, budget):
+        seqs = list(self.running.values())
+        order = [s for s in seqs if s.num_uncomputed_tokens == 1] + \
+                [s for s in seqs if s.num_uncomputed_tokens > 1]
+        for seq in order:
+            if seq.request_id not in self.running:
+                continue                              # a victim already
+            n = budget.chunk(seq.num_uncomputed_tokens)
+            if n == 0:
+                continue
+            while True:
+                copies = self.blocks.append_slots(seq.request_id,
+                                                  seq.num_computed_tokens, n)
+                if copies is not None:
+                    break
+                victim = self.victim()
+                self.drop(victim, work, budget)
+                if victim is seq:
+                    break
+            if copies is None:
+                continue
+            if copies:
+                work.copy_blocks[seq.request_id] = copies[0]
+            budget.take(n)
+            work.scheduled[seq.request_id] = n
+
+    def victim(self):
+        return list(self.running.values())[-1]        # the newest admission
+
+    def drop(self, victim, work, budget):
+        n = work.scheduled.pop(victim.request_id, None)
+        if n is not None:
+            budget.give_back(n)
+        work.copy_blocks.pop(victim.request_id, None)
+        work.swap_out += self.sched.preempt(victim).swap_out
+        work.preempted.append(victim.request_id)
+
+    def run_swapped(self, work, budget):
+        while self.swapped and self.slots.num_free > 0:
+            seq = self.swapped[0]
+            n = budget.chunk(seq.num_uncomputed_tokens)
+            end = seq.num_computed_tokens + n
+            if n == 0 or not self.blocks.can_swap_in(seq.request_id, end):
+                break
+            work.swap_in += self.sched.resume(seq, end)
+            budget.take(n)
+            work.scheduled[seq.request_id] = n
+
+    def run_waiting(self, work, budget):
+        bs = self.blocks.block_size
+        while self.waiting and self.slots.num_free > 0:
+            seq = self.waiting[0]
+            if not self.admit_one(seq, work, budget, bs):
+                break
+
+    def admit_one(self, seq, work, budget, bs):
+        hits = []
+        if self.config.prefix_caching and not seq.wants_prompt_rows:
+            hits = self.blocks.computed_blocks(seq.all_token_ids,
+                                               seq.params.cache_salt)
+        cached = len(hits) * bs
+        n = budget.chunk(seq.num_tokens - cached)
+        if n == 0 or not self.blocks.can_allocate(seq.request_id, cached + n,
+                                                  hits):
+            return False
+        self.sched.admit(seq, cached + n, hits, cached)
+        budget.take(n)
+        work.scheduled[seq.request_id] = n
+        return True
+
+    def finished(self, seq):
+        self.sched.free(seq.request_id)
