@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXERCISES = ROOT / "tutorials" / "exercises"
 ANSWERS = pathlib.Path(__file__).resolve().parent / "exercise_solutions"
 NAMES = ("slot", "can_allocate", "chunk", "victim", "slot_mapping", "causal_mask",
-         "continuous_policy")
-BUILD_IT = ("continuous_policy",)          # the build-it track: a whole piece each, >= 3 wrong answers
+         "continuous_policy", "block_tables")
+BUILD_IT = ("continuous_policy", "block_tables")   # the build-it track: a whole piece, >= 3 wrong answers
 
 # known-wrong answer -> (its checker, words the failure must say)
 WRONG = {
@@ -40,6 +40,10 @@ WRONG = {
                                              "important running request"),
     "wrong_policy_keeps_victims_budget": ("continuous_policy", "after preempting a victim its grant "
                                           "must be given back to the budget"),
+    "wrong_tables_hit_whole_prompt": ("block_tables", "a hit is never the whole request"),
+    "wrong_tables_hits_not_shared": ("block_tables", "each has ref count 2"),
+    "wrong_tables_free_hits_cost_nothing": ("block_tables", "taking the hits off the free list"),
+    "wrong_tables_free_head_first": ("block_tables", "free drops a table's last block first"),
 }
 
 
@@ -135,7 +139,7 @@ def test_the_reference_answers_are_minicbs_code():
     text = (EXERCISES / "_reference.py").read_text()
     for piece in ("minicb.core.slot_table import SlotTable", "bm.can_allocate(", "budget.chunk(",
                   "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)",
-                  "minicb.core.continuous import ContinuousPolicy"):
+                  "minicb.core.continuous import ContinuousPolicy", "self.bm.allocate("):
         assert piece in text, piece
 
 

@@ -93,3 +93,29 @@ def causal_mask(num_queries: int, num_keys: int) -> list[list[bool]]:
 
 # exercise 7: the continuous policy itself
 from minicb.core.continuous import ContinuousPolicy  # noqa: E402, F401
+
+
+class BlockTables:
+    """Exercise 8 through ``BlockManager``: its device pool, its prefix cache
+    and its device tables are the exercise's ``pool``, ``cache``, ``tables``."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=True)
+        self.block_size = block_size
+        self.pool, self.cache = self.bm.device, self.bm.cache
+        self.tables = self.bm.block_tables
+
+    def hits(self, token_ids):
+        return self.bm.computed_blocks(token_ids)
+
+    def can_allocate(self, request_id, num_tokens, hits=()):
+        return self.bm.can_allocate(request_id, num_tokens, list(hits))
+
+    def allocate(self, request_id, num_tokens, hits=()):
+        return self.bm.allocate(request_id, num_tokens, list(hits))
+
+    def free(self, request_id):
+        return self.bm.free(request_id)
+
+    def cache_full(self, request_id, token_ids, num_computed):
+        return self.bm.cache_full_blocks(request_id, token_ids, num_computed)

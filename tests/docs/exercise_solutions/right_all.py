@@ -2,8 +2,10 @@
 checkers must pass a learner's file that is right, not only minicb itself.
 (The wrong_policy_* files import ContinuousPolicy from here and break one rule.)"""
 
+from minicb.core.block_pool import BlockPool
 from minicb.core.planner import TokenBudget
 from minicb.core.policy import Policy, StepWork
+from minicb.core.prefix_cache import PrefixCache
 
 
 class SlotTable:
@@ -141,3 +143,60 @@ class ContinuousPolicy(Policy):
 
     def finished(self, seq):
         self.sched.free(seq.request_id)
+
+
+class BlockTables:
+    """Exercise 8, written as a learner would."""
+
+    def __init__(self, num_blocks, block_size):
+        self.block_size = block_size
+        self.cache = PrefixCache()
+        self.pool = BlockPool(num_blocks, self.cache)
+        self.tables = {}
+
+    def block(self, tokens, i):
+        return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+
+    def hits(self, token_ids):
+        found, parent = [], None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = self.cache.lookup(parent, self.block(token_ids, i))
+            if parent is None:
+                break
+            found.append(parent)
+        return found
+
+    def lacking(self, request_id, num_tokens, hits=()):
+        held = len(self.tables.get(request_id, [])) + len(hits)
+        return max(0, -(-num_tokens // self.block_size) - held)
+
+    def can_allocate(self, request_id, num_tokens, hits=()):
+        idle_hits = [b for b in hits if self.pool.ref_counts[b] == 0]
+        need = self.lacking(request_id, num_tokens, hits) + len(idle_hits)
+        return need <= self.pool.num_free
+
+    def allocate(self, request_id, num_tokens, hits=()):
+        if not self.can_allocate(request_id, num_tokens, hits):
+            raise ValueError(f"no room for {request_id}")
+        need = self.lacking(request_id, num_tokens, hits)
+        table = self.tables.setdefault(request_id, [])
+        for b in hits:
+            self.pool.share(b)
+            table.append(b)
+        new = [self.pool.take() for _ in range(need)]
+        table += new
+        return new
+
+    def free(self, request_id):
+        table = self.tables.pop(request_id, [])
+        for b in table[::-1]:
+            self.pool.drop(b)
+        return len(table)
+
+    def cache_full(self, request_id, token_ids, num_computed):
+        table, added = self.tables[request_id], 0
+        for i in range(min(num_computed // self.block_size, len(table))):
+            parent = table[i - 1] if i else None
+            added += self.cache.insert(table[i], parent,
+                                       self.block(token_ids, i))
+        return added
