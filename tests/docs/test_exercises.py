@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXERCISES = ROOT / "tutorials" / "exercises"
 ANSWERS = pathlib.Path(__file__).resolve().parent / "exercise_solutions"
 NAMES = ("slot", "can_allocate", "chunk", "victim", "slot_mapping", "causal_mask",
-         "continuous_policy", "block_tables")
-BUILD_IT = ("continuous_policy", "block_tables")   # the build-it track: a whole piece, >= 3 wrong answers
+         "continuous_policy", "block_tables", "pack")
+BUILD_IT = ("continuous_policy", "block_tables", "pack")   # the build-it track: a whole piece, >= 3 wrong answers
 
 # known-wrong answer -> (its checker, words the failure must say)
 WRONG = {
@@ -44,6 +44,9 @@ WRONG = {
     "wrong_tables_hits_not_shared": ("block_tables", "each has ref count 2"),
     "wrong_tables_free_hits_cost_nothing": ("block_tables", "taking the hits off the free list"),
     "wrong_tables_free_head_first": ("block_tables", "free drops a table's last block first"),
+    "wrong_pack_keys_without_cache": ("pack", "attend over its cached tokens AND its new ones"),
+    "wrong_pack_logits_every_row": ("pack", "so it samples nothing and needs no logits"),
+    "wrong_pack_positions_from_zero": ("pack", "start from each row's start_pos"),
 }
 
 
@@ -139,7 +142,8 @@ def test_the_reference_answers_are_minicbs_code():
     text = (EXERCISES / "_reference.py").read_text()
     for piece in ("minicb.core.slot_table import SlotTable", "bm.can_allocate(", "budget.chunk(",
                   "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)",
-                  "minicb.core.continuous import ContinuousPolicy", "self.bm.allocate("):
+                  "minicb.core.continuous import ContinuousPolicy", "self.bm.allocate(",
+                  "from minicb.runtime.packer import pack as _pack"):
         assert piece in text, piece
 
 

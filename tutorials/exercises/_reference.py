@@ -119,3 +119,23 @@ class BlockTables:
 
     def cache_full(self, request_id, token_ids, num_computed):
         return self.bm.cache_full_blocks(request_id, token_ids, num_computed)
+
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
+          "context_lens", "cu_seqlens_k", "block_tables", "logits_indices",
+          "sample_request_ids")
+
+
+def pack(plan) -> dict[str, list]:
+    """Exercise 9 through ``runtime.packer.pack``: its tensors as lists."""
+    from minicb.runtime.packer import pack as _pack
+
+    b = _pack(plan)
+    values = {"input_ids": b.input_ids, "positions": b.positions,
+              "logits_indices": b.logits_indices,
+              "sample_request_ids": list(b.sample_request_ids)}
+    for name in ("slot_mapping", "cu_seqlens_q", "context_lens",
+                 "cu_seqlens_k", "block_tables"):
+        values[name] = getattr(b.attn, name)
+    return {k: v if isinstance(v, list) else v.tolist()
+            for k, v in values.items()}

@@ -200,3 +200,38 @@ class BlockTables:
             added += self.cache.insert(table[i], parent,
                                        self.block(token_ids, i))
         return added
+
+
+def pack(plan):
+    """Exercise 9, written as a learner would: row by row, then the sums."""
+    bs, out = plan.block_size, {k: [] for k in (
+        "input_ids", "positions", "slot_mapping", "logits_indices",
+        "sample_request_ids")}
+    q, ctx, tables = [], [], []
+    for s in plan.seqs:
+        base = len(out["input_ids"])
+        out["input_ids"] += list(s.token_ids)
+        ps = [s.start_pos + i for i in range(len(s.token_ids))]
+        out["positions"] += ps
+        out["slot_mapping"] += [s.block_table[p // bs] * bs + p % bs
+                                for p in ps]
+        q.append(len(ps))
+        ctx.append(s.start_pos + len(ps))
+        tables.append(list(s.block_table))
+        if s.sample:
+            for rid in (s.request_id,) + tuple(s.forks):
+                out["logits_indices"].append(base + len(ps) - 1)
+                out["sample_request_ids"].append(rid)
+    for n in plan.padding:
+        out["input_ids"] += [0] * n
+        out["positions"] += list(range(n))
+        out["slot_mapping"] += [-1] * n
+        q.append(n)
+        ctx.append(n)
+        tables.append([])
+    width = max((len(t) for t in tables), default=0)
+    out["block_tables"] = [t + [0] * (width - len(t)) for t in tables]
+    out["context_lens"] = ctx
+    out["cu_seqlens_q"] = [sum(q[:i]) for i in range(len(q) + 1)]
+    out["cu_seqlens_k"] = [sum(ctx[:i]) for i in range(len(ctx) + 1)]
+    return out
