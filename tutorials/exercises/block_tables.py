@@ -13,8 +13,8 @@ bookkeeping of the tables on top of two real pieces of minicb:
   holds ``tokens`` right after block ``parent`` (None: at the start), and
   ``insert(block, parent, tokens)`` caches one (False if it cannot).
 
-The rules (vLLM's paged attention with automatic prefix caching, chapter 04
-and chapter 08):
+The rules (vLLM's paged attention with automatic prefix caching, chapters
+04 and 10):
 
 * A table grows only by the blocks it lacks, and only as a whole: if the
   pool cannot give them all, raise ``ValueError`` and change nothing.
