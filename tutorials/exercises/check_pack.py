@@ -151,38 +151,38 @@ def test_random_plans_pack_as_minicb_does(pack):
                 f"you packed {got[name]}")
 
 
-def to_batch(plan, device="cpu", pad_token_id=0):
-    """Your lists as the runner's ``RaggedBatch``, nothing recomputed."""
+def batches(packer):
+    """The runner's ``pack`` made of yours: your lists as a ``RaggedBatch``,
+    nothing recomputed."""
     import torch
 
     from minicb.model.attention import AttentionMetadata
     from minicb.runtime.packer import RaggedBatch
 
-    v = _reference.pack(plan) if pack_under_test is None \
-        else pack_under_test(plan)
-    cu_q, ctx = list(v["cu_seqlens_q"]), list(v["context_lens"])
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    starts = [c - q for c, q in zip(ctx, q_lens)]
+    def to_batch(plan, device="cpu", pad_token_id=0):
+        v = packer(plan)
+        cu_q, ctx = list(v["cu_seqlens_q"]), list(v["context_lens"])
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        starts = [c - q for c, q in zip(ctx, q_lens)]
 
-    def t(x, dtype):
-        return torch.tensor(list(x), dtype=dtype, device=device)
-    meta = AttentionMetadata(
-        cu_seqlens_q=t(cu_q, torch.int32),
-        cu_seqlens_k=t(v["cu_seqlens_k"], torch.int32),
-        max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx, default=0),
-        start_pos=t(starts, torch.long), context_lens=t(ctx, torch.int32),
-        slot_mapping=t(v["slot_mapping"], torch.long),
-        block_tables=torch.tensor([list(r) for r in v["block_tables"]],
-                                  dtype=torch.int32, device=device),
-        block_size=plan.block_size, q_lens=tuple(q_lens),
-        start_positions=tuple(starts), num_padding_rows=len(plan.padding))
-    return RaggedBatch(t(v["input_ids"], torch.long),
-                       t(v["positions"], torch.long), meta,
-                       t(v["logits_indices"], torch.long),
-                       tuple(v["sample_request_ids"]))
-
-
-pack_under_test = None
+        def t(x, dtype):
+            return torch.tensor(list(x), dtype=dtype, device=device)
+        meta = AttentionMetadata(
+            cu_seqlens_q=t(cu_q, torch.int32),
+            cu_seqlens_k=t(v["cu_seqlens_k"], torch.int32),
+            max_seqlen_q=max(q_lens, default=0),
+            max_seqlen_k=max(ctx, default=0),
+            start_pos=t(starts, torch.long), context_lens=t(ctx, torch.int32),
+            slot_mapping=t(v["slot_mapping"], torch.long),
+            block_tables=torch.tensor([list(r) for r in v["block_tables"]],
+                                      dtype=torch.int32, device=device),
+            block_size=plan.block_size, q_lens=tuple(q_lens),
+            start_positions=tuple(starts), num_padding_rows=len(plan.padding))
+        return RaggedBatch(t(v["input_ids"], torch.long),
+                           t(v["positions"], torch.long), meta,
+                           t(v["logits_indices"], torch.long),
+                           tuple(v["sample_request_ids"]))
+    return to_batch
 
 
 def test_a_tiny_model_runs_on_your_lists(solution, monkeypatch):
@@ -194,9 +194,13 @@ def test_a_tiny_model_runs_on_your_lists(solution, monkeypatch):
     from minicb.model.llama import LlamaForCausalLM
     from minicb.runtime.baseline import generate_padded
 
-    global pack_under_test
-    pack_under_test = pick(solution, "pack", _reference.pack)
-    monkeypatch.setattr(runner, "pack", to_batch)
+    packer = pick(solution, "pack", _reference.pack)
+    made, calls = batches(packer), []
+
+    def counted(plan, *args):
+        calls.append(plan)
+        return made(plan, *args)
+    monkeypatch.setattr(runner, "pack", counted)
     cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, eos_token_id=3)
@@ -229,3 +233,6 @@ def test_a_tiny_model_runs_on_your_lists(solution, monkeypatch):
                 f"{policy} batching: a tiny model run on your packed lists "
                 f"generated {got[i]} for prompt {i}, a padded batch "
                 f"{want[i]}: a field the model reads is wrong")
+    assert any(p.padding for p in calls) and any(
+        s.start_pos for p in calls for s in p.seqs), \
+        "the runs must pack padding rows and cached rows (the checker is wrong)"
