@@ -17,9 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXERCISES = ROOT / "tutorials" / "exercises"
 ANSWERS = pathlib.Path(__file__).resolve().parent / "exercise_solutions"
 NAMES = ("slot", "can_allocate", "chunk", "victim", "slot_mapping", "causal_mask",
-         "continuous_policy", "block_tables", "pack")
+         "continuous_policy", "block_tables", "pack", "step_loop")
 # the build-it track: a whole piece each, with three known-wrong answers at least
-BUILD_IT = ("continuous_policy", "block_tables", "pack")
+BUILD_IT = ("continuous_policy", "block_tables", "pack", "step_loop")
 
 # known-wrong answer -> (its checker, words the failure must say)
 WRONG = {
@@ -48,6 +48,11 @@ WRONG = {
     "wrong_pack_keys_without_cache": ("pack", "attend over its cached tokens AND its new ones"),
     "wrong_pack_logits_every_row": ("pack", "so it samples nothing and needs no logits"),
     "wrong_pack_positions_from_zero": ("pack", "start from each row's start_pos"),
+    "wrong_loop_adds_all_at_once": ("step_loop", "add each request at the start of its arrival step"),
+    "wrong_loop_while_running": ("step_loop", "loop while a request is still to arrive or the scheduler "
+                                 "has unfinished ones"),
+    "wrong_loop_no_params": ("step_loop", "runner.run got no SamplingParams"),
+    "wrong_loop_never_closes_arrivals": ("step_loop", "call scheduler.close_arrivals()"),
 }
 
 
@@ -144,7 +149,7 @@ def test_the_reference_answers_are_minicbs_code():
     for piece in ("minicb.core.slot_table import SlotTable", "bm.can_allocate(", "budget.chunk(",
                   "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)",
                   "minicb.core.continuous import ContinuousPolicy", "self.bm.allocate(",
-                  "from minicb.runtime.packer import pack as _pack"):
+                  "from minicb.runtime.packer import pack as _pack", "scheduler.update(plan, sampled"):
         assert piece in text, piece
 
 

@@ -139,3 +139,25 @@ def pack(plan) -> dict[str, list]:
         values[name] = getattr(b.attn, name)
     return {k: v if isinstance(v, list) else v.tolist()
             for k, v in values.items()}
+
+
+def generate(scheduler, runner, requests):
+    """Exercise 10: the three lines of ``minicb.engine.loop.StepLoop._step``
+    (schedule, run, update) in a loop that adds each request at its step."""
+    pending = sorted(requests, key=lambda r: r[3])
+    params = {rid: p for rid, _, p, _ in requests}
+    out, step = {}, 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][3] <= step:
+            rid, prompt, p, _ = pending.pop(0)
+            scheduler.add(Sequence(rid, list(prompt), p))
+        if not pending:
+            scheduler.close_arrivals()
+        plan = scheduler.schedule(step)
+        rows = {s.request_id: params[s.request_id] for s in plan.seqs
+                if s.sample}
+        sampled = runner.run(plan, rows)
+        for seq in scheduler.update(plan, sampled, step):
+            out[seq.request_id] = list(seq.output_token_ids)
+        step += 1
+    return out

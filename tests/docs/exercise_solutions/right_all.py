@@ -6,6 +6,7 @@ from minicb.core.block_pool import BlockPool
 from minicb.core.planner import TokenBudget
 from minicb.core.policy import Policy, StepWork
 from minicb.core.prefix_cache import PrefixCache
+from minicb.core.sequence import Sequence
 
 
 class SlotTable:
@@ -235,3 +236,26 @@ def pack(plan):
     out["cu_seqlens_q"] = [sum(q[:i]) for i in range(len(q) + 1)]
     out["cu_seqlens_k"] = [sum(ctx[:i]) for i in range(len(ctx) + 1)]
     return out
+
+
+def generate(scheduler, runner, requests, until=None):
+    """Exercise 10, written as a learner would. (``until``: the loop's
+    condition, which a wrong answer replaces.)"""
+    by_step = {}
+    for rid, prompt, params, arrival in requests:
+        by_step.setdefault(arrival, []).append((rid, prompt, params))
+    params = {r[0]: r[2] for r in requests}
+    results, step, last = {}, 0, max(by_step)
+    busy = until or (lambda: step <= last or scheduler.has_unfinished())
+    while busy():
+        for rid, prompt, p in by_step.get(step, []):
+            scheduler.add(Sequence(rid, prompt, p))
+        if step >= last:
+            scheduler.close_arrivals()
+        plan = scheduler.schedule(step)
+        sampled = runner.run(plan, {s.request_id: params[s.request_id]
+                                    for s in plan.seqs if s.sample})
+        for seq in scheduler.update(plan, sampled, step):
+            results[seq.request_id] = seq.output_token_ids
+        step += 1
+    return results
