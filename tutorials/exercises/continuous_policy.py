@@ -44,11 +44,14 @@ The rules of one step (vLLM's, and chapter 07's):
    preempted (under fcfs: the one admitted last; it may be the asker itself)
    until it fits. A preempted request computes nothing in this step.
 2. Only if nothing was preempted: the swapped requests come back, front
-   first, before any new request.
+   first, before any new request, while a slot, the budget and the blocks
+   allow.
 3. Only if nothing was preempted and nothing is left swapped: waiting
    requests are admitted from the front while a slot, the budget and the
    blocks allow; a cached prefix (``computed_blocks``) is shared, not
-   recomputed. The first request that does not fit stays where it is.
+   recomputed (except for a request that wants prompt logprobs,
+   ``wants_prompt_rows``: it needs the logits of every prompt row). The
+   first request that does not fit stays where it is.
 
 The exercise is fcfs only, and forks (``n > 1``) are left out. Write the
 class, then check it:
