@@ -77,6 +77,11 @@ def watch(policy, inner) -> StepWork:
     waiting = [s.request_id for s in sched.waiting]
     swapped = [s.request_id for s in sched.swapped]
     left = {rid: s.num_uncomputed_tokens for rid, s in sched.running.items()}
+    try:
+        sched.check_integrity()
+    except AssertionError as e:
+        pytest.fail(f"after the last step the scheduler's invariants broke: "
+                    f"{e}")
     work = inner()
     if not isinstance(work, StepWork):
         pytest.fail(f"schedule() returned {work!r}: return a StepWork")
@@ -321,39 +326,28 @@ def test_tokens_equal_a_padded_batch_on_a_tiny_model(Policy):
     from minicb.core.config import ModelConfig
     from minicb.model.llama import LlamaForCausalLM
     from minicb.runtime.baseline import generate_padded
-    from minicb.runtime.runner import engine_for
+    from minicb.runtime.runner import ModelRunner
 
     cfg = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, eos_token_id=3)
+                      num_key_value_heads=2, head_dim=8)
     model = LlamaForCausalLM.random(cfg, seed=0, dtype=torch.float64, std=0.3)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 61) for _ in range(rng.randint(2, 14))]
                for _ in range(8)]
     params = SamplingParams(max_tokens=8)
-    eng = engine_for(model, config(num_blocks=10, max_num_seqs=4,
-                                   max_num_batched_tokens=12,
-                                   long_prefill_chunk=5,
-                                   enable_prefix_caching=True))
-    use(eng.scheduler, Policy)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    done = {}
-    for _ in range(500):
-        if not eng.has_unfinished_requests():
-            break
-        for out in eng.step():
-            if out.error:
-                pytest.fail(f"the engine failed a step with your policy: "
-                            f"{out.error}")
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        eng.scheduler.check_integrity()
-    want = generate_padded(model, prompts, params, eos_token_id=3).token_ids
-    assert eng.scheduler.stats.num_preemptions > 0, \
+    sc = config(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12,
+                long_prefill_chunk=5, enable_prefix_caching=True)
+    sched = use(Scheduler(sc), Policy)
+    runner = ModelRunner.for_config(model, sc, attn_backend="reference")
+    requests = [(f"r{i}", p, params, 0) for i, p in enumerate(prompts)]
+    done = _reference.generate(sched, runner, requests)   # the step loop
+    step(sched)                                 # checks the last step too
+    want = generate_padded(model, prompts, params).token_ids
+    assert sched.stats.num_preemptions > 0, \
         "the run must preempt (the checker is wrong)"
     for i in range(len(prompts)):
         assert done.get(f"r{i}") == want[i], (
-            f"request r{i}: the engine with your policy generated "
+            f"request r{i}: a tiny model scheduled by your policy generated "
             f"{done.get(f'r{i}')}, a padded batch {want[i]}: a row's "
             "tokens, start or blocks are wrong")
