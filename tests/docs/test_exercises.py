@@ -16,7 +16,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXERCISES = ROOT / "tutorials" / "exercises"
 ANSWERS = pathlib.Path(__file__).resolve().parent / "exercise_solutions"
-NAMES = ("slot", "can_allocate", "chunk", "victim", "slot_mapping", "causal_mask")
+NAMES = ("slot", "can_allocate", "chunk", "victim", "slot_mapping", "causal_mask",
+         "continuous_policy", "block_tables", "pack", "step_loop")
+# the build-it track: a whole piece each, with three known-wrong answers at least
+BUILD_IT = ("continuous_policy", "block_tables", "pack", "step_loop")
 
 # known-wrong answer -> (its checker, words the failure must say)
 WRONG = {
@@ -32,6 +35,24 @@ WRONG = {
     "wrong_slot_mapping_contiguous": ("slot_mapping", "The physical blocks need not be consecutive"),
     "wrong_causal_mask_top_left": ("causal_mask", "A top-left mask"),
     "wrong_causal_mask_strict": ("causal_mask", "a 4-token prompt: query i sees keys 0..i"),
+    "wrong_policy_overtakes": ("continuous_policy", "admission must stop at the first that does not "
+                               "fit (no overtaking)"),
+    "wrong_policy_preempts_most_important": ("continuous_policy", "you preempted 'r0', the most "
+                                             "important running request"),
+    "wrong_policy_keeps_victims_budget": ("continuous_policy", "after preempting a victim its grant "
+                                          "must be given back to the budget"),
+    "wrong_tables_hit_whole_prompt": ("block_tables", "a hit is never the whole request"),
+    "wrong_tables_hits_not_shared": ("block_tables", "each has ref count 2"),
+    "wrong_tables_free_hits_cost_nothing": ("block_tables", "taking the hits off the free list"),
+    "wrong_tables_free_head_first": ("block_tables", "free drops a table's last block first"),
+    "wrong_pack_keys_without_cache": ("pack", "attend over its cached tokens AND its new ones"),
+    "wrong_pack_logits_every_row": ("pack", "so it samples nothing and needs no logits"),
+    "wrong_pack_positions_from_zero": ("pack", "start from each row's start_pos"),
+    "wrong_loop_adds_all_at_once": ("step_loop", "add each request at the start of its arrival step"),
+    "wrong_loop_while_running": ("step_loop", "loop while a request is still to arrive or the scheduler "
+                                 "has unfinished ones"),
+    "wrong_loop_no_params": ("step_loop", "runner.run got no SamplingParams"),
+    "wrong_loop_never_closes_arrivals": ("step_loop", "call scheduler.close_arrivals()"),
 }
 
 
@@ -45,13 +66,15 @@ def check(name: str, solution: pathlib.Path | None = None) -> subprocess.Complet
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_six_exercises_each_with_a_stub_and_a_checker():
-    assert len(NAMES) >= 6
+def test_every_exercise_has_a_stub_and_a_checker():
+    on_disk = {p.stem for p in EXERCISES.glob("check_*.py")}
+    assert on_disk == {f"check_{name}" for name in NAMES}, "NAMES lists every checker"
     for name in NAMES:
         stub = (EXERCISES / f"{name}.py").read_text()
         assert "raise NotImplementedError" in stub and f"check_{name}.py" in stub and "--solution" in stub
-        assert (EXERCISES / f"check_{name}.py").exists()
     assert {checker for checker, _ in WRONG.values()} == set(NAMES)     # a wrong answer for every one
+    for name in BUILD_IT:                                   # the build-it track: three at least
+        assert sum(checker == name for checker, _ in WRONG.values()) >= 3, name
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,7 +84,7 @@ def test_checker_passes_on_minicbs_code(name):
     assert "checking: minicb's own code" in r.stdout and " passed" in r.stdout and "failed" not in r.stdout
 
 
-@pytest.mark.parametrize("name", ["slot", "causal_mask"])
+@pytest.mark.parametrize("name", ["slot", "causal_mask", *BUILD_IT])
 def test_checker_fails_on_the_stub(name):
     r = check(name, EXERCISES / f"{name}.py")
     assert r.returncode == 1 and "NotImplementedError" in r.stdout, r.stdout[-3000:]
@@ -124,7 +147,9 @@ def test_the_docs_show_what_a_checker_prints_now():
 def test_the_reference_answers_are_minicbs_code():
     text = (EXERCISES / "_reference.py").read_text()
     for piece in ("minicb.core.slot_table import SlotTable", "bm.can_allocate(", "budget.chunk(",
-                  "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)"):
+                  "_choose_victim(", "pack(plan).attn.slot_mapping", "ReferenceAttention(cache)",
+                  "minicb.core.continuous import ContinuousPolicy", "self.bm.allocate(",
+                  "from minicb.runtime.packer import pack as _pack", "scheduler.update(plan, sampled"):
         assert piece in text, piece
 
 

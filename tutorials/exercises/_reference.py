@@ -89,3 +89,75 @@ def causal_mask(num_queries: int, num_keys: int) -> list[list[bool]]:
     out = attn.attend(0, q, torch.zeros(num_queries, 1, num_keys),
                       eye[start:], attn.prepare(meta))
     return (out[:, 0, :] > 0).tolist()
+
+
+# exercise 7: the continuous policy itself
+from minicb.core.continuous import ContinuousPolicy  # noqa: E402, F401
+
+
+class BlockTables:
+    """Exercise 8 through ``BlockManager``: its device pool, its prefix cache
+    and its device tables are the exercise's ``pool``, ``cache``, ``tables``."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=True)
+        self.block_size = block_size
+        self.pool, self.cache = self.bm.device, self.bm.cache
+        self.tables = self.bm.block_tables
+
+    def hits(self, token_ids):
+        return self.bm.computed_blocks(token_ids)
+
+    def can_allocate(self, request_id, num_tokens, hits=()):
+        return self.bm.can_allocate(request_id, num_tokens, list(hits))
+
+    def allocate(self, request_id, num_tokens, hits=()):
+        return self.bm.allocate(request_id, num_tokens, list(hits))
+
+    def free(self, request_id):
+        return self.bm.free(request_id)
+
+    def cache_full(self, request_id, token_ids, num_computed):
+        return self.bm.cache_full_blocks(request_id, token_ids, num_computed)
+
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q",
+          "context_lens", "cu_seqlens_k", "block_tables", "logits_indices",
+          "sample_request_ids")
+
+
+def pack(plan) -> dict[str, list]:
+    """Exercise 9 through ``runtime.packer.pack``: its tensors as lists."""
+    from minicb.runtime.packer import pack as _pack
+
+    b = _pack(plan)
+    values = {"input_ids": b.input_ids, "positions": b.positions,
+              "logits_indices": b.logits_indices,
+              "sample_request_ids": list(b.sample_request_ids)}
+    for name in ("slot_mapping", "cu_seqlens_q", "context_lens",
+                 "cu_seqlens_k", "block_tables"):
+        values[name] = getattr(b.attn, name)
+    return {k: v if isinstance(v, list) else v.tolist()
+            for k, v in values.items()}
+
+
+def generate(scheduler, runner, requests):
+    """Exercise 10: the three lines of ``minicb.engine.loop.StepLoop._step``
+    (schedule, run, update) in a loop that adds each request at its step."""
+    pending = sorted(requests, key=lambda r: r[3])
+    params = {rid: p for rid, _, p, _ in requests}
+    out, step = {}, 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][3] <= step:
+            rid, prompt, p, _ = pending.pop(0)
+            scheduler.add(Sequence(rid, list(prompt), p))
+        if not pending:
+            scheduler.close_arrivals()
+        plan = scheduler.schedule(step)
+        rows = {s.request_id: params[s.request_id] for s in plan.seqs
+                if s.sample}
+        sampled = runner.run(plan, rows)
+        for seq in scheduler.update(plan, sampled, step):
+            out[seq.request_id] = list(seq.output_token_ids)
+        step += 1
+    return out

@@ -2,10 +2,10 @@
 
 A step packs every scheduled row's new tokens end to end. For each new token
 the model must know WHERE in the paged KV cache to write its K and V: its KV
-slot. A row that starts at position ``start`` with ``n`` new tokens and the
-block table ``table`` writes token at position p to
-
-    table[p // block_size] * block_size + p % block_size
+slot, a flat index into the pool of blocks (``block_size`` slots a block, the
+pool's blocks one after the other). A row that starts at position ``start``
+with ``n`` new tokens writes positions ``start .. start + n - 1``; its block
+table ``table`` names, in order, the blocks that hold its positions 0, 1, ...
 
 ``rows`` is a list of ``(start, n, table)`` per row, in packing order; return
 one KV slot per new token, the rows one after the other.
