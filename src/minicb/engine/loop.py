@@ -5,7 +5,8 @@ One step, every iteration::
     plan    = scheduler.schedule(now)           # 1. who runs, which tokens, which blocks (no torch)
     sampled = runner.run(plan, params)          # 2. swap, pack, forward, sample: the only tensor work
     done    = scheduler.update(plan, tokens)    # 3. finished requests free their slot and blocks *now*
-    outputs = [tracker.output() ...]            # 4. each request that got a token or finished
+    outputs = [tracker.output() ...]            # 4. each request that got a token or finished (only
+                                                #    finished ones for output_kind FINAL_ONLY)
 
 ``StepLoop`` is that loop and the bookkeeping it needs: which requests are live (one
 ``outputs.RequestTracker`` each, with an ``OutputTracker`` per child), which sampling parameters each
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.plan import StepPlan
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.sampling_params import RequestOutputKind, SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import Sequence
 from minicb.engine.events import Listeners
@@ -152,7 +153,10 @@ class StepLoop:
             if rid is None or rid in done:
                 continue
             done.add(rid)
-            out = self._live[rid].output()
+            tracker = self._live[rid]
+            if tracker.final_only and not tracker.finished:    # it wants its final output only
+                continue
+            out = tracker.output()
             if out.finished:
                 self._finish(rid)
             else:
@@ -220,7 +224,8 @@ class StepLoop:
             children.append(child)
             self._owner[seq.request_id] = request_id
             self._params[seq.request_id] = seq.params
-        self._live[request_id] = RequestTracker(request_id, children)
+        final_only = seqs[0].params.output_kind == RequestOutputKind.FINAL_ONLY
+        self._live[request_id] = RequestTracker(request_id, children, final_only)
 
     def _abort(self, request_id: str, deliver: bool, index: int | None = None) -> RequestOutput | None:
         """End the request (or its child ``index``) with ``finish_reason == "abort"``; its output."""

@@ -56,7 +56,7 @@ from functools import cache
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.core.plan import StepPlan
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.sampling_params import RequestOutputKind, SamplingParams
 from minicb.engine.arrivals import Arrival, NoProgress, drive
 from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.logprobs import RowOutput, TokenLogprobs
@@ -459,6 +459,9 @@ def preset(name: str, calibration: dict | None = None, **overrides) -> CostModel
     return replace(cm, **overrides) if overrides else cm
 
 
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY   # the simulator reads each request's final output only
+
+
 # --- the simulation ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class SimResult:
@@ -558,14 +561,28 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
     totals = dict.fromkeys(("linear", "lm_head", "attention", "elementwise", "allreduce", "swap", "overhead"),
                            0.0)
 
+    rec = StepRecorder(cost.model)
+
     def step_time(plan: StepPlan) -> float:
-        parts = cost.breakdown(plan)
-        for key, v in parts.items():
-            totals[key] += v
-        return sum(parts.values())
+        # Called between planning and recording (``SimRunner.run``): the slots and blocks held now are
+        # the planned step's, what a ``StepEvent``'s ``state`` snapshot would say. Read as two counts,
+        # so that no step listener makes the engine copy every block table twice a step.
+        start, sched = engine.now, engine.scheduler
+        held = sched.slot_table.num_held
+        used = sched.block_manager.num_blocks - sched.block_manager.num_free_blocks
+        end = start
+        try:
+            parts = cost.breakdown(plan)
+            for key, v in parts.items():
+                totals[key] += v
+            t = sum(parts.values())
+            end = start + t
+            return t
+        finally:                        # recorded like a StepEvent would be, a failed step too
+            if plan.seqs or plan.padding:
+                rec.record(plan, start, end, held, used)
 
     engine = SimulatedEngine(config, step_time)
-    rec = StepRecorder(cost.model).attach(engine)
     n_done = 0
 
     def after_step(outs) -> None:
@@ -580,7 +597,7 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
     # nothing, as with the random prompts of minicb bench)
     order = sorted(requests, key=lambda r: r.arrival)
     arrivals = [Arrival(r.arrival, r.request_id, [k + 2] + [1] * (r.prompt_len - 1),
-                        SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+                        SamplingParams(max_tokens=r.output_len, ignore_eos=True, output_kind=FINAL_ONLY))
                 for k, r in enumerate(order)]
     try:
         done = drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to, on_step=after_step)
