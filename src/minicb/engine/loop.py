@@ -154,7 +154,9 @@ class StepLoop:
                 continue
             done.add(rid)
             tracker = self._live[rid]
-            if tracker.final_only and not tracker.finished:    # it wants its final output only
+            # FINAL_ONLY: nothing until the request has finished (a sequence the scheduler still
+            # has is unfinished: that test first, it is one look-up)
+            if tracker.final_only and (self.scheduler.get(sid) is not None or not tracker.finished):
                 continue
             out = tracker.output()
             if out.finished:

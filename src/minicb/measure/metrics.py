@@ -182,8 +182,10 @@ def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | Non
     from minicb.measure.trace import PromptLengths
 
     prompts = PromptLengths() if prompts is None else prompts
-    decodes = sum(1 for s in plan.seqs if prompts.kind(s) == DECODE)
-    n = plan.num_batched_tokens
+    n = decodes = 0                     # one pass over the rows: the simulator records every step
+    for s in plan.seqs:
+        n += len(s.token_ids)
+        decodes += prompts.kind(s) == DECODE
     return StepRecord(step=plan.step, start=start, end=end, num_seqs=len(plan.seqs), num_tokens=n,
                       num_padding_tokens=plan.num_padding_tokens, num_prefill_tokens=n - decodes,
                       num_decode_tokens=decodes, num_slots_held=num_slots_held,

@@ -178,8 +178,7 @@ class CostModel:
         pts = self.allreduce
         if self.tp == 1 or nbytes <= 0:
             return 0.0
-        sizes = [p[0] for p in pts]
-        j = bisect.bisect_left(sizes, nbytes)
+        j = bisect.bisect_left(pts, nbytes, key=_first)      # O(log n): this runs every simulated step
         if j == 0:
             return pts[0][1]
         if j == len(pts):       # beyond the table: linear in bytes from the last point
@@ -193,9 +192,13 @@ class CostModel:
         m, t = self.model, self.tp
         qh, kvh, d, b = m.num_attention_heads / t, m.num_key_value_heads / t, m.head_dim, self.dtype_bytes
         if self.attention == "varlen":
-            pairs = sum(causal_pairs(s.start_pos, s.num_tokens) for s in plan.seqs)
+            pairs = keys = 0                    # one pass over the rows (this runs every simulated step)
+            for s in plan.seqs:
+                n = len(s.token_ids)
+                pairs += causal_pairs(s.start_pos, n)
+                keys += s.start_pos + n         # its context length
             pairs += sum(causal_pairs(0, n) for n in plan.padding)
-            keys = sum(s.context_len for s in plan.seqs) + sum(plan.padding)
+            keys += sum(plan.padding)
             return 4.0 * qh * d * pairs, 2.0 * kvh * d * b * keys, 1
         # grouped: decodes padded to the longest context, prompt chunks to the longest chunk and context,
         # padding rows attend to themselves (their own padded group): what ReferenceAttention computes
@@ -253,8 +256,7 @@ class CostModel:
         """Seconds per component of one step (their sum is ``step_time``)."""
         m, t, dv = self.model, self.tp, self.device
         h, L = m.hidden_size, m.num_hidden_layers
-        tokens = plan.num_batched_tokens + plan.num_padding_tokens
-        sampled = sum(1 for s in plan.seqs if s.sample)
+        tokens, sampled = _tokens_and_sampled(plan)
         out = dict.fromkeys(("linear", "lm_head", "attention", "elementwise", "allreduce", "swap",
                              "overhead"), 0.0)
         if tokens:
@@ -314,6 +316,19 @@ def allreduce_table(num_workers: int) -> tuple[tuple[float, float], ...]:
         best = min(best, pts[j][1])
         pts[j] = (pts[j][0], best)
     return tuple(pts)
+
+
+def _first(point: tuple[float, float]) -> float:
+    return point[0]
+
+
+def _tokens_and_sampled(plan: StepPlan) -> tuple[int, int]:
+    """Tokens computed (real and padding) and rows sampled by ``plan``, in one pass over its rows."""
+    tokens = sampled = 0
+    for s in plan.seqs:
+        tokens += len(s.token_ids)
+        sampled += s.sample
+    return tokens + sum(plan.padding), sampled
 
 
 def vidur_layer_timings() -> list[dict]:
