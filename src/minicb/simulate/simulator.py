@@ -45,6 +45,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import csv
 import json
 import math
@@ -506,6 +507,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self._step_time = step_time
         self._token = token
+        self._logprobs: set[str] = set()     # registered sequences that ask for logprobs of any kind
 
     def clock(self) -> float:
         return self.now
@@ -514,8 +516,15 @@ class SimRunner:
         """Advance the clock; every sampled row gets the dummy token. Logprobs, where asked for, are
         those of a model certain of every token it sees: logprob 0, rank 1."""
         self.now += self._step_time(plan)
-        out: dict[str, int | RowOutput] = {r: self._token for s in plan.seqs if s.sample
-                                           for r in (s.request_id, *s.forks)}
+        token = self._token
+        out: dict[str, int | RowOutput] = {}
+        for s in plan.seqs:
+            if s.sample:
+                out[s.request_id] = token
+                for r in s.forks:
+                    out[r] = token
+        if not self._logprobs:          # nobody registered asks for logprobs: the tokens are all
+            return out
         for s in plan.seqs:
             for r in (s.request_id, *s.forks) if s.sample else (s.request_id,):
                 p = params.get(r) if params else None
@@ -529,10 +538,12 @@ class SimRunner:
 
     def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
                  eos_token_id: int | None = None, tokenizer=None) -> None:
-        """Nothing to keep: every sampled token is the dummy one."""
+        """Every sampled token is the dummy one: only whether it asks for logprobs is kept."""
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs.add(request_id)
 
     def release(self, request_id: str) -> None:
-        """Nothing to forget."""
+        self._logprobs.discard(request_id)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -554,6 +565,11 @@ class SimulatedEngine(LLMEngine):
                  token: int = 1, start: float = 0.0) -> None:
         runner = SimRunner(step_time, token=token, start=start)
         super().__init__(runner, config, clock=runner.clock)
+
+    def _interruptible(self):
+        """No window in which Ctrl-C acts at once: a simulated step takes microseconds, so a Ctrl-C
+        waits for the step's end (``LLMEngine``'s safe point), and no step pays for two handler swaps."""
+        return contextlib.nullcontext()
 
     @property
     def now(self) -> float:
