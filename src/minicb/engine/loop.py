@@ -44,6 +44,7 @@ from minicb.engine.logprobs import PromptLogprobs, RowOutput
 from minicb.engine.outputs import OutputTracker, RequestOutput, RequestTracker
 
 GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class StepLoop:
@@ -142,7 +143,10 @@ class StepLoop:
             if tracker is not None:
                 self._keep_logprobs(tracker, value)
         finished = self.scheduler.update(plan, tokens, self.clock())
-        self._outputs_of(list(tokens) + sorted({s.request_id for s in finished} - tokens.keys()))
+        ended = {s.request_id for s in finished}
+        params = self._params     # an unfinished sequence of a FINAL_ONLY request makes no output
+        got = [sid for sid in tokens if sid in ended or params.get(sid, GREEDY).output_kind != FINAL_ONLY]
+        self._outputs_of(got + sorted(ended - tokens.keys()))
 
     def _outputs_of(self, seq_ids: list[str]) -> None:
         """Make the outputs of the requests these sequences belong to, each once, in that order: the
@@ -152,12 +156,10 @@ class StepLoop:
             rid = self._owner.get(sid)
             if rid is None or rid in done:
                 continue
-            done.add(rid)
             tracker = self._live[rid]
-            # FINAL_ONLY: nothing until the request has finished (a sequence the scheduler still
-            # has is unfinished: that test first, it is one look-up)
-            if tracker.final_only and (self.scheduler.get(sid) is not None or not tracker.finished):
-                continue
+            if tracker.final_only and not tracker.finished:     # FINAL_ONLY: nothing until its last
+                continue                                        # child has finished
+            done.add(rid)
             out = tracker.output()
             if out.finished:
                 self._finish(rid)

@@ -198,7 +198,7 @@ class CostModel:
                 n = len(s.token_ids)
                 pairs += causal_pairs(s.start_pos, n)
                 keys += s.start_pos + n         # its context length
-            pairs += sum(causal_pairs(0, n) for n in plan.padding)
+            pairs += sum(n * (n + 1) // 2 for n in plan.padding)     # causal_pairs(0, n), inline
             keys += sum(plan.padding)
             return 4.0 * qh * d * pairs, 2.0 * kvh * d * b * keys, 1
         # grouped: decodes padded to the longest context, prompt chunks to the longest chunk and context,
