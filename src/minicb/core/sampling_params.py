@@ -140,7 +140,8 @@ class SamplingParams:
         set_(self, "bad_words", tuple(self.bad_words))
         set_(self, "n", _int64("n", self.n, lo=1))
         if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
-            raise InvalidArgument(f"output_kind must be a RequestOutputKind, got {describe(self.output_kind)}")
+            raise InvalidArgument("output_kind must be a RequestOutputKind (0, 1 or 2), got "
+                                  f"{describe(self.output_kind)}")
         set_(self, "output_kind", RequestOutputKind(self.output_kind))
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidArgument(f"cache_salt must be a non-empty string, got {describe(self.cache_salt)}")
