@@ -81,10 +81,11 @@ class StepLoop:
         self.last_plan = plan
         before = self._emit_plan(plan, start) if self._listeners.active else None
         params = self._sampling_params(plan)
+        todo = plan.seqs or plan.padding or plan.swap_out or plan.swap_in or plan.copy_blocks  # not is_empty
         error = None
         try:
             with self._interruptible():
-                sampled = self.runner.run(plan, params)       # 2. run
+                sampled = self.runner.run(plan, params) if todo else {}     # 2. run
         except BaseException as exc:                          # the step's requests fail, the rest go on
             error = describe(exc)
             self._fail_step(plan, error)
