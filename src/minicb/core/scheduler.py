@@ -168,14 +168,8 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         start = seq.num_computed_tokens
-        prompt, p = seq.prompt_token_ids, len(seq.prompt_token_ids)
-        out = seq.output_token_ids
-        if start + n <= p:                  # a prompt chunk
-            tokens = prompt[start:start + n]
-        elif start >= p:                    # a decode (or outputs recomputed): no prompt + outputs copy
-            tokens = out[start - p:start - p + n]
-        else:
-            tokens = prompt[start:] + out[:start + n - p]
+        prompt, p, out = seq.prompt_token_ids, len(seq.prompt_token_ids), seq.output_token_ids
+        tokens = prompt[start:start + n] if start + n <= p else (prompt[start:] + out[max(start - p, 0):])[:n]
         sample = start + n == p + len(seq.output_token_ids)
         forks = tuple(c.request_id for c in self._attached[seq.request_id]) \
             if sample and seq.request_id in self._attached else ()
