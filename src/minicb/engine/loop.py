@@ -44,7 +44,6 @@ from minicb.engine.logprobs import PromptLogprobs, RowOutput
 from minicb.engine.outputs import OutputTracker, RequestOutput, RequestTracker
 
 GREEDY = SamplingParams()    # sampling for a row whose request was aborted after planning
-FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class StepLoop:
@@ -144,10 +143,7 @@ class StepLoop:
             if tracker is not None:
                 self._keep_logprobs(tracker, value)
         finished = self.scheduler.update(plan, tokens, self.clock())
-        ended = {s.request_id for s in finished}
-        params = self._params     # an unfinished sequence of a FINAL_ONLY request makes no output
-        got = [sid for sid in tokens if sid in ended or params.get(sid, GREEDY).output_kind != FINAL_ONLY]
-        self._outputs_of(got + sorted(ended - tokens.keys()))
+        self._outputs_of(list(tokens) + sorted({s.request_id for s in finished} - tokens.keys()))
 
     def _outputs_of(self, seq_ids: list[str]) -> None:
         """Make the outputs of the requests these sequences belong to, each once, in that order: the
@@ -157,9 +153,9 @@ class StepLoop:
             rid = self._owner.get(sid)
             if rid is None or rid in done:
                 continue
-            tracker = self._live[rid]
-            if tracker.final_only and not tracker.finished:     # FINAL_ONLY: nothing until its last
-                continue                                        # child has finished
+            tracker = self._live[rid]      # FINAL_ONLY: nothing while the sequence or a sibling runs
+            if tracker.final_only and (self.scheduler.get(sid) is not None or not tracker.finished):
+                continue
             done.add(rid)
             out = tracker.output()
             if out.finished:
@@ -198,6 +194,11 @@ class StepLoop:
     def run_until_done(self, progress=None) -> list[RequestOutput]:
         """Step until every request has finished; their final outputs in the order they finished."""
         return self.run(None, progress)
+
+    def occupancy(self) -> tuple[int, int]:
+        """(slots held, device KV blocks in use) now: two counts, where a snapshot copies every table."""
+        bm = self.scheduler.block_manager
+        return self.scheduler.slot_table.num_held, bm.num_blocks - bm.num_free_blocks
 
     # --- requests in and out ----------------------------------------------------------------------
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:

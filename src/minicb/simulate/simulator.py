@@ -598,9 +598,7 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
         # Called between planning and recording (``SimRunner.run``): the slots and blocks held now are
         # the planned step's, what a ``StepEvent``'s ``state`` snapshot would say. Read as two counts,
         # so that no step listener makes the engine copy every block table twice a step.
-        start, sched = engine.now, engine.scheduler
-        held = sched.slot_table.num_held
-        used = sched.block_manager.num_blocks - sched.block_manager.num_free_blocks
+        start, (held, used) = engine.now, engine.occupancy()
         end = start
         try:
             parts = cost.breakdown(plan)
