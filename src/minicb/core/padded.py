@@ -34,10 +34,9 @@ class PaddedPolicy(Policy):
         if not self.batch and self._may_form_batch():
             self._form_batch()
         work = StepWork()
-        live = [s for s in self.batch if not s.is_finished]
-        longest = max((s.num_uncomputed_tokens for s in live), default=0)
-        for seq in self.batch:
-            n = 0 if seq.is_finished else seq.num_uncomputed_tokens
+        todo = [0 if s.is_finished else s.num_uncomputed_tokens for s in self.batch]   # row order
+        longest = max(todo, default=0)
+        for seq, n in zip(self.batch, todo):
             if n:
                 work.scheduled[seq.request_id] = n
             if longest - n:

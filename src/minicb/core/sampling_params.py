@@ -40,6 +40,12 @@ The knobs beyond those, with vLLM's names and meaning (applied per row by
 * ``include_stop_str_in_output``: a matched stop string stays in the text (``minicb serve``'s ``stop``);
 * ``skip_special_tokens`` (default True): special tokens are left out of the decoded text.
 
+Which outputs a request gets (``output_kind``, vLLM's ``RequestOutputKind``): by default
+(``CUMULATIVE``) one every step it gets a token, carrying the whole text so far and what the step
+added (``new_text``: vLLM's ``DELTA`` in the same object, so ``DELTA`` behaves the same here).
+``FINAL_ONLY`` makes no output until the request has finished (its text is decoded once, at the end):
+what ``LLM.generate`` and the simulator want, and it saves a copy of every token list every step.
+
 What is accepted is what has a meaning. A temperature between 0 and ``MIN_TEMPERATURE`` is refused
 rather than silently treated as greedy: dividing logits by 1e-320 gives infinities, and a value that
 small says "greedy" in a way the caller should spell ``0``. Every number may be a Python number, a
@@ -49,6 +55,7 @@ equal parameters compare and hash equal whatever types they were built from.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from minicb.core.errors import InvalidArgument, check_float, check_int, describe
@@ -59,6 +66,14 @@ MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**63 - 1          # torch.Generator.manual_seed takes a signed 64-bit integer
 MAX_INT = 2**63 - 1           # counts and ids beyond int64 mean nothing (no tensor can index them)
 MAX_LOGPROBS = 20             # the most top logprobs a request may ask for (vLLM's max_logprobs, OpenAI's 20)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request gets (vLLM's names and values; module docstring)."""
+
+    CUMULATIVE = 0     # every step it gets a token: the whole output so far (and the step's delta)
+    DELTA = 1          # the same here: each output carries both
+    FINAL_ONLY = 2     # only the final one, once the request has finished
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,6 +99,7 @@ class SamplingParams:
     n: int = 1
     cache_salt: str | None = None        # vLLM's: requests share prefix-cache blocks only with equal salts
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__           # frozen: normalise once, here
@@ -123,6 +139,10 @@ class SamplingParams:
             raise InvalidArgument("bad_words must be a list of strings")
         set_(self, "bad_words", tuple(self.bad_words))
         set_(self, "n", _int64("n", self.n, lo=1))
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            raise InvalidArgument("output_kind must be a RequestOutputKind (0, 1 or 2), got "
+                                  f"{describe(self.output_kind)}")
+        set_(self, "output_kind", RequestOutputKind(self.output_kind))
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidArgument(f"cache_salt must be a non-empty string, got {describe(self.cache_salt)}")
         if self.structured_outputs is not None:

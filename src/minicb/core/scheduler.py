@@ -168,8 +168,8 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         start = seq.num_computed_tokens
-        prompt, p = seq.prompt_token_ids, len(seq.prompt_token_ids)
-        tokens = prompt[start:start + n] if start + n <= p else (prompt + seq.output_token_ids)[start:][:n]
+        prompt, p, out = seq.prompt_token_ids, len(seq.prompt_token_ids), seq.output_token_ids
+        tokens = prompt[start:start + n] if start + n <= p else (prompt[start:] + out[max(start - p, 0):])[:n]
         sample = start + n == p + len(seq.output_token_ids)
         forks = tuple(c.request_id for c in self._attached[seq.request_id]) \
             if sample and seq.request_id in self._attached else ()

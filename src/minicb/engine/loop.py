@@ -5,7 +5,8 @@ One step, every iteration::
     plan    = scheduler.schedule(now)           # 1. who runs, which tokens, which blocks (no torch)
     sampled = runner.run(plan, params)          # 2. swap, pack, forward, sample: the only tensor work
     done    = scheduler.update(plan, tokens)    # 3. finished requests free their slot and blocks *now*
-    outputs = [tracker.output() ...]            # 4. each request that got a token or finished
+    outputs = [tracker.output() ...]            # 4. each request that got a token or finished (only
+                                                #    finished ones for output_kind FINAL_ONLY)
 
 ``StepLoop`` is that loop and the bookkeeping it needs: which requests are live (one
 ``outputs.RequestTracker`` each, with an ``OutputTracker`` per child), which sampling parameters each
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.plan import StepPlan
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.sampling_params import RequestOutputKind, SamplingParams
 from minicb.core.scheduler import Scheduler
 from minicb.core.sequence import Sequence
 from minicb.engine.events import Listeners
@@ -158,8 +159,11 @@ class StepLoop:
             rid = self._owner.get(sid)
             if rid is None or rid in done:
                 continue
+            tracker = self._live[rid]      # FINAL_ONLY: nothing while the sequence or a sibling runs
+            if tracker.final_only and (self.scheduler.get(sid) is not None or not tracker.finished):
+                continue
             done.add(rid)
-            out = self._live[rid].output()
+            out = tracker.output()
             if out.finished:
                 self._finish(rid)
             else:
@@ -197,6 +201,11 @@ class StepLoop:
         """Step until every request has finished; their final outputs in the order they finished."""
         return self.run(None, progress)
 
+    def occupancy(self) -> tuple[int, int]:
+        """(slots held, device KV blocks in use) now: two counts, where a snapshot copies every table."""
+        bm = self.scheduler.block_manager
+        return self.scheduler.slot_table.num_held, bm.num_blocks - bm.num_free_blocks
+
     # --- requests in and out ----------------------------------------------------------------------
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
         """Register the request's ``n`` sequences with the runner and queue them in the scheduler."""
@@ -227,7 +236,8 @@ class StepLoop:
             children.append(child)
             self._owner[seq.request_id] = request_id
             self._params[seq.request_id] = seq.params
-        self._live[request_id] = RequestTracker(request_id, children)
+        final_only = seqs[0].params.output_kind == RequestOutputKind.FINAL_ONLY
+        self._live[request_id] = RequestTracker(request_id, children, final_only)
 
     def _abort(self, request_id: str, deliver: bool, index: int | None = None) -> RequestOutput | None:
         """End the request (or its child ``index``) with ``finish_reason == "abort"``; its output."""

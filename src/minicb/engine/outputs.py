@@ -158,6 +158,7 @@ class RequestTracker:
 
     request_id: str
     children: list[OutputTracker]
+    final_only: bool = False            # ``RequestOutputKind.FINAL_ONLY``: no output until it has finished
     final: RequestOutput | None = None
     handed_out: bool = False
     _carry: dict[int, RequestOutput] = field(default_factory=dict)

@@ -30,7 +30,7 @@ import torch
 from minicb.core.config import SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_int
 from minicb.core.kv_budget import num_blocks_for
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.sampling_params import RequestOutputKind, SamplingParams
 from minicb.engine.outputs import RequestOutput
 from minicb.fastpaths.install import cpu_fast_paths, runner_kwargs
 from minicb.model.backends import check_device
@@ -210,7 +210,9 @@ class LLM:
         eng.close_arrivals()
         try:
             for rid, s, sp in zip(ids, seqs, params):   # sp, not s.params: s is child 0 when sp.n > 1
-                eng.add_request(rid, s.prompt_token_ids, sp, s.arrival_time)
+                # vLLM's rule: generate() returns final outputs only, so none other is made
+                final_only = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                eng.add_request(rid, s.prompt_token_ids, final_only, s.arrival_time)
             tick = _progress(len(seqs)) if progress else None
             results = {o.request_id: o for o in eng.run(ids, tick)}
         except BaseException:

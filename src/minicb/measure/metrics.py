@@ -163,14 +163,29 @@ def matmul_flops(cfg: ModelConfig, tokens: int, sampled: int) -> float:
 
 def step_flops(plan: StepPlan, cfg: ModelConfig) -> float:
     """Useful FLOPs of ``plan`` (see the module docstring): padding rows count nothing."""
+    tokens, sampled, pairs, _ = _row_sums(plan)
+    return _flops(cfg, tokens, sampled, pairs)
+
+
+def _flops(cfg: ModelConfig, tokens: int, sampled: int, pairs: int) -> float:
     attn = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-    tokens = pairs = sampled = 0
+    return matmul_flops(cfg, tokens, sampled) + attn * pairs
+
+
+def _row_sums(plan: StepPlan, prompts=None) -> tuple[int, int, int, int]:
+    """(tokens, sampled rows, causal pairs, decode rows) of ``plan``'s rows, in one pass (the simulator
+    records every step); decodes are counted only with ``prompts`` (a ``trace.PromptLengths``)."""
+    from minicb.core.plan import DECODE
+
+    tokens = sampled = pairs = decodes = 0
     for s in plan.seqs:
         n, start = len(s.token_ids), s.start_pos
         tokens += n
         pairs += n * start + n * (n + 1) // 2
         sampled += s.sample
-    return matmul_flops(cfg, tokens, sampled) + attn * pairs
+        if prompts is not None:
+            decodes += prompts.kind(s) == DECODE
+    return tokens, sampled, pairs, decodes
 
 
 def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | None = None,
@@ -178,17 +193,14 @@ def step_record(plan: StepPlan, start: float, end: float, cfg: ModelConfig | Non
     """The ``StepRecord`` of ``plan`` run from ``start`` to ``end``. A decode is a row that starts past
     its prompt (``minicb.core.plan.row_kind``); ``prompts``, a ``trace.PromptLengths`` that has seen
     the run's earlier plans, knows where each prompt ends (without one, only this plan is seen)."""
-    from minicb.core.plan import DECODE
     from minicb.measure.trace import PromptLengths
 
-    prompts = PromptLengths() if prompts is None else prompts
-    decodes = sum(1 for s in plan.seqs if prompts.kind(s) == DECODE)
-    n = plan.num_batched_tokens
+    n, sampled, pairs, decodes = _row_sums(plan, PromptLengths() if prompts is None else prompts)
     return StepRecord(step=plan.step, start=start, end=end, num_seqs=len(plan.seqs), num_tokens=n,
                       num_padding_tokens=plan.num_padding_tokens, num_prefill_tokens=n - decodes,
                       num_decode_tokens=decodes, num_slots_held=num_slots_held,
                       num_blocks_used=num_blocks_used, num_preempted=len(plan.preempted),
-                      flops=step_flops(plan, cfg) if cfg is not None else 0.0)
+                      flops=_flops(cfg, n, sampled, pairs) if cfg is not None else 0.0)
 
 
 class StepRecorder:

@@ -11,9 +11,9 @@ For every arrival rate and policy it runs ``minicb.simulate.simulate`` (the engi
 on a simulated clock; Poisson arrivals in simulated time) and prints the table; ``--out`` gets
 ``simulate.json`` and ``curve.png`` (throughput against P99 inter-token latency and P99 TTFT, one line
 per policy), plus the throughput bars, latency CDFs and slot occupancy of ``--plot-rate``.
-Torch-free. The cost is the scheduler's own: about 20 us per scheduled sequence per step on this
-machine, so 1,000 ShareGPT requests (about 350,000 sequence-steps) take 5-10 s per policy and rate;
-the default (200 requests, three rates: 1,800 simulated requests) takes 24 s of CPU on the 2-core
+Torch-free. The cost is the scheduler's own: about 8 us per scheduled sequence per step on this
+machine, so 1,000 ShareGPT requests (about 350,000 sequence-steps) take 2-4 s per policy and rate;
+the default (200 requests, three rates: 1,800 simulated requests) takes 5 s of CPU on the 2-core
 AMD EPYC VM (``python bench/readme_times.py``), ``--full`` (15,000) several minutes. Progress goes
 to stderr (``minicb.measure.progress``): one line per policy and rate, and a heartbeat every few
 seconds when stderr is not a terminal.
@@ -31,7 +31,7 @@ from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.measure.bench_cli import POLICY_ORDER, add_workload_args
 from minicb.measure.metrics import format_table, records_to_json
 
-DEFAULT_REQUESTS, DEFAULT_RATES = 200, "2,8,16"        # 24 s of CPU here (bench/readme_times.py)
+DEFAULT_REQUESTS, DEFAULT_RATES = 200, "2,8,16"        # 5 s of CPU here (bench/readme_times.py)
 FULL_REQUESTS, FULL_RATES = 1000, "2,4,8,12,16"        # --full: 15,000 simulated requests, minutes
 
 

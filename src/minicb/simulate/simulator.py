@@ -45,6 +45,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import csv
 import json
 import math
@@ -56,7 +57,7 @@ from functools import cache
 from minicb.core.config import ModelConfig, SchedulerConfig
 from minicb.core.errors import InvalidArgument, check_float, check_int
 from minicb.core.plan import StepPlan
-from minicb.core.sampling_params import SamplingParams
+from minicb.core.sampling_params import RequestOutputKind, SamplingParams
 from minicb.engine.arrivals import Arrival, NoProgress, drive
 from minicb.engine.llm_engine import LLMEngine
 from minicb.engine.logprobs import RowOutput, TokenLogprobs
@@ -178,8 +179,7 @@ class CostModel:
         pts = self.allreduce
         if self.tp == 1 or nbytes <= 0:
             return 0.0
-        sizes = [p[0] for p in pts]
-        j = bisect.bisect_left(sizes, nbytes)
+        j = bisect.bisect_left(pts, nbytes, key=_first)      # O(log n): this runs every simulated step
         if j == 0:
             return pts[0][1]
         if j == len(pts):       # beyond the table: linear in bytes from the last point
@@ -193,9 +193,13 @@ class CostModel:
         m, t = self.model, self.tp
         qh, kvh, d, b = m.num_attention_heads / t, m.num_key_value_heads / t, m.head_dim, self.dtype_bytes
         if self.attention == "varlen":
-            pairs = sum(causal_pairs(s.start_pos, s.num_tokens) for s in plan.seqs)
-            pairs += sum(causal_pairs(0, n) for n in plan.padding)
-            keys = sum(s.context_len for s in plan.seqs) + sum(plan.padding)
+            pairs = keys = 0                    # one pass over the rows (this runs every simulated step)
+            for s in plan.seqs:
+                n = len(s.token_ids)
+                pairs += causal_pairs(s.start_pos, n)
+                keys += s.start_pos + n         # its context length
+            pairs += sum(n * (n + 1) // 2 for n in plan.padding)     # causal_pairs(0, n), inline
+            keys += sum(plan.padding)
             return 4.0 * qh * d * pairs, 2.0 * kvh * d * b * keys, 1
         # grouped: decodes padded to the longest context, prompt chunks to the longest chunk and context,
         # padding rows attend to themselves (their own padded group): what ReferenceAttention computes
@@ -253,8 +257,7 @@ class CostModel:
         """Seconds per component of one step (their sum is ``step_time``)."""
         m, t, dv = self.model, self.tp, self.device
         h, L = m.hidden_size, m.num_hidden_layers
-        tokens = plan.num_batched_tokens + plan.num_padding_tokens
-        sampled = sum(1 for s in plan.seqs if s.sample)
+        tokens, sampled = _tokens_and_sampled(plan)
         out = dict.fromkeys(("linear", "lm_head", "attention", "elementwise", "allreduce", "swap",
                              "overhead"), 0.0)
         if tokens:
@@ -314,6 +317,19 @@ def allreduce_table(num_workers: int) -> tuple[tuple[float, float], ...]:
         best = min(best, pts[j][1])
         pts[j] = (pts[j][0], best)
     return tuple(pts)
+
+
+def _first(point: tuple[float, float]) -> float:
+    return point[0]
+
+
+def _tokens_and_sampled(plan: StepPlan) -> tuple[int, int]:
+    """Tokens computed (real and padding) and rows sampled by ``plan``, in one pass over its rows."""
+    tokens = sampled = 0
+    for s in plan.seqs:
+        tokens += len(s.token_ids)
+        sampled += s.sample
+    return tokens + sum(plan.padding), sampled
 
 
 def vidur_layer_timings() -> list[dict]:
@@ -459,6 +475,9 @@ def preset(name: str, calibration: dict | None = None, **overrides) -> CostModel
     return replace(cm, **overrides) if overrides else cm
 
 
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY   # the simulator reads each request's final output only
+
+
 # --- the simulation ------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class SimResult:
@@ -488,6 +507,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self._step_time = step_time
         self._token = token
+        self._logprobs: set[str] = set()     # registered sequences that ask for logprobs of any kind
 
     def clock(self) -> float:
         return self.now
@@ -496,8 +516,15 @@ class SimRunner:
         """Advance the clock; every sampled row gets the dummy token. Logprobs, where asked for, are
         those of a model certain of every token it sees: logprob 0, rank 1."""
         self.now += self._step_time(plan)
-        out: dict[str, int | RowOutput] = {r: self._token for s in plan.seqs if s.sample
-                                           for r in (s.request_id, *s.forks)}
+        token = self._token
+        out: dict[str, int | RowOutput] = {}
+        for s in plan.seqs:
+            if s.sample:
+                out[s.request_id] = token
+                for r in s.forks:
+                    out[r] = token
+        if not self._logprobs:          # nobody registered asks for logprobs: the tokens are all
+            return out
         for s in plan.seqs:
             for r in (s.request_id, *s.forks) if s.sample else (s.request_id,):
                 p = params.get(r) if params else None
@@ -511,10 +538,12 @@ class SimRunner:
 
     def register(self, request_id: str, params: SamplingParams, prompt_token_ids=(), *,
                  eos_token_id: int | None = None, tokenizer=None) -> None:
-        """Nothing to keep: every sampled token is the dummy one."""
+        """Every sampled token is the dummy one: only whether it asks for logprobs is kept."""
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs.add(request_id)
 
     def release(self, request_id: str) -> None:
-        """Nothing to forget."""
+        self._logprobs.discard(request_id)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -537,6 +566,11 @@ class SimulatedEngine(LLMEngine):
         runner = SimRunner(step_time, token=token, start=start)
         super().__init__(runner, config, clock=runner.clock)
 
+    def _interruptible(self):
+        """No window in which Ctrl-C acts at once: a simulated step takes microseconds, so a Ctrl-C
+        waits for the step's end (``LLMEngine``'s safe point), and no step pays for two handler swaps."""
+        return contextlib.nullcontext()
+
     @property
     def now(self) -> float:
         """The simulated clock (seconds, or whatever unit ``step_time`` returns)."""
@@ -558,14 +592,26 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
     totals = dict.fromkeys(("linear", "lm_head", "attention", "elementwise", "allreduce", "swap", "overhead"),
                            0.0)
 
+    rec = StepRecorder(cost.model)
+
     def step_time(plan: StepPlan) -> float:
-        parts = cost.breakdown(plan)
-        for key, v in parts.items():
-            totals[key] += v
-        return sum(parts.values())
+        # Called between planning and recording (``SimRunner.run``): the slots and blocks held now are
+        # the planned step's, what a ``StepEvent``'s ``state`` snapshot would say. Read as two counts,
+        # so that no step listener makes the engine copy every block table twice a step.
+        start, (held, used) = engine.now, engine.occupancy()
+        end = start
+        try:
+            parts = cost.breakdown(plan)
+            for key, v in parts.items():
+                totals[key] += v
+            t = sum(parts.values())
+            end = start + t
+            return t
+        finally:                        # recorded like a StepEvent would be, a failed step too
+            if plan.seqs or plan.padding:
+                rec.record(plan, start, end, held, used)
 
     engine = SimulatedEngine(config, step_time)
-    rec = StepRecorder(cost.model).attach(engine)
     n_done = 0
 
     def after_step(outs) -> None:
@@ -580,7 +626,7 @@ def simulate(requests: Sequence[Request], config: SchedulerConfig, cost: CostMod
     # nothing, as with the random prompts of minicb bench)
     order = sorted(requests, key=lambda r: r.arrival)
     arrivals = [Arrival(r.arrival, r.request_id, [k + 2] + [1] * (r.prompt_len - 1),
-                        SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+                        SamplingParams(max_tokens=r.output_len, ignore_eos=True, output_kind=FINAL_ONLY))
                 for k, r in enumerate(order)]
     try:
         done = drive(engine, arrivals, now=lambda: engine.now, wait=engine.advance_to, on_step=after_step)
