@@ -98,6 +98,11 @@ class LLMEngine(StepLoop):
             return bool(self._pending)                # the final outputs still to hand out
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def occupancy(self) -> tuple[int, int]:
+        """(slots held, device KV blocks in use) now: two counts, where a snapshot copies every table."""
+        bm = self.scheduler.block_manager
+        return self.scheduler.slot_table.num_held, bm.num_blocks - bm.num_free_blocks
+
     def snapshot(self):
         """The scheduler's state now (``minicb.core.scheduler.SchedulerSnapshot``: immutable)."""
         return self.scheduler.snapshot()

@@ -201,11 +201,6 @@ class StepLoop:
         """Step until every request has finished; their final outputs in the order they finished."""
         return self.run(None, progress)
 
-    def occupancy(self) -> tuple[int, int]:
-        """(slots held, device KV blocks in use) now: two counts, where a snapshot copies every table."""
-        bm = self.scheduler.block_manager
-        return self.scheduler.slot_table.num_held, bm.num_blocks - bm.num_free_blocks
-
     # --- requests in and out ----------------------------------------------------------------------
     def _enqueue(self, request_id: str, seqs: list[Sequence]) -> None:
         """Register the request's ``n`` sequences with the runner and queue them in the scheduler."""

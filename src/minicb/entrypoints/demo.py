@@ -37,7 +37,8 @@ def source_checkout() -> Path | None:
 def where_to_learn() -> str:
     """One line pointing to the tutorials, naming only what this install has."""
     if source_checkout() is not None:
-        return "Tutorials: python tutorials/00_why_batch.py, then 01 ... 11: twelve chapters (the site: make docs)"
+        return ("Tutorials: python tutorials/00_why_batch.py, then 01 ... 11: twelve chapters "
+                "(the site: make docs)")
     return "Tutorials and docs: in minicb's source, not in this installed package (here: minicb CMD --help)"
 
 
