@@ -45,8 +45,10 @@ def _heartbeat() -> None:
 
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     rank = multiprocessing.parent_process() is not None   # a TP rank: quiet
-    if not script or rank or "ipykernel" in sys.modules:
-        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    chapter = script and os.path.dirname(os.path.abspath(script)) == here
+    if not chapter or rank or "ipykernel" in sys.modules:
+        return              # only a chapter run as a script (not pytest's)
     name = f"tutorials/{os.path.basename(script)}"
     beat = Progress(name, after=5.0, every=5.0, tty=False)
     beat.update(info="still running")

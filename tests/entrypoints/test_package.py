@@ -50,7 +50,7 @@ def test_the_licence_file_is_apache_2_and_the_metadata_says_so_in_spdx():
 
 def test_help_in_a_checkout_points_to_the_tutorials():
     assert demo.source_checkout() == ROOT
-    assert "tutorials/01_static_batching.py" in build_parser().format_help()
+    assert "tutorials/00_why_batch.py" in build_parser().format_help()
 
 
 def test_help_of_an_installed_wheel_names_no_file_the_wheel_lacks(monkeypatch):
