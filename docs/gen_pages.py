@@ -334,8 +334,8 @@ ANNOTATED = [
     ("step_loop", "The step loop, then its guards", ["05_step_loop"],
      ["tests/engine/test_engine_api.py", "tests/engine/test_errors.py", "tests/engine/test_consistency.py",
       "tests/core/test_scheduler.py"],
-     ["StepLoop._step", "StepLoop._sampling_params", "StepLoop._record", "Scheduler.update",
-      "StepLoop._outputs_of", "LLMEngine.step", "LLMEngine._interruptible", "DeferredInterrupts.allowed",
+     ["StepLoop._step", "StepLoop._sampling_params", "StepLoop._record", "StepLoop._outputs_of",
+      "Scheduler.update", "LLMEngine.step", "LLMEngine._interruptible", "DeferredInterrupts.allowed",
       "LLMEngine._die"]),
 ]
 PACKAGE = ROOT / "src" / "minicb"
