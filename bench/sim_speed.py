@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme_times import cpu_name  # noqa: E402  (the CPU's model name, torch-free)
+
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = "--num-requests 400 --rates 4 --policy all"      # issue 47's figure: 3 policies x 400 requests
 # the command-line entry point moved (minicb.cli -> minicb.entrypoints.cli): take whichever exists
@@ -71,7 +74,7 @@ def main() -> int:
     if not (a.old / "src" / "minicb").is_dir():
         sys.exit(f"{a.old} is not a minicb checkout (no src/minicb)")
     args = shlex.split(a.args)
-    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; minicb simulate {a.args}")
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; minicb simulate {a.args}")
     print(f"{'round':>5} {'old CPU s':>10} {'new CPU s':>10}")
     old_t, new_t, tables = [], [], set()
     for k in range(1, a.rounds + 1):
@@ -88,16 +91,6 @@ def main() -> int:
     print(f"median: old {mo:.2f} s, new {mn:.2f} s CPU: new is {mo / mn:.2f}x as fast; "
           f"results {'identical' if tables == {True} else 'DIFFERENT'}")
     return 0 if tables == {True} else 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
