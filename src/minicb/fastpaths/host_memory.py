@@ -85,10 +85,10 @@ class _Arena:
 
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes > ARENA_BYTES // 4:
-            return _mapped(nbytes, huge=True)
+            return _mapped(nbytes)
         with self._lock:
             if self._stretch is None or self._used + nbytes > ARENA_BYTES:
-                self._stretch, self._used = _mapped(ARENA_BYTES, huge=True), 0
+                self._stretch, self._used = _mapped(ARENA_BYTES), 0
             out = self._stretch[self._used:self._used + nbytes]
             self._used += -(-nbytes // ALIGN) * ALIGN
             return out
@@ -97,20 +97,19 @@ class _Arena:
 _ARENA = _Arena()
 
 
-def _mapped(nbytes: int, huge: bool) -> torch.Tensor:
+def _mapped(nbytes: int) -> torch.Tensor:
     """``nbytes`` of a fresh private anonymous mapping as a uint8 tensor (it keeps the mapping alive).
 
-    ``huge``: the tensor starts on a 2 MiB boundary (a mapping is only 4 KiB aligned, so one huge page
+    The tensor starts on a 2 MiB boundary (a mapping is only 4 KiB aligned, so one huge page
     more is mapped, and the unused stretch before the start is never touched, so never committed), and
     only its whole 2 MiB stretches are advised ``MADV_HUGEPAGE``: the tail stays on plain pages, where a
     huge one would commit up to 2 MiB that nothing uses."""
     import numpy as np
 
-    pad = HUGE_PAGE if huge else 0
-    buf = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(buf, np.uint8)
-    skip = (-whole.ctypes.data) % HUGE_PAGE if huge else 0
-    if huge and nbytes >= HUGE_PAGE:
+    skip = (-whole.ctypes.data) % HUGE_PAGE
+    if nbytes >= HUGE_PAGE:
         try:
             buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % HUGE_PAGE)
         except OSError:           # a kernel built without huge pages, a sandbox that refuses: plain ones
