@@ -84,9 +84,10 @@ def test_generate_shows_its_phases_on_one_line_then_the_plain_path_line(tiny_ggu
                                                                         monkeypatch):
     monkeypatch.setenv("MINICB_LINEAR", "mkl")
     assert main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"]) == 0
-    assert shown[:4] == ["loading tiny.gguf:", "loading tiny.gguf: importing torch",
+    assert shown[:5] == ["loading tiny.gguf:", "loading tiny.gguf: importing torch",
+                         "loading tiny.gguf: reading the tokenizer",
                          "loading tiny.gguf: reading the weights", "LOADER CALLED"]
-    assert shown[4:-1] == [f"loading tiny.gguf: {p}" for p in PHASES[1:]]   # the CLI's line: no second one
+    assert shown[5:-1] == [f"loading tiny.gguf: {p}" for p in PHASES[1:]]   # the CLI's line: no second one
     err = capsys.readouterr().err
     assert "minicb: linear layers on PyTorch's default matrix library (MKL) (-v: which path and why)" \
         in err.splitlines()
@@ -135,6 +136,27 @@ def test_an_empty_prompt_is_refused_before_torch_is_imported():
                              "print(main(['generate', '']))")
     assert run.stdout.split() == ["2", "False"], run.stderr
     assert run.stderr.strip() == "minicb: error: prompt 1 is empty: a prompt needs at least one token"
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_the_weights_load(tiny_gguf, capsys, monkeypatch):
+    """The header (tokenizer, context length) is read first; the prompt's tokens are counted there."""
+    from minicb.model.weights import loader
+    from minicb.model.weights.gguf_loader import config_from_gguf, read_gguf
+
+    with read_gguf(tiny_gguf) as g:
+        ctx = config_from_gguf(g).max_position_embeddings
+    loads = []
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loads.append(a) or 1 / 0)
+    prompt = "0 " * ctx                     # the tiny byte-level tokenizer: at least one token a character
+    assert main(["generate", prompt, "--model", str(tiny_gguf), "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("minicb: error: prompt 1 (") and f"more than max_model_len={ctx} " in err, err
+    assert loads == []
+    # one token fewer than the limit leaves room for the one new token: it gets to the load
+    n = len(loader.read_header(tiny_gguf)[1].encode("0 " * (ctx // 4)))
+    with pytest.raises(ZeroDivisionError):
+        main(["generate", "0 " * (ctx // 4), "--model", str(tiny_gguf), "--max-tokens", str(ctx - n)])
+    assert len(loads) == 1
 
 
 def test_an_empty_prompt_is_fine_with_chat(tiny_gguf, capsys):

@@ -288,6 +288,30 @@ def _read_prompt_file(path: str) -> list[str]:
     return lines
 
 
+def _checked_prompts(args, prompts: list[str]):
+    """Read the model's header (its tokenizer and context length, not its weights) and refuse a prompt
+    that cannot fit before the load: ``prompts`` is wrapped in the chat template in place with --chat.
+    Returns the tokenizer, for ``LLM`` to use rather than build again."""
+    from minicb.engine.inputs import prompt_token_ids
+    from minicb.entrypoints.llm import default_max_model_len
+    from minicb.model.weights.loader import read_header
+
+    config, tokenizer = read_header(args.model)
+    limit = default_max_model_len(config)
+    for i, p in enumerate(prompts):
+        if args.chat:
+            prompts[i] = p = tokenizer.apply_chat_template(p)
+        try:
+            n = len(prompt_token_ids(p, tokenizer, config.vocab_size, limit))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"prompt {i + 1}: {e}") from None
+        if n + args.max_tokens > limit:
+            raise InvalidArgument(f"prompt {i + 1} ({n:,} tokens) + --max-tokens {args.max_tokens:,} = "
+                                  f"{n + args.max_tokens:,} tokens, more than max_model_len={limit} (the "
+                                  "model's context, at most 8192)")
+    return tokenizer
+
+
 def cmd_generate(args) -> int:
     check_generate_flags(args)
     prompts = _read_prompts(args)
@@ -302,6 +326,8 @@ def cmd_generate(args) -> int:
         from minicb.engine.arrivals import Arrival, drive
         from minicb.entrypoints.llm import LLM
 
+        prog.phase("reading the tokenizer")     # the prompts are checked before the weights load
+        tokenizer = _checked_prompts(args, prompts)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
@@ -309,9 +335,7 @@ def cmd_generate(args) -> int:
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
                   attn_backend=args.attn_backend, tensor_parallel_size=args.tp, fast_paths=not args.reference,
                   enable_prefix_caching=args.prefix_caching,
-                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory))
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
+                  kv_cache_memory_bytes=gib_flag(args.kv_cache_memory), tokenizer=tokenizer)
     single = len(prompts) == 1
     failed = []
     finished: dict[int, str] = {}       # several prompts: printed in prompt order, each when it can be

@@ -118,7 +118,7 @@ class LLM:
             from minicb.model.weights.loader import load_model
 
             _phase("reading the weights")
-            loaded = load_model(model, dtype=torch_dtype)
+            loaded = load_model(model, dtype=torch_dtype, tokenizer=tokenizer)
             tokenizer = tokenizer or loaded.tokenizer
             # with tensor parallelism the whole model stays on the CPU: each rank moves its shard
             home = device if tensor_parallel_size == 1 else "cpu"
@@ -247,6 +247,11 @@ def _check_config_names(config: dict) -> None:
                               f"{', '.join(sorted(known))}")
 
 
+def default_max_model_len(config) -> int:
+    """The longest request (prompt + max_tokens) by default: the model's context, at most 8,192."""
+    return min(config.max_position_embeddings, 8192)
+
+
 def _default_config(model: LlamaForCausalLM, config: dict, kv_cache_memory_bytes: int | None = None) -> dict:
     """The scheduler configuration: what the caller gave, else fast defaults (``FAST_DEFAULTS``, measured
     in bench/RESULTS.md) and a KV pool sized from memory (``kv_budget``)."""
@@ -254,7 +259,7 @@ def _default_config(model: LlamaForCausalLM, config: dict, kv_cache_memory_bytes
     if out.get("policy", "continuous") == "continuous":     # the padded policies keep 16 slots
         out = {**FAST_DEFAULTS, **out}
     out.setdefault("max_num_seqs", SchedulerConfig().max_num_seqs)
-    out.setdefault("max_model_len", min(model.config.max_position_embeddings, 8192))
+    out.setdefault("max_model_len", default_max_model_len(model.config))
     if "num_blocks" not in out:
         out["num_blocks"] = num_blocks_for(
             model.config, block_size=out.get("block_size", 16), dtype_size=model.dtype.itemsize,

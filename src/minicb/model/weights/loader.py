@@ -173,14 +173,8 @@ def _find_gguf_in_dir(d: pathlib.Path) -> pathlib.Path | None:
     return ggufs[0] if ggufs else None
 
 
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a LLaMA-architecture model from a GGUF file or a Hugging Face directory.
-
-    ``path=None`` loads the default model (``default_model_path()``). ``dtype`` is the dtype of every
-    returned tensor (quantized weights are expanded to float32 first, then cast; float64 is exact).
-    """
-    if dtype not in FLOAT_DTYPES:
-        raise InvalidArgument(f"dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {dtype!r}")
+def _resolve(path: str | os.PathLike | None) -> pathlib.Path:
+    """The file or Hugging Face directory that ``path`` names (None: the default model)."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"model must be a path (str or os.PathLike), None or a LlamaForCausalLM, got "
                               f"{type(path).__name__}")
@@ -192,16 +186,45 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
             raise ModelLoadError(f"{p} is neither a Hugging Face model directory (no config.json) "
                                  "nor a directory holding a .gguf file")
         p = gguf_file
+    return p
+
+
+def read_header(path: str | os.PathLike | None = None) -> tuple[ModelConfig, Tokenizer]:
+    """The model's shape and its tokenizer, without reading a weight (about 0.5 s for SmolLM2, where
+    the whole load takes tens): what a command line needs to check its prompts before the load."""
+    p = _resolve(path)
+    if p.is_dir():
+        from minicb.model.weights.hf_loader import config_from_hf, read_config_json
+
+        config = config_from_hf(read_config_json(p), str(p / "config.json"))
+        return config, _build_tokenizer(lambda: Tokenizer.from_hf_dir(p), str(p))
+    from minicb.model.weights.gguf_loader import config_from_gguf, read_gguf
+
+    with read_gguf(p) as g:
+        return config_from_gguf(g), _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(g.metadata), str(p))
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+               tokenizer: Tokenizer | None = None) -> LoadedModel:
+    """Load a LLaMA-architecture model from a GGUF file or a Hugging Face directory.
+
+    ``path=None`` loads the default model (``default_model_path()``). ``dtype`` is the dtype of every
+    returned tensor (quantized weights are expanded to float32 first, then cast; float64 is exact).
+    ``tokenizer``: one already built from the same files (``read_header``), not built again.
+    """
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgument(f"dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {dtype!r}")
+    p = _resolve(path)
     if p.is_dir():
         from minicb.model.weights.hf_loader import load_hf_dir
 
         config, state_dict = load_hf_dir(p, dtype)
-        tokenizer = _build_tokenizer(lambda: Tokenizer.from_hf_dir(p), str(p))
+        tokenizer = tokenizer or _build_tokenizer(lambda: Tokenizer.from_hf_dir(p), str(p))
     else:
         from minicb.model.weights.gguf_loader import load_gguf
 
         config, state_dict, metadata = load_gguf(p, dtype)
-        tokenizer = _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(metadata), str(p))
+        tokenizer = tokenizer or _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(metadata), str(p))
     source = str(p)
     check_state_dict(config, state_dict, source)
     check_finite(state_dict, source)
