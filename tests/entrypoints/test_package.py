@@ -26,7 +26,7 @@ from minicb.entrypoints.completion import bash_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # what only a source checkout has: a wheel user's help text must not send them there
-CHECKOUT_ONLY = re.compile(r"tutorials/|\bmake (docs|demo|test)|\bbench/|\bdocs/|\btests/")
+CHECKOUT_ONLY = re.compile(r"(?<![\w-])tutorials/|\bmake (docs|demo|test)|\bbench/|\bdocs/|\btests/")
 
 
 def _all_help(parser) -> str:
@@ -57,7 +57,7 @@ def test_help_of_an_installed_wheel_names_no_file_the_wheel_lacks(monkeypatch):
     monkeypatch.setattr(demo, "source_checkout", lambda: None)
     text = _all_help(build_parser())
     assert CHECKOUT_ONLY.findall(text) == []
-    assert "minicb CMD --help" in demo.where_to_learn()
+    assert "minicb tutorials DIR" in demo.where_to_learn()
 
 
 def _complete(script: str, words: list[str]) -> list[str]:
@@ -129,6 +129,9 @@ def test_the_sdist_carries_no_tests_and_the_wheel_carries_licence_and_c_sources(
     shipped_c = {n for n in wnames if n.endswith((".c", ".h"))}
     in_tree = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src" / "minicb").rglob("*.[ch]")}
     assert shipped_c == in_tree                                 # every kernel source compiles on first use
+    shipped_tut = {n.removeprefix("minicb/tutorials/") for n in wnames if n.startswith("minicb/tutorials/")}
+    tut = ROOT / "tutorials"
+    assert shipped_tut == {str(p.relative_to(tut)) for p in [*tut.glob("*.py"), *tut.glob("exercises/*.py")]}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +167,27 @@ def test_an_installed_wheel_runs_help_and_names_nothing_it_lacks(wheel_venv):
         helps.append(run.stdout)
     text = "\n".join(helps)
     assert CHECKOUT_ONLY.findall(text) == []
-    assert "not in this installed package" in text
+    assert "minicb tutorials DIR copies the twelve chapters" in text
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_copies_out_its_tutorials_and_they_run(wheel_venv):
+    """What the wheel's help promises: ``minicb tutorials DIR``, then a chapter and an exercise checker
+    run from the copy (no checkout anywhere: the wheel's own files)."""
+    py, env, cwd = wheel_venv
+    run = subprocess.run([py, "-m", "minicb", "tutorials", "learn"], cwd=cwd, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "copied 12 chapters (00_why_batch.py ... 11_serving.py) and the exercises into learn/",
+        "start with: python learn/00_why_batch.py"]
+    env = {**env, "MINICB_PROGRESS": "0"}
+    chapter = subprocess.run([py, "learn/03_slot_table.py"], cwd=cwd, env=env, capture_output=True, text=True)
+    assert chapter.returncode == 0, chapter.stderr[-3000:]
+    assert "after the run: free slots 3 of 3" in chapter.stdout
+    again = subprocess.run([py, "-m", "minicb", "tutorials", "learn"], cwd=cwd, env=env, capture_output=True,
+                           text=True)
+    assert again.returncode == 2 and "learn exists and is not an empty directory" in again.stderr
 
 
 @pytest.mark.slow

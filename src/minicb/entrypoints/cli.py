@@ -228,9 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the written safetensors (default float32)")
     x.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    from minicb.entrypoints import completion
+    from minicb.entrypoints import completion, tutorials
 
     completion.add_parser(sub)
+    tutorials.add_parser(sub)
     return parser
 
 
@@ -414,7 +415,7 @@ def _run(argv: list[str] | None) -> int:
 
         print(bash_script(parser), end="")
         return 0
-    if args.command in ("bench", "simulate", "serve", "demo"):
+    if args.command in ("bench", "simulate", "serve", "demo", "tutorials"):
         return args.run(args)
     return {"generate": cmd_generate, "export-hf": cmd_export_hf}[args.command](args)
 

@@ -39,7 +39,8 @@ def where_to_learn() -> str:
     if source_checkout() is not None:
         return ("Tutorials: python tutorials/00_why_batch.py, then 01 ... 11: twelve chapters "
                 "(the site: make docs)")
-    return "Tutorials and docs: in minicb's source, not in this installed package (here: minicb CMD --help)"
+    return ("Tutorials: minicb tutorials DIR copies the twelve chapters (00-11) out of this package; "
+            "then python DIR/00_why_batch.py")
 
 
 def add_parser(sub) -> None:

@@ -200,13 +200,15 @@ def _serve(args, sock) -> int:
                         open_metrics=args.open_metrics, allow_control_text=args.allow_control_text,
                         frontend_workers=args.frontend_workers)
         url = base_url(sock)
-        print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
-              flush=True)
-        if args.policy == "static":
-            print(f"minicb serve: policy static: a batch starts once {llm.engine.config.max_num_seqs} "
-                  "requests wait",
-                  file=sys.stderr, flush=True)
-        code = server.run(sock)
+
+        def ready() -> None:    # said once a Ctrl-C on seeing it stops the server cleanly (Server.run)
+            print(f"minicb serve: {name} on {url}  (live page {url}/  API {url}/v1  metrics {url}/metrics)",
+                  flush=True)
+            if args.policy == "static":
+                print(f"minicb serve: policy static: a batch starts once {llm.engine.config.max_num_seqs} "
+                      "requests wait", file=sys.stderr, flush=True)
+
+        code = server.run(sock, ready)
         if server.failure is not None:
             print(f"minicb serve: the engine failed: {server.failure}", file=sys.stderr, flush=True)
         aborted = server.engine_thread.aborted_at_shutdown

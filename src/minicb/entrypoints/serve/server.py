@@ -51,6 +51,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import h11
 import uvicorn
@@ -254,8 +255,9 @@ class Server:
         engine.listen(on_step=self.live.on_step)
 
     # --- running ----------------------------------------------------------------------------------
-    def run(self, sock: socket.socket) -> int:
+    def run(self, sock: socket.socket, ready: Callable[[], None] = lambda: None) -> int:
         """Serve on ``sock`` until SIGTERM / Ctrl-C (main thread) or ``stop()``; then shut down cleanly.
+        ``ready`` (the listening line) is called once a signal would stop the server cleanly.
         Returns the exit code (module docstring)."""
         if self._uvicorn is None:
             self._uvicorn = self._make_uvicorn(sock)
@@ -263,8 +265,9 @@ class Server:
         in_main = threading.current_thread() is threading.main_thread()
         if in_main:
             # Until uvicorn installs its own handlers (after the collection below and its start-up), a
-            # signal must not be lost: the listening line is already printed, and a Ctrl-C or SIGTERM
-            # sent on seeing it would otherwise leave the server running. So it goes where uvicorn's
+            # signal must not be lost: the listening line is printed once this handler is in, and a
+            # Ctrl-C or SIGTERM sent on seeing it would otherwise leave the server running (or, before
+            # this handler, end the program with KeyboardInterrupt, 130). So it goes where uvicorn's
             # handler would send it (should_exit set before start-up: uvicorn returns right after it).
             # uvicorn also re-raises the signal it caught once it has shut down, with the handler that
             # was there before it: once it has started, that one is harmless (exit code 0).
@@ -276,6 +279,7 @@ class Server:
 
             for sig in quiet:
                 signal.signal(sig, early)
+        ready()
         # What exists now (the model, the tokenizer, every import) lives as long as the server: take it
         # out of the garbage collector's scans. A full collection runs on whichever thread allocates at
         # that moment (the engine thread, the event loop) and holds the GIL while it walks every tracked
