@@ -111,12 +111,7 @@ def parse_tools(body: dict, limits: ServeLimits) -> ToolRequest | None:
     if size > limits.max_grammar_chars:
         raise bad_request(f"the tools' definitions have {size:,} characters; at most "
                           f"{limits.max_grammar_chars:,} are allowed ({flag('max_grammar_chars')})", "tools")
-    parallel = body.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise bad_request(f"parallel_tool_calls must be true or false, got {describe(parallel)}",
-                          "parallel_tool_calls")
+    parallel = body.get("parallel_tool_calls") is not False     # its type: protocol.py's model
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
