@@ -283,14 +283,11 @@ class EngineThread:
             self._add(msg[1])
         elif kind == "abort":
             live = self._live.get(msg[1])
-            if live is not None and live.n > 1 and msg[3] is not None:
-                if msg[3] not in live.done:
-                    out = self.engine.abort_request(msg[1], index=msg[3])
-                    self._finish_children(live, out, msg[2], index=msg[3])
-            elif live is not None:
-                out = self.engine.abort_request(msg[1])
-                if out is not None:
-                    self._finish(live, out, msg[2])
+            index = msg[3] if live is not None and live.n > 1 else None     # one choice of n > 1
+            if live is not None and index not in live.done:
+                out = self.engine.abort_request(msg[1], index=index)
+                if out is not None or index is not None:
+                    self._finish(live, out, msg[2], index=index)
         elif kind == "call":
             fut = msg[2]
             if fut.set_running_or_notify_cancel():
@@ -381,20 +378,21 @@ class EngineThread:
         return bool(outs) or (plan is not None and not plan.is_empty)
 
     def _output(self, live: _Live, out: RequestOutput) -> None:
-        new = any(c.new_token_ids for c in out.outputs) if live.n > 1 else bool(out.new_token_ids)
+        """A Delta per choice with new tokens (``n == 1``: one choice); a choice that finished sends its
+        last."""
+        new = any(c.new_token_ids for c in out.outputs)
         if self.metrics is not None:
             self.metrics.observe_tokens(out, first=not live.seen_first_token and new)
-        if new:
-            live.seen_first_token = True
-        if live.n > 1:
-            self._output_children(live, out)
-            return
-        if out.finished:
-            self._finish(live, out, out.finish_reason)
-        else:
-            self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
-                                          len(out.token_ids), logprobs=_new_logprobs(out),
-                                          prompt_logprobs=self._prompt_once(live, out)))
+        live.seen_first_token |= new
+        for c in out.outputs:
+            if c.index in live.done:
+                continue
+            if c.finished():
+                self._child_done(live, out, c.index, c.finish_reason, c)
+            elif c.new_token_ids:
+                self._send(live.handle, Delta("", list(c.new_token_ids), live.num_prompt_tokens,
+                                              len(c.token_ids), logprobs=_new_logprobs(c),
+                                              prompt_logprobs=self._prompt_once(live, out), index=c.index))
 
     @staticmethod
     def _prompt_once(live: _Live, out: RequestOutput) -> list | None:
@@ -403,19 +401,6 @@ class EngineThread:
             return None
         live.prompt_sent = True
         return out.prompt_logprobs
-
-    def _output_children(self, live: _Live, out: RequestOutput) -> None:
-        """``n > 1``: a Delta per child with new tokens; a child that finished sends its last."""
-        for c in out.outputs:
-            i = c.index
-            if i in live.done:
-                continue
-            if c.finished():
-                self._child_done(live, out, i, c.finish_reason, c)
-            elif c.new_token_ids:
-                self._send(live.handle, Delta("", list(c.new_token_ids), live.num_prompt_tokens,
-                                              len(c.token_ids), logprobs=_new_logprobs(c),
-                                              prompt_logprobs=self._prompt_once(live, out), index=i))
 
     def _child_done(self, live: _Live, out: RequestOutput | None, i: int, reason: str | None,
                     c: CompletionOutput | None, failure: ApiError | None = None) -> None:
@@ -435,30 +420,13 @@ class EngineThread:
             if self.metrics is not None and out is not None:
                 self.metrics.observe_finished(out, reason)
 
-    def _finish_children(self, live: _Live, out: RequestOutput | None, reason: str | None,
-                         failure: ApiError | None = None, index: int | None = None) -> None:
-        """``n > 1``: end child ``index`` (default: every child not yet ended)."""
+    def _finish(self, live: _Live, out: RequestOutput | None, reason: str | None,
+                failure: ApiError | None = None, index: int | None = None) -> None:
+        """End choice ``index`` (default: every choice not yet ended)."""
         by_index = {c.index: c for c in out.outputs} if out is not None else {}
-        left = sorted(set(range(live.n)) - live.done) if index is None else \
-            ([index] if index not in live.done else [])
+        left = sorted(set(range(live.n)) - live.done) if index is None else [index]
         for i in left:
             self._child_done(live, out, i, reason, by_index.get(i), failure)
-
-    def _finish(self, live: _Live, out: RequestOutput, reason: str | None,
-                failure: ApiError | None = None) -> None:
-        if live.n > 1:
-            self._finish_children(live, out, reason, failure)
-            return
-        del self._live[live.handle.request_id]
-        if self.metrics is not None:
-            self.metrics.observe_finished(out, reason)
-        if failure is None and reason == "error":
-            failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
-                               "server_error")
-        self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
-                                      len(out.token_ids), True, reason,
-                                      out.error if failure is None else failure.message, failure,
-                                      _new_logprobs(out), self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -474,14 +442,7 @@ class EngineThread:
                     out = self.engine.abort_request(rid)
                 except Exception:   # noqa: BLE001 - a broken engine must still let clients go
                     log.exception("abort of %s failed", rid)
-            if live.n > 1:
-                self._finish_children(live, out, reason, failure)
-            elif out is None:
-                del self._live[rid]
-                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
-                                              failure.message, failure))
-            else:
-                self._finish(live, out, reason, failure=failure)
+            self._finish(live, out, reason, failure)
         return n
 
     def _die(self, reason: str) -> None:

@@ -124,7 +124,7 @@ class Preparer:
 
     def prepare(self, kind: str, raw: bytes) -> Prepared:
         body = parse_json(raw, self.limits.max_json_depth)
-        self._check_model(body)
+        self.check_model(body)
         if kind == "chat":
             parsed = parse_chat(body, self._render, self.limits, self.control_texts)
         else:
@@ -159,7 +159,7 @@ class Preparer:
         except InvalidArgument as e:
             raise bad_request(str(e), param) from None
 
-    def _check_model(self, body) -> None:
+    def check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
         if isinstance(model, str) and model != self.model_name:
             plain = len(model) <= 100 and model.isprintable() and _encodable(model)
@@ -213,7 +213,7 @@ class Frontend:
             raise InvalidArgument(f"--frontend-workers must be >= 1, got {self.workers}")
         self._setup = dict(model_name=model_name, tokenizer=tokenizer, vocab_size=vocab_size,
                            max_model_len=max_model_len, limits=limits, allow_control_text=allow_control_text)
-        self._local = Preparer(**self._setup)    # the small routes' checks; never a request's work
+        self.local = Preparer(**self._setup)    # extra_routes' checks, grammars; never a request's parsing
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
         self.queued = 0                        # requests in the frontend now (on the event loop only)
@@ -241,23 +241,6 @@ class Frontend:
         pool, self._pool = self._pool, None
         if pool is not None:
             _terminate(pool)
-
-    # --- what the small routes need here, in the server's process (extra_routes.py) ---------------
-    @property
-    def control_texts(self) -> tuple[str, ...]:
-        return self._local.control_texts
-
-    @property
-    def vocab_size(self) -> int:
-        return self._local.vocab_size
-
-    def _check_model(self, body) -> None:
-        self._local._check_model(body)
-
-    async def call(self, fn, *args):
-        """``fn(*args)`` in a thread of this process (``/tokenize`` and ``/detokenize``: one tokenizer
-        call on text bounded by the body limit; the ``tokenizers`` library releases the GIL)."""
-        return await asyncio.to_thread(fn, *args)
 
     @property
     def pids(self) -> list[int]:
@@ -288,7 +271,7 @@ class Frontend:
         if not ok:
             raise ApiError(*value)
         if value.parsed.generate.params.structured_outputs is not None:
-            await asyncio.to_thread(self._local._compile, value.parsed)   # this process's grammar cache
+            await asyncio.to_thread(self.local._compile, value.parsed)   # this process's grammar cache
         return value
 
     def _worker_lost(self, pool, e: Exception) -> ApiError:
