@@ -6,31 +6,25 @@
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
 A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: JSON, fields, chat template,
-token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
-its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s (token ids from the engine thread,
-text made on this loop by its ``RequestText``) as SSE chunks, or gather them into one response. The
-handlers never call the engine, and nothing on this loop grows with a request beyond copying its
-bytes and decoding its generated tokens, one at a time.
+``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: 400 / 404 there) -> hand a
+``RequestHandle`` per prompt to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503)
+-> stream its ``Delta``s as SSE chunks, or gather them into one response (``_Answer``). The handlers
+never call the engine; nothing on this loop grows with a request beyond copying its bytes and
+decoding its generated tokens, one at a time.
 
-How a request that cannot be answered ends: a stream always ends with a last event and
-``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
-error object when its step failed (500) or the engine died (503, with the reason); a non-streaming
-client gets that error object as the response (503 ``server_shutting_down`` / ``engine_dead``, 500).
-
-A client that goes away is noticed in both modes: a stream's response is wrapped so that however it
-ends (finished, client gone, server cancelled) the request is aborted if still running; a non-stream
-request waits for its result *and* for ``http.disconnect``, whichever comes first. Aborting frees the
-request's slot and KV blocks at the engine's next turn.
-
-Every error a client sees is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``,
-including FastAPI's own 404 / 405 and anything unexpected (500, logged here, no traceback sent).
+A stream always ends with a last event and ``data: [DONE]``: ``finish_reason: "abort"`` when the
+server shut down under it, an error object when its step failed (500) or the engine died (503); a
+non-streaming client gets that error object as the response. A client that goes away is noticed in
+both modes (``EventStream``; ``whole`` waits for ``http.disconnect`` too) and its request aborted,
+freeing its slot and KV blocks at the engine's next turn. Every error is OpenAI's error object,
+FastAPI's own 404 / 405 and anything unexpected (500, logged, no traceback sent) included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib.resources
@@ -55,7 +49,6 @@ from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from minicb.entrypoints.serve.stops import StopMatcher
 from minicb.entrypoints.serve.tools import parse_calls, unwrapped
 
 log = logging.getLogger("minicb.entrypoints.serve")
@@ -209,8 +202,7 @@ async def generate(server: Server, request: Request, prepared: Prepared):
         rid = f"{base}-{k}" if several else base
         # n > 1: each choice its own decoder and stop strings (a stop ends that choice only)
         text = _request_text(server, params, rid, stops) if params.n == 1 else \
-            [_request_text(server, params, rid, StopMatcher(stops.stops, stops.include), i)
-             for i in range(params.n)]
+            [_request_text(server, params, rid, copy.deepcopy(stops), i) for i in range(params.n)]
         handles.append(RequestHandle(rid, dataclasses.replace(parsed.generate, prompt=ids), server.clock(),
                                      text))
     for handle in handles:
@@ -248,7 +240,7 @@ def check_prompt_count(num_prompts: int, engine_thread) -> None:
                             "send them in several requests", "invalid_request_error", "prompt")
 
 
-def _request_text(server: Server, params, rid: str, stops: StopMatcher,
+def _request_text(server: Server, params, rid: str, stops,
                   index: int | None = None) -> RequestText:
     """The loop's decoder and stop strings of request ``rid`` (or of its choice ``index``)."""
     decoder = (server.tokenizer.incremental_decoder(params.skip_special_tokens)
