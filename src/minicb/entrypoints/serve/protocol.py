@@ -241,7 +241,8 @@ def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedR
     if body.get("tools") or body.get("tool_choice") is not None:
         raise bad_request("tools and tool_choice are for /v1/chat/completions", "tools")
     prompts = _prompts(body["prompt"], limits)
-    return _parse(body, CompletionRequest, prompts, limits)
+    _unsupported(body, _UNSUPPORTED)
+    return _parse(body, _checked(body, CompletionRequest, limits), prompts, limits)
 
 
 def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
@@ -249,8 +250,8 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     """``render(messages) -> str`` applies the model's chat template (``Tokenizer.apply_chat_template``).
     A message whose text contains one of ``control_texts`` (the model's control tokens) is refused."""
     body = _object(body)
-    _unsupported(body, _UNSUPPORTED_CHAT)
-    _checked(body, ChatCompletionRequest, limits)          # the fields first: the template is the cost
+    _unsupported(body, _UNSUPPORTED | _UNSUPPORTED_CHAT)
+    f = _checked(body, ChatCompletionRequest, limits)      # the fields first: the template is the cost
     tools = parse_tools(body, limits)
     messages = _messages(template_messages(body.get("messages"), tools, _content), limits)
     _no_control_text(messages, control_texts)
@@ -260,7 +261,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(str(e), "messages") from None
     except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return _parse(body, ChatCompletionRequest, [prompt], limits, tools)
+    return _parse(body, f, [prompt], limits, tools)
 
 
 def _object(body: Any) -> dict:
@@ -332,11 +333,9 @@ def _checked(body: dict, model: type[_Request], limits: ServeLimits) -> _Request
         raise bad_request(message, param) from None
 
 
-def _parse(body: dict, model: type[_Request], prompts: list, limits: ServeLimits,
+def _parse(body: dict, f: _Request, prompts: list, limits: ServeLimits,
            tools: ToolRequest | None = None) -> ParsedRequest:
-    _unsupported(body, _UNSUPPORTED)
-    f = _checked(body, model, limits)
-    chat = model is ChatCompletionRequest
+    chat = isinstance(f, ChatCompletionRequest)
     structured, param = parse_structured(body, limits)
     forced = constraint(tools) if tools is not None else None
     if forced is not None:
