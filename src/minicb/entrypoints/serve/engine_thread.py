@@ -13,33 +13,22 @@ thread-safe doors, never anywhere else::
         ▲ handle.text: token ids -> text, stop strings (detokenizer.py, on the loop)
 
 * A request that arrives while the engine runs waits in the inbox for at most the current step and
-  joins the batch at the next one: that *is* continuous batching, seen from a client.
-* The inbox is drained completely before every step, so a burst of requests is admitted (or refused
-  with 503) together, in arrival order. ``max_waiting`` counts the requests that would actually
-  *wait*: a burst that finds free slots has those many accepted on top (they start at the next step).
-* Requests arrive prepared (``frontend.py``, in worker processes): token ids. This thread adds them
-  and steps, and sends each step's *token ids*: the engine makes no text here (the server sets its
-  ``detokenize = False``). Text and stop strings are made on the event loop, per request, as the
-  Deltas arrive (``detokenizer.py``); a stop string found there comes back as ``abort(id, "stop")``,
-  which ends the request before the next step (the step already running may make one more token
-  for it, which the loop drops). Nothing here grows faster than a request.
-* ``n > 1`` choices (parallel sampling: the engine forks the request after its prompt): every child
-  has its own ``Delta``s (``index``) and, on the loop, its own ``RequestText``; a stop string ends that
-  child only (``abort(id, "stop", index)``: ``abort_request(id, index)``). The request is done when
-  every child has sent its finished Delta.
-* If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
-  engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
-  the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
-  tells the server, which shuts down (exit code 1). The thread keeps answering until it is stopped.
-* Everything the event loop learns about a request comes through its ``RequestHandle.queue``: first
-  ``Accepted`` (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait),
-  then ``Delta``s, the last one ``finished``; a last ``Delta`` that ends a request without its answer
-  (shutdown, a failed step, a dead engine) carries the ``ApiError`` a non-streaming client receives.
-* ``drain(timeout)`` (graceful shutdown): refuse new requests, let the accepted ones run, abort what
-  is left when the time is up. ``stop()`` ends the thread (aborting anything still there).
-
-Nothing else in the server touches the engine: ``call(fn)`` runs ``fn(engine)`` on this thread and
-returns a ``concurrent.futures.Future`` (``/health`` uses it to read ``engine.snapshot()``).
+  joins the batch at the next one: that *is* continuous batching, seen from a client. The inbox is
+  drained completely before every step, so a burst is admitted (or refused with 503) together, in
+  arrival order; ``max_waiting`` counts the requests that would actually *wait* beyond the free slots.
+* Requests arrive prepared (token ids, ``frontend.py``) and each step's *token ids* go back: the
+  engine makes no text here. Text and stop strings are made on the event loop (``detokenizer.py``); a
+  stop string found there comes back as ``abort(id, "stop")`` (one choice of ``n > 1``:
+  ``abort(id, "stop", index)``), which ends it before the next step.
+* Everything the loop learns about a request comes through its ``RequestHandle.queue``: ``Accepted``
+  (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait), then ``Delta``s
+  (one per choice with new tokens), the last one of each choice ``finished``; a last ``Delta`` that
+  ends a request without its answer (shutdown, a failed step) carries the ``ApiError`` to answer with.
+* If ``step()`` raises, the engine is *dead*: every open request ends with a 503 carrying the reason,
+  every new one is refused the same way, ``dead`` holds the reason (``/health`` says it), and
+  ``on_dead(reason)`` tells the server, which shuts down (exit code 1).
+* ``drain(timeout)`` (graceful shutdown) refuses new requests and aborts what is left when the time
+  is up; ``call(fn)`` runs ``fn(engine)`` here between two steps (``/health``'s snapshot).
 """
 
 from __future__ import annotations

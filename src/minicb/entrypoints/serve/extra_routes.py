@@ -25,7 +25,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, SkipValidation
+from pydantic import BaseModel, ConfigDict
 
 import minicb
 from minicb.core.errors import InvalidArgument, describe
@@ -34,6 +34,7 @@ from minicb.entrypoints.serve.limits import flag
 from minicb.entrypoints.serve.protocol import (
     ApiError,
     Bool,
+    Messages,
     Str,
     _checked,
     _messages,
@@ -42,6 +43,7 @@ from minicb.entrypoints.serve.protocol import (
     _unsupported,
     bad_request,
 )
+from minicb.entrypoints.serve.tools import template_messages
 
 PING_TIMEOUT_S = 10.0
 _UNSUPPORTED_CHAT = {"chat_template": (None,), "chat_template_kwargs": (None, {}), "tools": (None, []),
@@ -54,7 +56,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Str | None = None
     prompt: Str | None = None
-    messages: SkipValidation[list[dict] | None] = None      # protocol._messages checks them
+    messages: Messages | None = None
     add_special_tokens: Bool | None = None
     add_generation_prompt: Bool | None = None
     return_token_strs: Bool | None = None
@@ -137,7 +139,7 @@ def tokenize_body(server, raw: bytes) -> dict:
     if chat:
         if r.prompt is not None:
             raise bad_request("send either prompt or messages, not both", "prompt")
-        messages = _messages(r.messages, server.limits)
+        messages = _messages(template_messages(r.messages, None), server.limits)
         _no_control_text(messages, server.frontend.local.control_texts)
         try:
             text = tok.apply_chat_template(messages,

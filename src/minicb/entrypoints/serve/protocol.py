@@ -36,9 +36,10 @@ Chat message text containing the model's control tokens (``<|im_start|>``) is re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
+from pydantic import BeforeValidator as Before
 from pydantic import WithJsonSchema as Schema
 
 from minicb.core.errors import InvalidArgument, describe
@@ -46,7 +47,12 @@ from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
 from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.structured import parse_structured
-from minicb.entrypoints.serve.tools import ToolRequest, constraint, parse_tools, template_messages
+from minicb.entrypoints.serve.tools import (
+    ToolRequest,
+    constraint,
+    parse_tools,
+    template_messages,
+)
 
 DEFAULT_LIMITS = ServeLimits()
 
@@ -141,6 +147,48 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Bool | None = None      # vLLM's: the usage so far in every chunk
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]                    # the only part minicb supports (no images, no audio)
+    text: Str
+
+
+class Call(BaseModel):
+    name: Str
+    arguments: Str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    function: Call                           # OpenAI's id and type are not read
+
+
+class Message(BaseModel):
+    """One chat turn: a role and its text (a string, ``null`` or text parts); an assistant turn's
+    earlier ``tool_calls``. Other fields (``name``, ``tool_call_id``) pass."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Str
+    content: Str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+
+
+def _few_messages(v, info):
+    """The count before the turns are checked: a million messages cost a length check."""
+    if not isinstance(v, list) or not v:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    cap = _limits(info).max_messages
+    if len(v) > cap:
+        raise bad_request(f"messages holds {len(v):,} messages; at most {cap:,} are allowed "
+                          f"({flag('max_messages')})", "messages")
+    return v
+
+
+Messages = Annotated[list[Message], Before(_few_messages)]
+
+
 class _Request(BaseModel):
     """The fields both endpoints share. ``None`` is "unset" (the default applies)."""
 
@@ -221,7 +269,7 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions"""
 
-    messages: SkipValidation[list[dict]]                 # _messages checks it first
+    messages: Messages
     max_completion_tokens: _r("max_completion_tokens") | None = None
     logprobs: Bool | None = None
     top_logprobs: _r("top_logprobs") | None = None
@@ -253,7 +301,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     _unsupported(body, _UNSUPPORTED | _UNSUPPORTED_CHAT)
     f = _checked(body, ChatCompletionRequest, limits)      # the fields first: the template is the cost
     tools = parse_tools(body, limits)
-    messages = _messages(template_messages(body.get("messages"), tools, _content), limits)
+    messages = _messages(template_messages(f.messages, tools), limits)
     _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
@@ -290,6 +338,10 @@ _SHAPES = {("stop", None): "must be a string or a list of strings",
            ("stream_options", "model_type"): "must be an object"}
 
 
+_TURN = {"role": "an object with a string role", "content": "a string, null or a list of text parts",
+         "tool_calls": "a list of tool calls", "call": "{function: {name: string, arguments: string}}"}
+
+
 def _message(err: dict) -> tuple[str, str]:
     """A pydantic error as (message, param) in minicb's words: the field and what it must be."""
     loc, value, kind = err["loc"], err["input"], err["type"]
@@ -301,6 +353,12 @@ def _message(err: dict) -> tuple[str, str]:
     shape = _SHAPES.get((field, kind)) or _SHAPES.get((field, None))
     if shape is not None:
         return f"{field} {shape}, got {describe(value)}", field
+    if field == "messages" and len(loc) > 1:      # the turn and its part: messages[1].tool_calls[0]
+        what = loc[2] if len(loc) > 2 else "role"
+        call = what == "tool_calls" and len(loc) > 3 and isinstance(loc[3], int)
+        param = f"messages[{loc[1]}]" + ("" if what == "role" else f".{what}") + \
+            (f"[{loc[3]}]" if call else "")
+        return f"{param} must be {_TURN['call' if call else what]}, got {describe(value)}", param
     if kind == "missing":
         return f"{name} is required", param
     if kind == "bool_type":
@@ -426,23 +484,12 @@ def token_ids(prompt: list, limits: ServeLimits = DEFAULT_LIMITS) -> list[int]:
     return prompt
 
 
-def _messages(messages, limits: ServeLimits = DEFAULT_LIMITS) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-    if len(messages) > limits.max_messages:
-        raise bad_request(f"messages holds {len(messages):,} messages; at most {limits.max_messages:,} are "
-                          f"allowed ({flag('max_messages')})", "messages")
-    out, chars = [], 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
-        msg = {"role": m["role"], "content": _content(m.get("content"), i)}
-        chars += len(msg["role"]) + len(msg["content"])
-        if chars > limits.max_prompt_chars:
-            raise bad_request(f"the messages hold more than {limits.max_prompt_chars:,} characters "
-                              f"({flag('max_prompt_chars')})", "messages")
-        out.append(msg)
-    return out
+def _messages(messages: list[dict], limits: ServeLimits = DEFAULT_LIMITS) -> list[dict]:
+    """The rendered turns (``tools.template_messages``), bounded in characters before the template runs."""
+    if sum(len(m["role"]) + len(m["content"]) for m in messages) > limits.max_prompt_chars:
+        raise bad_request(f"the messages hold more than {limits.max_prompt_chars:,} characters "
+                          f"({flag('max_prompt_chars')})", "messages")
+    return messages
 
 
 def _no_control_text(messages: list[dict], control_texts: tuple[str, ...]) -> None:
@@ -454,22 +501,3 @@ def _no_control_text(messages: list[dict], control_texts: tuple[str, ...]) -> No
                 raise bad_request(f"messages[{i}].{field} contains the control token {hit!r}: the chat "
                                   "template would make it a real one (start the server with "
                                   "--allow-control-text to pass it through)", f"messages[{i}].{field}")
-
-
-def _content(content, i: int) -> str:
-    """Message content: a string, or OpenAI's list of parts of which only text parts are supported."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-            if not isinstance(text, str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                  f"messages[{i}].content")
-            texts.append(text)
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      f"messages[{i}].content")
