@@ -6,31 +6,25 @@
     GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
 
 A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: JSON, fields, chat template,
-token ids, stop matcher; 400 / 404 there) -> hand a ``RequestHandle`` to the engine thread -> wait for
-its verdict (``Accepted``, or 400 / 503) -> stream its ``Delta``s (token ids from the engine thread,
-text made on this loop by its ``RequestText``) as SSE chunks, or gather them into one response. The
-handlers never call the engine, and nothing on this loop grows with a request beyond copying its
-bytes and decoding its generated tokens, one at a time.
+``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: 400 / 404 there) -> hand a
+``RequestHandle`` per prompt to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503)
+-> stream its ``Delta``s as SSE chunks, or gather them into one response (``_Answer``). The handlers
+never call the engine; nothing on this loop grows with a request beyond copying its bytes and
+decoding its generated tokens, one at a time.
 
-How a request that cannot be answered ends: a stream always ends with a last event and
-``data: [DONE]``: a chunk with ``finish_reason: "abort"`` when the server shut down under it, an
-error object when its step failed (500) or the engine died (503, with the reason); a non-streaming
-client gets that error object as the response (503 ``server_shutting_down`` / ``engine_dead``, 500).
-
-A client that goes away is noticed in both modes: a stream's response is wrapped so that however it
-ends (finished, client gone, server cancelled) the request is aborted if still running; a non-stream
-request waits for its result *and* for ``http.disconnect``, whichever comes first. Aborting frees the
-request's slot and KV blocks at the engine's next turn.
-
-Every error a client sees is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``,
-including FastAPI's own 404 / 405 and anything unexpected (500, logged here, no traceback sent).
+A stream always ends with a last event and ``data: [DONE]``: ``finish_reason: "abort"`` when the
+server shut down under it, an error object when its step failed (500) or the engine died (503); a
+non-streaming client gets that error object as the response. A client that goes away is noticed in
+both modes (``EventStream``; ``whole`` waits for ``http.disconnect`` too) and its request aborted,
+freeing its slot and KV blocks at the engine's next turn. Every error is OpenAI's error object,
+FastAPI's own 404 / 405 and anything unexpected (500, logged, no traceback sent) included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib.resources
@@ -50,12 +44,11 @@ from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle, check_choices
-from minicb.entrypoints.serve.extra_routes import extra_routes
+from minicb.entrypoints.serve.extra_routes import engine_answers, extra_routes
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
 from minicb.entrypoints.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from minicb.entrypoints.serve.stops import StopMatcher
 from minicb.entrypoints.serve.tools import parse_calls, unwrapped
 
 log = logging.getLogger("minicb.entrypoints.serve")
@@ -114,27 +107,10 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        body = None
-        if server.engine_thread.dead is None and not server.draining:
-            try:
-                fut = server.engine_thread.call(_health)
-                body = await asyncio.wait_for(asyncio.wrap_future(fut), HEALTH_TIMEOUT_S)
-            except (asyncio.TimeoutError, RuntimeError):
-                pass
-        # asked again after the engine thread answered: it may have run the step that killed the engine
-        # (or begun the shutdown) between the question above and the call; its counts are stale then
-        if server.engine_thread.dead is not None:
-            raise ApiError(503, f"the engine is dead: {server.engine_thread.dead}",
-                           "service_unavailable_error", code="engine_dead")
-        if server.draining:
-            raise ApiError(503, "the server is shutting down", "service_unavailable_error",
-                           code="server_shutting_down")
-        if body is None:
-            raise ApiError(503, "the engine thread does not answer", "service_unavailable_error")
-        body["engine_busy_s"] = round(server.engine_thread.busy_seconds, 6)
-        body["live_listener_s"] = round(server.live.listener_seconds, 6)
-        body["live_frame_s"] = round(server.live.frame_seconds, 6)
-        return body
+        body = await engine_answers(server, HEALTH_TIMEOUT_S)
+        return body | {"engine_busy_s": round(server.engine_thread.busy_seconds, 6),
+                       "live_listener_s": round(server.live.listener_seconds, 6),
+                       "live_frame_s": round(server.live.frame_seconds, 6)}
 
     @app.get("/metrics")
     async def metrics():
@@ -165,15 +141,6 @@ def _body_schema(model) -> dict:
     read raw and checked in a worker process, ``protocol.py``)."""
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
-def _health(engine) -> dict:
-    """Runs on the engine thread: the scheduler's counts right now."""
-    s = engine.snapshot()
-    return {"status": "ok", "num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
-            "num_requests_swapped": len(s.swapped), "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks, "num_free_slots": sum(r is None for r in s.slots),
-            "num_slots": len(s.slots), "num_steps": s.step}
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -235,8 +202,7 @@ async def generate(server: Server, request: Request, prepared: Prepared):
         rid = f"{base}-{k}" if several else base
         # n > 1: each choice its own decoder and stop strings (a stop ends that choice only)
         text = _request_text(server, params, rid, stops) if params.n == 1 else \
-            [_request_text(server, params, rid, StopMatcher(stops.stops, stops.include), i)
-             for i in range(params.n)]
+            [_request_text(server, params, rid, copy.deepcopy(stops), i) for i in range(params.n)]
         handles.append(RequestHandle(rid, dataclasses.replace(parsed.generate, prompt=ids), server.clock(),
                                      text))
     for handle in handles:
@@ -274,7 +240,7 @@ def check_prompt_count(num_prompts: int, engine_thread) -> None:
                             "send them in several requests", "invalid_request_error", "prompt")
 
 
-def _request_text(server: Server, params, rid: str, stops: StopMatcher,
+def _request_text(server: Server, params, rid: str, stops,
                   index: int | None = None) -> RequestText:
     """The loop's decoder and stop strings of request ``rid`` (or of its choice ``index``)."""
     decoder = (server.tokenizer.incremental_decoder(params.skip_special_tokens)
@@ -318,21 +284,20 @@ class _Answer:
     choices per prompt, ``index = prompt_index * n + child`` (OpenAI's rule). With ``n > 1`` the Deltas
     of one prompt's ``n`` children arrive interleaved on its handle, each with its ``Delta.index``; a
     prompt is complete when every child has sent its finished Delta. Usage counts each prompt once and
-    every choice's completion tokens."""
-
-    N = 1       # choices per prompt (``n``: set per request)
+    every choice's completion tokens. One ``_choice`` makes a choice for both modes: a chunk's from one
+    Delta, the response's from a choice's Deltas joined."""
 
     def __init__(self, server: Server, parsed, handles: list[RequestHandle], accepted: list[Accepted],
                  response_id: str):
         self.server, self.parsed, self.handles, self.accepted = server, parsed, handles, accepted
-        self.response_id = response_id
         self.chat = parsed.kind == "chat"
-        self.created = int(time.time())
         self.tokenizer = server.tokenizer
-        self.N = parsed.generate.params.n
-
-    def index(self, prompt_index: int, child: int = 0) -> int:
-        return prompt_index * self.N + child
+        self.N = parsed.generate.params.n          # choices per prompt
+        self.envelope = {"id": response_id, "object": "", "created": int(time.time()),
+                         "model": server.model_name}
+        self.started: set[int] = set()             # choices that have sent their first chunk
+        self.formats: dict[int, logprob_format.CompletionLogprobs] = {}   # text_offset runs on per choice
+        self.prompt_scores: dict[int, list] = {}   # a prompt's logprobs, once one of its Deltas had them
 
     def _usage(self, finals: list[tuple[int, Delta]]) -> dict:
         prompt = sum({i: d.num_prompt_tokens for i, d in finals}.values())    # each prompt once
@@ -345,12 +310,6 @@ class _Answer:
         done = d.num_output_tokens if d is not None else 0
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def _envelope(self, obj: str) -> dict:
-        env = {"id": self.response_id, "object": obj, "created": self.created,
-               "model": self.server.model_name}
-        return env
-
-    # --- echo and logprobs ------------------------------------------------------------------------
     def _name(self, token_id: int) -> str:
         if self.tokenizer is None or self.parsed.tokens_as_ids:
             return f"token_id:{token_id}"
@@ -363,65 +322,78 @@ class _Answer:
             return prompt
         return self.tokenizer.decode(self.accepted[i].prompt_token_ids) if self.tokenizer is not None else ""
 
-    def _choice_logprobs(self, i: int, state: dict, d: Delta, first: bool, prompt_scores=None):
+    def _logprobs(self, i: int, j: int, d: Delta, first: bool):
         """This Delta's ``logprobs`` object (completions: the prompt's tokens first when echoing)."""
-        k = self.parsed.logprobs
+        k, as_ids = self.parsed.logprobs, self.parsed.tokens_as_ids
         if k is None:
             return None
         ids, entries = list(d.token_ids), list(d.logprobs or [])
-        as_ids = self.parsed.tokens_as_ids
         if self.chat:
             return logprob_format.chat_logprobs(ids, entries, k, as_ids)
         if first and self.parsed.echo:
             prompt = self.accepted[i].prompt_token_ids
-            scored = d.prompt_logprobs or prompt_scores or [None] * len(prompt)
+            scored = d.prompt_logprobs or self.prompt_scores.get(i) or [None] * len(prompt)
             ids, entries = prompt + ids, scored + entries
-        fmt = state.setdefault("fmt", logprob_format.CompletionLogprobs(k, as_ids))
+        fmt = self.formats.setdefault(j, logprob_format.CompletionLogprobs(k, as_ids))
         return fmt.add(ids, entries, self._name)
 
-    def _prompt_logprobs(self, d: Delta):
+    def _prompt_logprobs(self, d: Delta | None):
         k = self.parsed.prompt_logprobs
-        return None if k is None or d.prompt_logprobs is None else \
+        return None if k is None or d is None or d.prompt_logprobs is None else \
             logprob_format.prompt_logprobs(d.prompt_logprobs, k)
+
+    def _choice(self, i: int, c: int, d: Delta | None, final: bool, stream: bool) -> dict:
+        """Choice ``c`` of prompt ``i``: a chunk's (``stream``) or the response's (``final``: it ends)."""
+        p, j = self.parsed, self.index(i, c)
+        first = j not in self.started
+        self.started.add(j)
+        text = d.text if d is not None else ""
+        logprobs = self._logprobs(i, j, d, first) if d is not None else None
+        reason = d.finish_reason if final else None
+        tools = final and self.chat and p.tools is not None       # a whole answer: parsed for calls
+        calls = parse_calls(text) if tools else None
+        if tools and calls is None:
+            text = unwrapped(text)                    # a call cut short: its text only
+        if calls is not None:                         # the model called tools: OpenAI's tool_calls
+            content, tool_calls = calls
+            msg = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
+                   | ({"content": content} if content else {})) if stream else \
+                {"role": "assistant", "content": content, "tool_calls": tool_calls}
+            reason = "tool_calls" if reason == "stop" else reason
+        elif stream and not first:
+            msg = {"content": text} if text else {}
+        else:
+            msg = {"role": "assistant", "content": text}
+        choice = {"index": j, "delta" if stream else "message": msg} if self.chat else \
+            {"index": j, "text": (self._echo_text(i) if first and p.echo else "") + text}
+        choice |= {"logprobs": logprobs, "finish_reason": reason,
+                   "stop_reason": d.stop_reason if final else None}
+        if p.return_token_ids:
+            choice["token_ids"] = list(d.token_ids) if d is not None else []
+        if not self.chat and self._prompt_logprobs(d) is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(d)
+        return choice
+
+    def index(self, prompt_index: int, child: int = 0) -> int:
+        return prompt_index * self.N + child
+
+    def _body(self, obj: str, choices: list) -> dict:
+        return {**self.envelope, "object": obj, "choices": choices}
 
     # --- streaming ------------------------------------------------------------------------------
     async def stream(self):
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         p = self.parsed
-        states = [{"first": True} for _ in range(len(self.handles) * self.N)]
-        prompt_scores: dict[int, list] = {}      # a prompt's logprobs, once one of its Deltas had them
 
-        def chunk(i: int, c: int, text: str | None, d: Delta | None, reason: str | None) -> str:
-            j = self.index(i, c)
-            st = states[j]
-            first = st["first"]
-            ids = list(d.token_ids) if d is not None else []
-            if d is not None and d.prompt_logprobs:
-                prompt_scores[i] = d.prompt_logprobs
-            logprobs = self._choice_logprobs(i, st, d, first, prompt_scores.get(i)) if d is not None else None
-            stop_reason = d.stop_reason if d is not None and reason is not None else None
-            if self.chat:
-                delta = {"role": "assistant", "content": text or ""} if first else \
-                    ({"content": text} if text else {})
-                choice = {"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                          "stop_reason": stop_reason}
-            else:
-                if first and p.echo:
-                    text = self._echo_text(i) + (text or "")
-                choice = {"index": j, "text": text or "", "logprobs": logprobs, "finish_reason": reason,
-                          "stop_reason": stop_reason}
-            if p.return_token_ids:
-                choice["token_ids"] = ids
-            body = {**self._envelope(obj), "choices": [choice]}
+        def chunk(i: int, c: int, d: Delta | None, final: bool = False) -> str:
+            first = self.index(i, c) not in self.started
+            body = self._body(obj, [self._choice(i, c, d, final, stream=True)])
             if p.return_token_ids and first:
                 body["prompt_token_ids"] = self.accepted[i].prompt_token_ids
-            if d is not None and not self.chat and self._prompt_logprobs(d) is not None:
-                choice["prompt_logprobs"] = self._prompt_logprobs(d)
-            elif d is not None and self._prompt_logprobs(d) is not None:
+            if self.chat and self._prompt_logprobs(d) is not None:
                 body["prompt_logprobs"] = self._prompt_logprobs(d)
             if p.include_usage:
                 body["usage"] = self._usage_so_far(i, d) if p.continuous_usage else None
-            st["first"] = False
             return _sse(body)
 
         merged: asyncio.Queue = asyncio.Queue()
@@ -440,45 +412,28 @@ class _Answer:
             if self.chat:              # OpenAI's first chat chunk per choice: the role, no content yet
                 for i in range(len(self.handles)):
                     for c in range(self.N):
-                        yield chunk(i, c, "", None, None)
+                        yield chunk(i, c, None)
             finals: list[tuple[int, Delta]] = []
             while len(finals) < len(self.handles) * self.N:
                 i, d = await merged.get()
-                c, j = d.index, self.index(i, d.index)
                 if d.failure is not None and d.finish_reason != "abort":   # a failed step, a dead engine
                     yield _sse(d.failure.body(), ascii_only=True)
                     break
-                if p.tools is not None and not d.finished:
-                    held[j].append(d)
-                    continue
-                if d.finished and p.tools is not None:
-                    finals.append((i, d))
-                    whole = _joined(held[j] + [d])
-                    calls = parse_calls(whole.text)
-                    if calls is None:
-                        yield chunk(i, c, unwrapped(whole.text), whole, d.finish_reason)
-                        continue
-                    content, tool_calls = calls
-                    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(tool_calls)]}
-                    if content:
-                        delta["content"] = content
-                    choice = {"index": j, "delta": delta,
-                              "logprobs": self._choice_logprobs(i, states[j], whole, states[j]["first"]),
-                              "finish_reason": "tool_calls" if d.finish_reason == "stop" else d.finish_reason,
-                              "stop_reason": d.stop_reason}
-                    if p.return_token_ids:
-                        choice["token_ids"] = whole.token_ids
-                    usage = self._usage_so_far(i, d) if p.continuous_usage else None
-                    yield _sse({**self._envelope(obj), "choices": [choice]}
-                               | ({"usage": usage} if p.include_usage else {}))
+                if d.prompt_logprobs:
+                    self.prompt_scores[i] = d.prompt_logprobs
+                if p.tools is not None:
+                    held[self.index(i, d.index)].append(d)
+                    if d.finished:
+                        finals.append((i, d))
+                        yield chunk(i, d.index, _joined(held[self.index(i, d.index)]), final=True)
                 elif d.finished:
                     finals.append((i, d))
-                    yield chunk(i, c, d.text, d, d.finish_reason)
+                    yield chunk(i, d.index, d, final=True)
                 elif d.text or (p.return_token_ids and d.token_ids) or d.logprobs or d.prompt_logprobs:
-                    yield chunk(i, c, d.text, d, None)
+                    yield chunk(i, d.index, d)
             else:
                 if p.include_usage:
-                    yield _sse({**self._envelope(obj), "choices": [], "usage": self._usage(finals)})
+                    yield _sse({**self._body(obj, []), "usage": self._usage(finals)})
         finally:
             for task in pumps:
                 task.cancel()
@@ -507,45 +462,22 @@ class _Answer:
             disconnected.cancel()
             for task in gathered:
                 task.cancel()
-        choices, finals = [], []
-        joined = None
+        choices, finals, joined = [], [], None
         for i, task in enumerate(gathered):
             deltas = task.result()
-            scores = next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None)
+            self.prompt_scores[i] = next((x.prompt_logprobs for x in deltas if x.prompt_logprobs), None)
             for c in range(self.N):
                 mine = [x for x in deltas if x.index == c]
-                d = mine[-1]
-                finals.append((i, d))
-                joined = dataclasses.replace(_joined(mine), prompt_logprobs=scores)
-                text, ids = joined.text, joined.token_ids
-                logprobs = self._choice_logprobs(i, {}, joined, True)
-                if self.chat:
-                    choice = {"index": self.index(i, c), "message": {"role": "assistant", "content": text}}
-                else:
-                    echo = self._echo_text(i) if self.parsed.echo else ""
-                    choice = {"index": self.index(i, c), "text": echo + text}
-                choice |= {"logprobs": logprobs, "finish_reason": d.finish_reason,
-                           "stop_reason": d.stop_reason}
-                calls = parse_calls(text) if self.chat and self.parsed.tools is not None else None
-                if calls is None and self.chat and self.parsed.tools is not None:
-                    choice["message"]["content"] = unwrapped(text)    # a call cut short: its text only
-                if calls is not None:          # the model called tools: OpenAI's tool_calls message
-                    content, tool_calls = calls
-                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-                    if d.finish_reason == "stop":
-                        choice["finish_reason"] = "tool_calls"
-                if self.parsed.return_token_ids:
-                    choice["token_ids"] = ids
-                    if len(self.handles) > 1:
-                        choice["prompt_token_ids"] = self.accepted[i].prompt_token_ids
-                if not self.chat and self._prompt_logprobs(joined) is not None:
-                    choice["prompt_logprobs"] = self._prompt_logprobs(joined)
-                choices.append(choice)
-        body = {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                finals.append((i, mine[-1]))
+                joined = dataclasses.replace(_joined(mine), prompt_logprobs=self.prompt_scores[i])
+                choices.append(self._choice(i, c, joined, final=True, stream=False))
+                if self.parsed.return_token_ids and len(self.handles) > 1:
+                    choices[-1]["prompt_token_ids"] = self.accepted[i].prompt_token_ids
+        body = {**self._body("chat.completion" if self.chat else "text_completion", choices),
                 "usage": self._usage(finals)}
         if self.parsed.return_token_ids:
             body["prompt_token_ids"] = self.accepted[0].prompt_token_ids
-        if self.chat and joined is not None and self._prompt_logprobs(joined) is not None:
+        if self.chat and self._prompt_logprobs(joined) is not None:
             body["prompt_logprobs"] = self._prompt_logprobs(joined)
         return JSONResponse(body)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+from dataclasses import fields
 
 from minicb.core.errors import InvalidArgument, MinicbError, check_int
 from minicb.entrypoints.serve.limits import ServeLimits, flag
@@ -56,38 +57,12 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
-    d = ServeLimits()
     lim = p.add_argument_group("limits of one request and one connection "
-                               "(refused with 400 / 408 / 413 / 503)")
-    for field, kind, unit, default in [
-            ("max_body_bytes", int, "bytes of a request body", d.max_body_bytes),
-            ("max_prompt_chars", int, "characters of a text prompt, or of all messages", d.max_prompt_chars),
-            ("max_prompt_tokens", int, "token ids of a prompt", "max_model_len"),
-            ("max_messages", int, "messages of a chat request", d.max_messages),
-            ("max_stop", int, "stop strings of a request", d.max_stop),
-            ("max_stop_chars", int, "characters of all stop strings together", d.max_stop_chars),
-            ("max_stop_token_ids", int, "stop_token_ids of a request", d.max_stop_token_ids),
-            ("max_logit_bias", int, "logit_bias entries of a request", d.max_logit_bias),
-            ("max_bad_words", int, "bad_words of a request", d.max_bad_words),
-            ("max_bad_words_chars", int, "characters of all bad_words together", d.max_bad_words_chars),
-            ("max_grammar_chars", int, "characters of a structured-output constraint (a JSON schema, "
-             "regex, grammar, choices) or of a request's tool schemas", d.max_grammar_chars),
-            ("max_schema_depth", int, "levels of JSON nesting in a schema", d.max_schema_depth),
-            ("header_timeout", float, "seconds for a request line and headers", d.header_timeout),
-            ("body_timeout", float, "seconds for a request body", d.body_timeout),
-            ("keep_alive_timeout", float, "seconds an idle connection stays open", d.keep_alive_timeout),
-            ("max_connections", int, "open connections", d.max_connections),
-            ("max_live_watchers", int, "open live pages (/live/events)", d.max_live_watchers),
-            ("max_json_depth", int, "levels of nesting in a JSON body", d.max_json_depth),
-            ("max_header_bytes", int, "bytes of a request line and its headers (431 past it)",
-             d.max_header_bytes),
-            ("max_frontend_queue", int, "requests being parsed, rendered and tokenized at once (503 past "
-             "it)", d.max_frontend_queue),
-            ("body_linger", float, "seconds a refused body (413, 408) is still read and dropped, so "
-             "that its client reads the answer, before the connection closes", d.body_linger)]:
-        lim.add_argument(flag(field), type=kind, default=None, metavar="N",
-                         help=f"at most N {unit} (default {default:,})" if isinstance(default, int)
-                         else f"at most N {unit} (default {default})")
+                               "(refused with 400 unless another status is named)")
+    for f in fields(ServeLimits):
+        default = "" if f.default is None else f" (default {f.default:,})"
+        lim.add_argument(flag(f.name), type=float if f.type == "float" else int, default=None, metavar="N",
+                         help=f"at most N {f.metadata['help']}{default}")
     sec = p.add_argument_group("security")
     sec.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
                      help="Host header names the server answers to (default: the --host address, localhost, "
@@ -110,9 +85,8 @@ def add_parser(sub, add_engine_args) -> None:
 
 def limits_from(args) -> ServeLimits:
     """The ``ServeLimits`` the flags ask for (a bad value: ``InvalidArgument`` naming the flag)."""
-    given = {f: getattr(args, f) for f in ServeLimits.__dataclass_fields__
-             if getattr(args, f, None) is not None}
-    return ServeLimits(**given)
+    return ServeLimits(**{f.name: getattr(args, f.name) for f in fields(ServeLimits)
+                          if getattr(args, f.name, None) is not None})
 
 
 def _hosts(text: str | None) -> tuple[str, ...] | None:

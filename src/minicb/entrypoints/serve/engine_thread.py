@@ -13,33 +13,22 @@ thread-safe doors, never anywhere else::
         ▲ handle.text: token ids -> text, stop strings (detokenizer.py, on the loop)
 
 * A request that arrives while the engine runs waits in the inbox for at most the current step and
-  joins the batch at the next one: that *is* continuous batching, seen from a client.
-* The inbox is drained completely before every step, so a burst of requests is admitted (or refused
-  with 503) together, in arrival order. ``max_waiting`` counts the requests that would actually
-  *wait*: a burst that finds free slots has those many accepted on top (they start at the next step).
-* Requests arrive prepared (``frontend.py``, in worker processes): token ids. This thread adds them
-  and steps, and sends each step's *token ids*: the engine makes no text here (the server sets its
-  ``detokenize = False``). Text and stop strings are made on the event loop, per request, as the
-  Deltas arrive (``detokenizer.py``); a stop string found there comes back as ``abort(id, "stop")``,
-  which ends the request before the next step (the step already running may make one more token
-  for it, which the loop drops). Nothing here grows faster than a request.
-* ``n > 1`` choices (parallel sampling: the engine forks the request after its prompt): every child
-  has its own ``Delta``s (``index``) and, on the loop, its own ``RequestText``; a stop string ends that
-  child only (``abort(id, "stop", index)``: ``abort_request(id, index)``). The request is done when
-  every child has sent its finished Delta.
-* If ``step()`` raises (``EngineDeadError``, or any exception: the engine is in an unknown state), the
-  engine is *dead*: every open request ends with a 503 carrying the reason, every new one is refused
-  the same way, ``dead`` holds the reason (``/health`` answers 503 with it), and ``on_dead(reason)``
-  tells the server, which shuts down (exit code 1). The thread keeps answering until it is stopped.
-* Everything the event loop learns about a request comes through its ``RequestHandle.queue``: first
-  ``Accepted`` (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait),
-  then ``Delta``s, the last one ``finished``; a last ``Delta`` that ends a request without its answer
-  (shutdown, a failed step, a dead engine) carries the ``ApiError`` a non-streaming client receives.
-* ``drain(timeout)`` (graceful shutdown): refuse new requests, let the accepted ones run, abort what
-  is left when the time is up. ``stop()`` ends the thread (aborting anything still there).
-
-Nothing else in the server touches the engine: ``call(fn)`` runs ``fn(engine)`` on this thread and
-returns a ``concurrent.futures.Future`` (``/health`` uses it to read ``engine.snapshot()``).
+  joins the batch at the next one: that *is* continuous batching, seen from a client. The inbox is
+  drained completely before every step, so a burst is admitted (or refused with 503) together, in
+  arrival order; ``max_waiting`` counts the requests that would actually *wait* beyond the free slots.
+* Requests arrive prepared (token ids, ``frontend.py``) and each step's *token ids* go back: the
+  engine makes no text here. Text and stop strings are made on the event loop (``detokenizer.py``); a
+  stop string found there comes back as ``abort(id, "stop")`` (one choice of ``n > 1``:
+  ``abort(id, "stop", index)``), which ends it before the next step.
+* Everything the loop learns about a request comes through its ``RequestHandle.queue``: ``Accepted``
+  (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait), then ``Delta``s
+  (one per choice with new tokens), the last one of each choice ``finished``; a last ``Delta`` that
+  ends a request without its answer (shutdown, a failed step) carries the ``ApiError`` to answer with.
+* If ``step()`` raises, the engine is *dead*: every open request ends with a 503 carrying the reason,
+  every new one is refused the same way, ``dead`` holds the reason (``/health`` says it), and
+  ``on_dead(reason)`` tells the server, which shuts down (exit code 1).
+* ``drain(timeout)`` (graceful shutdown) refuses new requests and aborts what is left when the time
+  is up; ``call(fn)`` runs ``fn(engine)`` here between two steps (``/health``'s snapshot).
 """
 
 from __future__ import annotations
@@ -283,14 +272,11 @@ class EngineThread:
             self._add(msg[1])
         elif kind == "abort":
             live = self._live.get(msg[1])
-            if live is not None and live.n > 1 and msg[3] is not None:
-                if msg[3] not in live.done:
-                    out = self.engine.abort_request(msg[1], index=msg[3])
-                    self._finish_children(live, out, msg[2], index=msg[3])
-            elif live is not None:
-                out = self.engine.abort_request(msg[1])
-                if out is not None:
-                    self._finish(live, out, msg[2])
+            index = msg[3] if live is not None and live.n > 1 else None     # one choice of n > 1
+            if live is not None and index not in live.done:
+                out = self.engine.abort_request(msg[1], index=index)
+                if out is not None or index is not None:
+                    self._finish(live, out, msg[2], index=index)
         elif kind == "call":
             fut = msg[2]
             if fut.set_running_or_notify_cancel():
@@ -381,20 +367,21 @@ class EngineThread:
         return bool(outs) or (plan is not None and not plan.is_empty)
 
     def _output(self, live: _Live, out: RequestOutput) -> None:
-        new = any(c.new_token_ids for c in out.outputs) if live.n > 1 else bool(out.new_token_ids)
+        """A Delta per choice with new tokens (``n == 1``: one choice); a choice that finished sends its
+        last."""
+        new = any(c.new_token_ids for c in out.outputs)
         if self.metrics is not None:
             self.metrics.observe_tokens(out, first=not live.seen_first_token and new)
-        if new:
-            live.seen_first_token = True
-        if live.n > 1:
-            self._output_children(live, out)
-            return
-        if out.finished:
-            self._finish(live, out, out.finish_reason)
-        else:
-            self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
-                                          len(out.token_ids), logprobs=_new_logprobs(out),
-                                          prompt_logprobs=self._prompt_once(live, out)))
+        live.seen_first_token |= new
+        for c in out.outputs:
+            if c.index in live.done:
+                continue
+            if c.finished():
+                self._child_done(live, out, c.index, c.finish_reason, c)
+            elif c.new_token_ids:
+                self._send(live.handle, Delta("", list(c.new_token_ids), live.num_prompt_tokens,
+                                              len(c.token_ids), logprobs=_new_logprobs(c),
+                                              prompt_logprobs=self._prompt_once(live, out), index=c.index))
 
     @staticmethod
     def _prompt_once(live: _Live, out: RequestOutput) -> list | None:
@@ -403,19 +390,6 @@ class EngineThread:
             return None
         live.prompt_sent = True
         return out.prompt_logprobs
-
-    def _output_children(self, live: _Live, out: RequestOutput) -> None:
-        """``n > 1``: a Delta per child with new tokens; a child that finished sends its last."""
-        for c in out.outputs:
-            i = c.index
-            if i in live.done:
-                continue
-            if c.finished():
-                self._child_done(live, out, i, c.finish_reason, c)
-            elif c.new_token_ids:
-                self._send(live.handle, Delta("", list(c.new_token_ids), live.num_prompt_tokens,
-                                              len(c.token_ids), logprobs=_new_logprobs(c),
-                                              prompt_logprobs=self._prompt_once(live, out), index=i))
 
     def _child_done(self, live: _Live, out: RequestOutput | None, i: int, reason: str | None,
                     c: CompletionOutput | None, failure: ApiError | None = None) -> None:
@@ -435,30 +409,13 @@ class EngineThread:
             if self.metrics is not None and out is not None:
                 self.metrics.observe_finished(out, reason)
 
-    def _finish_children(self, live: _Live, out: RequestOutput | None, reason: str | None,
-                         failure: ApiError | None = None, index: int | None = None) -> None:
-        """``n > 1``: end child ``index`` (default: every child not yet ended)."""
+    def _finish(self, live: _Live, out: RequestOutput | None, reason: str | None,
+                failure: ApiError | None = None, index: int | None = None) -> None:
+        """End choice ``index`` (default: every choice not yet ended)."""
         by_index = {c.index: c for c in out.outputs} if out is not None else {}
-        left = sorted(set(range(live.n)) - live.done) if index is None else \
-            ([index] if index not in live.done else [])
+        left = sorted(set(range(live.n)) - live.done) if index is None else [index]
         for i in left:
             self._child_done(live, out, i, reason, by_index.get(i), failure)
-
-    def _finish(self, live: _Live, out: RequestOutput, reason: str | None,
-                failure: ApiError | None = None) -> None:
-        if live.n > 1:
-            self._finish_children(live, out, reason, failure)
-            return
-        del self._live[live.handle.request_id]
-        if self.metrics is not None:
-            self.metrics.observe_finished(out, reason)
-        if failure is None and reason == "error":
-            failure = ApiError(500, f"the engine step serving this request failed: {out.error}",
-                               "server_error")
-        self._send(live.handle, Delta("", list(out.new_token_ids), live.num_prompt_tokens,
-                                      len(out.token_ids), True, reason,
-                                      out.error if failure is None else failure.message, failure,
-                                      _new_logprobs(out), self._prompt_once(live, out)))
 
     def _abort_all(self, why: str, failure: ApiError | None = None, reason: str = "abort") -> int:
         """End every live request with ``finish_reason == reason`` and ``failure`` (default: a 503
@@ -474,14 +431,7 @@ class EngineThread:
                     out = self.engine.abort_request(rid)
                 except Exception:   # noqa: BLE001 - a broken engine must still let clients go
                     log.exception("abort of %s failed", rid)
-            if live.n > 1:
-                self._finish_children(live, out, reason, failure)
-            elif out is None:
-                del self._live[rid]
-                self._send(live.handle, Delta("", [], live.num_prompt_tokens, 0, True, reason,
-                                              failure.message, failure))
-            else:
-                self._finish(live, out, reason, failure=failure)
+            self._finish(live, out, reason, failure)
         return n
 
     def _die(self, reason: str) -> None:

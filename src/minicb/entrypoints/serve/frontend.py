@@ -4,42 +4,28 @@
 
     event loop                  worker processes (a pool)                       engine thread
     ──────────                  ─────────────────────────                       ─────────────
-    read the body (bounded:  ─► JSON -> checked fields (protocol.py)      ─►    add_request(ids)
-    size, deadline, type)       -> chat template -> token ids                    step, step, ...
-    at most --max-frontend-     -> stop-string matcher
-    queue in here, else 503     (a Prepared comes back: ids, fields, matcher)
-    a structured output: its grammar compiled in a thread here (Rust; cached in this process, where
-    the engine thread's ``register`` copies it)
+    read the body (bounded)  ─► JSON -> checked fields (protocol.py)      ─►    add_request(ids)
+    at most --max-frontend-     -> chat template -> token ids -> stop matchers  step, step, ...
+    queue in here, else 503     (a Prepared comes back; never the prompt text)
+    a structured output: its grammar compiled in a thread of the server's process (the cache the
+    engine thread's ``register`` copies from)
 
-The event loop serves every client and the engine thread steps every request: neither may run
-anything whose cost grows with a request. Parsing a JSON body, rendering the chat template of a
-thousand messages, tokenizing 200,000 characters, building a matcher for long stop strings: each is
-linear in the request but takes milliseconds to seconds. In a *thread* it would still hold the
-interpreter's lock (GIL) for most of that time (the chat template is pure-Python Jinja2, traced line
-by line by its sandbox; JSON parsing builds Python objects), and every stream's chunks would wait for
-it. So the work runs in a pool of processes, each with its own interpreter (vLLM V1 does it in its
-API server process, apart from the engine core; SGLang in its tokenizer process):
+Why processes: the event loop serves every client and the engine thread steps every request, so
+neither may run anything whose cost grows with a request. Parsing a JSON body, rendering the chat
+template of a thousand messages (pure-Python Jinja2), tokenizing 200,000 characters: each takes
+milliseconds to seconds, and in a *thread* it would hold the GIL for most of it, so every stream's
+chunks would wait. vLLM V1 does this work in its API server process, SGLang in its tokenizer process.
 
-* **Started once, with everything they need.** ``start()`` launches ``workers`` processes
-  (``forkserver``: forked from a small clean process, never from this threaded one) and waits until
-  each has run its initializer: the tokenizer (sent once, pickled: the ``tokenizers`` library's own
-  JSON; reading it from the GGUF file would import torch in every worker), the model's name,
-  vocabulary size, ``max_model_len`` and the limits. Per request only the raw body goes out and a
-  ``Prepared`` (token ids, checked fields, a ready stop matcher; never the prompt text) comes back.
-* **Bounded.** At most ``--max-frontend-queue`` requests are in here at once (being prepared or
-  waiting for a worker); one more is refused with 503 and ``Retry-After`` before its body is sent.
-* **Errors are answers.** A worker returns an ``ApiError``'s fields (400 / 404 / 413), and the
-  caller raises the same ``ApiError`` it would have raised in-process. A worker that dies (the
-  ``tokenizers`` library aborts the process when an allocation fails) costs the requests it held a
-  503; the pool is started afresh for the next ones, and the server's own process is untouched.
-* **Never an orphan, never a slow exit.** The workers ignore Ctrl-C (the terminal sends it to the
-  whole process group: the server decides what it means), leave by themselves within a second if the
-  server's process disappears (``kill -9``), and ``close()`` terminates them and waits at most
-  ``CLOSE_WAIT_S`` for each (they hold nothing that needs a clean end).
-
-Every bound of ``limits.py`` is checked in the worker in the order the work happens, so the work a
-request can cause is known before it starts; any bad input is an ``ApiError``, never a 500.
-What is *not* here: detokenizing, which is incremental and per token (``detokenizer.py``, on the loop).
+* **Started once** (``forkserver``: never forked from this threaded process), each worker built with
+  the tokenizer (pickled: the ``tokenizers`` library's JSON), the model's name, vocabulary size,
+  ``max_model_len`` and the limits. Per request only the raw body goes out.
+* **Bounded**: at most ``--max-frontend-queue`` requests in here at once; one more is a 503.
+* **Errors are answers**: a worker returns an ``ApiError``'s fields (400 / 404 / 413) and the caller
+  raises it. A worker that dies (``tokenizers`` aborts the process when an allocation fails) costs the
+  requests it held a 503, and the pool is started afresh for the next ones.
+* **Never an orphan, never a slow exit**: the workers ignore Ctrl-C (the server decides what it
+  means), leave by themselves within a second if the server's process disappears (``kill -9``), and
+  ``close()`` terminates them, waiting at most ``CLOSE_WAIT_S`` for each.
 """
 
 from __future__ import annotations
@@ -78,18 +64,11 @@ ORPHAN_CHECK_S = 0.5          # a worker checks this often that the server's pro
 
 @dataclass(slots=True)
 class Prepared:
-    """A request ready for the engine thread: checked, tokenized (``parsed.generate.prompt`` is the
-    token ids), with its stop-string matcher."""
+    """A request ready for the engine thread: checked (``parsed``), and per prompt its token ids and
+    stop-string matcher (one engine request each)."""
 
     parsed: ParsedRequest
-    prompt_token_ids: list[int]            # the (first) prompt's
-    stops: StopMatcher
-    more: tuple[tuple[list[int], StopMatcher], ...] = ()   # the other prompts of a list, each its own matcher
-
-    @property
-    def requests(self) -> list[tuple[list[int], StopMatcher]]:
-        """(token ids, stop matcher) of every prompt, in order: one engine request each."""
-        return [(self.prompt_token_ids, self.stops), *self.more]
+    requests: list[tuple[list[int], StopMatcher]]
 
 
 def default_workers() -> int:
@@ -124,7 +103,7 @@ class Preparer:
 
     def prepare(self, kind: str, raw: bytes) -> Prepared:
         body = parse_json(raw, self.limits.max_json_depth)
-        self._check_model(body)
+        self.check_model(body)
         if kind == "chat":
             parsed = parse_chat(body, self._render, self.limits, self.control_texts)
         else:
@@ -137,10 +116,9 @@ class Preparer:
                               f"one request ({flag('max_prompt_tokens')}, at most max_model_len)", "prompt",
                               "context_length_exceeded")
         gen = parsed.generate
-        parsed = replace(parsed, generate=replace(gen, prompt=ids[0]))   # the texts stay here
-        stop = gen.params.include_stop_str_in_output
-        return Prepared(parsed, ids[0], StopMatcher(gen.stops, stop),
-                        tuple((i, StopMatcher(gen.stops, stop)) for i in ids[1:]))
+        parsed = replace(parsed, generate=replace(gen, prompt=ids[0]))     # echo keeps the texts
+        return Prepared(parsed, [(i, StopMatcher(gen.stops, gen.params.include_stop_str_in_output))
+                                 for i in ids])
 
     def _compile(self, parsed: ParsedRequest) -> None:
         """Compile the request's grammar off the engine thread, in the server's process (``Frontend``
@@ -159,10 +137,11 @@ class Preparer:
         except InvalidArgument as e:
             raise bad_request(str(e), param) from None
 
-    def _check_model(self, body) -> None:
+    def check_model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
         if isinstance(model, str) and model != self.model_name:
-            plain = len(model) <= 100 and model.isprintable() and _encodable(model)
+            plain = len(model) <= 100 and model.isprintable() and model.encode("utf-8", "ignore") == \
+                model.encode("utf-8", "replace")
             shown = model if plain else describe(model)
             raise ApiError(404, f"the model `{shown}` does not exist; this server serves "
                                 f"`{self.model_name}` (GET /v1/models)", "invalid_request_error", "model",
@@ -200,8 +179,6 @@ class Preparer:
         return ids
 
 
-
-
 class Frontend:
     """The pool of worker processes that turn request bodies into ``Prepared`` requests."""
 
@@ -213,7 +190,7 @@ class Frontend:
             raise InvalidArgument(f"--frontend-workers must be >= 1, got {self.workers}")
         self._setup = dict(model_name=model_name, tokenizer=tokenizer, vocab_size=vocab_size,
                            max_model_len=max_model_len, limits=limits, allow_control_text=allow_control_text)
-        self._local = Preparer(**self._setup)    # the small routes' checks; never a request's work
+        self.local = Preparer(**self._setup)    # extra_routes' checks, grammars; never a request's parsing
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
         self.queued = 0                        # requests in the frontend now (on the event loop only)
@@ -241,23 +218,6 @@ class Frontend:
         pool, self._pool = self._pool, None
         if pool is not None:
             _terminate(pool)
-
-    # --- what the small routes need here, in the server's process (extra_routes.py) ---------------
-    @property
-    def control_texts(self) -> tuple[str, ...]:
-        return self._local.control_texts
-
-    @property
-    def vocab_size(self) -> int:
-        return self._local.vocab_size
-
-    def _check_model(self, body) -> None:
-        self._local._check_model(body)
-
-    async def call(self, fn, *args):
-        """``fn(*args)`` in a thread of this process (``/tokenize`` and ``/detokenize``: one tokenizer
-        call on text bounded by the body limit; the ``tokenizers`` library releases the GIL)."""
-        return await asyncio.to_thread(fn, *args)
 
     @property
     def pids(self) -> list[int]:
@@ -288,7 +248,7 @@ class Frontend:
         if not ok:
             raise ApiError(*value)
         if value.parsed.generate.params.structured_outputs is not None:
-            await asyncio.to_thread(self._local._compile, value.parsed)   # this process's grammar cache
+            await asyncio.to_thread(self.local._compile, value.parsed)   # this process's grammar cache
         return value
 
     def _worker_lost(self, pool, e: Exception) -> ApiError:
@@ -428,14 +388,6 @@ def _check_depth(body, max_depth: int) -> None:
             return
         level = nxt
     raise _too_deep(max_depth)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _one_line(e: Exception) -> str:

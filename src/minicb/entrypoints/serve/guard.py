@@ -4,31 +4,21 @@
 
     request ─► head size ─► Host allow-list ─► CORS (with --allowed-origins) ─► API key (/v1/*) ─► app
 
-A request's line and headers larger than ``--max-header-bytes`` are refused first (431): h11 bounds
-only a head that is still *arriving* (its buffer), so one that arrives whole is measured here.
+* **Head size**: a request line and headers over ``--max-header-bytes`` are a 431 (h11 bounds only a
+  head still *arriving*, its buffer; one that arrives whole is measured here).
+* **DNS rebinding**: a page on ``evil.example`` can make its name resolve to 127.0.0.1 and read the
+  local server's answers as same-origin, but its requests still say ``Host: evil.example``. So only a
+  ``Host`` that names this server is answered: the bound address, ``localhost``, ``127.0.0.1``,
+  ``::1`` and ``--allowed-hosts`` (``*``: any). Otherwise 400 ``invalid_host``.
+* **Cross-site requests**: none unless ``--allowed-origins`` (Starlette's ``CORSMiddleware``, as
+  ``vllm serve --allowed-origins``); a JSON body cannot be sent cross-site without a preflight.
+* **Other users**: ``--api-key KEY`` makes ``/v1/*``, ``/tokenize``, ``/detokenize``, the live page
+  and its feed and ``/metrics`` (unless ``--open-metrics``) need ``Authorization: Bearer KEY`` (401,
+  compared in constant time); ``/health``, ``/ping`` and ``/version`` stay open.
 
-A server on a shared machine is reachable by more than its operator:
-
-* **DNS rebinding.** A web page on ``evil.example`` can make its own name resolve to 127.0.0.1; the
-  victim's browser then talks to the local server *as* ``evil.example``, same-origin, and may read
-  the answers. The browser still sends ``Host: evil.example``, so the server answers only requests
-  whose ``Host`` names it: by default the bound address and ``localhost`` / ``127.0.0.1`` / ``::1``
-  (``--allowed-hosts`` adds names; ``*`` turns the check off). Otherwise: 400.
-* **Cross-site requests.** Without CORS headers a browser lets no other origin read a response, and
-  a JSON body (``app.py`` requires ``Content-Type: application/json``, 415 otherwise) cannot be sent
-  cross-site without a preflight that this server does not grant. ``--allowed-origins`` opts in, as
-  ``vllm serve --allowed-origins`` does (Starlette's ``CORSMiddleware``).
-* **Other users.** ``--api-key KEY`` (or ``MINICB_API_KEY``) makes every ``/v1/*`` request need
-  ``Authorization: Bearer KEY`` (401 otherwise, compared in constant time), as ``vllm serve
-  --api-key``, and so do ``/tokenize`` and ``/detokenize``, the live page (``/``) and its feed
-  (``/live/events``: other users' request ids and every step) and ``/metrics`` (unless
-  ``--open-metrics`` opens it for a scraper without the key); ``/health``, ``/ping`` and ``/version``
-  stay open.
-
-Every refusal is OpenAI's error object. That is why the Host check is not Starlette's
-``TrustedHostMiddleware``: its refusal is a plain-text ``Invalid host header`` (no ``code`` a client can
-act on, no flag named), and it redirects to ``www.`` names by default; the check itself is the few
-lines of ``Guard.__call__``.
+Why the Host check is not Starlette's ``TrustedHostMiddleware``: its refusal is a plain-text
+``Invalid host header`` (no error object, no ``code`` a client can act on) and it redirects to
+``www.`` names by default (``tests/serve/test_serve_extra_routes.py`` checks the error object).
 """
 
 from __future__ import annotations

@@ -1,111 +1,77 @@
-"""What one request may cost, and the flag that sets each bound.
+"""What one request and one connection may cost, and the flag that sets each bound.
 
 A server on a shared machine must know the most work a request can cause *before* doing any of it:
-one small body must not be able to allocate gigabytes or freeze the other clients. Every bound here
-is checked in the order the work would happen, cheapest first (the body's size before it is parsed,
-a prompt's length before its ids are checked, the number and total length of the stop strings before
-a matcher is built), and refused with OpenAI's error object naming the limit and its flag:
-
-==========================  ============================  ===========  ===============================
-limit                       flag                          default      refused with
-==========================  ============================  ===========  ===============================
-request body                ``--max-body-bytes``          2 MiB        413
-prompt text (or the text    ``--max-prompt-chars``        200,000      400 ``prompt`` / ``messages``
-of all messages)
-prompt token ids            ``--max-prompt-tokens``       max_model_len 400 ``prompt``
-messages                    ``--max-messages``            1,024        400 ``messages``
-stop strings                ``--max-stop``                16           400 ``stop``
-their total length          ``--max-stop-chars``          4,096        400 ``stop``
-``stop_token_ids``          ``--max-stop-token-ids``      256          400 ``stop_token_ids``
-``logit_bias`` entries      ``--max-logit-bias``          1,024        400 ``logit_bias``
-``bad_words``               ``--max-bad-words``           128          400 ``bad_words``
-their total length          ``--max-bad-words-chars``     4,096        400 ``bad_words``
-a structured-output         ``--max-grammar-chars``       65,536       400 ``response_format`` /
-constraint or tools'                                                   ``structured_outputs`` / ``tools``
-schemas (characters)
-its JSON nesting            ``--max-schema-depth``        16 levels    400 (the same)
-JSON nesting                ``--max-json-depth``          32 levels    400
-requests being prepared     ``--max-frontend-queue``      256          503 + ``Retry-After``
-(parsed, rendered, tokenized
-in the worker processes)
-==========================  ============================  ===========  ===============================
-
-And what a *connection* may cost (``server.py`` applies these to uvicorn):
-
-==========================  ============================  ===========  ===============================
-the request line + headers  ``--header-timeout``          10 s         the connection is closed
-the body                    ``--body-timeout``            30 s         408
-an idle keep-alive          ``--keep-alive-timeout``      5 s          the connection is closed
-open connections            ``--max-connections``         1,024        503 (uvicorn)
-their size                  ``--max-header-bytes``        16 KiB       431, then closed
-live-page watchers          ``--max-live-watchers``       8            503
-a refused body (413, 408)   ``--body-linger``             2 s          read and dropped this long, so
-                                                                       the client, still sending,
-                                                                       reads its answer; then closed
-==========================  ============================  ===========  ===============================
+one small body must not be able to allocate gigabytes or freeze the other clients. Every bound is
+checked in the order the work would happen, cheapest first (the body's size before it is parsed, a
+prompt's length before its ids are checked, the number and total length of the stop strings before a
+matcher is built), and refused with OpenAI's error object naming the limit and its flag. Each field
+of ``ServeLimits`` is one ``minicb serve`` flag (``flag``): its help text (what it bounds, and the
+answer past it) is the field's metadata, so ``minicb serve --help`` is this module's table.
 
 A token-id prompt is at most ``max_model_len`` ids anyway (the engine refuses a longer one), so its
-bound defaults to that: the list's length is checked first, then its ids all at once (numpy), so a
-list of ten million ids costs a length check, not ten million Python checks.
+bound defaults to that (``with_model_len``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 from minicb.core.errors import InvalidArgument, check_float, check_int
 
 MAX_JSON_DEPTH = 256          # the most --max-json-depth allows (json's recursion limit is ~1,000)
 
 
+def _limit(default, help: str, lo: float | None = 1, hi: int | None = None):
+    """A field: its default, its ``--help`` text ("at most N <help>") and its range."""
+    return field(default=default, metadata={"help": help, "lo": lo, "hi": hi})
+
+
 @dataclass(frozen=True, slots=True)
 class ServeLimits:
-    """The bounds of one request and one connection (see the module docstring for the table)."""
+    """The bounds of one request and one connection (each a flag: ``flag(name)``)."""
 
-    max_body_bytes: int = 2 * 2**20
-    max_prompt_chars: int = 200_000
-    max_prompt_tokens: int | None = None          # None: the engine's max_model_len
-    max_messages: int = 1024
-    max_stop: int = 16
-    max_stop_chars: int = 4096
-    max_stop_token_ids: int = 256
-    max_logit_bias: int = 1024          # each entry is one indexed add per step of the request
-    max_bad_words: int = 128            # vLLM's own cap (MAX_NUM_BAD_WORDS); each is tokenized once
-    max_bad_words_chars: int = 4096
-    max_grammar_chars: int = 65_536
-    max_schema_depth: int = 16
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    keep_alive_timeout: float = 5.0
-    max_connections: int = 1024
-    max_live_watchers: int = 8
-    max_json_depth: int = 32                      # an OpenAI body nests 5 levels at most (messages, parts)
-    max_header_bytes: int = 16 * 2**10            # h11's default
-    body_linger: float = 2.0
-    max_frontend_queue: int = 256
+    max_body_bytes: int = _limit(2 * 2**20, "bytes of a request body (413)")
+    max_prompt_chars: int = _limit(200_000, "characters of a text prompt, or of all messages")
+    max_prompt_tokens: int | None = _limit(None, "token ids of a prompt (default: max_model_len)")
+    max_messages: int = _limit(1024, "messages of a chat request")
+    max_stop: int = _limit(16, "stop strings of a request", lo=0)
+    max_stop_chars: int = _limit(4096, "characters of all stop strings together")
+    max_stop_token_ids: int = _limit(256, "stop_token_ids of a request", lo=0)
+    # each logit_bias entry is one indexed add per step of the request
+    max_logit_bias: int = _limit(1024, "logit_bias entries of a request", lo=0)
+    # vLLM's own cap (MAX_NUM_BAD_WORDS); each is tokenized once
+    max_bad_words: int = _limit(128, "bad_words of a request", lo=0)
+    max_bad_words_chars: int = _limit(4096, "characters of all bad_words together")
+    max_grammar_chars: int = _limit(65_536, "characters of a structured-output constraint (a JSON schema, "
+                                    "regex, grammar, choices) or of a request's tool schemas")
+    max_schema_depth: int = _limit(16, "levels of JSON nesting in a schema")
+    header_timeout: float = _limit(10.0, "seconds for a request line and headers (then closed)", lo=None)
+    body_timeout: float = _limit(30.0, "seconds for a request body (408)", lo=None)
+    keep_alive_timeout: float = _limit(5.0, "seconds an idle connection stays open", lo=None)
+    max_connections: int = _limit(1024, "open connections (503, uvicorn's)")
+    max_live_watchers: int = _limit(8, "open live pages (/live/events; 503)", lo=0)
+    # an OpenAI body nests 5 levels at most (messages, parts)
+    max_json_depth: int = _limit(32, "levels of nesting in a JSON body", hi=MAX_JSON_DEPTH)
+    max_header_bytes: int = _limit(16 * 2**10, "bytes of a request line and its headers (431; h11's default)",
+                                   lo=1024)
+    body_linger: float = _limit(2.0, "seconds a refused body (413, 408) is still read and dropped, so that "
+                                "its client reads the answer, before the connection closes", lo=0.0)
+    max_frontend_queue: int = _limit(256, "requests being parsed, rendered and tokenized at once (503 + "
+                                     "Retry-After past it)")
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_stop_chars",
-                     "max_connections", "max_bad_words_chars", "max_frontend_queue", "max_grammar_chars",
-                     "max_schema_depth"):
-            check_int(flag(name), getattr(self, name), lo=1)
-        for name in ("max_stop", "max_stop_token_ids", "max_live_watchers", "max_logit_bias",
-                     "max_bad_words"):
-            check_int(flag(name), getattr(self, name), lo=0)
-        if self.max_prompt_tokens is not None:
-            check_int(flag("max_prompt_tokens"), self.max_prompt_tokens, lo=1)
-        check_int(flag("max_json_depth"), self.max_json_depth, lo=1, hi=MAX_JSON_DEPTH)
-        check_int(flag("max_header_bytes"), self.max_header_bytes, lo=1024)
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
-            v = check_float(flag(name), getattr(self, name), finite=True)
-            if not v > 0:
-                raise InvalidArgument(f"{flag(name)} must be > 0 seconds, got {v}")
-        check_float(flag("body_linger"), self.body_linger, lo=0.0, finite=True)
+        for f in fields(self):
+            value, lo, hi = getattr(self, f.name), f.metadata["lo"], f.metadata["hi"]
+            if f.type == "float" and lo is None:              # a timeout: a positive number of seconds
+                if not check_float(flag(f.name), value, finite=True) > 0:
+                    raise InvalidArgument(f"{flag(f.name)} must be > 0 seconds, got {value}")
+            elif f.type == "float":
+                check_float(flag(f.name), value, lo=lo, finite=True)
+            elif value is not None:
+                check_int(flag(f.name), value, lo=lo, hi=hi)
 
     def with_model_len(self, max_model_len: int) -> ServeLimits:
         """These limits with ``max_prompt_tokens`` filled in (and never above ``max_model_len``)."""
-        from dataclasses import replace
-
         n = max_model_len if self.max_prompt_tokens is None else min(self.max_prompt_tokens, max_model_len)
         return replace(self, max_prompt_tokens=n)
 

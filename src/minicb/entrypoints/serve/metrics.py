@@ -1,43 +1,18 @@
 """``GET /metrics``: Prometheus metrics under vLLM's names, so vLLM's dashboards read minicb.
 
-Where vLLM (V1) has a metric for a concept, minicb uses its name, type and ``model_name`` label::
-
-    vllm:num_requests_running / vllm:num_requests_waiting / vllm:num_requests_swapped   gauges
-    vllm:kv_cache_usage_perc              gauge, used KV blocks / all blocks (1 = full)
-    vllm:num_preemptions_total            counter (recompute + swap)
-    vllm:prompt_tokens_total              counter, prompt tokens of requests that got their first token
-    vllm:generation_tokens_total          counter, tokens generated
-    vllm:request_success_total            counter, finished requests by finished_reason
-    vllm:time_to_first_token_seconds      histogram, arrival at the server -> first token
-    vllm:inter_token_latency_seconds      histogram, gap between consecutive tokens of a request
-    vllm:e2e_request_latency_seconds      histogram, arrival -> finish
-    vllm:request_queue_time_seconds       histogram, arrival -> first scheduled
-    vllm:request_prefill_time_seconds     histogram, first scheduled -> first token
-    vllm:request_decode_time_seconds      histogram, first token -> last token
-    vllm:request_inference_time_seconds   histogram, first scheduled -> last token
-    vllm:request_prompt_tokens            histogram, prompt tokens per finished request
-    vllm:request_generation_tokens        histogram, generated tokens per finished request
-    vllm:request_max_num_generation_tokens  histogram, the most tokens any sequence of a finished
-                                          request generated (one sequence per request: its count)
-    vllm:iteration_tokens_total           histogram, tokens computed per engine step
-    vllm:prefix_cache_queries_total       counter, prompt tokens looked up in the prefix cache
-    vllm:prefix_cache_hits_total          counter, of those, tokens found there (hits / queries: the
-                                          hit rate vLLM's dashboards plot)
-
-The phases are vLLM V1's (``vllm/v1/metrics/stats.py``): *queued* from arrival to the first time the
-scheduler gives the request a slot, *prefill* from then to its first token (chunked prompts and any
-wait between chunks included), *decode* from the first token to the last, *inference* the two
-together; a request preempted and run again keeps its first schedule. The token histograms use vLLM's
-1-2-5 buckets up to ``max_model_len`` (``build_1_2_5_buckets``), the times its request-latency ones.
-The prefix-cache counters count a request's *first* admission, as vLLM's do (a recompute-preempted
-request finding its own blocks again is not a hit), from the scheduler's running totals
+Where vLLM (V1) has a metric for a concept, minicb uses its name, type, help text, buckets and
+``model_name`` label (the tables below). The phases are vLLM V1's (``vllm/v1/metrics/stats.py``):
+*queued* from arrival to the first time the scheduler gives the request a slot, *prefill* from then
+to its first token, *decode* from the first token to the last, *inference* the two together; a
+request preempted and run again keeps its first schedule. The prefix-cache counters count a
+request's *first* admission, as vLLM's do, from the scheduler's running totals
 (``SchedulerStats.num_prompt_tokens`` / ``num_cached_prompt_tokens``), read once per step.
 
-The gauges and per-step figures come from the engine's step events (``on_step``: the plan and the
-snapshot after it); the per-request figures from the outputs the engine thread hands on
-(``observe_tokens`` / ``observe_finished``: a few additions per request, nothing per step). All of
-it runs on the engine thread; prometheus_client is thread-safe, so the event loop renders
-``/metrics`` at any time. Each server has its own registry (tests run several servers in one process).
+The gauges and per-step figures come from the engine's step events (``on_step``); the per-request
+figures from the outputs the engine thread hands on (``observe_tokens`` / ``observe_finished``: a
+few additions per request). All of it runs on the engine thread; prometheus_client is thread-safe,
+so the event loop renders ``/metrics`` at any time. Each server has its own registry (tests run
+several servers in one process).
 """
 
 from __future__ import annotations
@@ -77,6 +52,41 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+# attribute: (vLLM's name, vLLM's help text[, buckets: None is vLLM's 1-2-5 up to max_model_len])
+_GAUGES = {
+    "running": ("vllm:num_requests_running", "Number of requests in the running batch."),
+    "waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be scheduled."),
+    "swapped": ("vllm:num_requests_swapped", "Number of requests swapped out to host memory."),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")}
+_COUNTERS = {
+    "preemptions": ("vllm:num_preemptions", "Cumulative number of preemptions."),
+    "prompt_tokens": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "prefix_queries": ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                       "tokens."),
+    "prefix_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")}
+_HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+             TTFT_BUCKETS),
+    "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+            REQUEST_BUCKETS),
+    "queue_time": ("vllm:request_queue_time_seconds", "Histogram of time spent waiting before the first "
+                   "step in seconds.", REQUEST_BUCKETS),
+    "iteration_tokens": ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine step.",
+                         TOKEN_BUCKETS),
+    "prefill_time": ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                     "request.", REQUEST_BUCKETS),
+    "decode_time": ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                    "request.", REQUEST_BUCKETS),
+    "inference_time": ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
+                       "request.", REQUEST_BUCKETS),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    "request_generation_tokens": ("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                  None),
+    "max_generation_tokens": ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of "
+                              "requested generation tokens.", None)}
+
 
 class ServerMetrics:
     """The server's Prometheus metrics; ``render()`` is the ``/metrics`` body."""
@@ -95,43 +105,16 @@ class ServerMetrics:
         def histogram(metric: str, doc: str, buckets):
             return Histogram(metric, doc, labels, buckets=buckets, registry=r).labels(**name)
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be scheduled.")
-        self.swapped = gauge("vllm:num_requests_swapped", "Number of requests swapped out to host memory.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        for attr, (metric, doc) in _GAUGES.items():
+            setattr(self, attr, gauge(metric, doc))
+        for attr, (metric, doc) in _COUNTERS.items():
+            setattr(self, attr, counter(metric, doc))
+        lengths = buckets_1_2_5(max_model_len)
+        for attr, (metric, doc, buckets) in _HISTOGRAMS.items():
+            setattr(self, attr, histogram(metric, doc, buckets or lengths))
         self._success = Counter("vllm:request_success", "Count of finished requests.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token "
-                              "in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                             "seconds.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end-to-end request "
-                             "latency in seconds.", REQUEST_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Histogram of time spent "
-                                    "waiting before the first step in seconds.", REQUEST_BUCKETS)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens "
-                                          "per engine step.", TOKEN_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in "
-                                      "PREFILL phase for request.", REQUEST_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds", "Histogram of time spent in "
-                                     "DECODE phase for request.", REQUEST_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds", "Histogram of time spent "
-                                        "in RUNNING phase for request.", REQUEST_BUCKETS)
-        lengths = buckets_1_2_5(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens "
-                                               "processed.", lengths)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of "
-                                                   "generation tokens processed.", lengths)
-        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens", "Histogram of "
-                                               "maximum number of requested generation tokens.", lengths)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
-                                      "number of queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
-                                   "cached tokens.")
         self._stats = None                      # the scheduler's SchedulerStats (watch_stats)
         self._queried = self._hit = 0           # its prefix-cache totals already counted
 

@@ -5,88 +5,56 @@
     POST /v1/completions       {"model", "prompt": "text" | [token ids], "max_tokens": 16, ...}
     POST /v1/chat/completions  {"model", "messages": [{"role", "content"}], "max_completion_tokens", ...}
 
-Both become one ``GenerateRequest``: a prompt (text, token ids, or the chat template rendered to
-text), ``SamplingParams`` and the stop strings. Everything a client can get wrong is found here and
-reported as an ``ApiError`` (HTTP 400, OpenAI's error object, ``param`` naming the field), before the
-request reaches the engine; what only the engine can judge (the prompt's length in tokens against
-``max_model_len`` and the KV pool) is judged on the engine thread and reported the same way.
+Both become one ``GenerateRequest`` (a prompt, ``SamplingParams``, the stop strings) inside a
+``ParsedRequest`` (how to answer). The bodies are pydantic models, ``CompletionRequest`` and
+``ChatCompletionRequest``: OpenAI's and vLLM's field names, each with its type and range in one place
+(strict: no ``"5"`` for 5, no ``true`` for 1, no NaN), their JSON schema served at ``/openapi.json``.
+``_message`` words pydantic's first error as OpenAI's error object (400, ``param`` naming the field);
+the bounds that are the server's flags (``limits.py``) are validators that name their flag. What only
+the engine can judge (the prompt's length in tokens against the KV pool) is judged on the engine thread.
 
-Field by field (vLLM's choices where OpenAI leaves room):
+vLLM's choices where OpenAI leaves room: ``temperature`` and ``top_p`` default to 1.0; ``top_k`` 0 or
+-1 is off; ``max_tokens`` defaults to 16 for completions and, for chat, to the room the prompt leaves
+(filled in on the engine thread); ``stop`` strings are matched on the text and never part of it; a
+list of prompts is one engine request each, answered with ``index = prompt_index * n + child``;
+completions' ``logprobs: k`` and ``echo``, chat's ``logprobs`` + ``top_logprobs``, vLLM's
+``prompt_logprobs`` (``k`` at most 20); ``priority`` needs ``--scheduling-policy priority``;
+``cache_salt`` keeps prefix-cache blocks to requests of one salt; ``request_id`` names the response;
+``stream_options.continuous_usage_stats`` puts the usage in every chunk (with ``include_usage``).
+Every field minicb does not implement (``_UNSUPPORTED``: beam search, ``best_of``, ``prompt_embeds``,
+the chat fields that would change the rendered prompt, ...) is a 400 naming it unless it holds its
+default, never a silently different answer; unknown fields are ignored (clients send extras).
 
-* ``temperature`` defaults to 1.0 and ``top_p`` to 1.0, as OpenAI's; ``temperature: 0`` is greedy.
-* ``top_k`` (vLLM's extension): 0 or -1 means off. ``seed``: per-request generator, reproducible.
-* ``max_tokens`` defaults to 16 for completions (OpenAI's default) and, for chat, to whatever room the
-  prompt leaves (``max_model_len`` and the KV pool: the engine thread fills it in).
-* ``stop``: a string or a list of strings, matched on the decoded text, never part of the output.
-  ``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions, passed to ``SamplingParams``.
-* ``prompt`` (completions) may be a list of strings or of token-id lists: each is its own engine
-  request, batched by the engine like any other, answered in prompt order with OpenAI's choice
-  ``index`` (``prompt_index * n + child``). The cost bounds hold for the whole body (characters or
-  ids summed over the prompts) and so for each prompt.
-* Logprobs: completions ``logprobs: k`` (the sampled token's logprob and the top ``k``: OpenAI's
-  ``{tokens, token_logprobs, top_logprobs, text_offset}``) and ``echo: true`` (the prompt is returned
-  before the completion, and with ``logprobs`` its tokens' logprobs too, the first one ``null``);
-  chat ``logprobs: true`` + ``top_logprobs: k`` (``{content: [{token, logprob, bytes, top_logprobs}]}``);
-  vLLM's ``prompt_logprobs: k`` on both (``prompt_logprobs``: per prompt token ``{id: {logprob, rank,
-  decoded_token}}``, ``null`` first). ``k`` is at most 20; ``-inf`` is sent as -9999.0 (vLLM's floor).
-* ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` (``structured.py``) constrain
-  the output with a grammar; ``tools`` / ``tool_choice`` on chat (``tools.py``) render the tools for
-  the model and parse its calls (``required`` / a named function forced by a grammar).
-* The sampling knobs (``minicb.runtime.logits_processors``): OpenAI's ``presence_penalty`` and
-  ``frequency_penalty`` (in [-2, 2]) and ``logit_bias`` (an object of token id -> bias in [-100, 100],
-  at most ``--max-logit-bias`` entries, ids in the vocabulary); vLLM's ``repetition_penalty`` (> 0),
-  ``min_p`` (in [0, 1]), ``min_tokens`` (at most ``max_tokens``; stop strings are not matched before
-  it either, as vLLM), ``bad_words`` (at most ``--max-bad-words`` strings of
-  ``--max-bad-words-chars`` characters in all), ``include_stop_str_in_output`` (the matched stop
-  string stays in the text) and ``skip_special_tokens`` (default true).
-* ``n`` choices (parallel sampling) up to the engine's ``max_n``. ``best_of``, chat's ``echo``, vLLM's
-  ``spaces_between_special_tokens``, ``allowed_token_ids``, beam search (``use_beam_search``,
-  ``length_penalty``, ``early_stopping``), ``prompt_embeds``, ``logits_processors``, ``vllm_xargs``,
-  ``kv_transfer_params``, ``guided_whitespace_pattern``, OpenAI's ``prediction`` / ``audio`` and the chat
-  fields that would change the rendered prompt (``add_generation_prompt: false``,
-  ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, ``mm_processor_kwargs``,
-  ``documents``): a clear 400 naming the field
-  rather than a silently different answer. ``user`` must be a string (it is not used). Unknown fields
-  are ignored (clients send extras).
-* The scalar fields (numbers, flags, strings) are one pydantic model, ``Fields``, built from the
-  ``RANGES`` table: each field's type and range in one place, strict (no ``"5"`` for 5, no ``true``
-  for 1), its JSON schema (with the bodies' other fields: ``CompletionRequest``,
-  ``ChatCompletionRequest``) at ``/openapi.json``; ``_message`` words pydantic's first error as
-  minicb's 400. What depends on the server's flags (list lengths, characters) is checked by hand.
-* Numbers are checked to their end: a count or an id above 2**63 - 1, a temperature between 0 and
-  1e-5, NaN, a 5,000-digit integer are each a 400 naming the field, never a 500.
-* The cost bounds of ``limits.py`` (prompt characters and ids, messages, stop strings) are checked
-  here, before the chat template or the tokenizer runs; ``chat`` refuses message text that contains
-  the model's control tokens (``<|im_start|>``) unless the server allows it (``--allow-control-text``):
-  rendered by the template, such text would become real control tokens (a user forging a system turn).
-* vLLM's request fields: ``stream_options.continuous_usage_stats`` (with ``include_usage``: every chunk
-  carries the usage so far, its choice's completion tokens), ``return_tokens_as_token_ids`` (the
-  logprobs' tokens are ``"token_id:N"``), ``request_id`` (the response's id is ``cmpl-`` /
-  ``chatcmpl-`` + it), ``priority`` (lower is more important; a 400 unless the server runs
-  ``--scheduling-policy priority``, as vLLM), ``cache_salt`` (prefix-cache blocks are shared only
-  between requests of one salt). Every choice carries vLLM's ``stop_reason``: the stop string or stop
-  token id that ended it, else ``null``.
-* ``return_token_ids`` (vLLM's extension): the response carries ``prompt_token_ids`` and each
-  choice its ``token_ids``; the tests use it to compare with ``LLM.generate`` token for token.
+Hand-written, with a tested reason: the prompt and message checks (``_prompts``, ``_messages``) run
+*before* pydantic, cheapest first, because a 10**6-id prompt must be refused by its length before its
+ids are typed (``test_each_cost_bound_is_a_400_naming_its_flag``), and their messages name the
+message and part a client got wrong (``messages[0].content``), which pydantic's union errors do not.
+Chat message text containing the model's control tokens (``<|im_start|>``) is refused unless
+``--allow-control-text``: rendered, it would become real control tokens (a forged system turn).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-import numpy as np
-from pydantic import ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
+from pydantic import BeforeValidator as Before
+from pydantic import WithJsonSchema as Schema
 
-from minicb.core.errors import InvalidArgument, check_float, check_int, describe
+from minicb.core.errors import InvalidArgument, describe
 from minicb.core.sampling_params import MAX_INT, MAX_LOGPROBS, SamplingParams
 from minicb.entrypoints.serve.errors import ApiError, bad_request  # noqa: F401 - ApiError: re-exported
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.structured import parse_structured
-from minicb.entrypoints.serve.tools import ToolRequest, constraint, parse_tools, template_messages
+from minicb.entrypoints.serve.tools import (
+    ToolRequest,
+    constraint,
+    parse_tools,
+    template_messages,
+)
 
 DEFAULT_LIMITS = ServeLimits()
-MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,38 +90,207 @@ class ParsedRequest:
     request_id: str | None = None     # vLLM's request_id: the response's id ("cmpl-" + it)
 
 
-# fields we do not implement: a client that sets them gets a 400 instead of a silently different answer
+# fields minicb does not implement, with the values that ask for what it does (a 400 for any other)
 _UNSUPPORTED = {
-    "best_of": (None, 1),
-    "suffix": (None, ""), "functions": (None, []),
-    # vLLM's extensions that minicb does not implement (yet)
+    "best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
     "spaces_between_special_tokens": (None, True), "guided_decoding_backend": (None,),
-    "allowed_token_ids": (None,),
-    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,),
     # beam search (vLLM's): not implemented, and n > 1 would otherwise return n sampled texts
     "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "early_stopping": (None, False),
     "prompt_embeds": (None,), "logits_processors": (None, []), "vllm_xargs": (None, {}),
     "kv_transfer_params": (None, {}), "guided_whitespace_pattern": (None,),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
-# chat fields of vLLM's that change the rendered prompt: refused unless they ask for what minicb does
+# chat fields that change the rendered prompt (and chat's echo)
 _UNSUPPORTED_CHAT = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
-    "documents": (None, []),
+    "documents": (None, []), "echo": (None, False),
 }
 MAX_REQUEST_ID_CHARS = 256
+
+# name: (type, low, high, low excluded): the ranges of the numbers (pydantic's bounds and _message's words)
+RANGES: dict[str, tuple[type, float | None, float | None, bool]] = {
+    "max_tokens": (int, 1, MAX_INT, False), "max_completion_tokens": (int, 1, MAX_INT, False),
+    "temperature": (float, 0.0, 2.0, False), "top_p": (float, 0.0, 1.0, True),
+    "top_k": (int, -1, MAX_INT, False), "seed": (int, 0, MAX_INT, False),
+    "presence_penalty": (float, -2.0, 2.0, False), "frequency_penalty": (float, -2.0, 2.0, False),
+    "repetition_penalty": (float, 0.0, None, True), "min_p": (float, 0.0, 1.0, False),
+    "min_tokens": (int, 0, MAX_INT, False), "n": (int, 1, MAX_INT, False),
+    "priority": (int, -MAX_INT - 1, MAX_INT, False), "logprobs": (int, 0, MAX_LOGPROBS, False),
+    "top_logprobs": (int, 0, MAX_LOGPROBS, False), "prompt_logprobs": (int, 0, MAX_LOGPROBS, False),
+    "stop_token_ids": (int, 0, MAX_INT, False), "logit_bias": (float, -100.0, 100.0, False),
+}
+
+
+def _r(name: str):
+    kind, lo, hi, lo_open = RANGES[name]
+    bound = {"gt" if lo_open else "ge": lo} if lo is not None else {}
+    if hi is not None:
+        bound["le"] = hi
+    return Annotated[kind, Field(strict=True, **bound, **({"allow_inf_nan": False} if kind is float else {}))]
+
+
+Bool = Annotated[bool, Field(strict=True)]
+Str = Annotated[str, Field(strict=True)]
+_Text = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+# (max count flag, its unit, max characters flag) of the lists the server's flags bound
+_BOUNDED = {"stop": ("max_stop", "strings", "max_stop_chars"),
+            "stop_token_ids": ("max_stop_token_ids", "ids", None),
+            "logit_bias": ("max_logit_bias", "entries", None),
+            "bad_words": ("max_bad_words", "strings", "max_bad_words_chars")}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: Bool | None = None
+    continuous_usage_stats: Bool | None = None      # vLLM's: the usage so far in every chunk
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]                    # the only part minicb supports (no images, no audio)
+    text: Str
+
+
+class Call(BaseModel):
+    name: Str
+    arguments: Str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    function: Call                           # OpenAI's id and type are not read
+
+
+class Message(BaseModel):
+    """One chat turn: a role and its text (a string, ``null`` or text parts); an assistant turn's
+    earlier ``tool_calls``. Other fields (``name``, ``tool_call_id``) pass."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Str
+    content: Str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+
+
+def _few_messages(v, info):
+    """The count before the turns are checked: a million messages cost a length check."""
+    if not isinstance(v, list) or not v:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    cap = _limits(info).max_messages
+    if len(v) > cap:
+        raise bad_request(f"messages holds {len(v):,} messages; at most {cap:,} are allowed "
+                          f"({flag('max_messages')})", "messages")
+    return v
+
+
+Messages = Annotated[list[Message], Before(_few_messages)]
+
+
+class _Request(BaseModel):
+    """The fields both endpoints share. ``None`` is "unset" (the default applies)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Str | None = None
+    user: Str | None = None
+    max_tokens: _r("max_tokens") | None = None
+    temperature: _r("temperature") | None = None
+    top_p: _r("top_p") | None = None
+    top_k: _r("top_k") | None = None
+    seed: _r("seed") | None = None
+    n: _r("n") | None = None
+    presence_penalty: _r("presence_penalty") | None = None
+    frequency_penalty: _r("frequency_penalty") | None = None
+    repetition_penalty: _r("repetition_penalty") | None = None
+    min_p: _r("min_p") | None = None
+    min_tokens: _r("min_tokens") | None = None
+    priority: _r("priority") | None = None
+    prompt_logprobs: _r("prompt_logprobs") | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Annotated[list[Str] | None, Schema({"anyOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "string"}}, {"type": "null"}]})] = None           # a string is a list of one
+    stop_token_ids: list[_r("stop_token_ids")] | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,18}$")], _r("logit_bias")] | None = None
+    bad_words: list[Str] | None = None
+    ignore_eos: Bool | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+    return_token_ids: Bool | None = None
+    return_tokens_as_token_ids: Bool | None = None
+    request_id: Annotated[_Text, Field(pattern=r"^[^\x00-\x1f\x7f]*$")] | None = None
+    cache_salt: _Text | None = None
+    # checked by structured.py (their bounds are the server's flags); declared for /openapi.json
+    response_format: SkipValidation[dict | None] = None
+    structured_outputs: SkipValidation[dict | None] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator(*_BOUNDED, mode="before")
+    @classmethod
+    def _count(cls, v, info):
+        """Bounded before their items are checked: a million stop strings cost a length check."""
+        cap_flag, unit, _ = _BOUNDED[info.field_name]
+        cap = getattr(_limits(info), cap_flag)
+        if isinstance(v, (list, dict)) and len(v) > cap:
+            raise bad_request(f"{info.field_name} may hold at most {cap:,} {unit} ({flag(cap_flag)}), got "
+                              f"{len(v):,}", info.field_name)
+        return v
+
+    @field_validator("stop", "bad_words")
+    @classmethod
+    def _chars(cls, v, info):
+        chars_flag = _BOUNDED[info.field_name][2]
+        cap, total = getattr(_limits(info), chars_flag), sum(map(len, v or ()))
+        if total > cap:
+            raise bad_request(f"the {info.field_name} strings hold {total:,} characters; at most {cap:,} are "
+                              f"allowed ({flag(chars_flag)})", info.field_name)
+        return v
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions"""
+
+    prompt: SkipValidation[str | list[int] | list[str] | list[list[int]]]     # _prompts checks it first
+    logprobs: _r("logprobs") | None = None
+    echo: Bool | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_unset(cls, v):
+        return None if v is False else v
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions"""
+
+    messages: Messages
+    max_completion_tokens: _r("max_completion_tokens") | None = None
+    logprobs: Bool | None = None
+    top_logprobs: _r("top_logprobs") | None = None
+    tools: SkipValidation[list[dict] | None] = None      # tools.py checks them
+    tool_choice: SkipValidation[str | dict | None] = None
+    parallel_tool_calls: Bool | None = None
+
+
+def _limits(info) -> ServeLimits:
+    return (info.context or {}).get("limits", DEFAULT_LIMITS)
 
 
 def parse_completion(body: Any, limits: ServeLimits = DEFAULT_LIMITS) -> ParsedRequest:
     body = _object(body)
     if "prompt" not in body:
         raise bad_request("prompt is required: a string or a list of token ids", "prompt")
-    check_model(body)
     if body.get("tools") or body.get("tool_choice") is not None:
         raise bad_request("tools and tool_choice are for /v1/chat/completions", "tools")
     prompts = _prompts(body["prompt"], limits)
-    return _parse(body, "completion", prompts, default_max_tokens=16, limits=limits)
+    _unsupported(body, _UNSUPPORTED)
+    return _parse(body, _checked(body, CompletionRequest, limits), prompts, limits)
 
 
 def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
@@ -161,10 +298,10 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     """``render(messages) -> str`` applies the model's chat template (``Tokenizer.apply_chat_template``).
     A message whose text contains one of ``control_texts`` (the model's control tokens) is refused."""
     body = _object(body)
-    check_model(body)
+    _unsupported(body, _UNSUPPORTED | _UNSUPPORTED_CHAT)
+    f = _checked(body, ChatCompletionRequest, limits)      # the fields first: the template is the cost
     tools = parse_tools(body, limits)
-    _unsupported(body, _UNSUPPORTED_CHAT)
-    messages = _messages(template_messages(body.get("messages"), tools, _content), limits)
+    messages = _messages(template_messages(f.messages, tools), limits)
     _no_control_text(messages, control_texts)
     try:
         prompt = render(messages)
@@ -172,15 +309,7 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
         raise bad_request(str(e), "messages") from None
     except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _parse(body, "chat", [prompt], default_max_tokens=None, limits=limits, tools=tools)
-
-
-def check_model(body: dict) -> None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
+    return _parse(body, f, [prompt], limits, tools)
 
 
 def _object(body: Any) -> dict:
@@ -196,109 +325,75 @@ def _unsupported(body: dict, table: dict, prefix: str = "") -> None:
                               prefix + name)
 
 
-# --- the scalar fields: types and ranges in one place (pydantic), shown at /openapi.json -------------
-# name: (type, low, high, low excluded). Floats accept JSON integers, never booleans; NaN is in no range.
-RANGES: dict[str, tuple[type, float | None, float | None, bool]] = {
-    "max_tokens": (int, 1, MAX_INT, False), "temperature": (float, 0.0, 2.0, False),
-    "top_p": (float, 0.0, 1.0, True), "top_k": (int, -1, MAX_INT, False), "seed": (int, 0, MAX_INT, False),
-    "presence_penalty": (float, -2.0, 2.0, False), "frequency_penalty": (float, -2.0, 2.0, False),
-    "repetition_penalty": (float, 0.0, None, True), "min_p": (float, 0.0, 1.0, False),
-    "min_tokens": (int, 0, MAX_INT, False), "n": (int, 1, MAX_INT, False),
-    "priority": (int, -MAX_INT - 1, MAX_INT, False),
-}
-_FLAGS = ("stream", "echo", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-          "return_token_ids", "return_tokens_as_token_ids")
+def _is_default(value, defaults: tuple) -> bool:
+    """``value`` is one of ``defaults`` with the same type (so ``logprobs: 0`` is not ``False``)."""
+    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _ranged(kind: type, lo, hi, lo_open: bool):
-    bound = {"gt" if lo_open else "ge": lo} if lo is not None else {}
-    if hi is not None:
-        bound["le"] = hi
-    return Annotated[kind, Field(strict=True, allow_inf_nan=False, **bound) if kind is float
-                     else Field(strict=True, **bound)]
+# what a type error in these fields means, in a client's words (their items are no concern of its)
+_SHAPES = {("stop", None): "must be a string or a list of strings",
+           ("bad_words", None): "must be a list of strings",
+           ("logit_bias", "dict_type"): "must be an object of token id -> bias",
+           ("logit_bias", "string_pattern_mismatch"): "keys must be token ids (decimal integers)",
+           ("stream_options", "model_type"): "must be an object"}
 
 
-_Text = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
-
-Fields = create_model(
-    "Fields", __config__=ConfigDict(extra="allow"),
-    **{name: (_ranged(*r) | None, None) for name, r in RANGES.items()},
-    **{name: (Annotated[bool, Field(strict=True)] | None, None) for name in _FLAGS},
-    stop_token_ids=(list[_ranged(int, 0, MAX_INT, False)] | None, None),
-    model=(Annotated[str, Field(strict=True)] | None, None),
-    user=(Annotated[str, Field(strict=True)] | None, None),
-    request_id=(Annotated[_Text, Field(pattern=r"^[^\x00-\x1f\x7f]*$")] | None, None),
-    cache_salt=(_Text | None, None),
-)
-Fields.__doc__ = """The body's scalar fields (both endpoints): OpenAI's names and vLLM's extensions, each with
-its type and range. ``None`` is "unset" (the default applies). Unknown fields pass (clients send extras)."""
-
-
-_Ids = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
-_Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-# The rest of each body, declared for /openapi.json; checked by hand below and in structured.py / tools.py
-# (their bounds are the server's flags, their messages name them).
-_BODY = dict(stop=(str | list[str] | None, None), logit_bias=(dict[str, float] | None, None),
-             bad_words=(list[str] | None, None), prompt_logprobs=(_Logprobs | None, None),
-             stream_options=(dict[str, bool] | None, None), response_format=(dict | None, None),
-             structured_outputs=(dict | None, None))
-CompletionRequest = create_model("CompletionRequest", __base__=Fields, __doc__="POST /v1/completions",
-                                 prompt=(str | _Ids | list[str] | list[_Ids], ...),
-                                 logprobs=(_Logprobs | None, None), **_BODY)
-ChatCompletionRequest = create_model("ChatCompletionRequest", __base__=Fields,
-                                     __doc__="POST /v1/chat/completions", messages=(list[dict], ...),
-                                     max_completion_tokens=(int | None, None),
-                                     logprobs=(bool | None, None), top_logprobs=(_Logprobs | None, None),
-                                     tools=(list[dict] | None, None), tool_choice=(str | dict | None, None),
-                                     parallel_tool_calls=(bool | None, None), **_BODY)
-
-
-def _what(value) -> str:
-    return f"{type(value).__name__} {describe(value)}"
+_TURN = {"role": "an object with a string role", "content": "a string, null or a list of text parts",
+         "tool_calls": "a list of tool calls", "call": "{function: {name: string, arguments: string}}"}
 
 
 def _message(err: dict) -> tuple[str, str]:
     """A pydantic error as (message, param) in minicb's words: the field and what it must be."""
-    loc = [str(x) for x in err["loc"] if not str(x).startswith(("constrained-", "function-"))]
-    name = loc[0] + "".join("[i]" for x in loc[1:] if x.isdigit())
-    value, kind = err["input"], err["type"]
-    r = RANGES.get(loc[0]) if len(loc) == 1 else (int, 0, MAX_INT, False)
+    loc, value, kind = err["loc"], err["input"], err["type"]
+    field = str(loc[0])
+    keyed = field == "logit_bias"            # its str locations are keys: logit_bias[5], not .5
+    name = field + "".join("[i]" if isinstance(x, int) else f"[{x}]" if keyed else f".{x}" for x in loc[1:]
+                           if x != "[key]")
+    param = field + "".join(f".{x}" for x in loc[1:] if isinstance(x, str) and not keyed)
+    shape = _SHAPES.get((field, kind)) or _SHAPES.get((field, None))
+    if shape is not None:
+        return f"{field} {shape}, got {describe(value)}", field
+    if field == "messages" and len(loc) > 1:      # the turn and its part: messages[1].tool_calls[0]
+        what = loc[2] if len(loc) > 2 else "role"
+        call = what == "tool_calls" and len(loc) > 3 and isinstance(loc[3], int)
+        param = f"messages[{loc[1]}]" + ("" if what == "role" else f".{what}") + \
+            (f"[{loc[3]}]" if call else "")
+        return f"{param} must be {_TURN['call' if call else what]}, got {describe(value)}", param
+    if kind == "missing":
+        return f"{name} is required", param
     if kind == "bool_type":
-        return f"{name} must be true or false, got {describe(value)}", loc[0]
-    if kind == "list_type":
-        return f"{name} must be a list, got {type(value).__name__}", loc[0]
-    if kind.startswith("string") and loc[0] in ("request_id", "cache_salt"):
+        return f"{name} must be true or false, got {describe(value)}", param
+    if kind.startswith("string") and field in ("request_id", "cache_salt"):
         return (f"{name} must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} printable characters, "
-                f"got {describe(value)}"), loc[0]
+                f"got {describe(value)}"), param
     if kind.startswith("string"):
-        return f"{name} must be a string, got {type(value).__name__}", loc[0]
-    if kind.startswith("int"):
-        return f"{name} must be an integer, got {_what(value)}", loc[0]
-    if kind.startswith("float"):
-        return f"{name} must be a number, got {_what(value)}", loc[0]
-    kind_, lo, hi, lo_open = r
+        return f"{name} must be a string, got {type(value).__name__}", param
+    if kind in ("list_type", "model_type", "dict_type"):
+        return f"{name} must be a {kind[:-5].replace('model', 'n object')}, got {type(value).__name__}", param
+    if kind.startswith(("int", "float")):
+        what = "an integer" if kind.startswith("int") else "a number"
+        return f"{name} must be {what}, got {type(value).__name__} {describe(value)}", param
+    kind_, lo, hi, lo_open = RANGES[field]
     if kind_ is float:
         lo, hi = (None if lo is None else float(lo)), (None if hi is None else float(hi))
     rng = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
     if kind == "finite_number" and hi is None:       # NaN is out of any range; inf only of an open one
-        return f"{name} must be a finite number in {rng}, got {describe(value)}", loc[0]
-    return f"{name} must be in {rng}, got {describe(value)}", loc[0]
+        return f"{name} must be a finite number in {rng}, got {describe(value)}", param
+    return f"{name} must be in {rng}, got {describe(value)}", param
 
 
-def checked_fields(body: dict):
-    """``Fields`` of ``body``; the first error as a 400 naming its field."""
+def _checked(body: dict, model: type[_Request], limits: ServeLimits) -> _Request:
+    """``model`` of ``body``; the first error as a 400 naming its field."""
     try:
-        return Fields.model_validate(body)
+        return model.model_validate(body, context={"limits": limits})
     except ValidationError as e:
         message, param = _message(e.errors(include_url=False)[0])
         raise bad_request(message, param) from None
 
 
-def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
-           limits: ServeLimits = DEFAULT_LIMITS, tools: ToolRequest | None = None) -> ParsedRequest:
-    _unsupported(body, _UNSUPPORTED)
-    f = checked_fields({k: v for k, v in body.items() if k != "logprobs"})
-    logprobs, echo, prompt_logprobs = _logprob_fields(body, kind, f)
+def _parse(body: dict, f: _Request, prompts: list, limits: ServeLimits,
+           tools: ToolRequest | None = None) -> ParsedRequest:
+    chat = isinstance(f, ChatCompletionRequest)
     structured, param = parse_structured(body, limits)
     forced = constraint(tools) if tools is not None else None
     if forced is not None:
@@ -306,173 +401,42 @@ def _parse(body: dict, kind: str, prompts: list, default_max_tokens: int | None,
             raise bad_request(f"tool_choice {tools.choice!r} forces a tool call; it cannot be combined with "
                               f"{param}", param)
         structured, param = forced, "tools"
-    stream = bool(f.stream)
-    opts = body.get("stream_options")
-    include_usage = continuous = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
-        if not stream:
-            raise bad_request("stream_options is allowed only with stream: true", "stream_options")
-        for name in ("include_usage", "continuous_usage_stats"):
-            if opts.get(name) is not None and not isinstance(opts[name], bool):
-                raise bad_request(f"stream_options.{name} must be true or false, got {describe(opts[name])}",
-                                  f"stream_options.{name}")
-        include_usage = bool(opts.get("include_usage"))
-        # vLLM's: each chunk carries the usage so far; with include_usage only, as in vLLM
-        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
-    from_room = f.max_tokens is None and default_max_tokens is None
-    max_tokens = MAX_INT if from_room else (default_max_tokens if f.max_tokens is None else f.max_tokens)
-    stops = _stops(body.get("stop"), limits)
-    # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
-    scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
-    params = _sampling_params(body, f, max_tokens, limits, structured, logprobs=logprobs,
-                              prompt_logprobs=max(scored) if scored else None)
-    generate = GenerateRequest(prompts[0], params, stops, from_room, f.priority or 0)
-    return ParsedRequest(kind, f.model, generate, stream, include_usage, bool(f.return_token_ids),
-                         tools if tools is not None and tools.shown else None, param, tuple(prompts), echo,
-                         logprobs, prompt_logprobs, continuous, bool(f.return_tokens_as_token_ids),
-                         f.request_id)
-
-
-def _logprob_fields(body: dict, kind: str, f) -> tuple[int | None, bool, int | None]:
-    """(top logprobs per generated token or None, echo, prompt_logprobs or None), checked.
-
-    Completions: ``logprobs`` is the count (OpenAI's legacy field); chat: ``logprobs`` is a bool and
-    ``top_logprobs`` the count, which needs ``logprobs: true`` (OpenAI's rule)."""
-    def count(name):
-        v = body.get(name)
-        if v is None or (v is False and name == "logprobs"):    # completions' logprobs: false = unset
-            return None
-        if type(v) is bool:
-            raise bad_request(f"{name} must be an integer, got {describe(v)}", name)
-        try:
-            return check_int(name, v, lo=0, hi=MAX_LOGPROBS)
-        except InvalidArgument as e:
-            raise bad_request(str(e), name) from None
-
-    prompt_logprobs = count("prompt_logprobs")
-    if kind == "completion":
-        return count("logprobs"), bool(f.echo), prompt_logprobs
-    if body.get("echo") not in (None, False):
-        raise bad_request("echo is not supported by minicb serve for chat (leave it unset)", "echo")
-    wanted = body.get("logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise bad_request(f"logprobs must be true or false, got {describe(wanted)}", "logprobs")
-    top = count("top_logprobs")
-    if top and not wanted:
+    opts = f.stream_options or StreamOptions()
+    if f.stream_options is not None and not f.stream:
+        raise bad_request("stream_options is allowed only with stream: true", "stream_options")
+    if chat and f.top_logprobs and not f.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    return ((top or 0) if wanted else None), False, prompt_logprobs
-
-
-def _is_default(value, defaults: tuple) -> bool:
-    """``value`` is one of ``defaults`` with the same type (so ``logprobs: 0`` is not ``False``)."""
-    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
-
-
-def _sampling_params(body: dict, f, max_tokens, limits: ServeLimits = DEFAULT_LIMITS, structured=None, *,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """``f`` holds the checked scalar fields; what depends on the server's flags is checked here."""
-    def stop_token_ids():
-        ids = f.stop_token_ids or []
-        if len(ids) > limits.max_stop_token_ids:
-            raise InvalidArgument(f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids "
-                                  f"({flag('max_stop_token_ids')}), got {len(ids)}")
-        return tuple(ids)
-
-    def logit_bias():
-        bias = body.get("logit_bias")
-        if bias is None:
-            return {}
-        if not isinstance(bias, dict):
-            raise InvalidArgument("logit_bias must be an object of token id -> bias, got "
-                                  f"{type(bias).__name__}")
-        if len(bias) > limits.max_logit_bias:
-            raise InvalidArgument(f"logit_bias may hold at most {limits.max_logit_bias:,} entries "
-                                  f"({flag('max_logit_bias')}), got {len(bias):,}")
-        out = {}
-        for key, value in bias.items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
-                raise InvalidArgument(f"logit_bias keys must be token ids (decimal integers), got "
-                                      f"{describe(key)}")
-            if type(value) not in (int, float):
-                raise InvalidArgument(f"logit_bias[{key}] must be a number in [-100, 100], got "
-                                      f"{describe(value)}")
-            out[check_int("logit_bias token id", int(key), lo=0, hi=MAX_INT)] = \
-                check_float(f"logit_bias[{key}]", value, lo=-100.0, hi=100.0)
-        return out
-
-    def bad_words():
-        words = body.get("bad_words")
-        if words is None:
-            return ()
-        if not isinstance(words, list):
-            raise InvalidArgument(f"bad_words must be a list, got {type(words).__name__}")
-        if len(words) > limits.max_bad_words:
-            raise InvalidArgument(f"bad_words may hold at most {limits.max_bad_words} strings "
-                                  f"({flag('max_bad_words')}), got {len(words):,}")
-        if not all(isinstance(w, str) for w in words):
-            raise InvalidArgument("bad_words must be a list of strings")
-        total = sum(map(len, words))
-        if total > limits.max_bad_words_chars:
-            cap = limits.max_bad_words_chars
-            raise InvalidArgument(f"the bad_words hold {total:,} characters; at most {cap:,} are allowed "
-                                  f"({flag('max_bad_words_chars')})")
-        return tuple(words)
-
-    def given(name, default):
-        v = getattr(f, name)
-        return default if v is None else v
-
-    args: dict[str, Any] = {"max_tokens": max_tokens, "temperature": given("temperature", 1.0),
-                            "top_p": given("top_p", 1.0), "top_k": max(0, given("top_k", 0)), "seed": f.seed,
-                            "ignore_eos": given("ignore_eos", False), "min_tokens": given("min_tokens", 0),
-                            "presence_penalty": given("presence_penalty", 0.0),
-                            "frequency_penalty": given("frequency_penalty", 0.0),
-                            "repetition_penalty": given("repetition_penalty", 1.0),
-                            "min_p": given("min_p", 0.0),
-                            "include_stop_str_in_output": given("include_stop_str_in_output", False),
-                            "skip_special_tokens": given("skip_special_tokens", True), "n": given("n", 1),
-                            # vLLM's: prefix-cache blocks are shared only between requests of one salt
-                            "cache_salt": f.cache_salt}
-    if max_tokens != MAX_INT or f.max_tokens is not None:
-        try:
-            check_int("max_tokens", max_tokens, lo=1, hi=MAX_INT)
-        except InvalidArgument as e:
-            raise bad_request(str(e), "max_tokens") from None
-    for name, check in (("stop_token_ids", stop_token_ids), ("logit_bias", logit_bias),
-                        ("bad_words", bad_words)):
-        try:
-            args[name] = check()
-        except InvalidArgument as e:
-            raise bad_request(str(e), name) from None
+    logprobs = ((f.top_logprobs or 0) if f.logprobs else None) if chat else f.logprobs
+    echo = not chat and bool(f.echo)
+    max_tokens = f.max_completion_tokens if chat and f.max_completion_tokens is not None else f.max_tokens
+    from_room = chat and max_tokens is None
+    # echo + logprobs scores the prompt too: its tokens' logprobs are prompt logprobs, as in vLLM
+    scored = [k for k in (f.prompt_logprobs, logprobs if echo else None) if k is not None]
+    args = {name: getattr(f, name) for name in ("temperature", "top_p", "top_k", "ignore_eos", "min_tokens",
+                                                "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                "min_p", "include_stop_str_in_output", "skip_special_tokens",
+                                                "n") if getattr(f, name) is not None}
+    args |= {"temperature": args.get("temperature", 1.0),
+             "max_tokens": MAX_INT if from_room else 16 if max_tokens is None else max_tokens,
+             "top_k": max(0, args.get("top_k", 0)), "seed": f.seed, "cache_salt": f.cache_salt,
+             "stop_token_ids": tuple(f.stop_token_ids or ()), "bad_words": tuple(f.bad_words or ()),
+             "logit_bias": {int(k): v for k, v in (f.logit_bias or {}).items()},
+             "logprobs": logprobs, "prompt_logprobs": max(scored) if scored else None}
     if structured is not None:
         args["structured_outputs"] = structured
     try:
-        return SamplingParams(**args, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        params = SamplingParams(**args)
     except InvalidArgument as e:          # what only SamplingParams knows (temperature 1e-320): still a 400
         message = str(e)
-        param = next((name for name in args if message.startswith(name)), None)
-        raise bad_request(message, param) from None
-
-
-def _stops(stop, limits: ServeLimits = DEFAULT_LIMITS) -> tuple[str, ...]:
-    """The stop strings, bounded in number and in total length before anything is built from them."""
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list):
-        raise bad_request("stop must be a string or a list of strings", "stop")
-    if len(stops) > limits.max_stop:
-        raise bad_request(f"stop may hold at most {limits.max_stop} strings ({flag('max_stop')}), "
-                          f"got {len(stops)}", "stop")
-    if not all(isinstance(s, str) for s in stops):
-        raise bad_request("stop must be a string or a list of strings", "stop")
-    total = sum(map(len, stops))
-    if total > limits.max_stop_chars:
-        raise bad_request(f"the stop strings hold {total:,} characters; at most {limits.max_stop_chars:,} "
-                          f"are allowed ({flag('max_stop_chars')})", "stop")
-    return tuple(s for s in stops if s)
+        raise bad_request(message, next((name for name in args if message.startswith(name)), None)) from None
+    stops = tuple(s for s in f.stop or () if s)
+    generate = GenerateRequest(prompts[0], params, stops, from_room, f.priority or 0)
+    include_usage = bool(opts.include_usage)
+    return ParsedRequest("chat" if chat else "completion", f.model, generate, bool(f.stream), include_usage,
+                         bool(f.return_token_ids), tools if tools and tools.shown else None, param,
+                         tuple(prompts), echo, logprobs, f.prompt_logprobs,
+                         include_usage and bool(opts.continuous_usage_stats),     # vLLM's: only with usage
+                         bool(f.return_tokens_as_token_ids), f.request_id)
 
 
 def _prompts(prompt, limits: ServeLimits = DEFAULT_LIMITS) -> list:
@@ -504,8 +468,8 @@ def _prompts(prompt, limits: ServeLimits = DEFAULT_LIMITS) -> list:
 
 
 def token_ids(prompt: list, limits: ServeLimits = DEFAULT_LIMITS) -> list[int]:
-    """A token-id prompt checked length first, then vectorised: a plain ``int`` each (no bools, no
-    floats), all in [0, 2**63 - 1]. The vocabulary is the frontend's check (it knows the model)."""
+    """A token-id prompt checked length first, then in C loops (``set``, ``min``, ``max``): a plain
+    ``int`` each (no bools, no floats), all in [0, 2**63 - 1]. The vocabulary is the frontend's."""
     cap = limits.max_prompt_tokens
     if cap is not None and len(prompt) > cap:
         raise bad_request(f"the prompt has {len(prompt):,} token ids; at most {cap:,} are allowed "
@@ -513,33 +477,19 @@ def token_ids(prompt: list, limits: ServeLimits = DEFAULT_LIMITS) -> list[int]:
                           "context_length_exceeded")
     if set(map(type, prompt)) - {int}:
         raise bad_request("prompt must be a string or a list of token ids (integers)", "prompt")
-    try:
-        arr = np.asarray(prompt, dtype=np.int64)
-    except OverflowError:
-        raise bad_request("prompt token ids must be at most 2**63 - 1", "prompt") from None
-    if arr.size and int(arr.min()) < 0:
-        raise bad_request(f"prompt token ids must be >= 0, got {int(arr.min())} at index "
-                          f"{int(arr.argmin())}", "prompt")
+    if prompt and max(prompt) > MAX_INT:
+        raise bad_request("prompt token ids must be at most 2**63 - 1", "prompt")
+    if prompt and (low := min(prompt)) < 0:
+        raise bad_request(f"prompt token ids must be >= 0, got {low} at index {prompt.index(low)}", "prompt")
     return prompt
 
 
-def _messages(messages, limits: ServeLimits = DEFAULT_LIMITS) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-    if len(messages) > limits.max_messages:
-        raise bad_request(f"messages holds {len(messages):,} messages; at most {limits.max_messages:,} are "
-                          f"allowed ({flag('max_messages')})", "messages")
-    out, chars = [], 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
-        msg = {"role": m["role"], "content": _content(m.get("content"), i)}
-        chars += len(msg["role"]) + len(msg["content"])
-        if chars > limits.max_prompt_chars:
-            raise bad_request(f"the messages hold more than {limits.max_prompt_chars:,} characters "
-                              f"({flag('max_prompt_chars')})", "messages")
-        out.append(msg)
-    return out
+def _messages(messages: list[dict], limits: ServeLimits = DEFAULT_LIMITS) -> list[dict]:
+    """The rendered turns (``tools.template_messages``), bounded in characters before the template runs."""
+    if sum(len(m["role"]) + len(m["content"]) for m in messages) > limits.max_prompt_chars:
+        raise bad_request(f"the messages hold more than {limits.max_prompt_chars:,} characters "
+                          f"({flag('max_prompt_chars')})", "messages")
+    return messages
 
 
 def _no_control_text(messages: list[dict], control_texts: tuple[str, ...]) -> None:
@@ -551,22 +501,3 @@ def _no_control_text(messages: list[dict], control_texts: tuple[str, ...]) -> No
                 raise bad_request(f"messages[{i}].{field} contains the control token {hit!r}: the chat "
                                   "template would make it a real one (start the server with "
                                   "--allow-control-text to pass it through)", f"messages[{i}].{field}")
-
-
-def _content(content, i: int) -> str:
-    """Message content: a string, or OpenAI's list of parts of which only text parts are supported."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-            if not isinstance(text, str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                  f"messages[{i}].content")
-            texts.append(text)
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      f"messages[{i}].content")

@@ -27,18 +27,11 @@ live pages are ended; the engine thread stops; ``run`` returns the exit code:
      with the reason, ``/health`` said 503, and the server shut down
 ==== ==========================================================================================
 
-**Connections** get deadlines (``limits.py``): the request line and headers within
-``header_timeout`` seconds of connecting or of the previous response (a silent or slowloris
-connection is closed), the body within ``body_timeout`` (408), an idle keep-alive
-``keep_alive_timeout``; at most ``max_connections`` open (uvicorn answers 503 past it), and at most
-``max_header_bytes`` of request line and headers (431, OpenAI's error object naming the flag). A
-refused body is read and dropped for ``body_linger`` seconds before the connection closes.
-``guard.py`` puts the Host allow-list, CORS and the API key in front of the app.
-
-**Where the work runs.** The event loop reads bodies and writes answers, and makes each request's
-text from its token ids (``detokenizer.py``); worker processes parse, render and tokenize
-(``frontend.py``); the engine thread only steps (``engine_thread.py``). The engine is told to make no
-text (``engine.detokenize = False``) while it is served.
+**Connections** get the deadlines and sizes of ``limits.py`` (uvicorn's options, and ``_DeadlineH11``
+for what uvicorn lacks); ``guard.py`` puts the Host allow-list, CORS and the API key in front of the
+app. The event loop reads bodies, writes answers and makes each request's text (``detokenizer.py``);
+worker processes parse, render and tokenize (``frontend.py``); the engine thread only steps
+(``engine_thread.py``), told to make no text (``engine.detokenize = False``).
 """
 
 from __future__ import annotations
@@ -121,18 +114,15 @@ class _Uvicorn(uvicorn.Server):
 
 
 class _DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's head (uvicorn has none): a connection
-    that sends no complete request line and headers within ``header_timeout`` seconds of connecting,
-    or of its previous response, is closed. A response sent before its request's body has all arrived
-    (a 404, a 405, a 413, a 408) leaves uvicorn reading and dropping the rest of that body, and the
-    connection then serves the next request; a body still arriving ``body_linger`` seconds after its
-    answer (a 413's 10 MB, a stalled 408) closes the connection. A head larger than
-    ``max_header_bytes`` (h11's buffer limit) is answered 431 naming the flag.
+    """uvicorn's h11 protocol with a deadline on each request's head: a connection that sends no complete
+    request line and headers within ``header_timeout`` seconds of connecting, or of its previous
+    response, is closed; a refused body (404, 405, 413, 408) still arriving ``body_linger`` seconds
+    after its answer closes it (uvicorn reads and drops the rest meanwhile, so the next request on the
+    connection is served); a head past ``max_header_bytes`` is a 431 naming the flag.
 
-    Why a subclass of uvicorn's (private) protocol: uvicorn has no deadline on a request's head (a
-    slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head past
-    ``h11_max_incomplete_event_size`` with a plain-text 400. Everything else, reading and dropping a
-    refused body included, is uvicorn's own."""
+    Why a subclass of uvicorn's (private) protocol: uvicorn 0.55 has no deadline on a request's head
+    (a slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head
+    past ``h11_max_incomplete_event_size`` with a plain-text 400."""
 
     header_timeout = 10.0
     body_linger = 2.0

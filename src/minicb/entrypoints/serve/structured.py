@@ -14,7 +14,7 @@ vLLM's older ``guided_json`` / ``guided_regex`` /      the same, one field each
 
 Bounded before anything is compiled: the constraint's text is at most ``--max-grammar-chars``
 characters and a schema nests at most ``--max-schema-depth`` levels (400 naming the flag). Whether
-the constraint compiles is checked by the frontend (``Frontend.prepare_now``, in its worker threads),
+the constraint compiles is checked by the frontend (``Preparer._compile``, in a thread of the server),
 which also warms the compiled-grammar cache the engine thread then copies from.
 """
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from minicb.core.errors import describe
 from minicb.core.structured_outputs import StructuredOutputsParams, schema_depth
@@ -111,12 +110,7 @@ def parse_tools(body: dict, limits: ServeLimits) -> ToolRequest | None:
     if size > limits.max_grammar_chars:
         raise bad_request(f"the tools' definitions have {size:,} characters; at most "
                           f"{limits.max_grammar_chars:,} are allowed ({flag('max_grammar_chars')})", "tools")
-    parallel = body.get("parallel_tool_calls", True)
-    if parallel is None:
-        parallel = True
-    if not isinstance(parallel, bool):
-        raise bad_request(f"parallel_tool_calls must be true or false, got {describe(parallel)}",
-                          "parallel_tool_calls")
+    parallel = body.get("parallel_tool_calls") is not False     # its type: protocol.py's model
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -138,58 +132,36 @@ def system_prompt(req: ToolRequest) -> str:
     return SYSTEM_PROMPT.format(tools=json.dumps(list(req.functions), ensure_ascii=False))
 
 
-def template_messages(messages: Any, req: ToolRequest | None, content_of) -> Any:
-    """The messages as SmolLM2's template can render them: tools' system prompt first (a client's own
-    system message before it), earlier assistant ``tool_calls`` in the tool-call format, ``tool``
-    messages as user turns in ``<tool_response>``. ``content_of(content, i)`` is the protocol's check of
-    message ``i``'s content (a string, ``null``, or text parts): the turns rewritten here are checked
-    before they are rewritten, so a malformed one is a 400 naming it, never a crash. Anything else
-    malformed is left for the protocol's ``_messages`` to refuse."""
-    if not isinstance(messages, list):
-        return messages
+def template_messages(messages: list, req: ToolRequest | None) -> list[dict]:
+    """The checked turns (``protocol.Message``) as SmolLM2's template can render them: the tools'
+    system prompt first (after a client's own system message), earlier assistant ``tool_calls`` in
+    the tool-call format, ``tool`` messages as user turns in ``<tool_response>``."""
     out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            out.append(m)
-            continue
-        role = m.get("role")
-        if role == "assistant" and m.get("tool_calls"):
-            content = content_of(m.get("content"), i) + render_calls(m["tool_calls"], i)
-            out.append({"role": "assistant", "content": content})
-        elif role == "tool":
-            content = content_of(m.get("content"), i)
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+    for m in messages:
+        if m.role == "assistant" and m.tool_calls:
+            out.append({"role": "assistant", "content": m.text + render_calls(m.tool_calls)})
+        elif m.role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.text}\n</tool_response>"})
         else:
-            out.append(m)
+            out.append({"role": m.role, "content": m.text})
     if req is not None and req.shown:
-        prompt = system_prompt(req)
-        if out and isinstance(out[0], dict) and out[0].get("role") == "system" \
-                and isinstance(out[0].get("content"), str):
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system_prompt(req)}
         else:
-            out.insert(0, {"role": "system", "content": prompt})
+            out.insert(0, {"role": "system", "content": system_prompt(req)})
     return out
 
 
-def render_calls(tool_calls: Any, i: int) -> str:
-    """OpenAI ``tool_calls`` of an earlier assistant turn (message ``i``), in the model's own format.
-    Each call must be ``{"function": {"name": str, "arguments": str | object}}`` (``id`` and ``type``
-    are not read); anything else is a 400 naming the call."""
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(tool_calls, list):
-        raise bad_request(f"{where} must be a list of tool calls, got {describe(tool_calls)}", where)
-    calls = []
-    for j, c in enumerate(tool_calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        name, args = (f.get("name"), f.get("arguments", "{}")) if isinstance(f, dict) else (None, None)
-        if not isinstance(name, str) or not isinstance(args, (str, dict)):
-            raise bad_request(f"{where}[{j}] must be {{function: {{name: string, arguments: string}}}}, "
-                              f"got {describe(c)}", f"{where}[{j}]")
+def render_calls(tool_calls: list) -> str:
+    """OpenAI ``tool_calls`` of an earlier assistant turn (``protocol.ToolCall``s) in the model's format."""
+    def arguments(a):
         try:
-            args = json.loads(args) if isinstance(args, str) else args
+            return json.loads(a) if isinstance(a, str) else a
         except ValueError:
-            pass
-        calls.append(json.dumps({"name": name, "arguments": args}, ensure_ascii=False))
+            return a
+
+    calls = [json.dumps({"name": c.function.name, "arguments": arguments(c.function.arguments)},
+                        ensure_ascii=False) for c in tool_calls]
     return OPEN + "[\n" + ",\n".join(calls) + "\n]" + CLOSE
 
 
