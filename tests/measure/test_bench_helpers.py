@@ -212,3 +212,28 @@ def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_long_prompt_workload_is_48_arxiv_requests_scaled_by_a_quarter():
+    """LP's shape from the trace file itself: its first draws of a seed-0 generator pick the rows, each
+    length divided by 4 and rounded; every request is a scaled row of the trace (whatever the seed),
+    and the same seed gives the same prompts."""
+    import csv
+
+    import numpy as np
+
+    (workloads,) = bench_modules("workloads")
+    with open(ROOT / "bench" / "data" / "arxiv_summarization_lengths.csv") as f:
+        rows = [(int(p), int(o)) for p, o in list(csv.reader(f))[1:]]
+    assert len(rows) == 28257
+    picked = [rows[i] for i in np.random.default_rng(0).integers(0, len(rows), size=48)]
+    wl = workloads.lp()
+    assert wl.name == "LP" and len(wl.prompts) == len(wl.output_lens) == 48
+    assert sum(len(p) for p in wl.prompts) == sum(max(round(p / 4), 1) for p, _ in picked)
+    assert wl.num_output_tokens == sum(max(round(o / 4), 1) for _, o in picked)
+    assert (sum(len(p) for p in wl.prompts), wl.num_output_tokens) == (30617, 3662)   # the docstring's
+    scaled = {(max(round(p / 4), 1), max(round(o / 4), 1)) for p, o in rows}
+    other = workloads.lp(seed=1)
+    for w in (wl, other):
+        assert all((len(p), o) in scaled for p, o in zip(w.prompts, w.output_lens))
+    assert other.prompts != wl.prompts and workloads.lp().prompts == wl.prompts
