@@ -176,14 +176,14 @@ def table(rows: list[dict], names: list[str]) -> str:
     tree, TTFT p50/p99, ITL p50/p99 and the median request's time per output token (TPOT50; ms)."""
     cols = ("throughput", "tok_per_cpu_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
             "tpot_p50_ms")
-    titles = "".join(f"{c:>7}" for c in ("tok/s", "tok/CPU", "TTFT50", "TTFT99", "ITL50", "ITL99", "TPOT50"))
+    titles = "".join(f"{c:>8}" for c in ("tok/s", "tok/CPU", "TTFT50", "TTFT99", "ITL50", "ITL99", "TPOT50"))
     lines = [f"{'rate':>5} | " + " | ".join(f"{n:^{len(titles)}}" for n in names),
              f"{'':>5} | " + " | ".join(titles for _ in names)]
     for rate in dict.fromkeys(r["rate"] for r in rows):
         cells = []
         for n in names:
             r = next((x for x in rows if x["rate"] == rate and x["system"] == n), None)
-            cells.append("".join(f"{r[c]:>7.0f}" if r else f"{'-':>7}" for c in cols))
+            cells.append("".join(f"{r[c]:>8.0f}" if r else f"{'-':>8}" for c in cols))
         lines.append(f"{rate:>5} | " + " | ".join(cells))
     return "\n".join(lines)
 
