@@ -18,12 +18,13 @@ favour the engine that always goes last. Figures are medians over the rounds, wi
 
 Placement. By default each engine gets the whole machine, as a user would run it: minicb with
 ``LLM()``'s defaults (torch's thread count: one per core), vLLM twice, with its own default placement
-(``vllm``: ``VLLM_CPU_OMP_THREADS_BIND`` unset, "auto", which keeps one CPU for its front end and
-engine core and binds its compute threads to the rest: one thread on a 2-vCPU machine) and with every
-CPU a compute thread (``vllm-all``: ``VLLM_CPU_OMP_THREADS_BIND=0,1``; its front end and engine core
-then share those CPUs). ``--vllm default|all`` keeps one of the two. ``--one-core`` pins both to
-``--cpu``: minicb with one torch thread, and vLLM's *whole process tree* (front end, engine core, model
-worker: ``os.sched_setaffinity`` before it starts, inherited by all) with its compute thread bound there.
+(``vllm``: ``VLLM_CPU_OMP_THREADS_BIND`` unset, "auto": its model worker's compute threads bound to
+every CPU but one, which it leaves to its front end and engine core: on a 2-vCPU machine one compute
+thread, on CPU 0) and with every CPU a compute thread (``vllm-all``: ``VLLM_CPU_OMP_THREADS_BIND=0,1``;
+its front end and engine core then share those CPUs). ``--vllm default|all`` keeps one of the two.
+``--one-core`` pins both to ``--cpu``: minicb with one torch thread, and vLLM's *whole process tree*
+(front end, engine core, model worker: ``os.sched_setaffinity`` before it starts, inherited by all)
+with its compute thread bound there.
 
 Measured, per workload (``bench/workloads.py``: W1 32 x 64 tokens, W2 64 ShareGPT-shaped requests, LP
 48 long arXiv-summarisation prompts) and dtype: output tokens per wall second of one ``generate`` call

@@ -17,7 +17,7 @@ all alike.
 
 Placement, as in ``bench/peer_vllm.py``: by default each server may use the whole machine: minicb serve
 with its default threads (torch's: one per core), vLLM twice, with its default placement (``vllm``:
-"auto", one CPU kept for its API server and engine core, its compute thread on the other) and with every
+"auto": its compute threads on every CPU but one, left to its API server and engine core) and with every
 CPU a compute thread (``vllm-all``: ``VLLM_CPU_OMP_THREADS_BIND=0,1``); ``--vllm default|all`` keeps
 one. The client runs beside them, on the same CPUs. ``--one-core`` binds every server's *whole process
 tree* (vLLM's API server, engine core and worker; minicb with ``--threads 1``) to ``--server-cpu``
