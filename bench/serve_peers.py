@@ -90,7 +90,7 @@ class Server:
         pre = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env or dict(os.environ), start_new_session=True, preexec_fn=pre)
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{name} exited with {self.proc.returncode}; see {self.log.name}")
@@ -99,10 +99,11 @@ class Server:
                     break
             except OSError:
                 pass
-            if time.monotonic() > deadline:
+            if time.monotonic() > t0 + timeout_s:
                 self.close()
                 raise SystemExit(f"{name} not ready after {timeout_s:.0f} s; see {self.log.name}")
             time.sleep(1)
+        self.startup_s = time.monotonic() - t0
 
     def pause(self, paused: bool) -> None:
         """Stop (SIGSTOP) or resume (SIGCONT) the server's whole process group (``pause_group``)."""
@@ -232,7 +233,7 @@ def main() -> None:
             servers.append(start_minicb(args))
         for s in servers:
             s.pause(False)
-            print(f"  {s.name}: {s.command}", flush=True)
+            print(f"  {s.name} (ready after {s.startup_s:.0f} s): {s.command}", flush=True)
         for s in servers:
             with others_paused(s, servers):
                 run_load(s.url, s.model, [[5, 6, 7, 8]], [4], [0.0])        # warm up
