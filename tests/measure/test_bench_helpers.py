@@ -254,3 +254,13 @@ def test_vllm_placements_whole_machine_and_one_core(monkeypatch, tmp_path):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in auto and bound["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     assert auto["LD_PRELOAD"] == bound["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
     assert "PYTHONPATH" not in auto and "PYTHONPATH" not in bound
+
+
+def test_peer_vllm_summary_per_wall_and_per_cpu_second():
+    """The offline table's cells: medians and ranges over rounds of tokens per wall second and per CPU
+    second of the engine's tree (fixed numbers fed to the helper)."""
+    (peer,) = bench_modules("peer_vllm")
+    runs = [{"tokens": 100, "seconds": s, "cpu_seconds": c} for s, c in ((2.0, 4.0), (1.0, 1.0), (4.0, 2.0))]
+    assert peer.summary(runs, "tok/s") == (50.0, 25.0, 100.0)
+    assert peer.summary(runs, "tok/cpu") == (50.0, 25.0, 100.0)
+    assert peer.summary(runs, "seconds") == (2.0, 1.0, 4.0)
