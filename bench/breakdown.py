@@ -7,10 +7,10 @@
 
 With ``--vs-vllm DIR`` it profiles only minicb continuous with ``LLM()``'s defaults (``--dtype``) and
 prints it beside the op table vLLM's torch profiler wrote for the same W2 requests
-(``python bench/peer_vllm.py --workloads W2 --dtypes float32 --repeats 1 --skip-minicb --profile-vllm
-bench/out/vllm-profile``): per part, seconds of self time, vLLM's ops grouped the same way (its linears
-are ``_C::onednn_mm``, its attention ``_C::cpu_attention_with_kv_cache`` and the cache write
-``_C::cpu_attn_reshape_and_cache``).
+(``python bench/peer_vllm.py --one-core --workloads W2 --dtypes float32 --repeats 1 --skip-minicb
+--profile-vllm bench/out/vllm-profile``): per part, seconds of self time, vLLM's ops grouped the same
+way (its linears are ``_C::onednn_mm``, its attention ``_C::cpu_attention_with_kv_cache`` and the
+cache write ``_C::cpu_attn_reshape_and_cache``).
 
 Both policies run the W2 workload of ``bench/throughput.py`` (SmolLM2 float32, greedy, EOS ignored) under
 ``cProfile``, and the wall time is split by the torch calls it went to:

@@ -142,7 +142,7 @@ def _states(pgid: int) -> list[str]:
 
 
 def test_peer_vllm_pauses_the_whole_process_group_and_resumes_it():
-    """``--pause-vllm``: every process of the child's group is stopped while minicb is timed, and runs
+    """Every process of a vLLM child's group is stopped while another engine is timed, and runs
     again after (a child that spins, and a grandchild of it, stand in for vLLM's tree)."""
     (peer,) = bench_modules("peer_vllm")
     proc = _spinning_group()
@@ -176,8 +176,8 @@ def test_peer_vllm_resuming_a_group_that_is_gone_is_not_an_error():
 
 
 def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
-    """``--pause-idle``: while one server is driven, every other server's whole group is stopped; all
-    run again after, also when the turn ends in an error; ``--no-pause-idle`` stops nothing."""
+    """While one server is driven, every other server's whole group is stopped; all run again after,
+    also when the turn ends in an error."""
     (sp,) = bench_modules("serve_peers")
     procs = [_spinning_group() for _ in range(3)]
     try:
@@ -204,11 +204,63 @@ def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
             raise RuntimeError("the turn failed")
         _until(none_stopped)
         assert none_stopped(), stopped()
-        with sp.others_paused(a, servers, pause=False) as others:
-            assert others == []
-            time.sleep(0.05)                            # a stop, had one been sent, lands by then
-            assert none_stopped(), stopped()
     finally:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_long_prompt_workload_is_48_arxiv_requests_scaled_by_a_quarter():
+    """LP's shape from the trace file itself: its first draws of a seed-0 generator pick the rows, each
+    length divided by 4 and rounded; every request is a scaled row of the trace (whatever the seed),
+    and the same seed gives the same prompts."""
+    import csv
+
+    import numpy as np
+
+    (workloads,) = bench_modules("workloads")
+    with open(ROOT / "bench" / "data" / "arxiv_summarization_lengths.csv") as f:
+        rows = [(int(p), int(o)) for p, o in list(csv.reader(f))[1:]]
+    assert len(rows) == 28257
+    picked = [rows[i] for i in np.random.default_rng(0).integers(0, len(rows), size=48)]
+    wl = workloads.lp()
+    assert wl.name == "LP" and len(wl.prompts) == len(wl.output_lens) == 48
+    assert sum(len(p) for p in wl.prompts) == sum(max(round(p / 4), 1) for p, _ in picked)
+    assert wl.num_output_tokens == sum(max(round(o / 4), 1) for _, o in picked)
+    assert (sum(len(p) for p in wl.prompts), wl.num_output_tokens) == (30617, 3662)   # the docstring's
+    scaled = {(max(round(p / 4), 1), max(round(o / 4), 1)) for p, o in rows}
+    other = workloads.lp(seed=1)
+    for w in (wl, other):
+        assert all((len(p), o) in scaled for p, o in zip(w.prompts, w.output_lens))
+    assert other.prompts != wl.prompts and workloads.lp().prompts == wl.prompts
+
+
+def test_vllm_placements_whole_machine_and_one_core(monkeypatch, tmp_path):
+    """The vLLM engines the peer scripts start: its own placement ("auto": the variable unset, even when
+    this shell sets it) and every CPU of this process a compute thread; or one core, whole tree pinned.
+    Its bundled OpenMP is preloaded, and minicb's PYTHONPATH is not passed on."""
+    (peer,) = bench_modules("peer_vllm")
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert peer.vllm_placements("default,all", False, 0) == {"vllm": (None, None), "vllm-all": (cpus, None)}
+    assert peer.vllm_placements("all", False, 0) == {"vllm-all": (cpus, None)}
+    assert peer.vllm_placements("default,all", True, 1) == {"vllm": ("1", 1)}
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    python = str(tmp_path / "bin" / "python")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    auto, bound = peer.vllm_env(python, None), peer.vllm_env(python, "0,1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in auto and bound["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert auto["LD_PRELOAD"] == bound["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    assert "PYTHONPATH" not in auto and "PYTHONPATH" not in bound
+
+
+def test_peer_vllm_summary_per_wall_and_per_cpu_second():
+    """The offline table's cells: medians and ranges over rounds of tokens per wall second and per CPU
+    second of the engine's tree (fixed numbers fed to the helper)."""
+    (peer,) = bench_modules("peer_vllm")
+    runs = [{"tokens": 100, "seconds": s, "cpu_seconds": c} for s, c in ((2.0, 4.0), (1.0, 1.0), (4.0, 2.0))]
+    assert peer.summary(runs, "tok/s") == (50.0, 25.0, 100.0)
+    assert peer.summary(runs, "tok/cpu") == (50.0, 25.0, 100.0)
+    assert peer.summary(runs, "seconds") == (2.0, 1.0, 4.0)
