@@ -92,7 +92,7 @@ class LayerStack:
         if self.why_not:
             return
         self.lib = load()
-        self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype)),
+        self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype, part=True)),
                                 *(_address(cpu_fused._c_function(n, dtype))
                                   for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
                                 _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))

@@ -71,6 +71,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     for name in DTYPES.values():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
+        part = getattr(lib, name + "_part")       # one thread's share of the panels (layer_stack.c)
+        part.argtypes, part.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int], None
     lib.minicb_skinny_panel_width.argtypes, lib.minicb_skinny_panel_width.restype = [], ctypes.c_int
     lib.minicb_skinny_path.argtypes, lib.minicb_skinny_path.restype = [ctypes.c_int], ctypes.c_int
     return lib
@@ -88,8 +90,9 @@ def path(dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int:
 
 
 @functools.cache
-def _c_function(dtype: torch.dtype):
-    return getattr(load(), DTYPES[dtype])
+def _c_function(dtype: torch.dtype, part: bool = False):
+    """The kernel for ``dtype``; ``part``: its entry for one share of the panels (``NAME_part``)."""
+    return getattr(load(), DTYPES[dtype] + ("_part" if part else ""))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,30 @@
  * torch does, paged_decode.c and skinny_gemm.c use fused multiply-adds), so the results are those of
  * the Python path bit for bit: the same functions on the same buffers in the same order.
  * layer_stack.py decides when a step qualifies and passes the pointers.
+ *
+ * Threads: the whole stack is one OpenMP parallel region of `nthreads` threads, not one per kernel
+ * call. A one-sequence step is about 300 small calls (30 layers of 9 or 10), each a few tens of
+ * microseconds of work on a 2-core machine; opening a parallel region for each (waking the team,
+ * joining it) costs about as much as the second thread saves, which is why calling the kernels with
+ * their own threads gave a one-sequence decode 0.93x the one-thread time. Here the team is woken once
+ * a step and steps through the layers together, meeting at a barrier wherever the next part reads
+ * what another thread wrote:
+ *
+ *     products   (skinny_part)    every thread its share of the panels, all rows
+ *     norms, rotary, cache copies, SiLU, attention      every thread its share of the rows
+ *                                                       (one row: the first thread; the rest wait)
+ *
+ * Each output is computed by the same code whichever thread runs it (the products' sums run over
+ * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
+ * thread count (tests/model/test_layer_stack.py compares 1 and 2 threads).
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "omp_id.h"
+
 typedef void (*skinny_fn)(const void *x, int64_t xstride, const void *panels, void *y, int64_t ystride,
-                          int64_t rows, int64_t in, int64_t out, int nthreads);
+                          int64_t rows, int64_t in, int64_t out, int part, int parts);
 typedef void (*norm_fn)(const void *x, const void *w, void *out, int64_t rows, int64_t dim, double eps,
                         int nthreads);
 typedef void (*add_norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t rows, int64_t dim,
@@ -40,7 +58,7 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
                          double scale, int nthreads);
 
-/* the kernels, for the model's dtype */
+/* the kernels, for the model's dtype (skinny: the products' `_part` entry, skinny_gemm.c) */
 typedef struct {
     skinny_fn skinny;
     norm_fn norm;
@@ -71,38 +89,70 @@ typedef struct {
 } buffers_t;
 
 #define AT(p, i) ((p) + (i) * e)
+#define SYNC _Pragma("omp barrier")
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
 int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
                        const dims_t *d, const buffers_t *b, const void *cos, const void *sin,
                        const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens) {
-    const int64_t rows = d->rows, hidden = d->hidden, e = d->elem, nt = d->nthreads;
-    const int64_t qdim = d->q_heads * d->head_dim, kvdim = d->kv_heads * d->head_dim;
+    const int64_t hidden = d->hidden, e = d->elem, hd = d->head_dim;
+    const int64_t qdim = d->q_heads * hd, kvdim = d->kv_heads * hd;
     const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
-    f->norm(b->x, layers[0].input_norm, b->h, rows, hidden, d->eps, nt);
-    for (int64_t l = 0; l < num_layers; ++l) {
-        const layer_t *L = layers + l;
-        f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, rows, hidden, qkv_out, nt);
-        f->rope(b->qkv, AT(b->qkv, qdim), cos, sin, rows, d->q_heads, d->kv_heads, d->head_dim, qkv_out,
-                qkv_out, nt);
-        for (int64_t r = 0; r < rows; ++r) {
-            const char *row = AT(b->qkv, r * qkv_out);
-            memcpy(AT(b->q, r * qdim), row, qdim * e);
-            if (slots[r] >= 0) {
-                memcpy(AT((char *)L->k_cache, slots[r] * kvdim), AT(row, qdim), kvdim * e);
-                memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(d->nthreads)") {
+        const int t = omp_thread(), nt = omp_threads();
+        /* this thread's rows [r0, r0 + n): the rows cut into nt runs (none for some when rows < nt) */
+        const int64_t r0 = d->rows * t / nt, n = d->rows * (t + 1) / nt - r0, all = d->rows;
+        if (n) f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), n, hidden, d->eps, 1);
+        SYNC
+        for (int64_t l = 0; l < num_layers; ++l) {
+            const layer_t *L = layers + l;
+            f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, all, hidden, qkv_out, t, nt);
+            SYNC
+            if (n) {
+                char *qkv = AT(b->qkv, r0 * qkv_out);
+                f->rope(qkv, AT(qkv, qdim), AT((const char *)cos, r0 * hd), AT((const char *)sin, r0 * hd), n,
+                        d->q_heads, d->kv_heads, hd, qkv_out, qkv_out, 1);
+                for (int64_t r = r0; r < r0 + n; ++r) {
+                    const char *row = AT(b->qkv, r * qkv_out);
+                    memcpy(AT(b->q, r * qdim), row, qdim * e);
+                    if (slots[r] >= 0) {
+                        memcpy(AT((char *)L->k_cache, slots[r] * kvdim), AT(row, qdim), kvdim * e);
+                        memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
+                    }
+                }
             }
+            SYNC                                    /* a prompt's rows attend to each other's keys */
+            if (n && f->decode(AT(b->q, r0 * qdim), L->k_cache, L->v_cache, block_tables + r0 * d->max_blocks,
+                               context_lens + r0, AT(b->attn, r0 * qdim), n, d->q_heads, d->kv_heads, hd,
+                               d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            }
+            SYNC
+            int stop;
+            _Pragma("omp atomic read")
+            stop = failed;
+            if (stop)                               /* every thread reads it after the same barrier */
+                break;
+            f->skinny(b->attn, qdim, L->o, b->a, hidden, all, qdim, hidden, t, nt);
+            SYNC
+            if (n)
+                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), n,
+                            hidden, d->eps, 1);
+            SYNC
+            f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, all, hidden, gu_out, t, nt);
+            SYNC
+            if (n) f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), n, d->inter, gu_out, 1);
+            SYNC
+            f->skinny(b->act, d->inter, L->down, b->a, hidden, all, d->inter, hidden, t, nt);
+            SYNC
+            if (n)
+                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden),
+                            l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, AT(b->h, r0 * hidden), n,
+                            hidden, d->eps, 1);
+            SYNC
         }
-        if (f->decode(b->q, L->k_cache, L->v_cache, block_tables, context_lens, b->attn, rows, d->q_heads,
-                      d->kv_heads, d->head_dim, d->max_blocks, d->block_size, d->max_context, d->scale, nt))
-            return 1;
-        f->skinny(b->attn, qdim, L->o, b->a, hidden, rows, qdim, hidden, nt);
-        f->add_norm(b->x, b->a, L->post_norm, b->h, rows, hidden, d->eps, nt);
-        f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, rows, hidden, gu_out, nt);
-        f->silu(b->gu, b->act, rows, d->inter, gu_out, nt);
-        f->skinny(b->act, d->inter, L->down, b->a, hidden, rows, d->inter, hidden, nt);
-        f->add_norm(b->x, b->a, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, b->h, rows, hidden,
-                    d->eps, nt);
     }
-    return 0;
+    return failed;
 }
