@@ -95,7 +95,7 @@ class LayerStack:
         self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype, part=True)),
                                 *(_address(cpu_fused._c_function(n, dtype))
                                   for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
-                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))
+                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype) + "_part")))
         layers = model.model.layers
         self.skinny_rows = min(m.skinny_rows for layer in layers
                                for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,

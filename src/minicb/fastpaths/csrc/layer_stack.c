@@ -31,9 +31,10 @@
  * a step and steps through the layers together, meeting at a barrier wherever the next part reads
  * what another thread wrote:
  *
- *     products   (skinny_part)    every thread its share of the panels, all rows
- *     norms, rotary, cache copies, SiLU, attention      every thread its share of the rows
- *                                                       (one row: the first thread; the rest wait)
+ *     products (skinny _part)    every thread its share of the panels, all rows
+ *     attention (decode _part)   every thread its share of the (row, kv head) pairs, by their keys
+ *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the first
+ *                                           thread's, while the others wait at the next barrier)
  *
  * Each output is computed by the same code whichever thread runs it (the products' sums run over
  * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
@@ -56,9 +57,9 @@ typedef void (*silu_fn)(const void *gu, void *out, int64_t rows, int64_t inter, 
 typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *context_lens, void *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
-                         double scale, int nthreads);
+                         double scale, int part, int parts);
 
-/* the kernels, for the model's dtype (skinny: the products' `_part` entry, skinny_gemm.c) */
+/* the kernels, for the model's dtype (skinny and decode: their `_part` entries, one thread's share) */
 typedef struct {
     skinny_fn skinny;
     norm_fn norm;
@@ -123,9 +124,8 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
-            if (n && f->decode(AT(b->q, r0 * qdim), L->k_cache, L->v_cache, block_tables + r0 * d->max_blocks,
-                               context_lens + r0, AT(b->attn, r0 * qdim), n, d->q_heads, d->kv_heads, hd,
-                               d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
+            if (f->decode(b->q, L->k_cache, L->v_cache, block_tables, context_lens, b->attn, all, d->q_heads,
+                          d->kv_heads, hd, d->max_blocks, d->block_size, d->max_context, d->scale, t, nt)) {
                 _Pragma("omp atomic write")
                 failed = 1;
             }
