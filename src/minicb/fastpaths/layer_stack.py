@@ -10,6 +10,12 @@ write down, so ``layer_stack.c`` does: it calls the same C functions, in the sam
 buffers, and so computes what the layers compute, bit for bit (``tests/model/test_layer_stack.py``
 compares every step's output with the layers' own).
 
+Threads: the C loop is one OpenMP parallel region a step, of ``torch.get_num_threads()`` threads,
+which split each product's panels, the attention's (row, kv head) pairs and the other parts' rows,
+and meet at a barrier between parts (``layer_stack.c`` draws it). One region instead of one per
+kernel call is what lets a one-sequence decode use a second core; every thread count gives the same
+bits (``bench/decode_floor.py --thread-scaling`` times 1 against 2 threads).
+
 A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
 ``_DecodeRows``: a decode step, or on the AVX-512 row any step, prompt tokens included),
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed

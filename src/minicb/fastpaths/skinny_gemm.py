@@ -27,6 +27,10 @@ bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to
 a C compiler. The kernel is built on first use like the decode kernel (``ckernels``); where that
 fails, nothing changes but one logged line.
 
+Threads: a call splits the panels over ``torch.get_num_threads()`` threads once it reads 512 KiB of
+weights; ``layer_stack.c`` calls the ``_part`` entry (one thread's share of the panels) from its own
+threads instead. Each output is the same loop whichever thread runs it: the same bits on any count.
+
 Numerics: float32 sums of the products in input order, rounded once to the output dtype; oneDNN sums
 in another order, so the two agree to float32 rounding (bfloat16 outputs: to one bfloat16 rounding).
 """
