@@ -116,7 +116,8 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
 
     monkeypatch.setattr(layer_stack.LayerStack, "run", on_threads)
     llm = LLM(model, dtype=dtype, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=64)
-    llm.generate(random_prompts(5, 3, 40, CFG.vocab_size, seed=6), SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.generate(random_prompts(5, 3, 40, CFG.vocab_size, seed=6),
+                 SamplingParams(max_tokens=12, ignore_eos=True))
     assert 1 in rows and max(rows) > 3, rows        # single rows (threads idle) and rows split three ways
 
 

@@ -76,7 +76,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
         part = getattr(lib, name + "_part")       # one thread's share of the panels (layer_stack.c)
-        part.argtypes, part.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int], None
+        part.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        part.restype = None
     lib.minicb_skinny_panel_width.argtypes, lib.minicb_skinny_panel_width.restype = [], ctypes.c_int
     lib.minicb_skinny_path.argtypes, lib.minicb_skinny_path.restype = [ctypes.c_int], ctypes.c_int
     return lib
