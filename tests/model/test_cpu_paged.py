@@ -180,40 +180,6 @@ def test_kernel_is_the_same_on_two_threads():
     assert torch.equal(one, two)       # rows are independent: threads change who computes, not what
 
 
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_parts_share_the_pairs_and_give_the_same_bits(build, dtype):
-    """``NAME_part(..., part, parts)`` (what layer_stack.c's threads call): the parts of a step write
-    disjoint (row, kv head) pairs that cover it (a one-row step split over its heads too), and
-    together they give what the whole kernel gives, bit for bit."""
-    lib = cpu_paged.load(BUILDS[build])
-    name = cpu_paged.kernel_name(dtype)
-    for rows in (1, 2, 7):
-        q, kc, vc, tables, ctx = random_case(rows + 1, 9, 3, 64, 16, 120, dtype, seed=rows)
-        q, tables, ctx = q[1:], tables[1:], ctx[1:]      # the first row: 112 keys, then random lengths
-        max_context = cpu_paged.check_decode_args(q, kc, vc, tables, ctx, 16, None)
-        args = (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), ctx.data_ptr())
-        dims = (rows, 9, 3, 64, tables.shape[1], 16, max_context, 64 ** -0.5)
-        whole = torch.empty_like(q)
-        assert getattr(lib, name)(*args, whole.data_ptr(), *dims, 1) == 0
-        for parts in (1, 2, 3, 4):
-            written = torch.zeros(rows, 3, dtype=torch.int64)   # parts that wrote each (row, kv head)
-            joined = torch.full_like(q, float("nan"))
-            for part in range(parts):
-                out = torch.full_like(q, float("nan"))
-                assert getattr(lib, name + "_part")(*args, out.data_ptr(), *dims, part, parts) == 0
-                mine = ~out.isnan().view(rows, 3, -1).all(-1)
-                assert (mine | out.isnan().view(rows, 3, -1).all(-1)).all()    # whole kv heads
-                written += mine
-                joined[mine.repeat_interleave(3, 1)] = out[mine.repeat_interleave(3, 1)]
-            assert (written == 1).all(), (rows, parts, written)
-            assert torch.equal(joined, whole), (rows, parts)
-        if rows == 1:                                            # two parts: one row's heads split
-            out = torch.full_like(q, float("nan"))
-            getattr(lib, name + "_part")(*args, out.data_ptr(), *dims, 0, 2)
-            assert 0 < int((~out.isnan().view(3, -1).all(-1)).sum()) < 3
-
-
 def test_kernel_rejects_bad_input():
     q, kc, vc, tables, ctx = random_case(3, 4, 2, 8, 4, 20, torch.float32, seed=1)
     with pytest.raises(ValueError, match="float32, float64 or bfloat16"):

@@ -81,9 +81,6 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
-        part = getattr(lib, name + "_part")     # one thread's share of the (row, kv head) pairs
-        part.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
-        part.restype = ctypes.c_int
     for name in ("minicb_paged_decode_bf16_native", "minicb_paged_decode_avx2", "minicb_paged_decode_avx512"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     return lib

@@ -11,10 +11,9 @@ buffers, and so computes what the layers compute, bit for bit (``tests/model/tes
 compares every step's output with the layers' own).
 
 Threads: the C loop is one OpenMP parallel region a step, of ``torch.get_num_threads()`` threads,
-which split each product's panels, the attention's (row, kv head) pairs and the other parts' rows,
-and meet at a barrier between parts (``layer_stack.c`` draws it). One region instead of one per
-kernel call is what lets a one-sequence decode use a second core; every thread count gives the same
-bits (``bench/decode_floor.py --thread-scaling`` times 1 against 2 threads).
+which split each product's panels and the other parts' rows, and meet at a barrier between parts
+(``layer_stack.c`` draws it); every thread count gives the same bits (``bench/decode_floor.py
+--thread-scaling`` times 1 against 2 threads).
 
 A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
 ``_DecodeRows``: a decode step, or on the AVX-512 row any step, prompt tokens included),
@@ -101,7 +100,7 @@ class LayerStack:
         self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype, part=True)),
                                 *(_address(cpu_fused._c_function(n, dtype))
                                   for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
-                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype) + "_part")))
+                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))
         layers = model.model.layers
         self.skinny_rows = min(m.skinny_rows for layer in layers
                                for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,

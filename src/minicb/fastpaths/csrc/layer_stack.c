@@ -24,17 +24,21 @@
  * layer_stack.py decides when a step qualifies and passes the pointers.
  *
  * Threads: the whole stack is one OpenMP parallel region of `nthreads` threads, not one per kernel
- * call. A one-sequence step is about 300 small calls (30 layers of 9 or 10), each a few tens of
- * microseconds of work on a 2-core machine; opening a parallel region for each (waking the team,
- * joining it) costs about as much as the second thread saves, which is why calling the kernels with
- * their own threads gave a one-sequence decode 0.93x the one-thread time. Here the team is woken once
- * a step and steps through the layers together, meeting at a barrier wherever the next part reads
+ * call (a one-sequence step is about 300 calls of a few tens of microseconds each). The team is woken
+ * once a step and goes through the layers together, meeting at a barrier wherever the next part reads
  * what another thread wrote:
  *
  *     products (skinny _part)    every thread its share of the panels, all rows
- *     attention (decode _part)   every thread its share of the (row, kv head) pairs, by their keys
+ *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free
  *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the first
  *                                           thread's, while the others wait at the next barrier)
+ *
+ * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
+ * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
+ * on one: the memory system fetches the neighbouring runs too, so both threads read all the keys.
+ * On a quiet machine a barrier or a region costs about a microsecond, and the one-region stack
+ * measured level with the kernels opening their own regions; on a busy one every barrier may wait
+ * for a thread that is not running, and one thread is the better setting.
  *
  * Each output is computed by the same code whichever thread runs it (the products' sums run over
  * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
@@ -57,9 +61,9 @@ typedef void (*silu_fn)(const void *gu, void *out, int64_t rows, int64_t inter, 
 typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *context_lens, void *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
-                         double scale, int part, int parts);
+                         double scale, int nthreads);
 
-/* the kernels, for the model's dtype (skinny and decode: their `_part` entries, one thread's share) */
+/* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels) */
 typedef struct {
     skinny_fn skinny;
     norm_fn norm;
@@ -90,6 +94,7 @@ typedef struct {
 } buffers_t;
 
 #define AT(p, i) ((p) + (i) * e)
+#define ATTN_ROWS 4     /* rows per call of the decode kernel: the threads take them as they finish */
 #define SYNC _Pragma("omp barrier")
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
@@ -124,10 +129,15 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
-            if (f->decode(b->q, L->k_cache, L->v_cache, block_tables, context_lens, b->attn, all, d->q_heads,
-                          d->kv_heads, hd, d->max_blocks, d->block_size, d->max_context, d->scale, t, nt)) {
-                _Pragma("omp atomic write")
-                failed = 1;
+            _Pragma("omp for schedule(dynamic) nowait")         /* rows differ in length */
+            for (int64_t c = 0; c < all; c += ATTN_ROWS) {
+                const int64_t m = all - c < ATTN_ROWS ? all - c : ATTN_ROWS;
+                if (f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
+                              context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
+                              d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
+                    _Pragma("omp atomic write")
+                    failed = 1;
+                }
             }
             SYNC
             int stop;

@@ -274,9 +274,7 @@ static inline void prefetch_units(stream_t *st, int64_t heads, int64_t units) {
 static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, heads, 1); }
 
 /* What both rows below share: their signature (the row's query qr [q_heads][64] and output o; its
- * block table and context L; the next row's (next_table, next_L: NULL and 0 for the last row); the
- * cache's slot_len, elements from one slot to the next (kv_heads * 64 when the row takes every kv head;
- * a run of kv heads is taken by passing the caches from its first head on, and its own head counts); buf
+ * block table and context L; the next row's (next_table, next_L: NULL and 0 for the last row); buf
  * [q_heads][cap + 2 * 64 + 1] floats and slot [cap + AHEAD] of the caller's), their set-up (the
  * scratch: scores s, sums acc, softmax sums, the query widened to float32 qf; the slots of the row's
  * keys and of the next row's first AHEAD; the prefetch stream over them), the softmax between their
@@ -286,9 +284,9 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
     static __attribute__((unused)) void FN(const T *qr, T *o, const T *k_cache, const T *v_cache,     \
                                            const int32_t *table, int64_t L, const int32_t *next_table, \
                                            int64_t next_L, int64_t bs, int64_t q_heads, int64_t kv_heads, \
-                                           int64_t slot_len, float scale, float *buf, int64_t cap, int64_t *slot)
+                                           float scale, float *buf, int64_t cap, int64_t *slot)
 #define ROW_SETUP(T, LOAD)                                                                              \
-        const int64_t group = q_heads / kv_heads;                                                      \
+        const int64_t group = q_heads / kv_heads, slot_len = kv_heads * 64;                           \
         float *s = buf, *acc = s + q_heads * cap, *sums = acc + q_heads * 64, *qf = sums + q_heads;   \
         /* the slots of the row's keys, and of the next row's first AHEAD */                          \
         for (int64_t t = 0, b = 0; t < L; ++b)                                                         \
@@ -297,7 +295,7 @@ static inline void prefetch(stream_t *st, int64_t heads) { prefetch_units(st, he
         for (int64_t t = 0; t < next_n; ++t)                                                           \
             slot[L + t] = (next_table[t / bs] * bs + t % bs) * slot_len;                               \
         stream_t stream = {(const char *)k_cache, (const char *)v_cache, slot, slot + L, L, next_n,    \
-                           sizeof(T), kv_heads * 64 * sizeof(T), (kv_heads * 64 * sizeof(T) + 63) / 64, \
+                           sizeof(T), slot_len * sizeof(T), (slot_len * sizeof(T) + 63) / 64,          \
                            AHEAD, 0, 0, NULL}, *st = &stream;                                          \
         for (int64_t x = 0; x < q_heads * 64; ++x) qf[x] = LOAD(qr[x]);
 #define ROW_SOFTMAX()                                                                                    \
@@ -567,108 +565,62 @@ int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
 #define BF16_ROW NO_ROW
 #endif
 
-/* Threads. NAME splits the rows over num_threads OpenMP threads (schedule(dynamic): rows differ in
- * length). NAME_part(..., part, parts) is one thread's share of a step for layer_stack.c, which runs
- * a whole step in one parallel region of its own: the step's (row, kv head) pairs cut into `parts`
- * runs of about equal keys, so that a one-row decode is split over its kv heads too (a kv head and
- * its query heads are one piece of work: its keys and values are read once). Either way each output
- * is computed by the same loop whichever thread runs it: the bits do not depend on the thread count.
- *
- * NAME##_span: row r's kv heads [g0, g1), with the thread's scratch (scores s, key slots slot). */
 #define PAGED_DECODE(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE, FAST, ROW)                                 \
     HEAD_FN(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE)                                                   \
-    static void NAME##_span(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, \
-                            const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads,        \
-                            int64_t kv_heads, int64_t D, int64_t max_blocks, int64_t block_size,       \
-                            int64_t cap, double scale, int64_t r, int64_t g0, int64_t g1, A *s,        \
-                            int64_t *slot) {                                                           \
-        const int64_t group = q_heads / kv_heads, slot_len = kv_heads * D;                          \
-        const int64_t block_bytes = block_size * slot_len * (int64_t)sizeof(T);                     \
-        const int64_t L = context_lens[r];                                                          \
-        const int32_t *table = block_tables + r * max_blocks;                                       \
-        const T *qr = q + r * q_heads * D;                                                          \
-        T *o = out + r * q_heads * D;                                                               \
-        if (L <= 0) {                   /* no keys: the caller never asks this */                   \
-            for (int64_t x = g0 * group * D; x < g1 * group * D; ++x) o[x] = STORE((A)0);           \
-            return;                                                                                 \
-        }                                                                                           \
-        if (FAST && D == 64) {                                                                      \
-            ROW(qr + g0 * group * 64, o + g0 * group * 64, k_cache + g0 * 64, v_cache + g0 * 64, table, L, \
-                r + 1 < rows ? table + max_blocks : NULL, r + 1 < rows ? context_lens[r + 1] : 0,   \
-                block_size, (g1 - g0) * group, g1 - g0, slot_len, (float)scale, (float *)s, cap, slot); \
-            return;                                                                                 \
-        }                                                                                           \
-        A *qf = s + group * cap;                                                                    \
-        for (int64_t x = 0; x < q_heads * D; ++x) qf[x] = LOAD(qr[x]);                              \
-        for (int64_t g = g0; g < g1; ++g) {                                                         \
-            const A *qg = qf + g * group * D;                                                       \
-            const T *qbg = qr + g * group * D;                                                      \
-            T *og = o + g * group * D;                                                              \
-            if (D == 64)                                                                            \
-                NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 64, slot_len, block_size, \
-                            block_bytes, (A)scale, s, cap, og);                                     \
-            else if (D == 128)                                                                      \
-                NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 128, slot_len, block_size, \
-                            block_bytes, (A)scale, s, cap, og);                                     \
-            else                                                                                    \
-                NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, D, slot_len, block_size,  \
-                            block_bytes, (A)scale, s, cap, og);                                     \
-        }                                                                                           \
-    }                                                                                               \
-    /* a thread's scratch: the AVX2 path's key slots, scores [q_heads][max_context], its sums, the  \
-     * row's query in A (the portable loops use the first group rows of the scores); NULL: none */  \
-    static int64_t *NAME##_scratch(int64_t q_heads, int64_t D, int64_t cap, A **s) {               \
-        int64_t *slot = malloc(sizeof(int64_t) * (size_t)(cap + AHEAD)                              \
-                               + sizeof(A) * (size_t)(q_heads * (cap + 3 * D + 1)));                \
-        *s = slot ? (A *)(slot + cap + AHEAD) : NULL;                                               \
-        return slot;                                                                                \
-    }                                                                                               \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
              const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads, int64_t kv_heads, \
              int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,        \
              double scale, int num_threads) {                                                       \
+        const int64_t group = q_heads / kv_heads, D = head_dim, slot_len = kv_heads * head_dim;    \
+        const int64_t block_bytes = block_size * slot_len * (int64_t)sizeof(T);                     \
         const int64_t cap = max_context > 0 ? max_context : 1;                                      \
         int failed = 0;                                                                             \
         _Pragma("omp parallel num_threads(num_threads)") {                                          \
-            A *s;                                                                                   \
-            int64_t *slot = NAME##_scratch(q_heads, head_dim, cap, &s);                             \
+            /* per thread: the AVX2 path's key slots, scores [q_heads][max_context], its sums, the   \
+             * row's query in A (the loops above use the first group rows of the scores)  */         \
+            int64_t *slot = malloc(sizeof(int64_t) * (size_t)(cap + AHEAD)                          \
+                                   + sizeof(A) * (size_t)(q_heads * (cap + 3 * D + 1)));            \
+            A *s = (A *)(slot + cap + AHEAD);                                                       \
             if (slot == NULL) {                                                                     \
                 _Pragma("omp atomic write") failed = 1;                                             \
             } else {                                                                                \
+                A *qf = s + group * cap;                                                            \
                 _Pragma("omp for schedule(dynamic)")                                                \
-                for (int64_t r = 0; r < rows; ++r)                                                  \
-                    NAME##_span(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, \
-                                kv_heads, head_dim, max_blocks, block_size, cap, scale, r, 0, kv_heads, s, \
-                                slot);                                                              \
-                free(slot);                                                                         \
+                for (int64_t r = 0; r < rows; ++r) {                                                \
+                    const int64_t L = context_lens[r];                                              \
+                    const int32_t *table = block_tables + r * max_blocks;                           \
+                    const T *qr = q + r * q_heads * D;                                              \
+                    T *o = out + r * q_heads * D;                                                   \
+                    if (L <= 0) {                   /* no keys: the caller never asks this */       \
+                        for (int64_t x = 0; x < q_heads * D; ++x) o[x] = STORE((A)0);               \
+                        continue;                                                                   \
+                    }                                                                               \
+                    if (FAST && D == 64) {                                                          \
+                        ROW(qr, o, k_cache, v_cache, table, L, r + 1 < rows ? table + max_blocks : NULL, \
+                            r + 1 < rows ? context_lens[r + 1] : 0, block_size, q_heads, kv_heads,      \
+                            (float)scale, (float *)s, cap, slot);                                       \
+                        continue;                                                                       \
+                    }                                                                                   \
+                    for (int64_t x = 0; x < q_heads * D; ++x) qf[x] = LOAD(qr[x]);                  \
+                    for (int64_t g = 0; g < kv_heads; ++g) {                                        \
+                        const A *qg = qf + g * group * D;                                           \
+                        const T *qbg = qr + g * group * D;                                          \
+                        T *og = o + g * group * D;                                                  \
+                        if (D == 64)                                                                \
+                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 64,          \
+                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
+                        else if (D == 128)                                                          \
+                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 128,         \
+                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
+                        else                                                                        \
+                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, D,           \
+                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
+                    }                                                                               \
+                }                                                                                   \
+                free(slot);                                                                          \
             }                                                                                       \
         }                                                                                           \
         return failed;                                                                              \
-    }                                                                                               \
-    int NAME##_part(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,   \
-                    const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads, int64_t kv_heads, \
-                    int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context, \
-                    double scale, int part, int parts) {                                            \
-        const int64_t cap = max_context > 0 ? max_context : 1;                                      \
-        int64_t keys = 0;                   /* a pair's work: its row's keys (at least 1) */        \
-        for (int64_t r = 0; r < rows; ++r) keys += context_lens[r] > 0 ? context_lens[r] : 1;     \
-        const int64_t total = keys * kv_heads;                                                      \
-        A *s = NULL;                                                                                \
-        int64_t *slot = NULL, before = 0;   /* before: the work of the pairs before this one */     \
-        for (int64_t r = 0; r < rows; ++r) {                                                        \
-            const int64_t w = context_lens[r] > 0 ? context_lens[r] : 1;                            \
-            int64_t g0 = kv_heads, g1 = 0;  /* pair (r, g) is this part's when its middle falls in it */ \
-            for (int64_t g = 0; g < kv_heads; ++g, before += w) {                                   \
-                const int64_t owner = (2 * before + w) * parts / (2 * total);                       \
-                if (owner == part) g0 = g < g0 ? g : g0, g1 = g + 1;                                \
-            }                                                                                       \
-            if (g0 >= g1) continue;                                                                 \
-            if (slot == NULL && (slot = NAME##_scratch(q_heads, head_dim, cap, &s)) == NULL) return 1; \
-            NAME##_span(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, kv_heads, \
-                        head_dim, max_blocks, block_size, cap, scale, r, g0, g1, s, slot);          \
-        }                                                                                           \
-        free(slot);                                                                                 \
-        return 0;                                                                                   \
     }
 
 PAGED_DECODE(minicb_paged_decode_f32, float, float, SAME, SAME, softmax_numerators_f32, 0, F32_FAST, F32_ROW)
