@@ -36,9 +36,11 @@
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
  * on one: the memory system fetches the neighbouring runs too, so both threads read all the keys.
- * On a quiet machine a barrier or a region costs about a microsecond, and the one-region stack
- * measured level with the kernels opening their own regions; on a busy one every barrier may wait
- * for a thread that is not running, and one thread is the better setting.
+ * On an idle machine a barrier or a region costs about a microsecond, and the one-region stack
+ * measured level with the kernels opening their own regions. On a busy one a barrier may wait for a
+ * thread that is not running, and OpenMP's own barriers, which spin for milliseconds, made two
+ * threads many times slower than one: the barriers here are team_barrier.h's, which give the core
+ * up when waits grow long. Even so one thread is the better setting on a machine that is busy.
  *
  * Each output is computed by the same code whichever thread runs it (the products' sums run over
  * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
@@ -48,6 +50,7 @@
 #include <string.h>
 
 #include "omp_id.h"
+#include "team_barrier.h"
 
 typedef void (*skinny_fn)(const void *x, int64_t xstride, const void *panels, void *y, int64_t ystride,
                           int64_t rows, int64_t in, int64_t out, int part, int parts);
@@ -95,7 +98,7 @@ typedef struct {
 
 #define AT(p, i) ((p) + (i) * e)
 #define ATTN_ROWS 4     /* rows per call of the decode kernel: the threads take them as they finish */
-#define SYNC _Pragma("omp barrier")
+#define SYNC team_wait(&bar, nt);   /* team_barrier.h: spins while waits are short, else sleeps */
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
 int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
@@ -105,6 +108,7 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
     const int64_t qdim = d->q_heads * hd, kvdim = d->kv_heads * hd;
     const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
     int failed = 0;
+    team_barrier_t bar = {0};
     _Pragma("omp parallel num_threads(d->nthreads)") {
         const int t = omp_thread(), nt = omp_threads();
         /* this thread's rows [r0, r0 + n): the rows cut into nt runs (none for some when rows < nt) */
