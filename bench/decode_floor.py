@@ -33,7 +33,11 @@ default ``1,2``): one request decodes while the thread count alternates, ``--ste
 count per round, ``--rounds`` rounds, so that a busy spell of a shared machine hits every count. It
 prints, per dtype and thread count, the median ms per token over the rounds (a round's figure: the
 median of its steps) with the range of the rounds, the layer stack's and the LM head's share of it,
-and the ratio to the first count's median.
+and the ratio to the first count's median; and before each dtype the read bandwidth of each count
+(``torch.sum``), the ceiling of a step that reads its weights from memory: on a shared machine it
+moves with the neighbours' memory traffic, and the ratios move with it. ``chrt -f 10`` in front
+(real-time priority, where allowed) keeps other processes off the cores while it runs, not off the
+memory.
 """
 
 from __future__ import annotations
@@ -134,6 +138,10 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
           f"{threads} threads, alternating; ms per token: median [range of the rounds]")
     for dname in dtypes:
         dtype = getattr(torch, dname)
+        bandwidth = []
+        for t in threads:                      # what the memory gives each count now: a step's ceiling
+            torch.set_num_threads(t)
+            bandwidth.append(f"{t} thread(s) {read_bandwidth():.1f}")
         model = load_smollm2(dtype)
         applied = cpu_fast_paths(model, "cpu")
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
@@ -158,7 +166,8 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
                     for k in ("stack", "lm head"):
                         per[t][k].append((SECONDS[k] - before[k]) / steps * 1e3)
         layer_stack.LayerStack.run = run
-        print(f"\n{dname} ({', '.join(applied)}):")
+        print(f"\n{dname} ({', '.join(applied)}); read bandwidth before it (torch.sum over 256 MB, best of "
+              f"5, GB/s): {', '.join(bandwidth)}")
         base = statistics.median(per[threads[0]]["step"])
         for t in threads:
             step = per[t]["step"]
