@@ -30,14 +30,14 @@
  *
  *     products (skinny _part)    every thread its share of the panels, all rows
  *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free
- *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the first
+ *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
  *                                           thread's, while the others wait at the next barrier)
  *
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
  * on one: the memory system fetches the neighbouring runs too, so both threads read all the keys.
- * On an idle machine a barrier or a region costs about a microsecond, and the one-region stack
- * measured level with the kernels opening their own regions. On a busy one a barrier may wait for a
+ * On an idle machine a barrier or a region costs little next to a layer's products, and the
+ * one-region stack measured level with the kernels opening their own regions (bench/RESULTS.md). On a busy one a barrier may wait for a
  * thread that is not running, and OpenMP's own barriers, which spin for milliseconds, made two
  * threads many times slower than one: the barriers here are team_barrier.h's, which give the core
  * up when waits grow long. Even so one thread is the better setting on a machine that is busy.

@@ -1,22 +1,21 @@
 /* A barrier for the threads of one OpenMP team that spins while waits are short and sleeps when
  * they are not.
  *
- * Why not `#pragma omp barrier`: libgomp's waits spin for about 300,000 rounds (milliseconds) before
- * they sleep (its default OMP_WAIT_POLICY, read once when the library loads, before minicb could set
- * it). On a machine whose cores are busy with other work, a thread spinning at a barrier holds a core
- * that the thread it waits for needs; layer_stack.c meets at nine barriers a layer, and a one-sequence
- * decode on two threads of the busy 2-core VM took many times as long as on one. Sleeping at once
- * (OMP_WAIT_POLICY=PASSIVE) fixes that and costs a futex wake-up at every barrier, which on an idle
- * machine took most of what the second thread saves. `python bench/decode_floor.py --thread-scaling`
- * shows both (module docstring).
+ * Why not `#pragma omp barrier`: libgomp's waits spin for 300,000 rounds (its manual's GOMP_SPINCOUNT
+ * default) before they sleep, unless OMP_WAIT_POLICY says otherwise when the library loads (before
+ * minicb could set it). On a machine whose cores are busy with other work, a thread spinning at a
+ * barrier holds a core that the thread it waits for needs; layer_stack.c meets at nine barriers a
+ * layer, and a one-sequence decode on two threads of the busy 2-core VM took several times as long
+ * as on one (bench/RESULTS.md, issue 47). Sleeping at once (OMP_WAIT_POLICY=PASSIVE) fixed that there,
+ * and on an idle machine its futex wake-up at every barrier took most of what the second thread saves.
  *
- * So each thread spins up to its own budget of `pause` rounds (about 25 ns each on the Zen 4 VM), then
- * sleeps on a futex until the last thread arrives and wakes it (Linux; elsewhere it yields). The
- * budget adapts: a wait that ended in sleep takes a quarter off it (down to TEAM_SPIN_MIN), a wait
- * that ended while spinning adds TEAM_SPIN_MIN (up to TEAM_SPIN_MAX, about 100 us, longer than the
- * waits of a step on an idle machine). On an idle machine it stays near the top; on a busy one it
- * falls, and waiting threads give their cores up. (Halving it instead let the odd long wait of an
- * idle float32 step pull it down too far: slower there; a fixed 4,096 spun too long on a busy one.)
+ * So each thread spins up to its own budget of `pause` rounds, then sleeps on a futex until the last
+ * thread arrives and wakes it (Linux; elsewhere it yields). The budget adapts: a wait that ended in
+ * sleep takes a quarter off it (down to TEAM_SPIN_MIN), a wait that ended while spinning adds
+ * TEAM_SPIN_MIN (up to TEAM_SPIN_MAX, chosen longer than the waits of a step on an idle machine). On
+ * an idle machine it stays near the top; on a busy one it falls, and waiting threads give their cores
+ * up. (Halving it instead let the odd long wait of an idle float32 step pull it down too far; a fixed
+ * TEAM_SPIN_MAX spun too long on a busy machine.)
  *
  * Sense by generation: each arrival adds one to `count`; the last resets it and bumps `gen`, whose
  * change the others wait for. The atomics order the team's writes before the barrier ahead of its
