@@ -3,6 +3,7 @@
     python bench/decode_floor.py                              # float32 and bfloat16, LLM()'s paths
     python bench/decode_floor.py --dtypes bfloat16 --batches 1,4,16,64 --steps 30
     MINICB_LINEAR=mkl python bench/decode_floor.py            # another linear path (cpu_linear.PATHS)
+    python bench/decode_floor.py --thread-scaling             # one sequence: 1 thread against 2, alternating
 
 A decode step at a small batch does little arithmetic: each weight is read from memory once and used
 for a handful of rows. So its time cannot go below ``bytes of the weights the step reads / one core's
@@ -26,12 +27,24 @@ residual adds, the backend's glue, the Python of the layers), the runner's packi
 (``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
 scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
 parts are means; the header names the CPU. On a shared machine read the ratios.
+
+``--thread-scaling`` asks what a second thread gives a one-sequence decode (the ``--threads`` list,
+default ``1,2``): one request decodes while the thread count alternates, ``--steps`` steps at each
+count per round, ``--rounds`` rounds, so that a busy spell of a shared machine hits every count. It
+prints, per dtype and thread count, the median ms per token over the rounds (a round's figure: the
+median of its steps) with the range of the rounds, the layer stack's and the LM head's share of it,
+and the ratio to the first count's median; and before each dtype the read bandwidth of each count
+(``torch.sum``), the ceiling of a step that reads its weights from memory: on a shared machine it
+moves with the neighbours' memory traffic, and the ratios move with it. ``chrt -f 10`` in front
+(real-time priority, where allowed) keeps other processes off the cores while it runs, not off the
+memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import statistics
 import sys
@@ -118,13 +131,70 @@ def decode_steps(llm: LLM, batch: int, steps: int, vocab: int) -> tuple[list[flo
     return times, parts
 
 
+def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: int) -> None:
+    """One sequence's decode, ms per token at each thread count, alternating (module docstring)."""
+    print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+    print(f"one sequence decoding (64-token prompt); {rounds} rounds of {steps} steps at each of "
+          f"{threads} threads, alternating; ms per token: median [range of the rounds]")
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        bandwidth = []
+        for t in threads:                      # what the memory gives each count now: a step's ceiling
+            torch.set_num_threads(t)
+            bandwidth.append(f"{t} thread(s) {read_bandwidth():.1f}")
+        model = load_smollm2(dtype)
+        applied = cpu_fast_paths(model, "cpu")
+        llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
+        eng = llm.engine
+        eng.add_request(f"scaling-{dname}", torch.randint(10, model.config.vocab_size, (64,)).tolist(),
+                        SamplingParams(max_tokens=(rounds + 1) * steps * len(threads) + 8, ignore_eos=True))
+        eng.step()                                       # the prompt
+        model.lm_head.forward = timed("lm head", model.lm_head.forward)
+        run = layer_stack.LayerStack.run
+        layer_stack.LayerStack.run = timed("stack", run)
+        per = {t: collections.defaultdict(list) for t in threads}
+        for rnd in range(rounds + 1):                    # round 0 warms every count up, uncounted
+            for t in threads:
+                torch.set_num_threads(t)
+                before, times = collections.Counter(SECONDS), []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    eng.step()
+                    times.append(time.perf_counter() - t0)
+                if rnd:
+                    per[t]["step"].append(statistics.median(times) * 1e3)
+                    for k in ("stack", "lm head"):
+                        per[t][k].append((SECONDS[k] - before[k]) / steps * 1e3)
+        layer_stack.LayerStack.run = run
+        print(f"\n{dname} ({', '.join(applied)}); read bandwidth before it (torch.sum over 256 MB, best of "
+              f"5, GB/s): {', '.join(bandwidth)}")
+        base = statistics.median(per[threads[0]]["step"])
+        for t in threads:
+            step = per[t]["step"]
+            med = statistics.median(step)
+            print(f"  {t} thread(s): {med:6.2f} ms/token [{min(step):.2f}-{max(step):.2f}]  "
+                  f"stack {statistics.median(per[t]['stack']):5.2f}  lm head "
+                  f"{statistics.median(per[t]['lm head']):5.2f}  ratio to {threads[0]}: {med / base:.2f}x")
+        eng.abort_request(f"scaling-{dname}")
+        torch.set_num_threads(threads[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1",
+                    help="torch threads (with --thread-scaling: the counts to alternate, default 1,2)")
+    ap.add_argument("--thread-scaling", action="store_true",
+                    help="one sequence's ms per token at each --threads count, alternating")
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    if args.thread_scaling:
+        threads = [int(t) for t in (args.threads if args.threads != "1" else "1,2").split(",")]
+        thread_scaling(args.dtypes.split(","), threads, args.steps, args.rounds)
+        return
+    args.threads = int(args.threads)
     torch.set_num_threads(args.threads)
     print(cpu_header())
     bw = read_bandwidth()

@@ -88,6 +88,39 @@ def test_every_stacked_step_equals_the_layers_bit_for_bit(dtype, prompts_on, mon
         assert max(rows) <= 6 and len(rows) < stats.num_steps
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
+    """The stack is one parallel region whose threads split the products' panels and the other parts'
+    rows: every stacked step (one-row decodes and prompt chunks on the kernel, more rows than
+    threads and fewer) is run on 1 thread, then on 2 and 3 from the same input, and all agree bit for
+    bit (each writes the same K/V to the same slots)."""
+    monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
+    model = stacked(dtype)
+    run, rows = layer_stack.LayerStack.run, []
+    before = torch.get_num_threads()
+
+    def on_threads(self, x, cos, sin, backend, state):
+        results = []
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                y = x.clone()
+                results.append((run(self, y, cos, sin, backend, state).clone(), y))
+        finally:
+            torch.set_num_threads(before)
+        for got, residual in results[1:]:
+            assert torch.equal(got, results[0][0]) and torch.equal(residual, results[0][1]), x.shape
+        rows.append(x.shape[0])
+        x.copy_(results[0][1])
+        return results[0][0]
+
+    monkeypatch.setattr(layer_stack.LayerStack, "run", on_threads)
+    llm = LLM(model, dtype=dtype, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_blocks=64)
+    llm.generate(random_prompts(5, 3, 40, CFG.vocab_size, seed=6),
+                 SamplingParams(max_tokens=12, ignore_eos=True))
+    assert 1 in rows and max(rows) > 3, rows        # single rows (threads idle) and rows split three ways
+
+
 # prompts on SDPA: their steps fall back to the layers (StackedLlama.hidden's other branch)
 @pytest.mark.parametrize("prompts_on", ["sdpa", "kernel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

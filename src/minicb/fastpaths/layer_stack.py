@@ -10,6 +10,11 @@ write down, so ``layer_stack.c`` does: it calls the same C functions, in the sam
 buffers, and so computes what the layers compute, bit for bit (``tests/model/test_layer_stack.py``
 compares every step's output with the layers' own).
 
+Threads: the C loop is one OpenMP parallel region a step, of ``torch.get_num_threads()`` threads,
+which split each product's panels and the other parts' rows, and meet at a barrier between parts
+(``layer_stack.c`` draws it); every thread count gives the same bits (``bench/decode_floor.py
+--thread-scaling`` times 1 against 2 threads).
+
 A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
 ``_DecodeRows``: a decode step, or on the AVX-512 row any step, prompt tokens included),
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed
@@ -92,7 +97,7 @@ class LayerStack:
         if self.why_not:
             return
         self.lib = load()
-        self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype)),
+        self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype, part=True)),
                                 *(_address(cpu_fused._c_function(n, dtype))
                                   for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
                                 _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))

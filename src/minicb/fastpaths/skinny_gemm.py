@@ -27,6 +27,10 @@ bfloat16: half of float32's bytes, where oneDNN would multiply a copy widened to
 a C compiler. The kernel is built on first use like the decode kernel (``ckernels``); where that
 fails, nothing changes but one logged line.
 
+Threads: a call splits the panels over ``torch.get_num_threads()`` threads once it reads 512 KiB of
+weights; ``layer_stack.c`` calls the ``_part`` entry (one thread's share of the panels) from its own
+threads instead. Each output is the same loop whichever thread runs it: the same bits on any count.
+
 Numerics: float32 sums of the products in input order, rounded once to the output dtype; oneDNN sums
 in another order, so the two agree to float32 rounding (bfloat16 outputs: to one bfloat16 rounding).
 """
@@ -71,6 +75,9 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     for name in DTYPES.values():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
+        part = getattr(lib, name + "_part")       # one thread's share of the panels (layer_stack.c)
+        part.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        part.restype = None
     lib.minicb_skinny_panel_width.argtypes, lib.minicb_skinny_panel_width.restype = [], ctypes.c_int
     lib.minicb_skinny_path.argtypes, lib.minicb_skinny_path.restype = [ctypes.c_int], ctypes.c_int
     return lib
@@ -88,8 +95,9 @@ def path(dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int:
 
 
 @functools.cache
-def _c_function(dtype: torch.dtype):
-    return getattr(load(), DTYPES[dtype])
+def _c_function(dtype: torch.dtype, part: bool = False):
+    """The kernel for ``dtype``; ``part``: its entry for one share of the panels (``NAME_part``)."""
+    return getattr(load(), DTYPES[dtype] + ("_part" if part else ""))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,38 @@
  * torch does, paged_decode.c and skinny_gemm.c use fused multiply-adds), so the results are those of
  * the Python path bit for bit: the same functions on the same buffers in the same order.
  * layer_stack.py decides when a step qualifies and passes the pointers.
+ *
+ * Threads: the whole stack is one OpenMP parallel region of `nthreads` threads, not one per kernel
+ * call (a one-sequence step is about 300 calls of a few tens of microseconds each). The team is woken
+ * once a step and goes through the layers together, meeting at a barrier wherever the next part reads
+ * what another thread wrote:
+ *
+ *     products (skinny _part)    every thread its share of the panels, all rows
+ *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free
+ *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
+ *                                           thread's, while the others wait at the next barrier)
+ *
+ * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
+ * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
+ * on one: the memory system fetches the neighbouring runs too, so both threads read all the keys.
+ * On an idle machine a barrier or a region costs little next to a layer's products, and the
+ * one-region stack measured level with the kernels opening their own regions (bench/RESULTS.md). On a busy one a barrier may wait for a
+ * thread that is not running, and OpenMP's own barriers, which spin for milliseconds, made two
+ * threads many times slower than one: the barriers here are team_barrier.h's, which give the core
+ * up when waits grow long. Even so one thread is the better setting on a machine that is busy.
+ *
+ * Each output is computed by the same code whichever thread runs it (the products' sums run over
+ * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
+ * thread count (tests/model/test_layer_stack.py compares 1 and 2 threads).
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "omp_id.h"
+#include "team_barrier.h"
+
 typedef void (*skinny_fn)(const void *x, int64_t xstride, const void *panels, void *y, int64_t ystride,
-                          int64_t rows, int64_t in, int64_t out, int nthreads);
+                          int64_t rows, int64_t in, int64_t out, int part, int parts);
 typedef void (*norm_fn)(const void *x, const void *w, void *out, int64_t rows, int64_t dim, double eps,
                         int nthreads);
 typedef void (*add_norm_fn)(void *x, const void *delta, const void *w, void *out, int64_t rows, int64_t dim,
@@ -40,7 +66,7 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
                          double scale, int nthreads);
 
-/* the kernels, for the model's dtype */
+/* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels) */
 typedef struct {
     skinny_fn skinny;
     norm_fn norm;
@@ -71,38 +97,76 @@ typedef struct {
 } buffers_t;
 
 #define AT(p, i) ((p) + (i) * e)
+#define ATTN_ROWS 4     /* rows per call of the decode kernel: the threads take them as they finish */
+#define SYNC team_wait(&bar, nt);   /* team_barrier.h: spins while waits are short, else sleeps */
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
 int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
                        const dims_t *d, const buffers_t *b, const void *cos, const void *sin,
                        const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens) {
-    const int64_t rows = d->rows, hidden = d->hidden, e = d->elem, nt = d->nthreads;
-    const int64_t qdim = d->q_heads * d->head_dim, kvdim = d->kv_heads * d->head_dim;
+    const int64_t hidden = d->hidden, e = d->elem, hd = d->head_dim;
+    const int64_t qdim = d->q_heads * hd, kvdim = d->kv_heads * hd;
     const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
-    f->norm(b->x, layers[0].input_norm, b->h, rows, hidden, d->eps, nt);
-    for (int64_t l = 0; l < num_layers; ++l) {
-        const layer_t *L = layers + l;
-        f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, rows, hidden, qkv_out, nt);
-        f->rope(b->qkv, AT(b->qkv, qdim), cos, sin, rows, d->q_heads, d->kv_heads, d->head_dim, qkv_out,
-                qkv_out, nt);
-        for (int64_t r = 0; r < rows; ++r) {
-            const char *row = AT(b->qkv, r * qkv_out);
-            memcpy(AT(b->q, r * qdim), row, qdim * e);
-            if (slots[r] >= 0) {
-                memcpy(AT((char *)L->k_cache, slots[r] * kvdim), AT(row, qdim), kvdim * e);
-                memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
+    int failed = 0;
+    team_barrier_t bar = {0};
+    _Pragma("omp parallel num_threads(d->nthreads)") {
+        const int t = omp_thread(), nt = omp_threads();
+        /* this thread's rows [r0, r0 + n): the rows cut into nt runs (none for some when rows < nt) */
+        const int64_t r0 = d->rows * t / nt, n = d->rows * (t + 1) / nt - r0, all = d->rows;
+        if (n) f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), n, hidden, d->eps, 1);
+        SYNC
+        for (int64_t l = 0; l < num_layers; ++l) {
+            const layer_t *L = layers + l;
+            f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, all, hidden, qkv_out, t, nt);
+            SYNC
+            if (n) {
+                char *qkv = AT(b->qkv, r0 * qkv_out);
+                f->rope(qkv, AT(qkv, qdim), AT((const char *)cos, r0 * hd), AT((const char *)sin, r0 * hd), n,
+                        d->q_heads, d->kv_heads, hd, qkv_out, qkv_out, 1);
+                for (int64_t r = r0; r < r0 + n; ++r) {
+                    const char *row = AT(b->qkv, r * qkv_out);
+                    memcpy(AT(b->q, r * qdim), row, qdim * e);
+                    if (slots[r] >= 0) {
+                        memcpy(AT((char *)L->k_cache, slots[r] * kvdim), AT(row, qdim), kvdim * e);
+                        memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
+                    }
+                }
             }
+            SYNC                                    /* a prompt's rows attend to each other's keys */
+            _Pragma("omp for schedule(dynamic) nowait")         /* rows differ in length */
+            for (int64_t c = 0; c < all; c += ATTN_ROWS) {
+                const int64_t m = all - c < ATTN_ROWS ? all - c : ATTN_ROWS;
+                if (f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
+                              context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
+                              d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
+                    _Pragma("omp atomic write")
+                    failed = 1;
+                }
+            }
+            SYNC
+            int stop;
+            _Pragma("omp atomic read")
+            stop = failed;
+            if (stop)                               /* every thread reads it after the same barrier */
+                break;
+            f->skinny(b->attn, qdim, L->o, b->a, hidden, all, qdim, hidden, t, nt);
+            SYNC
+            if (n)
+                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), n,
+                            hidden, d->eps, 1);
+            SYNC
+            f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, all, hidden, gu_out, t, nt);
+            SYNC
+            if (n) f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), n, d->inter, gu_out, 1);
+            SYNC
+            f->skinny(b->act, d->inter, L->down, b->a, hidden, all, d->inter, hidden, t, nt);
+            SYNC
+            if (n)
+                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden),
+                            l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, AT(b->h, r0 * hidden), n,
+                            hidden, d->eps, 1);
+            SYNC
         }
-        if (f->decode(b->q, L->k_cache, L->v_cache, block_tables, context_lens, b->attn, rows, d->q_heads,
-                      d->kv_heads, d->head_dim, d->max_blocks, d->block_size, d->max_context, d->scale, nt))
-            return 1;
-        f->skinny(b->attn, qdim, L->o, b->a, hidden, rows, qdim, hidden, nt);
-        f->add_norm(b->x, b->a, L->post_norm, b->h, rows, hidden, d->eps, nt);
-        f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, rows, hidden, gu_out, nt);
-        f->silu(b->gu, b->act, rows, d->inter, gu_out, nt);
-        f->skinny(b->act, d->inter, L->down, b->a, hidden, rows, d->inter, hidden, nt);
-        f->add_norm(b->x, b->a, l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, b->h, rows, hidden,
-                    d->eps, nt);
     }
-    return 0;
+    return failed;
 }

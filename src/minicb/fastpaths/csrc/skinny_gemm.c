@@ -36,13 +36,15 @@
  * oneDNN and with the others to float32 rounding, not bit for bit. vdpbf16ps treats subnormal
  * bfloat16 inputs (smaller than 2^-126) as zero; the other loops do not.
  *
- * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it.
+ * Threads: the panels are split over `nthreads` (OpenMP) when a call is big enough to be worth it
+ * (SKINNY below).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "omp_id.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -394,36 +396,49 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
 
 static inline float f32_store(float x) { return x; }
 
-/* y [rows, out] (row stride ystride) from x [rows, in] (row stride xstride) and the packed panels;
- * the panels are split over threads when the call reads at least 512 KiB of weights. */
-/* Rows are taken CHUNK at a time, every panel for each chunk: a prompt chunk of thousands of rows
+/* y [rows, out] (row stride ystride) from x [rows, in] (row stride xstride) and the packed panels.
+ *
+ * Rows are taken CHUNK at a time, every panel for each chunk: a prompt chunk of thousands of rows
  * would otherwise stream its whole input (up to 2,048 x 1,536 floats, 12 MB: more than a core's share
  * of L3) from memory once per panel. A chunk's rows (at most 1.5 MB) stay in the caches while the
  * panels go by, and the weights are read once per chunk instead, which at 256 rows costs little: the
- * products of a chunk are 256 multiply-adds per weight read. */
+ * products of a chunk are 256 multiply-adds per weight read.
+ *
+ * Threads: NAME_part(..., part, parts) computes the outputs of one share of the panels, the panels
+ * cut into `parts` runs of consecutive panels as even as whole panels allow (`share`), every row of
+ * them. NAME runs the parts on `nthreads` OpenMP threads when the call reads at least 512 KiB of
+ * weights; layer_stack.c calls the parts from its own threads, one parallel region for a whole step.
+ * Which thread computes an output does not change how: each output is the same loop over the same
+ * inputs in the same order, so every thread count gives the same bits. */
 #ifndef CHUNK
 #define CHUNK 256
 #endif
+#define SPLIT_BYTES 524288      /* below: one thread (waking a second costs more than it saves) */
+
+/* the panels [*p0, *p1) of part `part` of `parts` */
+static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64_t *p1) {
+    *p0 = panels * part / parts;
+    *p1 = panels * (part + 1) / parts;
+}
 
 #define SKINNY(NAME, T, PANEL, STORE, PAIRS)                                                                  \
-    void NAME(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows,      \
-              int64_t in, int64_t out, int nthreads) {                                                \
+    void NAME##_part(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows, \
+                     int64_t in, int64_t out, int part, int parts) {                                  \
         const int64_t panels = (out + TW - 1) / TW;                                                   \
         const int64_t panel_size = (PAIRS ? (in + 1) & ~(int64_t)1 : in) * TW;  /* bf16: in made even */ \
-        const int64_t work = panels * panel_size * (int64_t)sizeof(T);                                \
-        (void)work;                                                                                   \
+        int64_t p0, p1;                                                                               \
+        share(panels, part, parts, &p0, &p1);                                                         \
         for (int64_t c0 = 0; c0 < rows; c0 += CHUNK) {                                                \
             const int64_t crows = rows - c0 < CHUNK ? rows - c0 : CHUNK;                              \
             const T *xc = x + c0 * xstride;                                                           \
             T *yc = y + c0 * ystride;                                                                 \
-            _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(nthreads > 1 && work >= 524288)") \
-            for (int64_t b = 0; b < panels; ++b) {                                                    \
+            for (int64_t b = p0; b < p1; ++b) {                                                       \
                 float acc[RB][TW];                                                                    \
                 const int64_t o0 = b * TW;                                                            \
                 const int64_t no = out - o0 < TW ? out - o0 : TW;                                     \
                 /* the next panel to ask the memory for: the next chunk's first after the last */    \
-                const T *next = b + 1 < panels ? packed + (b + 1) * panel_size                        \
-                                : c0 + CHUNK < rows ? packed : NULL;                                  \
+                const T *next = b + 1 < p1 ? packed + (b + 1) * panel_size                            \
+                                : c0 + CHUNK < rows ? packed + p0 * panel_size : NULL;                \
                 for (int64_t r0 = 0; r0 < crows; r0 += RB) {                                          \
                     const int nr = (int)(crows - r0 < RB ? crows - r0 : RB);                          \
                     PANEL(xc + r0 * xstride, xstride, packed + b * panel_size, in, nr, acc, next,     \
@@ -435,6 +450,18 @@ static inline float f32_store(float x) { return x; }
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
+    }                                                                                                 \
+    void NAME(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows,      \
+              int64_t in, int64_t out, int nthreads) {                                                \
+        const int64_t panels = (out + TW - 1) / TW;                                                   \
+        const int64_t work = panels * (PAIRS ? (in + 1) & ~(int64_t)1 : in) * TW * (int64_t)sizeof(T); \
+        const int parts = nthreads > 1 && work >= SPLIT_BYTES ? nthreads : 1;                         \
+        if (parts == 1) {                                                                             \
+            NAME##_part(x, xstride, packed, y, ystride, rows, in, out, 0, 1);                         \
+            return;                                                                                   \
+        }                                                                                             \
+        _Pragma("omp parallel num_threads(parts)")                                                    \
+        NAME##_part(x, xstride, packed, y, ystride, rows, in, out, omp_thread(), omp_threads());      \
     }
 
 SKINNY(minicb_skinny_f32, float, panel_f32, f32_store, 0)
