@@ -80,6 +80,7 @@ def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
     (["--seed", "-1"], ["--seed", "[0,"]),
     (["--block-size", "0"], ["--block-size must be >= 1"]),
     (["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens must be >= 1"]),
+    (["--max-prefill-tokens-while-decoding", "-1"], ["--max-prefill-tokens-while-decoding must be >= 0"]),
     (["--max-num-seqs", "8", "--num-blocks", "4"], ["num_blocks must be at least max_num_seqs"]),
     (["--max-tokens", "9000"], ["max_model_len=4096"]),
 ])

@@ -16,12 +16,31 @@ A *chunk* is ``min(uncomputed tokens, long_prefill_chunk, budget left)``: ``long
 (``SchedulerConfig.chunk_cap``) keeps one long prompt from taking the whole step. Only the chunk that
 reaches a sequence's last token samples.
 
+**Stall-free batching** (Sarathi-Serve's point). Decodes first is not enough: the decodes get their
+tokens, but the step that carries them also carries the prompt chunks that fill the rest of the budget,
+and a step's time grows with its tokens (on a CPU about linearly: a few ms of fixed cost, then about a
+millisecond or two per token for SmolLM2). So a running stream waits for the whole step: one 2,000-token
+chunk beside a decode makes that decode's next token seconds late. ``max_prefill_tokens_while_decoding``
+caps the prompt tokens of a step *that has decodes* (those of 2 and 3 above, together), which keeps the
+step near a decode step's time; a step without decodes gives prompts the whole budget, so a lone long
+prompt is not slowed down::
+
+    budget 2048, cap 64, one decode and a new 2,000-token prompt:
+        decode  prompt[0:64]                 (1 + 64; the step stays short, the stream flows)
+        ... 31 steps like it, then, the stream finished:
+        prompt[1984:2000]                    (no decode: the whole budget again)
+
+The price is the long prompt's time to first token (its prompt is spread over more, shorter steps) and,
+at saturation, a few more steps. The cap is a plain number of tokens, so a schedule depends on the
+configuration only, never on a clock; ``LLM()``'s default was measured (``bench/stall.py``).
+
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
 allocation and preemption). The tests state the same rule as one pure function of plain numbers
 (``tests/chunk_rule.py``) and check the scheduler's grants against it.
 
 Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
-``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``.
+``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``; in a step
+with decodes, the grants after them sum to at most ``max_prefill_tokens_while_decoding``.
 This module imports no torch.
 """
 
@@ -41,6 +60,10 @@ class TokenBudget:
     chunk_cap: int
     num_batched_tokens: int = 0
     num_seqs: int = 0
+    # stall-free: the prompt tokens this step may still take (None: no cap). The policy sets it once the
+    # decodes are granted, if there are any; every later ``take`` spends it, and ``give_back`` does not
+    # refund it (a chunk taken back in a preemption is not offered again in the same step).
+    prefill_left: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_cap"):
@@ -57,6 +80,8 @@ class TokenBudget:
         if self.num_seqs >= self.max_num_seqs:
             return 0
         left = self.max_num_batched_tokens - self.num_batched_tokens
+        if self.prefill_left is not None:
+            left = min(left, self.prefill_left)
         return max(0, min(num_uncomputed, self.chunk_cap, left))
 
     def take(self, num_tokens: int) -> None:
@@ -65,6 +90,9 @@ class TokenBudget:
         assert self.num_seqs < self.max_num_seqs
         self.num_batched_tokens += num_tokens
         self.num_seqs += 1
+        if self.prefill_left is not None:
+            assert num_tokens <= self.prefill_left, "stall-free cap overdrawn"
+            self.prefill_left -= num_tokens
 
     def give_back(self, num_tokens: int) -> None:
         """Undo one ``take`` (its sequence was preempted later in the same step)."""
@@ -76,3 +104,4 @@ class TokenBudget:
         assert 0 <= self.num_batched_tokens <= self.max_num_batched_tokens, "token budget overdrawn"
         assert 0 <= self.num_seqs <= self.max_num_seqs, "sequence budget overdrawn"
         assert self.num_seqs <= self.num_batched_tokens, "every granted sequence has at least one token"
+        assert self.prefill_left is None or self.prefill_left >= 0, "stall-free cap overdrawn"

@@ -1,0 +1,176 @@
+"""Stall-free batching: does a long prompt freeze the streams that are running? (issue 47)
+
+    python bench/stall.py                    # caps off and 64 (the default), 3 rounds alternating, + W2
+    python bench/stall.py --quick            # 1 round, a shorter stream, no W2 (a minute or two)
+    python bench/stall.py --caps 0,16,32,64,128 --rounds 2 --no-w2
+    python bench/stall.py --threads 1        # one torch thread (default: torch's choice, as serve's)
+
+Every engine is built as ``minicb serve`` builds its own (``LLM()`` with serve's defaults: SmolLM2 in
+float32, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory, prefix caching on,
+the CPU fast paths); only ``max_prefill_tokens_while_decoding`` differs (0: no cap, the behaviour before
+issue 47). The engine is stepped in this process, as the server's engine thread steps it, and a token's
+time is when ``step()`` hands it out (the server then only sends it).
+
+**The stall.** A stream (a 32-token prompt, EOS ignored) decodes; once it has 16 tokens, a 2,000-token
+prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per run: the
+stream's median gap between tokens, its largest gap and their ratio (the issue's bar: at most 5x), and the
+long prompt's time to first token (TTFT, from its arrival). Then a cost model fitted over all the steps
+of the runs, step time = a + b x tokens, and the largest cap whose step stays within 5x a decode step by
+that model, ``(5 - 1) x (a + b) / b``: what the default was chosen from (with a margin: a busy host
+stretches the steps that carry prompt tokens more than it stretches decodes).
+
+**The price at saturation** (``--w2``, on by default without ``--quick``): W2 (``bench/workloads.py``,
+64 requests, EOS ignored) through ``llm.generate`` with each cap, the caps alternating round by round,
+the prefix cache emptied before every run; output tokens/s, median and range.
+
+Each cap gets its own engine, all loaded before the first run; rounds alternate the caps (A, B, A, B...)
+so a slow spell of a shared host hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import cpu_header  # noqa: E402  (puts this checkout's src first on the path)
+from workloads import random_ids, w2  # noqa: E402
+
+from minicb.core.sampling_params import SamplingParams  # noqa: E402
+from minicb.entrypoints.llm import FAST_DEFAULTS, LLM  # noqa: E402
+
+RATIO_BAR = 5.0                 # the issue's bar: the largest gap at most 5x the median
+
+
+def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int = 16) -> dict:
+    """One stream, then a ``long_len``-token prompt after its ``lead``-th token: gaps, TTFT, steps."""
+    eng, rng = llm.engine, np.random.default_rng(seed)
+    eng.add_request(f"s{seed}", random_ids(rng, 32), SamplingParams(max_tokens=stream_tokens, ignore_eos=True))
+    long_ids = random_ids(rng, long_len)
+    times, steps, arrived, first, total0 = [], [], None, None, eng.stats.num_batched_tokens
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = eng.step()
+        now = time.perf_counter()
+        done = eng.stats.num_batched_tokens
+        steps.append((done - total0, now - t0))                  # (tokens computed, seconds) of the step
+        total0 = done
+        for o in outs:
+            if o.request_id.startswith("s") and o.new_token_ids:
+                times.append(now)
+            elif o.request_id.startswith("L") and o.new_token_ids and first is None:
+                first = now
+        if arrived is None and len(times) >= lead:
+            eng.add_request(f"L{seed}", long_ids, SamplingParams(max_tokens=16, ignore_eos=True))
+            arrived = time.perf_counter()
+    gaps = np.diff(times[lead - 1:])                              # from the token before the arrival on
+    med = float(np.median(gaps))
+    return {"median": med, "largest": float(gaps.max()), "ratio": float(gaps.max()) / med,
+            "ttft": first - arrived, "steps": steps}
+
+
+def fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``seconds = a + b * tokens`` over the steps (a: fixed cost, b: per token)."""
+    x = np.array([s[0] for s in steps], float)
+    y = np.array([s[1] for s in steps], float)
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def w2_run(llm: LLM, wl) -> float:
+    llm.reset_prefix_cache()
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params)
+    dt = time.perf_counter() - t0
+    assert sum(len(o.token_ids) for o in outs) == wl.num_output_tokens
+    return wl.num_output_tokens / dt
+
+
+def cpu_kind() -> str:
+    """``lscpu``'s family and model (AMD EPYC family 25 model 17 is Zen 4), from ``/proc/cpuinfo``."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                      if ":" in line)
+        return f"family {fields['cpu family'].strip()} model {fields['model'].strip()}"
+    except (OSError, KeyError):
+        return "family/model unknown"
+
+
+def label(cap: int) -> str:
+    return "cap off" if cap == 0 else f"cap {cap}"
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    med = statistics.median(xs)
+    return (f"{med:{fmt}}" if len(xs) == 1 else f"{med:{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--caps", default=f"0,{FAST_DEFAULTS['max_prefill_tokens_while_decoding']}",
+                    help="max_prefill_tokens_while_decoding values, 0 = no cap (default: off and LLM()'s)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each cap, alternating (default 3)")
+    ap.add_argument("--long", type=int, default=2000, help="tokens of the long prompt (default 2000)")
+    ap.add_argument("--stream-tokens", type=int, default=256, help="tokens the stream asks for (default 256)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's choice)")
+    ap.add_argument("--w2", action=argparse.BooleanOptionalAction, default=None,
+                    help="also W2's saturation throughput per cap (default: on, off with --quick)")
+    ap.add_argument("--quick", action="store_true", help="1 round, a 160-token stream, no W2")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.stream_tokens = 1, min(args.stream_tokens, 160)
+    run_w2 = not args.quick if args.w2 is None else args.w2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    caps = [int(c) for c in args.caps.split(",")]
+    print(f"{cpu_header()}; {cpu_kind()}")
+    print(f"torch threads {torch.get_num_threads()}; serve's defaults ({FAST_DEFAULTS}), float32; "
+          f"a {args.long}-token prompt arrives beside one stream; {args.rounds} round(s), caps alternating")
+    llms = {c: LLM(max_prefill_tokens_while_decoding=c) for c in caps}
+    for llm in llms.values():                                     # warm-up: first-call costs off the clock
+        stall_run(llm, 10_000, 256, 24)
+    res: dict[int, list[dict]] = {c: [] for c in caps}
+    for r in range(args.rounds):
+        for c in caps:
+            out = stall_run(llms[c], r, args.long, args.stream_tokens)
+            res[c].append(out)
+            print(f"  round {r + 1} {label(c):8s} stream gap median {out['median'] * 1e3:6.1f} ms, largest "
+                  f"{out['largest'] * 1e3:7.1f} ms ({out['ratio']:5.1f}x); long prompt TTFT {out['ttft']:5.2f} s",
+                  flush=True)
+    print(f"\nsummary, median (range) over {args.rounds} round(s):")
+    for c in caps:
+        rs = res[c]
+        print(f"  {label(c):8s} largest gap / median {spread([x['ratio'] for x in rs], '.1f')}x, "
+              f"median gap {spread([x['median'] * 1e3 for x in rs], '.1f')} ms, "
+              f"largest {spread([x['largest'] * 1e3 for x in rs], '.0f')} ms, "
+              f"long-prompt TTFT {spread([x['ttft'] for x in rs], '.2f')} s")
+    a, b = fit([s for rs in res.values() for x in rs for s in x["steps"]])
+    print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens; a step "
+          f"with one decode stays within {RATIO_BAR:g}x a decode step up to "
+          f"{(RATIO_BAR - 1) * (a + b) / b:.0f} prompt tokens")
+    if run_w2:
+        wl, tps = w2(), {c: [] for c in caps}
+        print(f"\nW2 at saturation ({len(wl.prompts)} requests, {wl.num_output_tokens} output tokens), "
+              "caps alternating:")
+        for r in range(args.rounds):
+            for c in caps:
+                tps[c].append(w2_run(llms[c], wl))
+                print(f"  round {r + 1} {label(c):8s} {tps[c][-1]:6.1f} output tok/s", flush=True)
+        base = statistics.median(tps[caps[0]])
+        for c in caps:
+            print(f"  {label(c):8s} {spread(tps[c], '.1f')} tok/s, "
+                  f"{statistics.median(tps[c]) / base:.2f}x {label(caps[0])}")
+    for llm in llms.values():
+        llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
