@@ -51,7 +51,8 @@ RATIO_BAR = 5.0                 # the issue's bar: the largest gap at most 5x th
 def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int = 16) -> dict:
     """One stream, then a ``long_len``-token prompt after its ``lead``-th token: gaps, TTFT, steps."""
     eng, rng = llm.engine, np.random.default_rng(seed)
-    eng.add_request(f"s{seed}", random_ids(rng, 32), SamplingParams(max_tokens=stream_tokens, ignore_eos=True))
+    stream = SamplingParams(max_tokens=stream_tokens, ignore_eos=True)
+    eng.add_request(f"s{seed}", random_ids(rng, 32), stream)
     long_ids = random_ids(rng, long_len)
     times, steps, arrived, first, total0 = [], [], None, None, eng.stats.num_batched_tokens
     while eng.has_unfinished_requests():
@@ -96,8 +97,8 @@ def w2_run(llm: LLM, wl) -> float:
 def cpu_kind() -> str:
     """``lscpu``'s family and model (AMD EPYC family 25 model 17 is Zen 4), from ``/proc/cpuinfo``."""
     try:
-        fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]       # the first CPU's block
+        fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
         return f"family {fields['cpu family'].strip()} model {fields['model'].strip()}"
     except (OSError, KeyError):
         return "family/model unknown"
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             out = stall_run(llms[c], r, args.long, args.stream_tokens)
             res[c].append(out)
             print(f"  round {r + 1} {label(c):8s} stream gap median {out['median'] * 1e3:6.1f} ms, largest "
-                  f"{out['largest'] * 1e3:7.1f} ms ({out['ratio']:5.1f}x); long prompt TTFT {out['ttft']:5.2f} s",
+                  f"{out['largest'] * 1e3:7.1f} ms ({out['ratio']:5.1f}x); "
+                  f"long prompt TTFT {out['ttft']:5.2f} s",
                   flush=True)
     print(f"\nsummary, median (range) over {args.rounds} round(s):")
     for c in caps:

@@ -71,7 +71,8 @@ def test_stall_free_cap_is_shared_by_ongoing_and_new_prompts():
 
 def test_stall_free_cap_larger_than_what_is_left_changes_nothing():
     # budget 8, three decodes: 5 tokens left for the prompt, below the cap of 64
-    p = plan_chunks(3, [], [20], max_num_batched_tokens=8, max_num_seqs=8, max_prefill_tokens_while_decoding=64)
+    p = plan_chunks(3, [], [20], max_num_batched_tokens=8, max_num_seqs=8,
+                    max_prefill_tokens_while_decoding=64)
     assert p == ChunkPlan((1, 1, 1), (), (5,))
 
 

@@ -139,7 +139,7 @@ def test_stall_free_caps_prompt_tokens_only_while_a_decode_runs():
     sched.add(seq("d", 3, 4))
     shapes = [[(s.request_id, s.num_tokens) for s in step(sched)[0].seqs]]
     sched.add(seq("L", 100, 2, first=5))
-    drain_scheduler(sched, on_plan=lambda plan: shapes.append([(s.request_id, s.num_tokens) for s in plan.seqs]))
+    drain_scheduler(sched, on_plan=lambda p: shapes.append([(s.request_id, s.num_tokens) for s in p.seqs]))
     assert shapes == [[("d", 3)],
                       [("d", 1), ("L", 8)], [("d", 1), ("L", 8)], [("d", 1), ("L", 8)],
                       [("L", 64)], [("L", 12)], [("L", 1)]]

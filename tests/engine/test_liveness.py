@@ -6,8 +6,9 @@ anyone else runs; alone it always fits, because a request larger than the whole 
 ``add``. When ``max_num_batched_tokens >= max_num_seqs`` the decodes scheduled before it (at most
 ``max_num_seqs - 1`` tokens) leave O at least one token of budget (and the stall-free cap,
 ``max_prefill_tokens_while_decoding >= 1``, at least one prompt token, which O, the first prefill in
-admission order, takes), so O computes at least one token every step and never loses one. A newer admission cannot take O's role, so O keeps it until it
-finishes, at most ``prompt + max_tokens`` steps later. And when nothing runs but something is
+admission order, takes), so O computes at least one token every step and never loses one. A newer
+admission cannot take O's role, so O keeps it until it finishes, at most ``prompt + max_tokens`` steps
+later. And when nothing runs but something is
 unfinished, that step admits (or swaps in) the front request into the empty pool, which becomes O.
 So every step is either idle (nothing has arrived yet) or some O makes progress, and::
 
