@@ -1,23 +1,25 @@
 """Stall-free batching: does a long prompt freeze the streams that are running? (issue 47)
 
-    python bench/stall.py                    # caps off and 64 (the default), 3 rounds alternating, + W2
-    python bench/stall.py --quick            # 1 round, a shorter stream, no W2 (a minute or two)
-    python bench/stall.py --caps 0,16,32,64,128 --rounds 2 --no-w2
+    python bench/stall.py                    # cap off and LLM()'s (32 + 4 per decode), 3 rounds, + W2
+    python bench/stall.py --quick            # 1 round, a shorter stream, no W2 (a few minutes)
+    python bench/stall.py --caps 0,32+4,32+0,64+0 --rounds 2    # C+R: C tokens + R per decode
     python bench/stall.py --threads 1        # one torch thread (default: torch's choice, as serve's)
 
 Every engine is built as ``minicb serve`` builds its own (``LLM()`` with serve's defaults: SmolLM2 in
 float32, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory, prefix caching on,
-the CPU fast paths); only ``max_prefill_tokens_while_decoding`` differs (0: no cap, the behaviour before
-issue 47). The engine is stepped in this process, as the server's engine thread steps it, and a token's
-time is when ``step()`` hands it out (the server then only sends it).
+the CPU fast paths); only the stall-free cap differs: ``C+R`` is ``max_prefill_tokens_while_decoding=C,
+prefill_tokens_per_decode=R`` (a step with ``n`` decodes takes at most ``C + R n`` prompt tokens; ``C``
+alone keeps ``LLM()``'s ``R``; 0: no cap, the behaviour before issue 47). The engine is stepped in this
+process, as the server's engine thread steps it, and a token's time is when ``step()`` hands it out (the
+server then only sends it).
 
 **The stall.** A stream (a 32-token prompt, EOS ignored) decodes; once it has 16 tokens, a 2,000-token
 prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per run: the
 stream's median gap between tokens, its largest gap and their ratio (the issue's bar: at most 5x), and the
 long prompt's time to first token (TTFT, from its arrival). Then a cost model fitted over all the steps
-of the runs, step time = a + b x tokens, and the largest cap whose step stays within 5x a decode step by
-that model, ``(5 - 1) x (a + b) / b``: what the default was chosen from (with a margin: a busy host
-stretches the steps that carry prompt tokens more than it stretches decodes).
+of the runs, step time = a + b x tokens, and the cap that keeps a step with ``n`` decodes within 5x their
+own step by that model, ``(5 - 1) (a / b + n)`` prompt tokens, i.e. ``C+R = 4a/b + 4``
+(``minicb.core.planner`` derives it): what the defaults were chosen from (``C`` with a margin).
 
 **The price at saturation** (``--w2``, on by default without ``--quick``): W2 (``bench/workloads.py``,
 64 requests, EOS ignored) through ``llm.generate`` with each cap, the caps alternating round by round,
@@ -98,14 +100,21 @@ def cpu_kind() -> str:
     """``lscpu``'s family and model (AMD EPYC family 25 model 17 is Zen 4), from ``/proc/cpuinfo``."""
     try:
         first = open("/proc/cpuinfo").read().split("\n\n")[0]       # the first CPU's block
-        fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+        fields = {k.strip(): v for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
         return f"family {fields['cpu family'].strip()} model {fields['model'].strip()}"
     except (OSError, KeyError):
         return "family/model unknown"
 
 
-def label(cap: int) -> str:
-    return "cap off" if cap == 0 else f"cap {cap}"
+def parse_cap(text: str) -> dict:
+    """``"32+4"``: the two ``LLM()`` arguments; ``"32"`` keeps ``LLM()``'s per-decode share; ``"0"``: off."""
+    c, _, r = text.partition("+")
+    per_decode = {"prefill_tokens_per_decode": int(r)} if r else {}
+    return {"max_prefill_tokens_while_decoding": int(c), **per_decode}
+
+
+def label(cap: str) -> str:
+    return "cap off" if cap == "0" else f"cap {cap}"
 
 
 def spread(xs: list[float], fmt: str) -> str:
@@ -115,8 +124,10 @@ def spread(xs: list[float], fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--caps", default=f"0,{FAST_DEFAULTS['max_prefill_tokens_while_decoding']}",
-                    help="max_prefill_tokens_while_decoding values, 0 = no cap (default: off and LLM()'s)")
+    default = "{max_prefill_tokens_while_decoding}+{prefill_tokens_per_decode}".format(**FAST_DEFAULTS)
+    ap.add_argument("--caps", default=f"0,{default}",
+                    help=f"caps to compare, C or C+R (C prompt tokens + R per decode), 0 = no cap "
+                         f"(default: 0,{default}, off and LLM()'s)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each cap, alternating (default 3)")
     ap.add_argument("--long", type=int, default=2000, help="tokens of the long prompt (default 2000)")
     ap.add_argument("--stream-tokens", type=int, default=256, help="tokens the stream asks for (default 256)")
@@ -130,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     run_w2 = not args.quick if args.w2 is None else args.w2
     if args.threads:
         torch.set_num_threads(args.threads)
-    caps = [int(c) for c in args.caps.split(",")]
+    caps = args.caps.split(",")
     print(f"{cpu_header()}; {cpu_kind()}")
     print(f"torch threads {torch.get_num_threads()}; serve's defaults ({FAST_DEFAULTS}), float32; "
           f"a {args.long}-token prompt arrives beside one stream; {args.rounds} round(s), caps alternating")
-    llms = {c: LLM(max_prefill_tokens_while_decoding=c) for c in caps}
+    llms = {c: LLM(**parse_cap(c)) for c in caps}
     for llm in llms.values():                                     # warm-up: first-call costs off the clock
         stall_run(llm, 10_000, 256, 24)
-    res: dict[int, list[dict]] = {c: [] for c in caps}
+    res: dict[str, list[dict]] = {c: [] for c in caps}
     for r in range(args.rounds):
         for c in caps:
             out = stall_run(llms[c], r, args.long, args.stream_tokens)
@@ -154,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
               f"largest {spread([x['largest'] * 1e3 for x in rs], '.0f')} ms, "
               f"long-prompt TTFT {spread([x['ttft'] for x in rs], '.2f')} s")
     a, b = fit([s for rs in res.values() for x in rs for s in x["steps"]])
-    print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens; a step "
-          f"with one decode stays within {RATIO_BAR:g}x a decode step up to "
-          f"{(RATIO_BAR - 1) * (a + b) / b:.0f} prompt tokens")
+    k = RATIO_BAR - 1
+    print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens (a / b = "
+          f"{a / b:.1f} tokens); a step with n decodes stays within {RATIO_BAR:g}x their own step up to "
+          f"{k:g} (a / b + n) prompt tokens: C+R = {k * a / b:.0f}+{k:g}")
     if run_w2:
         wl, tps = w2(), {c: [] for c in caps}
         print(f"\nW2 at saturation ({len(wl.prompts)} requests, {wl.num_output_tokens} output tokens), "

@@ -10,7 +10,9 @@ Chunked prefill caps each step at ``max_num_batched_tokens`` tokens: decodes are
 scheduled first, then the prompt gets what is left of the budget, chunk after
 chunk (``minicb.core.planner``). A chunk after the first one attends to keys it
 did not bring itself (the chunks before it, in the KV cache), which is why its
-causal mask must be *bottom-right* aligned.
+causal mask must be *bottom-right* aligned. Stall-free batching then keeps the
+steps that carry decodes short (``max_prefill_tokens_while_decoding``), and
+section 4 prices it on a real CPU.
 """
 
 # %% [markdown]
@@ -33,9 +35,12 @@ from _common import (
 from torch.nn.attention.bias import causal_lower_right
 
 from minicb.core.config import SchedulerConfig
+from minicb.core.sampling_params import SamplingParams
+from minicb.simulate.simulator import SimulatedEngine
 
-args = flags(__doc__, budget=(8, "tokens per step (max_num_batched_tokens)"))
-BUDGET = args.budget
+args = flags(__doc__, budget=(8, "tokens per step (max_num_batched_tokens)"),
+             stall_cap=(1, "prompt tokens beside decodes (section 4; 0: none)"))
+BUDGET, STALL_CAP = args.budget, args.stall_cap
 # (request, prompt length, tokens to generate); C arrives at step 3
 REQUESTS = [("a", 3, 12), ("b", 2, 12), ("C", 20, 3)]
 ARRIVALS = [0, 0, 3]
@@ -174,6 +179,86 @@ for name, budget in (("chunked", BUDGET), ("unchunked", 64)):
     print(f"{name}: {trace.num_steps} steps, C's tokens {tokens[name][2]}")
 print("chunked and unchunked runs give identical tokens: "
       f"{tokens['chunked'] == tokens['unchunked']}")
+
+# %% [markdown]
+# ## 4. Stall-free batching: keep the decodes' steps short
+#
+# Decodes first keeps a and b *in* every step, but not the step *short*. The
+# budget is a count of tokens, and a step's time grows with its tokens: with
+# `minicb serve`'s 2,048-token budget, a 2,000-token prompt arriving beside one
+# stream goes in as one chunk, and on a CPU that step takes seconds, every one
+# of them a pause in the stream. Sarathi-Serve's answer, *stall-free batching*:
+# a step that runs decodes takes at most `max_prefill_tokens_while_decoding`
+# prompt tokens (`--stall-cap` here; all prompts together: ongoing, swapped in
+# and new), and a step without decodes gives prompts the whole budget again.
+
+# %%
+cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                      block_size=4, num_blocks=64,
+                      max_prefill_tokens_while_decoding=STALL_CAP)
+_, stall_plans, _ = run_scheduler(cfg, REQUESTS, ARRIVALS)
+print(f"stall-free: max_num_batched_tokens={BUDGET}, "
+      f"max_prefill_tokens_while_decoding={STALL_CAP}")
+picture(stall_plans, steps=14)
+beside = [sum(s.num_tokens for s in p.seqs if s.request_id == "C")
+          for p in stall_plans
+          if any(s.request_id in "ab" for s in p.seqs)]
+print(f"C's tokens in the steps with decodes: at most {max(beside)}; "
+      "in a step without: up to the budget")
+
+# %% [markdown]
+# What it costs, on a real CPU. A step's time is close to a straight line in
+# its tokens, `a + b x tokens`: `a` is what every step pays (reading the
+# weights once, the Python around the forward), `b` each token's share of the
+# matrix products. `bench/stall.py` fits the line over the steps it runs with
+# SmolLM2-135M in float32 at `minicb serve`'s defaults; on AMD EPYC family 25
+# model 17 (Zen 4, 2 vCPUs, a host shared with other jobs) it printed
+# `step = A_MS ms + B_MS ms x tokens`. The scheduler driven on that clock
+# (`minicb.simulate`'s `SimulatedEngine`, the same scheduler) replays the
+# issue's case: one stream, and after its 16th token a 2,000-token prompt.
+
+# %%
+A_MS, B_MS = 30.0, 2.0         # bench/stall.py's fit (see above)
+
+
+def stall_case(cap: int | None, long_len: int = 2000, stream: int = 256):
+    """The stream's token times and the long prompt's first token (ms)."""
+    cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
+                          block_size=16, num_blocks=4096, max_model_len=4096,
+                          max_prefill_tokens_while_decoding=cap)
+    eng = SimulatedEngine(
+        cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
+    eng.add_request("s", prompt_ids(32, 0),
+                    SamplingParams(max_tokens=stream, ignore_eos=True))
+    times, arrived, first = [], None, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "s":
+                times.append(eng.now)
+            elif first is None:
+                first = eng.now
+        if arrived is None and len(times) == 16:
+            eng.add_request("L", prompt_ids(long_len, 1),
+                            SamplingParams(max_tokens=16, ignore_eos=True))
+            arrived = eng.now
+    gaps = sorted(b - a for a, b in zip(times[15:], times[16:]))
+    return gaps[len(gaps) // 2], gaps[-1], first - arrived
+
+
+for cap in (None, 32, 64, 128):
+    med, worst, ttft = stall_case(cap)
+    name = "off" if cap is None else cap
+    print(f"cap {name!s:>4}: stream gap median {med:4.0f} ms, largest "
+          f"{worst:5.0f} ms ({worst / med:5.1f}x); long prompt's first "
+          f"token after {ttft / 1000:4.1f} s")
+
+# %% [markdown]
+# The trade, three ways: the stream's largest gap falls from seconds to a few
+# decode steps, the long prompt's first token comes later (its 2,000 tokens
+# now go in short steps that each also carry the decodes and pay `a`), and at
+# saturation there are more steps, each paying `a` again. `bench/stall.py`
+# measures all three on the real engine (same CPU, shared host, so these
+# figures are provisional); `minicb serve`'s default cap is 32 (FIGURES).
 
 # %%
 EXERCISES = [

@@ -69,6 +69,18 @@ def test_stall_free_cap_is_shared_by_ongoing_and_new_prompts():
     assert p == ChunkPlan((1,), (4, 4), (2, 0))
 
 
+def test_stall_free_cap_grows_with_the_decodes():
+    # 32 + 4 per decode: beside one decode 36 prompt tokens, beside ten 72 (the planner docstring's rule)
+    kw = dict(max_num_batched_tokens=2048, max_num_seqs=256, max_prefill_tokens_while_decoding=32,
+              prefill_tokens_per_decode=4)
+    assert plan_chunks(1, [], [2000], **kw) == ChunkPlan((1,), (), (36,))
+    assert plan_chunks(10, [50], [2000], **kw) == ChunkPlan((1,) * 10, (50,), (22,))
+    assert plan_chunks(0, [], [2000], **kw) == ChunkPlan((), (), (2000,))      # no decode: no cap
+    # without a base cap the per-decode part alone does nothing (the cap is off)
+    assert plan_chunks(1, [], [2000], max_num_batched_tokens=2048, max_num_seqs=8,
+                       prefill_tokens_per_decode=4).new == (2000,)
+
+
 def test_stall_free_cap_larger_than_what_is_left_changes_nothing():
     # budget 8, three decodes: 5 tokens left for the prompt, below the cap of 64
     p = plan_chunks(3, [], [20], max_num_batched_tokens=8, max_num_seqs=8,
@@ -135,11 +147,15 @@ def test_token_budget_stall_free_allowance_is_spent_and_not_refunded():
     max_num_seqs=st.integers(1, 12),
     cap=st.one_of(st.none(), st.integers(1, 64)),
     stall=st.one_of(st.none(), st.integers(1, 80)),
+    per_decode=st.integers(0, 5),
 )
-def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget, max_num_seqs, cap, stall):
+def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget, max_num_seqs, cap, stall,
+                                                 per_decode):
     cap = None if cap is None else min(cap, budget)
     p = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                    chunk_cap=cap, max_prefill_tokens_while_decoding=stall)
+                    chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
+                    prefill_tokens_per_decode=per_decode)
+    stall = None if stall is None else stall + per_decode * decodes
     wants = [1] * decodes + prefills + new
     got = list(p.decodes + p.prefills + p.new)
     limit = cap or budget
@@ -159,8 +175,10 @@ def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget,
 @settings(max_examples=examples(60), deadline=None)
 @given(decodes=st.integers(0, 4), prefills=st.lists(st.integers(2, 30), max_size=3),
        new=st.lists(st.integers(1, 30), max_size=4), budget=st.integers(1, 40),
-       cap=st.one_of(st.none(), st.integers(1, 40)), stall=st.one_of(st.none(), st.integers(1, 40)))
-def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new, budget, cap, stall):
+       cap=st.one_of(st.none(), st.integers(1, 40)), stall=st.one_of(st.none(), st.integers(1, 40)),
+       per_decode=st.integers(0, 3))
+def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new, budget, cap, stall,
+                                                         per_decode):
     """Build a scheduler state with ``decodes`` decoding sequences and ``prefills`` half-fed prompts,
     queue ``new`` prompts, and compare one ``schedule()`` with ``plan_chunks`` (slots and blocks
     plentiful, so neither admission limits nor preemption interfere)."""
@@ -188,10 +206,12 @@ def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new,
     for i, n in enumerate(new):
         sched.add(Sequence(f"n{i}", [11] * n, params))
     sched.config = dataclasses.replace(base, max_num_batched_tokens=budget, long_prefill_chunk=cap,
-                                       max_prefill_tokens_while_decoding=stall)
+                                       max_prefill_tokens_while_decoding=stall,
+                                       prefill_tokens_per_decode=per_decode)
     got = {s.request_id: s.num_tokens for s in sched.schedule(1.0).seqs}
     rule = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget,
-                       max_num_seqs=base.max_num_seqs, chunk_cap=cap, max_prefill_tokens_while_decoding=stall)
+                       max_num_seqs=base.max_num_seqs, chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
+                       prefill_tokens_per_decode=per_decode)
     want = ({f"d{i}": g for i, g in enumerate(rule.decodes)}
             | {f"p{i}": g for i, g in enumerate(rule.prefills)}
             | {f"n{i}": g for i, g in enumerate(rule.new)})

@@ -145,6 +145,18 @@ def test_stall_free_caps_prompt_tokens_only_while_a_decode_runs():
                       [("L", 64)], [("L", 12)], [("L", 1)]]
 
 
+def test_stall_free_cap_grows_by_its_share_per_decode():
+    # cap 2 + 3 per decode: beside three decodes a 30-token prompt gets 2 + 3 x 3 = 11 tokens a step
+    sched = Scheduler(cfg(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+                          prefill_tokens_per_decode=3, num_blocks=64))
+    for r in ("d1", "d2", "d3"):
+        sched.add(seq(r, 2, 10))
+    step(sched)
+    sched.add(seq("p", 30, 2, first=4))
+    grants = [[s.num_tokens for s in step(sched)[0].seqs] for _ in range(3)]
+    assert grants == [[1, 1, 1, 11], [1, 1, 1, 11], [1, 1, 1, 8]]
+
+
 def test_stall_free_cap_counts_admissions_and_ongoing_prefills_together():
     # Two decodes run, prompt a (20 tokens) is being fed 4 tokens at a time (long_prefill_chunk), and
     # b, c wait. Cap 6 beside the decodes: a takes 4, b is admitted with the 2 left, c waits behind it.

@@ -18,21 +18,30 @@ reaches a sequence's last token samples.
 
 **Stall-free batching** (Sarathi-Serve's point). Decodes first is not enough: the decodes get their
 tokens, but the step that carries them also carries the prompt chunks that fill the rest of the budget,
-and a step's time grows with its tokens (on a CPU about linearly: a few ms of fixed cost, then about a
-millisecond or two per token for SmolLM2). So a running stream waits for the whole step: one 2,000-token
-chunk beside a decode makes that decode's next token seconds late. ``max_prefill_tokens_while_decoding``
-caps the prompt tokens of a step *that has decodes* (those of 2 and 3 above, together), which keeps the
-step near a decode step's time; a step without decodes gives prompts the whole budget, so a lone long
-prompt is not slowed down::
+and a running stream waits for the whole step: one 2,000-token chunk beside a decode makes that
+decode's next token seconds late on a CPU. So a step *with* ``n`` decodes gives the prompts after them
+(those of 2 and 3 above, together) at most::
 
-    budget 2048, cap 64, one decode and a new 2,000-token prompt:
-        decode  prompt[0:64]                 (1 + 64; the step stays short, the stream flows)
-        ... 31 steps like it, then, the stream finished:
-        prompt[1984:2000]                    (no decode: the whole budget again)
+    max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode        tokens
 
-The price is the long prompt's time to first token (its prompt is spread over more, shorter steps) and,
-at saturation, a few more steps. The cap is a plain number of tokens, so a schedule depends on the
-configuration only, never on a clock; ``LLM()``'s default was measured (``bench/stall.py``).
+and a step without decodes gives prompts the whole budget, so a lone long prompt is not slowed down.
+The two numbers come from a cost model. A step's time is close to ``a + b x tokens`` (``a``: what
+every step pays, reading the weights and the Python around the forward; ``b``: each token's share;
+``bench/stall.py`` fits both). ``n`` decodes alone take ``a + b n``; with ``p`` prompt tokens the step
+takes ``a + b (n + p)``, at most ``k`` times as long while ``p <= (k - 1) (a / b + n)``. So the first
+number is ``(k - 1) a / b`` and the second ``k - 1``: the step stays within ``k`` times the step the
+decodes would have had alone, whether one stream runs or a hundred (a fixed cap would make a full
+server take many more steps to bring its prompts in, each paying ``a``)::
+
+    budget 2048, 32 + 4 per decode, one stream decoding and a new 2,000-token prompt:
+        decode  prompt[0:36]                 (1 + 36: the step stays short, the stream flows)
+        decode  prompt[36:72]                ... and so on while the stream runs; once it has ended:
+        prompt[72:2000]                      (no decode: the whole budget again)
+
+The price is the long prompt's time to first token (its prompt is spread over more, shorter steps, each
+paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a schedule
+depends on the configuration only, never on a clock; ``LLM()``'s defaults were measured
+(``bench/stall.py``).
 
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
 allocation and preemption). The tests state the same rule as one pure function of plain numbers
@@ -40,7 +49,7 @@ allocation and preemption). The tests state the same rule as one pure function o
 
 Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
 ``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``; in a step
-with decodes, the grants after them sum to at most ``max_prefill_tokens_while_decoding``.
+with ``n`` decodes, the grants after them sum to at most the stall-free cap above.
 This module imports no torch.
 """
 
