@@ -36,6 +36,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from minicb.core.config import SchedulerConfig
 from minicb.core.sampling_params import SamplingParams
+from minicb.measure.workloads import make_requests
 from minicb.simulate.simulator import SimulatedEngine
 
 args = flags(__doc__, budget=(8, "tokens per step (max_num_batched_tokens)"),
@@ -191,6 +192,8 @@ print("chunked and unchunked runs give identical tokens: "
 # a step that runs decodes takes at most `max_prefill_tokens_while_decoding`
 # prompt tokens (`--stall-cap` here; all prompts together: ongoing, swapped in
 # and new), and a step without decodes gives prompts the whole budget again.
+# (`prefill_tokens_per_decode` raises the cap by so many tokens per decode in
+# the step; below it is 0, so the cap is the same in every step.)
 
 # %%
 cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
@@ -207,25 +210,33 @@ print(f"C's tokens in the steps with decodes: at most {max(beside)}; "
       "in a step without: up to the budget")
 
 # %% [markdown]
-# What it costs, on a real CPU. A step's time is close to a straight line in
-# its tokens, `a + b x tokens`: `a` is what every step pays (reading the
-# weights once, the Python around the forward), `b` each token's share of the
-# matrix products. `bench/stall.py` fits the line over the steps it runs with
-# SmolLM2-135M in float32 at `minicb serve`'s defaults; on AMD EPYC family 25
-# model 17 (Zen 4, 2 vCPUs, a host shared with other jobs) it printed
-# `step = A_MS ms + B_MS ms x tokens`. The scheduler driven on that clock
-# (`minicb.simulate`'s `SimulatedEngine`, the same scheduler) replays the
-# issue's case: one stream, and after its 16th token a 2,000-token prompt.
+# What should the cap be? A step's time is close to a straight line in its
+# tokens, `a + b x tokens`: `a` is what every step pays (reading the weights
+# once, the Python around the forward), `b` each token's share of the matrix
+# products. `n` decodes alone take `a + b n`; with `p` prompt tokens beside
+# them the step is at most `k` times as long while `p <= (k - 1)(a / b + n)`.
+# So `max_prefill_tokens_while_decoding = (k - 1) a / b` and
+# `prefill_tokens_per_decode = k - 1` keep every step within `k` times the step
+# its decodes would have had alone, one stream or a hundred. `bench/stall.py`
+# fits the line over the steps it runs with SmolLM2-135M in float32 at
+# `minicb serve`'s defaults; on AMD EPYC family 25 model 17 (Zen 4, one torch
+# thread, a host shared with other jobs) it printed
+# `step = A_MS ms + B_MS ms x tokens`. For `k = 5` that is about AB_CAP + 4 per
+# decode; minicb's default is the rounder, stricter 32 + 4. The scheduler driven
+# on that clock (`minicb.simulate`'s `SimulatedEngine`, the same scheduler)
+# replays the issue's case: one stream, and after its 16th token a 2,000-token
+# prompt.
 
 # %%
 A_MS, B_MS = 30.0, 2.0         # bench/stall.py's fit (see above)
 
 
 def stall_case(cap: int | None, long_len: int = 2000, stream: int = 256):
-    """The stream's token times and the long prompt's first token (ms)."""
+    """The stream's median and largest gap, the long prompt's TTFT (ms)."""
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
                           block_size=16, num_blocks=4096, max_model_len=4096,
-                          max_prefill_tokens_while_decoding=cap)
+                          max_prefill_tokens_while_decoding=cap,
+                          prefill_tokens_per_decode=4)
     eng = SimulatedEngine(
         cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
     eng.add_request("s", prompt_ids(32, 0),
@@ -247,18 +258,51 @@ def stall_case(cap: int | None, long_len: int = 2000, stream: int = 256):
 
 for cap in (None, 32, 64, 128):
     med, worst, ttft = stall_case(cap)
-    name = "off" if cap is None else cap
-    print(f"cap {name!s:>4}: stream gap median {med:4.0f} ms, largest "
+    name = "off" if cap is None else f"{cap}+4"
+    print(f"cap {name:>5}: stream gap median {med:4.0f} ms, largest "
           f"{worst:5.0f} ms ({worst / med:5.1f}x); long prompt's first "
           f"token after {ttft / 1000:4.1f} s")
 
 # %% [markdown]
-# The trade, three ways: the stream's largest gap falls from seconds to a few
-# decode steps, the long prompt's first token comes later (its 2,000 tokens
-# now go in short steps that each also carry the decodes and pay `a`), and at
-# saturation there are more steps, each paying `a` again. `bench/stall.py`
-# measures all three on the real engine (same CPU, shared host, so these
-# figures are provisional); `minicb serve`'s default cap is 32 (FIGURES).
+# The stream's largest gap falls from seconds to a few decode steps; the long
+# prompt's first token comes later: its 2,000 tokens now go in short steps that
+# each also pay `a`. The third price is at saturation: 64 requests of W2's
+# shape (ShareGPT lengths, prompts clipped to 256 tokens, outputs divided by 4)
+# all at once. A fixed cap makes the prompts trickle in beside many decodes,
+# in many more steps, each paying `a`; the share per decode lets a full
+# server's steps take more prompt tokens.
+
+# %%
+w2_like = make_requests("sharegpt", 64, rate=float("inf"), max_prompt=256,
+                        output_div=4, max_output=128)
+
+
+def saturation(cap: int | None, per_decode: int) -> tuple[float, int]:
+    """Seconds and steps to serve ``w2_like`` on the ``a + b x tokens`` clock."""
+    cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
+                          block_size=16, num_blocks=4096, max_model_len=4096,
+                          max_prefill_tokens_while_decoding=cap,
+                          prefill_tokens_per_decode=per_decode)
+    eng = SimulatedEngine(
+        cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
+    for r in w2_like:
+        eng.add_request(r.request_id, prompt_ids(r.prompt_len, int(r.request_id[1:])),
+                        SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return eng.now / 1000, eng.stats.num_steps
+
+
+sat = {(cap, r): saturation(cap, r) for cap, r in ((None, 0), (32, 0), (32, 4))}
+for (cap, per_decode), (t, n) in sat.items():
+    name = "off" if cap is None else f"{cap}+{per_decode}"
+    print(f"saturation, cap {name:>4}: {n} steps, {t:5.1f} s, "
+          f"throughput {sat[None, 0][0] / t:.2f}x the uncapped")
+
+# %% [markdown]
+# `bench/stall.py` measures the three on the real engine (same CPU; the host
+# was shared, so its figures are provisional and the script is there to rerun:
+# `python bench/stall.py`, or `--quick`). FIGURES
 
 # %%
 EXERCISES = [

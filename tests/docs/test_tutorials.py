@@ -542,15 +542,16 @@ def test_06_stall_free_section():
     alone = [p.num_batched_tokens for p in d.plans if {s.request_id for s in p.seqs} == {"r2"}]
     assert alone[0] == c["BUDGET"]
     # the cost-model replay, derived by hand: a decode step is a + b; with the cap off the step that
-    # carries the 2,000-token prompt is a + 2001 b; with cap k every such step is a + (1 + k) b, and the
-    # prompt takes ceil(2000 / k) of them, the last with the remainder
+    # carries the 2,000-token prompt is a + 2001 b; with cap C + 4 per decode, beside the one stream every
+    # such step carries k = C + 4 prompt tokens, a + (1 + k) b, and the prompt takes ceil(2000 / k) of
+    # them, the last with the remainder
     a, b = c["A_MS"], c["B_MS"]
     rows = {m[0]: m[1:] for m in re.findall(
-        r"^cap +(\w+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); .* after +([\d.]+) s$",
+        r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); .* after +([\d.]+) s$",
         text, re.M)}
-    assert set(rows) == {"off", "32", "64", "128"}
+    assert set(rows) == {"off", "32+4", "64+4", "128+4"}
     for name, (med, worst, ratio, ttft) in rows.items():
-        k = 2000 if name == "off" else int(name)
+        k = 2000 if name == "off" else int(name.split("+")[0]) + 4
         n, last = -(-2000 // k), 2000 - (-(-2000 // k) - 1) * k
         assert int(med) == round(a + b) and int(worst) == round(a + (1 + k) * b)
         assert float(ratio) == round((a + (1 + k) * b) / (a + b), 1)
