@@ -84,9 +84,9 @@ def test_forced_preemption_is_exact(policy, mode):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_stall_free_schedule_is_exact(mode):
-    """Long prompts arriving beside decodes, the stall-free cap small (3 prompt tokens beside decodes),
-    a pool small enough to preempt: the tokens are the padded baseline's, and the cap did change the
-    schedule (more steps than the same run without it)."""
+    """Long prompts arriving beside decodes, the stall-free cap small (3 prompt tokens beside decodes, or
+    2 + 1 per decode), a pool small enough to preempt: the tokens are the padded baseline's, and the cap
+    did change the schedule (more steps than the same run without it)."""
     import torch
 
     g = torch.Generator().manual_seed(11)
@@ -96,13 +96,15 @@ def test_stall_free_schedule_is_exact(mode):
     model = tiny_model()
     expected = baseline_tokens(model, prompts, params, None)
     steps = {}
-    for stall in (None, 3):
+    for stall, per_decode in ((None, 0), (3, 0), (2, 1)):
         cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_blocks=40,
                               num_host_blocks=30 if mode == "swap" else 0, preemption_mode=mode,
-                              max_prefill_tokens_while_decoding=stall)
+                              max_prefill_tokens_while_decoding=stall,
+                              prefill_tokens_per_decode=per_decode)
         outs, eng = run_engine(model, cfg, prompts, params, arrivals)
         assert [o.token_ids for o in outs] == expected, stall
-        steps[stall] = eng.scheduler.stats.num_steps
+        steps[stall, per_decode] = eng.scheduler.stats.num_steps
         if stall:
             assert eng.scheduler.stats.num_preemptions > 0      # the pool was tight
-    assert steps[3] > steps[None], steps           # the prompts took more, shorter steps beside the decodes
+    # the prompts took more, shorter steps beside the decodes
+    assert steps[3, 0] > steps[None, 0] and steps[2, 1] > steps[None, 0], steps
