@@ -278,16 +278,17 @@ w2_like = make_requests("sharegpt", 64, rate=float("inf"), max_prompt=256,
 
 
 def saturation(cap: int | None, per_decode: int) -> tuple[float, int]:
-    """Seconds and steps to serve ``w2_like`` on the ``a + b x tokens`` clock."""
+    """Seconds and steps to serve ``w2_like`` on the a + b x tokens clock."""
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
                           block_size=16, num_blocks=4096, max_model_len=4096,
                           max_prefill_tokens_while_decoding=cap,
                           prefill_tokens_per_decode=per_decode)
     eng = SimulatedEngine(
         cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
-    for r in w2_like:
-        eng.add_request(r.request_id, prompt_ids(r.prompt_len, int(r.request_id[1:])),
-                        SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+    for k, r in enumerate(w2_like):
+        eng.add_request(r.request_id, prompt_ids(r.prompt_len, k),
+                        SamplingParams(max_tokens=r.output_len,
+                                       ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
     return eng.now / 1000, eng.stats.num_steps

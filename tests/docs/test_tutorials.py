@@ -547,7 +547,8 @@ def test_06_stall_free_section():
     # them, the last with the remainder
     a, b = c["A_MS"], c["B_MS"]
     rows = {m[0]: m[1:] for m in re.findall(
-        r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); .* after +([\d.]+) s$",
+        r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); "
+        r".* after +([\d.]+) s$",
         text, re.M)}
     assert set(rows) == {"off", "32+4", "64+4", "128+4"}
     for name, (med, worst, ratio, ttft) in rows.items():
