@@ -1,8 +1,8 @@
 """Stall-free batching: does a long prompt freeze the streams that are running? (issue 47)
 
-    python bench/stall.py                    # cap off and LLM()'s (32 + 4 per decode), 3 rounds, + W2
-    python bench/stall.py --quick            # 1 round, a shorter stream, no W2 (a few minutes)
-    python bench/stall.py --caps 0,32+4,32+0,64+0 --rounds 2    # C+R: C tokens + R per decode
+    python bench/stall.py                    # cap off and LLM()'s (8 + 4 per decode), 3 rounds, + W2
+    python bench/stall.py --quick            # 1 round, no W2 (a few minutes)
+    python bench/stall.py --caps 0,8+4,16+4,16+0 --rounds 2    # C+R: C tokens + R per decode
     python bench/stall.py --threads 1        # one torch thread (default: torch's choice, as serve's)
     python bench/stall.py --threads 1 --clock cpu   # on a shared host: CPU seconds, not wall seconds
 
@@ -14,13 +14,16 @@ alone keeps ``LLM()``'s ``R``; 0: no cap, the behaviour before issue 47). The en
 process, as the server's engine thread steps it, and a token's time is when ``step()`` hands it out (the
 server then only sends it).
 
-**The stall.** A stream (a 32-token prompt, EOS ignored) decodes; once it has 16 tokens, a 2,000-token
-prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per run: the
-stream's median gap between tokens, its largest gap and their ratio (the issue's bar: at most 5x), and the
-long prompt's time to first token (TTFT, from its arrival). Then a cost model fitted over all the steps
-of the runs, step time = a + b x tokens, and the cap that keeps a step with ``n`` decodes within 5x their
-own step by that model, ``(5 - 1) (a / b + n)`` prompt tokens, i.e. ``C+R = 4a/b + 4``
-(``minicb.core.planner`` derives it): what the defaults were chosen from (``C`` with a margin).
+**The stall.** A stream (a 32-token prompt, 640 tokens, EOS ignored) decodes; once it has 16 tokens, a
+2,000-token prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per
+run: the stream's median gap between tokens, its largest gap and their ratio (the issue's bar: at most
+5x), and the long prompt's time to first token (TTFT, from its arrival); in the summary also the median
+step that carries a chunk of the prompt's last quarter (its tokens attend to the most keys: the
+costliest chunks, and with a cap the steps that make the largest gaps). Then a cost model fitted over
+all the steps of the runs, step time = a + b x tokens, and the cap that keeps a step with ``n`` decodes
+within 5x their own step by that model, ``(5 - 1) (a / b + n)`` prompt tokens, i.e. ``C+R = 4a/b + 4``
+(``minicb.core.planner`` derives it): what the defaults were chosen from, ``C`` with a margin for the
+late chunks, which cost more than ``b`` a token.
 
 **The price at saturation** (``--w2``, on by default without ``--quick``): W2 (``bench/workloads.py``,
 64 requests, EOS ignored) through ``llm.generate`` with each cap, the caps alternating round by round,
@@ -61,14 +64,21 @@ def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int 
     stream = SamplingParams(max_tokens=stream_tokens, ignore_eos=True)
     eng.add_request(f"s{seed}", random_ids(rng, 32), stream)
     long_ids = random_ids(rng, long_len)
-    times, steps, arrived, first, total0 = [], [], None, None, eng.stats.num_batched_tokens
+    times, steps, late, arrived, first = [], [], [], None, None
+    total0 = eng.stats.num_batched_tokens
     while eng.has_unfinished_requests():
+        long_seq = eng.scheduler.get(f"L{seed}")
+        # a chunk of the prompt's last quarter: each of its tokens attends to the most keys
+        is_late = long_seq is not None and 4 * long_seq.num_computed_tokens >= 3 * long_len \
+            and long_seq.num_computed_tokens < long_len
         t0 = CLOCK[0]()
         outs = eng.step()
         now = CLOCK[0]()
         done = eng.stats.num_batched_tokens
         steps.append((done - total0, now - t0))                  # (tokens computed, seconds) of the step
         total0 = done
+        if is_late:
+            late.append(now - t0)
         for o in outs:
             if o.request_id.startswith("s") and o.new_token_ids:
                 times.append(now)
@@ -80,7 +90,7 @@ def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int 
     gaps = np.diff(times[lead - 1:])                              # from the token before the arrival on
     med = float(np.median(gaps))
     return {"median": med, "largest": float(gaps.max()), "ratio": float(gaps.max()) / med,
-            "ttft": first - arrived, "steps": steps}
+            "ttft": first - arrived, "steps": steps, "late": float(np.median(late))}
 
 
 def fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
@@ -135,16 +145,18 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default: 0,{default}, off and LLM()'s)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each cap, alternating (default 3)")
     ap.add_argument("--long", type=int, default=2000, help="tokens of the long prompt (default 2000)")
-    ap.add_argument("--stream-tokens", type=int, default=256, help="tokens the stream asks for (default 256)")
+    ap.add_argument("--stream-tokens", type=int, default=640,
+                    help="tokens the stream asks for (default 640: most of its gaps are plain decode steps, "
+                         "so its median is one even when a small cap spreads the prompt over 170 steps)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's choice)")
     ap.add_argument("--w2", action=argparse.BooleanOptionalAction, default=None,
                     help="also W2's saturation throughput per cap (default: on, off with --quick)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall (default) or cpu: the process's CPU time (with --threads 1 on a shared host)")
-    ap.add_argument("--quick", action="store_true", help="1 round, a 160-token stream, no W2")
+    ap.add_argument("--quick", action="store_true", help="1 round, no W2")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.stream_tokens = 1, min(args.stream_tokens, 160)
+        args.rounds = 1
     run_w2 = not args.quick if args.w2 is None else args.w2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label(c):8s} largest gap / median {spread([x['ratio'] for x in rs], '.1f')}x, "
               f"median gap {spread([x['median'] * 1e3 for x in rs], '.1f')} ms, "
               f"largest {spread([x['largest'] * 1e3 for x in rs], '.0f')} ms, "
-              f"long-prompt TTFT {spread([x['ttft'] for x in rs], '.2f')} s")
+              f"long-prompt TTFT {spread([x['ttft'] for x in rs], '.2f')} s, "
+              f"a step of its last quarter {spread([x['late'] * 1e3 for x in rs], '.0f')} ms")
     a, b = fit([s for rs in res.values() for x in rs for s in x["steps"]])
     k = RATIO_BAR - 1
     print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens (a / b = "

@@ -208,6 +208,11 @@ beside = [sum(s.num_tokens for s in p.seqs if s.request_id == "C")
           if any(s.request_id in "ab" for s in p.seqs)]
 print(f"C's tokens in the steps with decodes: at most {max(beside)}; "
       "in a step without: up to the budget")
+stall_first = next(p.step for p in stall_plans for s in p.seqs
+                   if s.request_id == "C"
+                   and s.start_pos + s.num_tokens == C_PROMPT)
+print(f"stall-free: C's first token at step {stall_first} "
+      f"(chunked: {c_chunks[-1][0]})")
 
 # %% [markdown]
 # What should the cap be? A step's time is close to a straight line in its
@@ -219,19 +224,20 @@ print(f"C's tokens in the steps with decodes: at most {max(beside)}; "
 # `prefill_tokens_per_decode = k - 1` keep every step within `k` times the step
 # its decodes would have had alone, one stream or a hundred. `bench/stall.py`
 # fits the line over the steps it runs with SmolLM2-135M in float32 at
-# `minicb serve`'s defaults; on AMD EPYC family 25 model 17 (Zen 4, one torch
-# thread, a host shared with other jobs) it printed
-# `step = A_MS ms + B_MS ms x tokens`. For `k = 5` that is about AB_CAP + 4 per
-# decode; minicb's default is the rounder, stricter 32 + 4. The scheduler driven
-# on that clock (`minicb.simulate`'s `SimulatedEngine`, the same scheduler)
-# replays the issue's case: one stream, and after its 16th token a 2,000-token
-# prompt.
+# `minicb serve`'s defaults; on AMD EPYC family 25 model 17 (Zen 4), one torch
+# thread, timed in CPU seconds (`--threads 1 --clock cpu`: the host was shared)
+# it printed `step = 15.1 ms + 3.49 ms x tokens`: for `k = 5`, 17 + 4 per
+# decode. minicb's default is 8 + 4: a chunk late in a long prompt costs more
+# than `b` (its tokens attend to up to 2,000 keys), and the cap must hold for
+# the costliest chunk. The scheduler driven on that clock (`minicb.simulate`'s
+# `SimulatedEngine`, the same scheduler) replays the issue's case: one stream,
+# and after its 16th token a 2,000-token prompt.
 
 # %%
-A_MS, B_MS = 30.0, 2.0         # bench/stall.py's fit (see above)
+A_MS, B_MS = 15.1, 3.49        # bench/stall.py's fit (see above)
 
 
-def stall_case(cap: int | None, long_len: int = 2000, stream: int = 256):
+def stall_case(cap: int | None, long_len: int = 2000, stream: int = 640):
     """The stream's median and largest gap, the long prompt's TTFT (ms)."""
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
                           block_size=16, num_blocks=4096, max_model_len=4096,
@@ -256,7 +262,7 @@ def stall_case(cap: int | None, long_len: int = 2000, stream: int = 256):
     return gaps[len(gaps) // 2], gaps[-1], first - arrived
 
 
-for cap in (None, 32, 64, 128):
+for cap in (None, 8, 16, 32):
     med, worst, ttft = stall_case(cap)
     name = "off" if cap is None else f"{cap}+4"
     print(f"cap {name:>5}: stream gap median {med:4.0f} ms, largest "
@@ -294,7 +300,7 @@ def saturation(cap: int | None, per_decode: int) -> tuple[float, int]:
     return eng.now / 1000, eng.stats.num_steps
 
 
-sat = {(cap, r): saturation(cap, r) for cap, r in ((None, 0), (32, 0), (32, 4))}
+sat = {(cap, r): saturation(cap, r) for cap, r in ((None, 0), (8, 0), (8, 4))}
 for (cap, per_decode), (t, n) in sat.items():
     name = "off" if cap is None else f"{cap}+{per_decode}"
     print(f"saturation, cap {name:>4}: {n} steps, {t:5.1f} s, "
@@ -323,4 +329,12 @@ EXERCISES = [
         "C gets what the two decodes leave of each step's 16 tokens, so two "
         "chunks are enough. A budget is a dial between the latency of new "
         "requests (first token) and of running ones (the next token)."),
+    Exercise(
+        "--stall-cap 4",
+        "With a stall-free cap of 4, how many of C's tokens go in beside the "
+        "decodes, and when does its first token come?",
+        r"^(C's tokens in the steps|stall-free: C's first token)",
+        "Four a step: the budget of 8 would allow 6, the cap allows 4, so C's "
+        "20 tokens take five steps instead of four. The cap is the same dial "
+        "as the budget, turned only while someone is decoding."),
 ]

@@ -527,6 +527,12 @@ def test_06_chunked_prefill():
     assert value(text, r"identical tokens: (\w+)") is True
 
 
+def last_chunk_step(d: Drive) -> int:
+    """The step of C's (r2's) last prompt chunk: the one that samples its first token."""
+    return next(p.step for p in d.plans for s in p.seqs
+                if s.request_id == "r2" and s.start_pos + s.num_tokens == 20)
+
+
 def test_06_stall_free_section():
     text, c = out("06_chunked_prefill.py"), const("06_chunked_prefill.py")
     d = Drive(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=c["BUDGET"], block_size=4, num_blocks=64,
@@ -539,6 +545,8 @@ def test_06_stall_free_section():
     beside = [sum(s.num_tokens for s in p.seqs if s.request_id == "r2") for p in d.plans
               if {"r0", "r1"} & {s.request_id for s in p.seqs}]
     assert max(beside) == c["STALL_CAP"] == value(text, r"steps with decodes: at most (\d+)")
+    first = last_chunk_step(d)
+    assert value(text, r"stall-free: C's first token at step (\d+)") == first
     alone = [p.num_batched_tokens for p in d.plans if {s.request_id for s in p.seqs} == {"r2"}]
     assert alone[0] == c["BUDGET"]
     # the cost-model replay, derived by hand: a decode step is a + b; with the cap off the step that
@@ -550,13 +558,27 @@ def test_06_stall_free_section():
         r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); "
         r".* after +([\d.]+) s$",
         text, re.M)}
-    assert set(rows) == {"off", "32+4", "64+4", "128+4"}
+    assert set(rows) == {"off", "8+4", "16+4", "32+4"}
     for name, (med, worst, ratio, ttft) in rows.items():
         k = 2000 if name == "off" else int(name.split("+")[0]) + 4
         n, last = -(-2000 // k), 2000 - (-(-2000 // k) - 1) * k
         assert int(med) == round(a + b) and int(worst) == round(a + (1 + k) * b)
         assert float(ratio) == round((a + (1 + k) * b) / (a + b), 1)
         assert float(ttft) == round(((n - 1) * (a + (1 + k) * b) + a + (1 + last) * b) / 1000, 1)
+
+
+def check_06_stall_cap_4(answer, text):
+    c = const("06_chunked_prefill.py")
+    d = Drive(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=c["BUDGET"], block_size=4, num_blocks=64,
+                              max_prefill_tokens_while_decoding=4), [(p, o) for _, p, o in c["REQUESTS"]],
+              c["ARRIVALS"])
+    chunks = [s.num_tokens for p in d.plans for s in p.seqs if s.request_id == "r2" and s.start_pos < 20]
+    assert chunks == [4] * 5                      # 20 tokens, 4 a step beside a and b (the budget allows 6)
+    last = last_chunk_step(d)
+    _, plain = chunk_drive(c["BUDGET"])
+    assert answer.splitlines() == [
+        "C's tokens in the steps with decodes: at most 4; in a step without: up to the budget",
+        f"stall-free: C's first token at step {last} (chunked: {plain[-1][0]})"]
 
 
 def check_06_budget_4(answer, text):

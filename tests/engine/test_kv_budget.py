@@ -45,7 +45,7 @@ def test_llm_defaults():
     model = tiny_model()
     cfg = LLM(model).engine.config
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_tokens_while_decoding,
-            cfg.prefill_tokens_per_decode) == (256, 2048, 32, 4) == tuple(FAST_DEFAULTS.values())
+            cfg.prefill_tokens_per_decode) == (256, 2048, 8, 4) == tuple(FAST_DEFAULTS.values())
     # stall-free batching: 0 turns the default cap off; the padded policies have none
     off = LLM(model, max_prefill_tokens_while_decoding=0).engine.config
     assert off.max_prefill_tokens_while_decoding is None

@@ -18,8 +18,8 @@ at most ``max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode`` to
 which the decodes wait for, stays short; with no decode running, prompts get the whole budget
 (``planner``'s docstring explains the two numbers)::
 
-    32 + 4 per decode, budget 2048:   A decode (1)   B prompt[0:36]      37 tokens: A's next token soon
-                          A ends:     B prompt[36:2000]                   no decode: the whole budget
+    8 + 4 per decode, budget 2048:    A decode (1)   B prompt[0:12]      13 tokens: A's next token soon
+                          A ends:     B prompt[12:2000]                   no decode: the whole budget
 
 Running before swapped (as in vLLM v0) means a step never both swaps a sequence in and out, and a
 host block freed by a swap-in is never the target of a swap-out in the same step. Finished sequences

@@ -33,10 +33,10 @@ number is ``(k - 1) a / b`` and the second ``k - 1``: the step stays within ``k`
 decodes would have had alone, whether one stream runs or a hundred (a fixed cap would make a full
 server take many more steps to bring its prompts in, each paying ``a``)::
 
-    budget 2048, 32 + 4 per decode, one stream decoding and a new 2,000-token prompt:
-        decode  prompt[0:36]                 (1 + 36: the step stays short, the stream flows)
-        decode  prompt[36:72]                ... and so on while the stream runs; once it has ended:
-        prompt[72:2000]                      (no decode: the whole budget again)
+    budget 2048, 8 + 4 per decode, one stream decoding and a new 2,000-token prompt:
+        decode  prompt[0:12]                 (1 + 12: the step stays short, the stream flows)
+        decode  prompt[12:24]                ... and so on while the stream runs; once it has ended:
+        prompt[24:2000]                      (no decode: the whole budget again)
 
 The price is the long prompt's time to first token (its prompt is spread over more, shorter steps, each
 paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a schedule
