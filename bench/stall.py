@@ -90,7 +90,7 @@ def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int 
     gaps = np.diff(times[lead - 1:])                              # from the token before the arrival on
     med = float(np.median(gaps))
     return {"median": med, "largest": float(gaps.max()), "ratio": float(gaps.max()) / med,
-            "ttft": first - arrived, "steps": steps, "late": float(np.median(late))}
+            "ttft": first - arrived, "steps": steps, "late": float(np.median(late)) if late else float("nan")}
 
 
 def fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
