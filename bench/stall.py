@@ -66,18 +66,18 @@ def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int 
     long_ids = random_ids(rng, long_len)
     times, steps, late, arrived, first = [], [], [], None, None
     total0 = eng.stats.num_batched_tokens
+    plans = []
+    stop_listening = eng.listen(on_step=lambda ev: plans.append(ev.plan))
     while eng.has_unfinished_requests():
-        long_seq = eng.scheduler.get(f"L{seed}")
-        # a chunk of the prompt's last quarter: each of its tokens attends to the most keys
-        is_late = long_seq is not None and 4 * long_seq.num_computed_tokens >= 3 * long_len \
-            and long_seq.num_computed_tokens < long_len
         t0 = CLOCK[0]()
         outs = eng.step()
         now = CLOCK[0]()
         done = eng.stats.num_batched_tokens
         steps.append((done - total0, now - t0))                  # (tokens computed, seconds) of the step
         total0 = done
-        if is_late:
+        # a chunk of the prompt's last quarter: each of its tokens attends to the most keys
+        if any(s.request_id == f"L{seed}" and 3 * long_len <= 4 * s.start_pos < 4 * long_len
+               for s in plans[-1].seqs):
             late.append(now - t0)
         for o in outs:
             if o.request_id.startswith("s") and o.new_token_ids:
@@ -87,6 +87,7 @@ def stall_run(llm: LLM, seed: int, long_len: int, stream_tokens: int, lead: int 
         if arrived is None and len(times) >= lead:
             eng.add_request(f"L{seed}", long_ids, SamplingParams(max_tokens=16, ignore_eos=True))
             arrived = CLOCK[0]()
+    stop_listening()
     gaps = np.diff(times[lead - 1:])                              # from the token before the arrival on
     med = float(np.median(gaps))
     return {"median": med, "largest": float(gaps.max()), "ratio": float(gaps.max()) / med,
@@ -184,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsummary, median (range) over {args.rounds} round(s):")
     for c in caps:
         rs = res[c]
+        late = [x["late"] * 1e3 for x in rs if x["late"] == x["late"]]    # nan: no chunk in its last quarter
         print(f"  {label(c):8s} largest gap / median {spread([x['ratio'] for x in rs], '.1f')}x, "
               f"median gap {spread([x['median'] * 1e3 for x in rs], '.1f')} ms, "
               f"largest {spread([x['largest'] * 1e3 for x in rs], '.0f')} ms, "
               f"long-prompt TTFT {spread([x['ttft'] for x in rs], '.2f')} s, "
-              f"a step of its last quarter {spread([x['late'] * 1e3 for x in rs], '.0f')} ms")
+              "a step of its last quarter " + (f"{spread(late, '.0f')} ms" if late else "- (one chunk)"))
     a, b = fit([s for rs in res.values() for x in rs for s in x["steps"]])
     k = RATIO_BAR - 1
     print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens (a / b = "
