@@ -312,11 +312,11 @@ for (cap, per_decode), (t, n) in sat.items():
 # 0,8+4,16+4 --threads 1 --clock cpu`; the host was shared, so the figures are
 # provisional, and the script is there to rerun, `--quick` for one round):
 #
-# | cap | stream's largest gap / median | long prompt's TTFT | W2 at saturation |
+# | cap | largest gap / median | long prompt's TTFT | W2, tokens/s |
 # |---|---|---|---|
-# | off | 326-340x (6.8-7.0 s) | 6.8-7.0 s | 161.6-162.6 tok/s |
-# | 8 + 4 (default) | 3.2-3.7x (74-81 ms) | 9.1-9.3 s | 160.4-161.3 tok/s (0.99x) |
-# | 16 + 4 | 5.3-5.9x (109-131 ms) | 8.1-8.6 s | 158.6-160.6 tok/s (0.98x) |
+# | off | 326-340x (6.8-7.0 s) | 6.8-7.0 s | 161.6-162.6 |
+# | 8 + 4 (default) | 3.2-3.7x (74-81 ms) | 9.1-9.3 s | 160.4-161.3 (0.99x) |
+# | 16 + 4 | 5.3-5.9x (109-131 ms) | 8.1-8.6 s | 158.6-160.6 (0.98x) |
 #
 # The real chunks late in the prompt cost more than the straight line says (68
 # ms a step with 8 + 4, against the model's 62): their tokens attend to up to
@@ -340,12 +340,4 @@ EXERCISES = [
         "C gets what the two decodes leave of each step's 16 tokens, so two "
         "chunks are enough. A budget is a dial between the latency of new "
         "requests (first token) and of running ones (the next token)."),
-    Exercise(
-        "--stall-cap 4",
-        "With a stall-free cap of 4, how many of C's tokens go in beside the "
-        "decodes, and when does its first token come?",
-        r"^(C's tokens in the steps|stall-free: C's first token)",
-        "Four a step: the budget of 8 would allow 6, the cap allows 4, so C's "
-        "20 tokens take five steps instead of four. The cap is the same dial "
-        "as the budget, turned only while someone is decoding."),
 ]

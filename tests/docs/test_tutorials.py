@@ -567,20 +567,6 @@ def test_06_stall_free_section():
         assert float(ttft) == round(((n - 1) * (a + (1 + k) * b) + a + (1 + last) * b) / 1000, 1)
 
 
-def check_06_stall_cap_4(answer, text):
-    c = const("06_chunked_prefill.py")
-    d = Drive(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=c["BUDGET"], block_size=4, num_blocks=64,
-                              max_prefill_tokens_while_decoding=4), [(p, o) for _, p, o in c["REQUESTS"]],
-              c["ARRIVALS"])
-    chunks = [s.num_tokens for p in d.plans for s in p.seqs if s.request_id == "r2" and s.start_pos < 20]
-    assert chunks == [4] * 5                      # 20 tokens, 4 a step beside a and b (the budget allows 6)
-    last = last_chunk_step(d)
-    _, plain = chunk_drive(c["BUDGET"])
-    assert answer.splitlines() == [
-        "C's tokens in the steps with decodes: at most 4; in a step without: up to the budget",
-        f"stall-free: C's first token at step {last} (chunked: {plain[-1][0]})"]
-
-
 def check_06_budget_4(answer, text):
     assert answer.splitlines() == chunk_lines(4)
     _, chunks = chunk_drive(4)
