@@ -303,7 +303,7 @@ ANNOTATED = [
      ["05_step_loop", "06_chunked_prefill", "07_preemption"],
      ["tests/core/test_scheduler.py", "tests/core/test_scheduler_statemachine.py",
       "tests/engine/test_equivalence.py"],
-     ["ContinuousPolicy.schedule", "ContinuousPolicy._schedule_running",
+     ["ContinuousPolicy.schedule", "ContinuousPolicy._schedule_running", "ContinuousPolicy._grant",
       "ContinuousPolicy._make_room", "ContinuousPolicy._preempt", "ContinuousPolicy._schedule_swapped",
       "ContinuousPolicy._schedule_waiting", "Scheduler.admit", "Scheduler.resume", "Scheduler.preempt"]),
     ("order_and_budget", "Running order, the victim, the token budget",

@@ -119,7 +119,8 @@ def test_scheduler_limits_and_their_lowest_values(name, lo):
 
 
 @pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-                                  "num_host_blocks", "max_model_len", "priority_aging", "long_prefill_chunk"])
+                                  "num_host_blocks", "max_model_len", "priority_aging", "long_prefill_chunk",
+                                  "max_prefill_tokens_while_decoding"])
 @pytest.mark.parametrize("bad", [2.5, "4", True])
 def test_every_limit_must_be_an_integer(name, bad):
     with pytest.raises(InvalidArgument, match=name):
@@ -140,6 +141,22 @@ def test_the_prefill_chunk_lies_between_one_and_the_step_budget():
     for bad in (0, 65):
         with pytest.raises(InvalidArgument, match="long_prefill_chunk"):
             SchedulerConfig(max_num_batched_tokens=64, long_prefill_chunk=bad)
+
+
+def test_the_stall_free_cap_is_a_positive_count_and_zero_turns_it_off():
+    import numpy as np
+
+    assert SchedulerConfig().max_prefill_tokens_while_decoding is None              # off unless asked
+    assert SchedulerConfig(max_prefill_tokens_while_decoding=0).max_prefill_tokens_while_decoding is None
+    c = SchedulerConfig(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=np.int64(100))
+    assert c.max_prefill_tokens_while_decoding == 100       # above the budget: allowed (the budget binds)
+    assert type(c.max_prefill_tokens_while_decoding) is int
+    with pytest.raises(InvalidArgument, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=-1)
+    assert SchedulerConfig(prefill_tokens_per_decode=np.int32(4)).prefill_tokens_per_decode == 4
+    for bad in (-1, 1.5, None):
+        with pytest.raises(InvalidArgument, match="prefill_tokens_per_decode"):
+            SchedulerConfig(prefill_tokens_per_decode=bad)
 
 
 @pytest.mark.parametrize("name, good, bad", [

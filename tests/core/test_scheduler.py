@@ -132,6 +132,49 @@ def test_long_prefill_chunk_caps_each_prompt():
     ]
 
 
+def test_stall_free_caps_prompt_tokens_only_while_a_decode_runs():
+    # d decodes (4 tokens: sampled at steps 0..3); the 100-token prompt L arrives after step 0. Beside
+    # d's decode L gets 8 tokens a step (cap 8); once d has finished, the whole budget of 64, then the rest.
+    sched = Scheduler(cfg(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8, num_blocks=64))
+    sched.add(seq("d", 3, 4))
+    shapes = [[(s.request_id, s.num_tokens) for s in step(sched)[0].seqs]]
+    sched.add(seq("L", 100, 2, first=5))
+    drain_scheduler(sched, on_plan=lambda p: shapes.append([(s.request_id, s.num_tokens) for s in p.seqs]))
+    assert shapes == [[("d", 3)],
+                      [("d", 1), ("L", 8)], [("d", 1), ("L", 8)], [("d", 1), ("L", 8)],
+                      [("L", 64)], [("L", 12)], [("L", 1)]]
+
+
+def test_stall_free_cap_grows_by_its_share_per_decode():
+    # cap 2 + 3 per decode: beside three decodes a 30-token prompt gets 2 + 3 x 3 = 11 tokens a step
+    sched = Scheduler(cfg(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+                          prefill_tokens_per_decode=3, num_blocks=64))
+    for r in ("d1", "d2", "d3"):
+        sched.add(seq(r, 2, 10))
+    step(sched)
+    sched.add(seq("p", 30, 2, first=4))
+    grants = [[s.num_tokens for s in step(sched)[0].seqs] for _ in range(3)]
+    assert grants == [[1, 1, 1, 11], [1, 1, 1, 11], [1, 1, 1, 8]]
+
+
+def test_stall_free_cap_counts_admissions_and_ongoing_prefills_together():
+    # Two decodes run, prompt a (20 tokens) is being fed 4 tokens at a time (long_prefill_chunk), and
+    # b, c wait. Cap 6 beside the decodes: a takes 4, b is admitted with the 2 left, c waits behind it.
+    sched = Scheduler(cfg(max_num_seqs=6, max_num_batched_tokens=64, long_prefill_chunk=4, num_blocks=64,
+                          max_prefill_tokens_while_decoding=6))
+    for r in ("d1", "d2"):
+        sched.add(seq(r, 2, 10))
+    sched.add(seq("a", 20, 2, first=3))
+    plan, _ = step(sched)                  # nothing decodes yet: no cap (2 + 2 + 4)
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("d1", 2), ("d2", 2), ("a", 4)]
+    sched.add(seq("b", 9, 2, first=7))
+    sched.add(seq("c", 3, 2, first=9))
+    for _ in range(2):
+        plan, _ = step(sched)
+        assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("d1", 1), ("d2", 1), ("a", 4), ("b", 2)]
+        assert [q.request_id for q in sched.waiting] == ["c"]
+
+
 def test_admission_stops_at_the_first_request_that_does_not_fit():
     sched = Scheduler(cfg(max_num_seqs=4, block_size=4, num_blocks=4))
     sched.add(seq("a", 8, 4))

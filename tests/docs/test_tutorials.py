@@ -527,6 +527,46 @@ def test_06_chunked_prefill():
     assert value(text, r"identical tokens: (\w+)") is True
 
 
+def last_chunk_step(d: Drive) -> int:
+    """The step of C's (r2's) last prompt chunk: the one that samples its first token."""
+    return next(p.step for p in d.plans for s in p.seqs
+                if s.request_id == "r2" and s.start_pos + s.num_tokens == 20)
+
+
+def test_06_stall_free_section():
+    text, c = out("06_chunked_prefill.py"), const("06_chunked_prefill.py")
+    d = Drive(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=c["BUDGET"], block_size=4, num_blocks=64,
+                              max_prefill_tokens_while_decoding=c["STALL_CAP"]),
+              [(p, o) for _, p, o in c["REQUESTS"]], c["ARRIVALS"])
+    stall = text.split("stall-free: max_num_batched_tokens")[1]
+    shown = [int(t) for t in re.findall(r"^  step +\d+ \|.*\| +(\d+) tokens$", stall, re.M)]
+    assert shown == [p.num_batched_tokens for p in d.plans][:len(shown)] and len(shown) == 14
+    # beside a or b, C gets at most the cap; once both have ended, the whole budget
+    beside = [sum(s.num_tokens for s in p.seqs if s.request_id == "r2") for p in d.plans
+              if {"r0", "r1"} & {s.request_id for s in p.seqs}]
+    assert max(beside) == c["STALL_CAP"] == value(text, r"steps with decodes: at most (\d+)")
+    first = last_chunk_step(d)
+    assert value(text, r"stall-free: C's first token at step (\d+)") == first
+    alone = [p.num_batched_tokens for p in d.plans if {s.request_id for s in p.seqs} == {"r2"}]
+    assert alone[0] == c["BUDGET"]
+    # the cost-model replay, derived by hand: a decode step is a + b; with the cap off the step that
+    # carries the 2,000-token prompt is a + 2001 b; with cap C + 4 per decode, beside the one stream every
+    # such step carries k = C + 4 prompt tokens, a + (1 + k) b, and the prompt takes ceil(2000 / k) of
+    # them, the last with the remainder
+    a, b = c["A_MS"], c["B_MS"]
+    rows = {m[0]: m[1:] for m in re.findall(
+        r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); "
+        r".* after +([\d.]+) s$",
+        text, re.M)}
+    assert set(rows) == {"off", "8+4", "16+4", "32+4"}
+    for name, (med, worst, ratio, ttft) in rows.items():
+        k = 2000 if name == "off" else int(name.split("+")[0]) + 4
+        n, last = -(-2000 // k), 2000 - (-(-2000 // k) - 1) * k
+        assert int(med) == round(a + b) and int(worst) == round(a + (1 + k) * b)
+        assert float(ratio) == round((a + (1 + k) * b) / (a + b), 1)
+        assert float(ttft) == round(((n - 1) * (a + (1 + k) * b) + a + (1 + last) * b) / 1000, 1)
+
+
 def check_06_budget_4(answer, text):
     assert answer.splitlines() == chunk_lines(4)
     _, chunks = chunk_drive(4)

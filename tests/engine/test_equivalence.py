@@ -80,3 +80,31 @@ def test_forced_preemption_is_exact(policy, mode):
     assert [o.token_ids for o in outs] == baseline_tokens(model, prompts, params, None)
     if policy == "continuous":
         assert eng.scheduler.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_stall_free_schedule_is_exact(mode):
+    """Long prompts arriving beside decodes, the stall-free cap small (3 prompt tokens beside decodes, or
+    2 + 1 per decode), a pool small enough to preempt: the tokens are the padded baseline's, and the cap
+    did change the schedule (more steps than the same run without it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, 61, (int(n),), generator=g).tolist() for n in [3, 5, 90, 4, 70, 120, 6, 40]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    arrivals = [0, 0, 2, 3, 5, 5, 8, 9]
+    model = tiny_model()
+    expected = baseline_tokens(model, prompts, params, None)
+    steps = {}
+    for stall, per_decode in ((None, 0), (3, 0), (2, 1)):
+        cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_blocks=40,
+                              num_host_blocks=30 if mode == "swap" else 0, preemption_mode=mode,
+                              max_prefill_tokens_while_decoding=stall,
+                              prefill_tokens_per_decode=per_decode)
+        outs, eng = run_engine(model, cfg, prompts, params, arrivals)
+        assert [o.token_ids for o in outs] == expected, stall
+        steps[stall, per_decode] = eng.scheduler.stats.num_steps
+        if stall:
+            assert eng.scheduler.stats.num_preemptions > 0      # the pool was tight
+    # the prompts took more, shorter steps beside the decodes
+    assert steps[3, 0] > steps[None, 0] and steps[2, 1] > steps[None, 0], steps

@@ -44,7 +44,12 @@ def test_num_blocks():
 def test_llm_defaults():
     model = tiny_model()
     cfg = LLM(model).engine.config
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 2048) == tuple(FAST_DEFAULTS.values())
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_tokens_while_decoding,
+            cfg.prefill_tokens_per_decode) == (256, 2048, 8, 4) == tuple(FAST_DEFAULTS.values())
+    # stall-free batching: 0 turns the default cap off; the padded policies have none
+    off = LLM(model, max_prefill_tokens_while_decoding=0).engine.config
+    assert off.max_prefill_tokens_while_decoding is None
+    assert LLM(model, policy="dynamic").engine.config.max_prefill_tokens_while_decoding is None
     assert cfg.num_blocks == num_blocks_for(TINY, block_size=16, dtype_size=8, max_num_seqs=256,
                                             max_model_len=cfg.max_model_len)
     # what the caller says wins; None means "the default" (the command line passes None)

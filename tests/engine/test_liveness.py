@@ -4,9 +4,11 @@ Why it holds (continuous policy, ``fcfs``). Call *O* the running sequence admitt
 preemption victim is always the most recently admitted running sequence, so O is never preempted while
 anyone else runs; alone it always fits, because a request larger than the whole pool is rejected at
 ``add``. When ``max_num_batched_tokens >= max_num_seqs`` the decodes scheduled before it (at most
-``max_num_seqs - 1`` tokens) leave O at least one token of budget, so O computes at least one token
-every step and never loses one. A newer admission cannot take O's role, so O keeps it until it
-finishes, at most ``prompt + max_tokens`` steps later. And when nothing runs but something is
+``max_num_seqs - 1`` tokens) leave O at least one token of budget (and the stall-free cap,
+``max_prefill_tokens_while_decoding >= 1``, at least one prompt token, which O, the first prefill in
+admission order, takes), so O computes at least one token every step and never loses one. A newer
+admission cannot take O's role, so O keeps it until it finishes, at most ``prompt + max_tokens`` steps
+later. And when nothing runs but something is
 unfinished, that step admits (or swaps in) the front request into the empty pool, which becomes O.
 So every step is either idle (nothing has arrived yet) or some O makes progress, and::
 
@@ -55,6 +57,7 @@ def tight_workloads(draw):
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
         long_prefill_chunk=draw(st.one_of(st.none(), st.integers(1, budget))),
+        max_prefill_tokens_while_decoding=draw(st.one_of(st.none(), st.integers(1, budget))),
         num_blocks=max(need, max_num_seqs) + draw(st.integers(0, 2)),         # just the largest request
         num_host_blocks=draw(st.sampled_from([0, need, 4 * need])) if mode == "swap" else 0,
         preemption_mode=mode, max_model_len=4096)

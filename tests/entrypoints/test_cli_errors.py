@@ -80,6 +80,7 @@ def test_argparse_errors_are_one_line_exit_2(argv, needles, capsys):
     (["--seed", "-1"], ["--seed", "[0,"]),
     (["--block-size", "0"], ["--block-size must be >= 1"]),
     (["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens must be >= 1"]),
+    (["--max-prefill-tokens-while-decoding", "-1"], ["--max-prefill-tokens-while-decoding must be >= 0"]),
     (["--max-num-seqs", "8", "--num-blocks", "4"], ["num_blocks must be at least max_num_seqs"]),
     (["--max-tokens", "9000"], ["max_model_len=4096"]),
 ])
@@ -191,6 +192,40 @@ def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gg
     assert without.stats.num_cached_prompt_tokens == 0
     assert without.stats.num_prompt_tokens == with_cache.stats.num_prompt_tokens
     assert outputs[True] == outputs[False] and outputs[True].count("\n") == 2
+
+
+def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf, capsys, monkeypatch):
+    """``--max-prefill-tokens-while-decoding``: unset, LLM()'s default (8 + 4 per decode); 0, no cap;
+    N, N. ``serve`` hands it to the same ``LLM()`` (recorded here, then stopped before the server)."""
+    import minicb.entrypoints.llm
+    from minicb.core.errors import MinicbError
+
+    built, asked = [], []
+
+    class Recording(minicb.entrypoints.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(minicb.entrypoints.llm, "LLM", Recording)
+    flag = "--max-prefill-tokens-while-decoding"
+    for extra in ([], [flag, "0"], [flag, "3"]):
+        rc, _, err = run_main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", *extra],
+                              capsys)
+        assert rc == 0, err
+    got = [(llm.engine.config.max_prefill_tokens_while_decoding, llm.engine.config.prefill_tokens_per_decode)
+           for llm in built]
+    assert got == [(8, 4), (None, 4), (3, 4)]
+
+    class Stop:
+        def __init__(self, *args, **kwargs):
+            asked.append(kwargs)
+            raise MinicbError("stopped before loading")
+
+    monkeypatch.setattr(minicb.entrypoints.llm, "LLM", Stop)
+    rc, _, err = run_main(["serve", "--port", "0", "--model", str(tiny_gguf), flag, "5"], capsys)
+    assert rc == EXIT_USAGE and "stopped before loading" in err
+    assert asked[0]["max_prefill_tokens_while_decoding"] == 5
 
 
 # --- issue 17: the contract everywhere ------------------------------------------------------------------

@@ -12,7 +12,14 @@
 
 Each step is given a token budget (``max_num_batched_tokens``, ``planner.TokenBudget``): a sequence
 gets ``budget.chunk(its uncomputed tokens)`` tokens, so a long prompt is prefilled in chunks over
-several steps while the decodes keep running.
+several steps while the decodes keep running. **Stall-free**: once the ``n`` decodes have their
+tokens, if there are any, everything after them (ongoing prefills, swapped-in and new prompts) shares
+at most ``max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode`` tokens, so that the step,
+which the decodes wait for, stays short; with no decode running, prompts get the whole budget
+(``planner``'s docstring explains the two numbers)::
+
+    8 + 4 per decode, budget 2048:    A decode (1)   B prompt[0:12]      13 tokens: A's next token soon
+                          A ends:     B prompt[12:2000]                   no decode: the whole budget
 
 Running before swapped (as in vLLM v0) means a step never both swaps a sequence in and out, and a
 host block freed by a swap-in is never the target of a swap-out in the same step. Finished sequences
@@ -99,17 +106,28 @@ class ContinuousPolicy(Policy):
         # run short the least important is the one preempted. A sequence that gets no tokens this step
         # (budget spent) simply keeps its slot and waits for the next step. Under fcfs the running
         # dict is already in admission order (``Scheduler.start_running`` appends), so nothing is sorted.
+        # Once the decodes have their tokens, the stall-free cap (module docstring) bounds the rest.
         order = self.running.values() if self.fcfs else sorted(self.running.values(), key=self._importance)
         decodes, prefills = [], []
         for seq in order:
             (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
-        for seq in decodes + prefills:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue                                 # preempted earlier in this step
-            n = budget.chunk(seq.num_uncomputed_tokens)
-            if n and self._make_room(seq, n, work, budget):
-                budget.take(n)                           # granted: charged to the step's budget
-                work.scheduled[seq.request_id] = n
+        for seq in decodes:
+            self._grant(seq, work, budget)
+        c = self.sched.config
+        if decodes and c.max_prefill_tokens_while_decoding:   # stall-free: a cap on all prompts that follow
+            per_decode = c.prefill_tokens_per_decode * len(decodes)   # (here, and in 2. and 3.)
+            budget.prefill_left = c.max_prefill_tokens_while_decoding + per_decode
+        for seq in prefills:
+            self._grant(seq, work, budget)
+
+    def _grant(self, seq: Sequence, work: StepWork, budget: TokenBudget) -> None:
+        """A running sequence's next tokens (a chunk of its prompt, or one), with blocks for them."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return                                       # preempted earlier in this step
+        n = budget.chunk(seq.num_uncomputed_tokens)
+        if n and self._make_room(seq, n, work, budget):
+            budget.take(n)                               # granted: charged to the step's budget
+            work.scheduled[seq.request_id] = n
 
     def _make_room(self, seq: Sequence, n: int, work: StepWork, budget: TokenBudget) -> bool:
         """Blocks for ``seq``'s next ``n`` tokens, preempting victims; False if seq itself was."""

@@ -16,12 +16,41 @@ A *chunk* is ``min(uncomputed tokens, long_prefill_chunk, budget left)``: ``long
 (``SchedulerConfig.chunk_cap``) keeps one long prompt from taking the whole step. Only the chunk that
 reaches a sequence's last token samples.
 
+**Stall-free batching** (Sarathi-Serve's point). Decodes first is not enough: the decodes get their
+tokens, but the step that carries them also carries the prompt chunks that fill the rest of the budget,
+and a running stream waits for the whole step: one 2,000-token chunk beside a decode makes that
+decode's next token seconds late on a CPU. So a step *with* ``n`` decodes gives the prompts after them
+(those of 2 and 3 above, together) at most::
+
+    max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode        tokens
+
+and a step without decodes gives prompts the whole budget, so a lone long prompt is not slowed down.
+The two numbers come from a cost model. A step's time is close to ``a + b x tokens`` (``a``: what
+every step pays, reading the weights and the Python around the forward; ``b``: each token's share;
+``bench/stall.py`` fits both). ``n`` decodes alone take ``a + b n``; with ``p`` prompt tokens the step
+takes ``a + b (n + p)``, at most ``k`` times as long while ``p <= (k - 1) (a / b + n)``. So the first
+number is ``(k - 1) a / b`` and the second ``k - 1``: the step stays within ``k`` times the step the
+decodes would have had alone, whether one stream runs or a hundred (a fixed cap would make a full
+server take many more steps to bring its prompts in, each paying ``a``)::
+
+    budget 2048, 8 + 4 per decode, one stream decoding and a new 2,000-token prompt:
+        decode  prompt[0:12]                 (1 + 12: the step stays short, the stream flows)
+        decode  prompt[12:24]                ... and so on while the stream runs; once it has ended:
+        prompt[24:2000]                      (no decode: the whole budget again)
+
+The price is the long prompt's time to first token (its prompt is spread over more, shorter steps, each
+paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a schedule
+depends on the configuration only, never on a clock. ``LLM()``'s defaults, 8 + 4, were measured
+(``bench/stall.py``): below the straight line's ``(k - 1) a / b`` for ``k = 5``, because a chunk late
+in a long prompt costs more than ``b`` a token (its tokens attend to all the keys before them).
+
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
 allocation and preemption). The tests state the same rule as one pure function of plain numbers
 (``tests/chunk_rule.py``) and check the scheduler's grants against it.
 
 Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
-``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``.
+``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``; in a step
+with ``n`` decodes, the grants after them sum to at most the stall-free cap above.
 This module imports no torch.
 """
 
@@ -41,6 +70,10 @@ class TokenBudget:
     chunk_cap: int
     num_batched_tokens: int = 0
     num_seqs: int = 0
+    # stall-free: the prompt tokens this step may still take (None: no cap). The policy sets it once the
+    # decodes are granted, if there are any; every later ``take`` spends it, and ``give_back`` does not
+    # refund it (a chunk taken back in a preemption is not offered again in the same step).
+    prefill_left: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_cap"):
@@ -57,6 +90,8 @@ class TokenBudget:
         if self.num_seqs >= self.max_num_seqs:
             return 0
         left = self.max_num_batched_tokens - self.num_batched_tokens
+        if self.prefill_left is not None:
+            left = min(left, self.prefill_left)
         return max(0, min(num_uncomputed, self.chunk_cap, left))
 
     def take(self, num_tokens: int) -> None:
@@ -65,6 +100,9 @@ class TokenBudget:
         assert self.num_seqs < self.max_num_seqs
         self.num_batched_tokens += num_tokens
         self.num_seqs += 1
+        if self.prefill_left is not None:
+            assert num_tokens <= self.prefill_left, "stall-free cap overdrawn"
+            self.prefill_left -= num_tokens
 
     def give_back(self, num_tokens: int) -> None:
         """Undo one ``take`` (its sequence was preempted later in the same step)."""
@@ -76,3 +114,4 @@ class TokenBudget:
         assert 0 <= self.num_batched_tokens <= self.max_num_batched_tokens, "token budget overdrawn"
         assert 0 <= self.num_seqs <= self.max_num_seqs, "sequence budget overdrawn"
         assert self.num_seqs <= self.num_batched_tokens, "every granted sequence has at least one token"
+        assert self.prefill_left is None or self.prefill_left >= 0, "stall-free cap overdrawn"

@@ -31,6 +31,7 @@ def check_engine_flags(args) -> None:
     """The flags ``_add_engine_args`` adds, before torch: ranges and a model path that exists."""
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--num-blocks", "--tp"):
         at_least(flag, getattr(args, flag[2:].replace("-", "_")), 1)
+    at_least("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding, 0)
     if args.kv_cache_memory is not None:
         from minicb.core.kv_budget import gib_flag  # torch-free: "a positive number of GiB"
 

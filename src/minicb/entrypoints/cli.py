@@ -145,6 +145,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="slots (default: 256 for continuous, 16 for the padded policies)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of a step (default 2048)")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
+                   help="stall-free batching: a step that runs decodes computes at most N prompt tokens "
+                        "(plus 4 per decode), so a long prompt does not hold up the running streams (default "
+                        "8 for continuous, measured by bench/stall.py; 0 = no cap: the whole step budget)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: as many as --kv-cache-memory holds)")
@@ -333,6 +337,7 @@ def cmd_generate(args) -> int:
                                 top_p=args.top_p, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
                   attn_backend=args.attn_backend, tensor_parallel_size=args.tp, fast_paths=not args.reference,
                   enable_prefix_caching=args.prefix_caching,

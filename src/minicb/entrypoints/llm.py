@@ -41,8 +41,11 @@ __all__ = ["LLM", "RequestOutput", "cpu_fast_paths"]
 
 # LLM()'s scheduler defaults where the caller gives none (SchedulerConfig's own stay small, for tests):
 # as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
-# against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults").
-FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+# against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults"). Stall-free batching: a step
+# that runs n decodes takes at most 8 + 4 n prompt tokens, so that a long prompt does not freeze the
+# streams (minicb.core.planner; bench/stall.py measured both: bench/RESULTS.md, "stall-free batching").
+FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                 "max_prefill_tokens_while_decoding": 8, "prefill_tokens_per_decode": 4}
 _log = logging.getLogger("minicb")
 
 

@@ -160,6 +160,7 @@ def _serve(args, sock) -> int:
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   scheduling_policy=args.scheduling_policy, fast_paths=not args.reference,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
                   attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
                   enable_prefix_caching=args.prefix_caching,
