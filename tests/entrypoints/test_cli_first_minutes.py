@@ -20,7 +20,7 @@ from tiny_files import write_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SRC = str(ROOT / "src")
-COMMANDS = ["demo", "generate", "trace", "bench", "simulate", "serve", "export-hf", "completion"]
+COMMANDS = ["demo", "generate", "trace", "bench", "simulate", "serve", "export-hf", "completion", "tutorials"]
 NEVER_DOWNLOADS = "minicb never downloads: pass a .gguf file or a local Hugging Face directory"
 
 

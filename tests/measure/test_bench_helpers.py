@@ -212,7 +212,7 @@ def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
 
 def test_long_prompt_workload_is_48_arxiv_requests_scaled_by_a_quarter():
     """LP's shape from the trace file itself: its first draws of a seed-0 generator pick the rows, each
-    length divided by 4 and rounded; every request is a scaled row of the trace (whatever the seed),
+    length divided by 4 and rounded; every request is a scaled row of the trace (for any seed value),
     and the same seed gives the same prompts."""
     import csv
 
