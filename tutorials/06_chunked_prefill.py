@@ -206,8 +206,8 @@ picture(stall_plans, steps=14)
 beside = [sum(s.num_tokens for s in p.seqs if s.request_id == "C")
           for p in stall_plans
           if any(s.request_id in "ab" for s in p.seqs)]
-print(f"C's tokens in the steps with decodes: at most {max(beside)}; "
-      "in a step without: up to the budget")
+print(f"C's tokens in a step with decodes: at most {max(beside)}; "
+      "without: up to the budget")
 stall_first = next(p.step for p in stall_plans for s in p.seqs
                    if s.request_id == "C"
                    and s.start_pos + s.num_tokens == C_PROMPT)
@@ -265,9 +265,8 @@ def stall_case(cap: int | None, long_len: int = 2000, stream: int = 640):
 for cap in (None, 8, 16, 32):
     med, worst, ttft = stall_case(cap)
     name = "off" if cap is None else f"{cap}+4"
-    print(f"cap {name:>5}: stream gap median {med:4.0f} ms, largest "
-          f"{worst:5.0f} ms ({worst / med:5.1f}x); long prompt's first "
-          f"token after {ttft / 1000:4.1f} s")
+    print(f"cap {name:>4}: stream gap median {med:3.0f} ms, largest "
+          f"{worst:5.0f} ms ({worst / med:5.1f}x); TTFT {ttft / 1000:4.1f} s")
 
 # %% [markdown]
 # The stream's largest gap falls from seconds to a few decode steps; the long
