@@ -1,18 +1,19 @@
 """Stall-free batching: does a long prompt freeze the streams that are running? (issue 47)
 
-    python bench/stall.py                    # cap off and LLM()'s (8 + 4 per decode), 3 rounds, + W2
+    python bench/stall.py                    # cap off and serve's (8 + 4 per decode), 3 rounds, + W2
     python bench/stall.py --quick            # 1 round, no W2 (a few minutes)
+    python bench/stall.py --saturation W2,LP # the price offline, where prompts are short and long
     python bench/stall.py --caps 0,8+4,16+4,16+0 --rounds 2    # C+R: C tokens + R per decode
     python bench/stall.py --threads 1        # one torch thread (default: torch's choice, as serve's)
     python bench/stall.py --threads 1 --clock cpu   # on a shared host: CPU seconds, not wall seconds
 
 Every engine is built as ``minicb serve`` builds its own (``LLM()`` with serve's defaults: SmolLM2 in
-float32, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory, prefix caching on,
-the CPU fast paths); only the stall-free cap differs: ``C+R`` is ``max_prefill_tokens_while_decoding=C,
-prefill_tokens_per_decode=R`` (a step with ``n`` decodes takes at most ``C + R n`` prompt tokens; ``C``
-alone keeps ``LLM()``'s ``R``; 0: no cap, the behaviour before issue 47). The engine is stepped in this
-process, as the server's engine thread steps it, and a token's time is when ``step()`` hands it out (the
-server then only sends it).
+float32 unless ``--dtype``, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory,
+prefix caching on, the CPU fast paths); only the stall-free cap differs: ``C+R`` is
+``max_prefill_tokens_while_decoding=C, prefill_tokens_per_decode=R`` (a step with ``n`` decodes takes at
+most ``C + R n`` prompt tokens; ``C`` alone keeps ``LLM()``'s ``R``; 0: no cap, ``LLM()``'s own default
+and the behaviour before issue 47). The engine is stepped in this process, as the server's engine thread
+steps it, and a token's time is when ``step()`` hands it out (the server then only sends it).
 
 **The stall.** A stream (a 32-token prompt, 640 tokens, EOS ignored) decodes; once it has 16 tokens, a
 2,000-token prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per
@@ -25,9 +26,11 @@ within 5x their own step by that model, ``(5 - 1) (a / b + n)`` prompt tokens, i
 (``minicb.core.planner`` derives it): what the defaults were chosen from, ``C`` with a margin for the
 late chunks, which cost more than ``b`` a token.
 
-**The price at saturation** (``--w2``, on by default without ``--quick``): W2 (``bench/workloads.py``,
-64 requests, EOS ignored) through ``llm.generate`` with each cap, the caps alternating round by round,
-the prefix cache emptied before every run; output tokens/s, median and range.
+**The price at saturation** (``--saturation``, W2 by default without ``--quick``): each workload
+(``bench/workloads.py``: W2 64 short requests, LP 48 long prompts; EOS ignored) through ``llm.generate``
+with each cap, the caps alternating round by round (the order reversed every other round), the prefix
+cache emptied before every run; output tokens/s, median and range. Offline the cap is pure price,
+which is why ``LLM()`` leaves it off and only ``minicb serve`` sets it.
 
 Each cap gets its own engine, all loaded before the first run; rounds alternate the caps (A, B, A, B...)
 so a slow spell of a shared host hits them alike. On a host shared with other jobs, ``--threads 1
@@ -49,10 +52,10 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import cpu_header  # noqa: E402  (puts this checkout's src first on the path)
-from workloads import random_ids, w2  # noqa: E402
+from workloads import lp, random_ids, w2  # noqa: E402
 
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
-from minicb.entrypoints.llm import FAST_DEFAULTS, LLM  # noqa: E402
+from minicb.entrypoints.llm import FAST_DEFAULTS, LLM, SERVE_STALL_CAP  # noqa: E402
 
 RATIO_BAR = 5.0                 # the issue's bar: the largest gap at most 5x the median
 CLOCK = [time.perf_counter]     # --clock cpu: time.process_time (with --threads 1: the CPU time used)
@@ -102,7 +105,7 @@ def fit(steps: list[tuple[int, float]]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def w2_run(llm: LLM, wl) -> float:
+def saturation_run(llm: LLM, wl) -> float:
     llm.reset_prefix_cache()
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     t0 = CLOCK[0]()
@@ -140,25 +143,28 @@ def spread(xs: list[float], fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default = "{max_prefill_tokens_while_decoding}+{prefill_tokens_per_decode}".format(**FAST_DEFAULTS)
+    default = f"{SERVE_STALL_CAP}+{FAST_DEFAULTS['prefill_tokens_per_decode']}"
     ap.add_argument("--caps", default=f"0,{default}",
                     help=f"caps to compare, C or C+R (C prompt tokens + R per decode), 0 = no cap "
-                         f"(default: 0,{default}, off and LLM()'s)")
+                         f"(default: 0,{default}, off and serve's)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each cap, alternating (default 3)")
     ap.add_argument("--long", type=int, default=2000, help="tokens of the long prompt (default 2000)")
     ap.add_argument("--stream-tokens", type=int, default=640,
                     help="tokens the stream asks for (default 640: most of its gaps are plain decode steps, "
                          "so its median is one even when a small cap spreads the prompt over 170 steps)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's choice)")
-    ap.add_argument("--w2", action=argparse.BooleanOptionalAction, default=None,
-                    help="also W2's saturation throughput per cap (default: on, off with --quick)")
+    ap.add_argument("--saturation", default=None, metavar="W2,LP",
+                    help="workloads (bench/workloads.py) run at saturation per cap, offline as "
+                         "LLM.generate runs them (default: W2; none with --quick)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall (default) or cpu: the process's CPU time (with --threads 1 on a shared host)")
-    ap.add_argument("--quick", action="store_true", help="1 round, no W2")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="serve's default float32, or bfloat16 (what bench/peer_vllm.py compares)")
+    ap.add_argument("--quick", action="store_true", help="1 round, no saturation runs")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 1
-    run_w2 = not args.quick if args.w2 is None else args.w2
+    saturation = ("" if args.quick else "W2") if args.saturation is None else args.saturation
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
@@ -167,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         CLOCK[0] = time.process_time
     caps = args.caps.split(",")
     print(f"{cpu_header()}; {cpu_kind()}")
-    print(f"torch threads {torch.get_num_threads()}, {args.clock} clock; serve's defaults ({FAST_DEFAULTS}), "
-          f"float32; "
+    print(f"torch threads {torch.get_num_threads()}, {args.clock} clock; serve's defaults ({FAST_DEFAULTS}, "
+          f"cap as given), {args.dtype}; "
           f"a {args.long}-token prompt arrives beside one stream; {args.rounds} round(s), caps alternating")
-    llms = {c: LLM(**parse_cap(c)) for c in caps}
+    llms = {c: LLM(dtype=args.dtype, **parse_cap(c)) for c in caps}
     for llm in llms.values():                                     # warm-up: first-call costs off the clock
         stall_run(llm, 10_000, 256, 24)
     res: dict[str, list[dict]] = {c: [] for c in caps}
@@ -196,17 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens (a / b = "
           f"{a / b:.1f} tokens); a step with n decodes stays within {RATIO_BAR:g}x their own step up to "
           f"{k:g} (a / b + n) prompt tokens: C+R = {k * a / b:.0f}+{k:g}")
-    if run_w2:
-        wl, tps = w2(), {c: [] for c in caps}
-        print(f"\nW2 at saturation ({len(wl.prompts)} requests, {wl.num_output_tokens} output tokens), "
+    for name in filter(None, saturation.split(",")):
+        wl, tps = {"W2": w2, "LP": lp}[name](), {c: [] for c in caps}
+        print(f"\n{name} at saturation ({len(wl.prompts)} requests, {wl.num_output_tokens} output tokens), "
               "caps alternating:")
         for r in range(args.rounds):
-            for c in caps:
-                tps[c].append(w2_run(llms[c], wl))
+            for c in (caps if r % 2 == 0 else caps[::-1]):
+                tps[c].append(saturation_run(llms[c], wl))
                 print(f"  round {r + 1} {label(c):8s} {tps[c][-1]:6.1f} output tok/s", flush=True)
         base = statistics.median(tps[caps[0]])
         for c in caps:
-            print(f"  {label(c):8s} {spread(tps[c], '.1f')} tok/s, "
+            print(f"  {name} {label(c):8s} {spread(tps[c], '.1f')} tok/s, "
                   f"{statistics.median(tps[c]) / base:.2f}x {label(caps[0])}")
     for llm in llms.values():
         llm.shutdown()

@@ -195,8 +195,9 @@ def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gg
 
 
 def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf, capsys, monkeypatch):
-    """``--max-prefill-tokens-while-decoding``: unset, LLM()'s default (8 + 4 per decode); 0, no cap;
-    N, N. ``serve`` hands it to the same ``LLM()`` (recorded here, then stopped before the server)."""
+    """``--max-prefill-tokens-while-decoding``: generate's unset is LLM()'s default (no cap: offline,
+    throughput); 0, no cap; N, N (+ 4 per decode). ``serve`` hands it to the same ``LLM()`` (recorded
+    here, then stopped before the server); unset, serve's own cap (8 + 4 per decode) for continuous."""
     import minicb.entrypoints.llm
     from minicb.core.errors import MinicbError
 
@@ -215,7 +216,7 @@ def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf,
         assert rc == 0, err
     got = [(llm.engine.config.max_prefill_tokens_while_decoding, llm.engine.config.prefill_tokens_per_decode)
            for llm in built]
-    assert got == [(8, 4), (None, 4), (3, 4)]
+    assert got == [(None, 4), (None, 4), (3, 4)]
 
     class Stop:
         def __init__(self, *args, **kwargs):
@@ -223,9 +224,10 @@ def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf,
             raise MinicbError("stopped before loading")
 
     monkeypatch.setattr(minicb.entrypoints.llm, "LLM", Stop)
-    rc, _, err = run_main(["serve", "--port", "0", "--model", str(tiny_gguf), flag, "5"], capsys)
-    assert rc == EXIT_USAGE and "stopped before loading" in err
-    assert asked[0]["max_prefill_tokens_while_decoding"] == 5
+    for extra in ([flag, "5"], [], ["--policy", "static"]):
+        rc, _, err = run_main(["serve", "--port", "0", "--model", str(tiny_gguf), *extra], capsys)
+        assert rc == EXIT_USAGE and "stopped before loading" in err
+    assert [a["max_prefill_tokens_while_decoding"] for a in asked] == [5, 8, None]
 
 
 # --- issue 17: the contract everywhere ------------------------------------------------------------------

@@ -10,7 +10,7 @@
   policy, ``planner``): in a step that runs ``n`` decodes, the prompt tokens of all sequences together
   stay within ``max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode``, so that the step, and
   the running streams' next tokens, are not held up by a long prompt; a step without decodes still gives
-  prompts the whole budget (``None`` or ``0``: no cap; ``LLM()``'s defaults are measured, ``FAST_DEFAULTS``);
+  prompts the whole budget (``None`` or ``0``: no cap, ``LLM()``'s default; ``minicb serve``'s is measured);
 * ``block_size`` / ``num_blocks``: the paged KV pool, ``num_blocks * block_size`` token slots;
 * ``num_host_blocks``: the host (CPU) pool that swap preemption copies blocks into;
 * ``policy``: ``continuous`` (iteration-level), ``dynamic`` (naive dynamic batching: batch whatever

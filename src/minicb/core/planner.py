@@ -40,9 +40,10 @@ server take many more steps to bring its prompts in, each paying ``a``)::
 
 The price is the long prompt's time to first token (its prompt is spread over more, shorter steps, each
 paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a schedule
-depends on the configuration only, never on a clock. ``LLM()``'s defaults, 8 + 4, were measured
-(``bench/stall.py``): below the straight line's ``(k - 1) a / b`` for ``k = 5``, because a chunk late
-in a long prompt costs more than ``b`` a token (its tokens attend to all the keys before them).
+depends on the configuration only, never on a clock. ``minicb serve``'s default, 8 + 4, was measured
+(``bench/stall.py``; ``LLM()`` offline has no cap): below the straight line's ``(k - 1) a / b`` for
+``k = 5``, because a chunk late in a long prompt costs more than ``b`` a token (its tokens attend to all
+the keys before them).
 
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
 allocation and preemption). The tests state the same rule as one pure function of plain numbers

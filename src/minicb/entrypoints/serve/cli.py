@@ -152,15 +152,18 @@ def _serve(args, sock) -> int:
         import torch
 
         from minicb.core.kv_budget import gib_flag  # --kv-cache-memory in GiB, as generate checks it
-        from minicb.entrypoints.llm import LLM
+        from minicb.entrypoints.llm import LLM, SERVE_STALL_CAP
         from minicb.entrypoints.serve.server import EXIT_ENGINE_DEAD, EXIT_FORCED, Server, base_url
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        cap = args.max_prefill_tokens_while_decoding     # streams: serve's stall-free cap (LLM() has none)
+        if cap is None and args.policy == "continuous":
+            cap = SERVE_STALL_CAP
         llm = LLM(args.model, dtype=args.dtype, policy=args.policy, max_num_seqs=args.max_num_seqs,
                   scheduling_policy=args.scheduling_policy, fast_paths=not args.reference,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+                  max_prefill_tokens_while_decoding=cap,
                   num_blocks=args.num_blocks, preemption_mode=args.preemption_mode, device=args.device,
                   attn_backend=args.attn_backend, tensor_parallel_size=args.tp, seed=args.seed,
                   enable_prefix_caching=args.prefix_caching,
@@ -216,3 +219,4 @@ def _missing(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is None
+
