@@ -230,6 +230,19 @@ def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf,
     assert [a["max_prefill_tokens_while_decoding"] for a in asked] == [5, 8, None]
 
 
+def test_the_stall_free_flags_help_states_the_defaults_the_code_has(capsys):
+    """The help is written torch-free (the CLI must not import ``llm.py`` to print it), so its numbers are
+    literals: they must be serve's cap and ``LLM()``'s per-decode share as the code has them."""
+    from minicb.entrypoints.llm import FAST_DEFAULTS, SERVE_STALL_CAP
+
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"(plus {FAST_DEFAULTS['prefill_tokens_per_decode']} per decode)" in text
+        assert f"(default: serve {SERVE_STALL_CAP} for continuous" in text
+
+
 # --- issue 17: the contract everywhere ------------------------------------------------------------------
 def test_a_prompt_file_is_read_up_to_a_limit(tmp_path, capsys, monkeypatch):
     """``--file /dev/zero`` used to read without end; now at most ``MAX_PROMPT_FILE_BYTES`` are read."""
