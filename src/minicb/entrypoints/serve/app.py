@@ -1,23 +1,13 @@
-"""The HTTP routes: OpenAI's API, health, metrics and the live page, on FastAPI.
+"""The HTTP routes on FastAPI: OpenAI's API, ``/health``, ``/metrics``, the live page and its feed.
 
-::
-
-    POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
-
-A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: 400 / 404 there) -> hand a
-``RequestHandle`` per prompt to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503)
--> stream its ``Delta``s as SSE chunks, or gather them into one response (``_Answer``). The handlers
-never call the engine; nothing on this loop grows with a request beyond copying its bytes and
-decoding its generated tokens, one at a time.
-
-A stream always ends with a last event and ``data: [DONE]``: ``finish_reason: "abort"`` when the
-server shut down under it, an error object when its step failed (500) or the engine died (503); a
-non-streaming client gets that error object as the response. A client that goes away is noticed in
-both modes (``EventStream``; ``whole`` waits for ``http.disconnect`` too) and its request aborted,
-freeing its slot and KV blocks at the engine's next turn. Every error is OpenAI's error object,
-FastAPI's own 404 / 405 and anything unexpected (500, logged, no traceback sent) included.
+A generation request (``docs/concepts/serving.md``, "A request's life"): ``read_body`` (415 / 413 /
+408) -> ``frontend`` (400 / 404) -> a ``RequestHandle`` per prompt to the engine thread -> its verdict
+(``Accepted``, or 400 / 503) -> its ``Delta``s as SSE chunks or one response (``_Answer``). Nothing on
+this loop grows with a request beyond copying its bytes and decoding its tokens, one at a time. A
+stream always ends with a last event and ``data: [DONE]`` (``finish_reason: "abort"`` at shutdown, an
+error object when its step failed or the engine died); a client that goes away is noticed in both
+modes and its request aborted. Every error, FastAPI's own 404 / 405 and a 500 included, is OpenAI's
+error object.
 """
 
 from __future__ import annotations

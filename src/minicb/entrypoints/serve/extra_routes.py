@@ -1,22 +1,13 @@
-"""The small routes that tools expect beside generation: tokenizer, version, ping, one model.
+"""vLLM's small routes beside generation, with vLLM's shapes (``docs/concepts/serving.md``, "Tokenizer,
+version and probes"): ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET | POST /ping``,
+``GET /v1/models/{id}``.
 
-::
-
-    POST /tokenize    {"prompt": "text"} or {"messages": [...]}  ->  {"tokens", "count", "max_model_len"}
-    POST /detokenize  {"tokens": [ids]}                          ->  {"prompt": "text"}
-    GET  /version                                                ->  {"version": "0.1.0"}
-    GET | POST /ping                                             ->  200, empty (503 when down)
-    GET  /v1/models/{id}                                         ->  OpenAI's model object (404)
-
-vLLM's routes with vLLM's request and response shapes, so a client written for ``vllm serve`` works
-unchanged: lm-eval's ``tokenizer_backend=remote`` counts and cuts prompts with ``/tokenize`` and
-``/detokenize``, load balancers probe ``/ping``, the ``openai`` client's ``models.retrieve(id)`` reads
-``/v1/models/{id}``. ``/tokenize`` takes a completion prompt (``add_special_tokens`` default true)
-or a chat (``messages``, rendered by the same template with the same checks as
-``/v1/chat/completions``; ``add_special_tokens`` default false); ``count`` is given even past
-``max_model_len`` (that is how a client finds out), as in vLLM. The bodies pass the same doors as
-generation (``app.read_body``: 415 / 413 / 408; the JSON depth; ``--max-prompt-chars``,
-``--max-messages``; a 404 for another model) and the tokenizer runs in a thread, never on the loop.
+lm-eval's ``tokenizer_backend=remote`` counts and cuts prompts with ``/tokenize`` and ``/detokenize``,
+load balancers probe ``/ping``, ``openai``'s ``models.retrieve(id)`` reads ``/v1/models/{id}``. A chat
+is rendered by the same template with the same checks as ``/v1/chat/completions``; ``count`` is given
+even past ``max_model_len`` (as vLLM). The bodies pass the same doors as generation (``read_body``,
+the JSON depth, ``--max-prompt-chars``, ``--max-messages``, the model name); the tokenizer runs in a
+thread, never on the loop.
 """
 
 from __future__ import annotations

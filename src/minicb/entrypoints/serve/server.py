@@ -13,25 +13,10 @@
     ...
     server.stop()
 
-**Shutdown** (SIGTERM, Ctrl-C, or ``stop()``): the engine thread refuses new requests (503) and closes
-arrivals; uvicorn stops accepting connections and waits for the open ones; the accepted requests
-run on, and those still unfinished after ``shutdown_timeout`` seconds are aborted (their streams end
-with ``finish_reason: "abort"`` and ``[DONE]``, a non-streaming client gets a 503 error object);
-live pages are ended; the engine thread stops; ``run`` returns the exit code:
-
-==== ==========================================================================================
-0    stopped on SIGTERM / Ctrl-C / ``stop()`` (requests past ``--shutdown-timeout`` were aborted)
-130  a second SIGTERM / Ctrl-C during the drain: every request was aborted at once, each client
-     still got its last chunk and ``[DONE]`` (or a 503 error object)
-1    the engine died (``EngineDeadError`` or any exception out of a step): every client got a 503
-     with the reason, ``/health`` said 503, and the server shut down
-==== ==========================================================================================
-
-**Connections** get the deadlines and sizes of ``limits.py`` (uvicorn's options, and ``_DeadlineH11``
-for what uvicorn lacks); ``guard.py`` puts the Host allow-list, CORS and the API key in front of the
-app. The event loop reads bodies, writes answers and makes each request's text (``detokenizer.py``);
-worker processes parse, render and tokenize (``frontend.py``); the engine thread only steps
-(``engine_thread.py``), told to make no text (``engine.detokenize = False``).
+**Shutdown** (SIGTERM, Ctrl-C, ``stop()``; a second signal; a dead engine) and its exit codes
+(``EXIT_*`` below): ``docs/concepts/serving.md``, section "Shutdown". ``limits.py`` bounds each
+connection (uvicorn's options, and ``_DeadlineH11`` for what uvicorn lacks); ``guard.py`` is the
+middleware in front of the app.
 """
 
 from __future__ import annotations
