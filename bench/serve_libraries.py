@@ -7,7 +7,8 @@ pool   frontend.py's worker processes vs the same ``Preparer.prepare`` in a thre
        ``run_in_threadpool``): an innocent stream's longest and median gap between chunks, in steps
        (each step given a real model's 20 ms, a GIL-free sleep), while another process keeps four
        clients sending a 1,000-message chat, a 200,000-character prompt and the hostile test's
-       loads; the two alternate (pool, thread, pool, thread, ...) on the tiny GGUF of the tests.
+       loads; the sides alternate (pool, thread, pool, ...) on the tiny GGUF of the tests; thread-si:
+       the thread with ``sys.setswitchinterval(0.0005)`` (the GIL handed over every 0.5 ms, not 5).
 detok  the tokenizer's ``IncrementalDecoder`` vs ``tokenizers.decoders.DecodeStream``: how many of a
        set of id sequences each turns into a text other than ``tokenizer.decode(ids)``.
 host   guard.py's Host check vs Starlette's ``TrustedHostMiddleware``: each one's answer per Host.
@@ -86,7 +87,7 @@ def one_pool_run(path, mode: str, loads_file: str) -> tuple[float, float]:
 
     with running_server(path, engine_hook=hook, max_num_seqs=4, num_blocks=256, block_size=4,
                         max_num_batched_tokens=32, max_prefill_tokens_while_decoding=0) as (server, url):
-        if mode == "thread":                  # the library way: the same work in Starlette's thread pool
+        if mode.startswith("thread"):         # the library way: the same work in Starlette's thread pool
             local = server.frontend.local
             local.warm()
 
@@ -106,7 +107,7 @@ def one_pool_run(path, mode: str, loads_file: str) -> tuple[float, float]:
     return max(gaps) / step, statistics.median(gaps) / step
 
 
-def pool(rounds: int) -> None:
+def pool(rounds: int, modes: list[str]) -> None:
     path = gguf()
     loads = [("/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
                                        "messages": [{"role": "user", "content": "hello there"}] * 1000}),
@@ -116,10 +117,15 @@ def pool(rounds: int) -> None:
                                   "stop": [f"{i:x}" * 256 for i in range(16)]})]
     loads_file = os.path.join(tempfile.mkdtemp(), "loads.json")
     pathlib.Path(loads_file).write_text(json.dumps(loads))
-    got: dict[str, list] = {"pool": [], "thread": []}
+    got: dict[str, list] = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in ("pool", "thread"):
-            longest, median = one_pool_run(path, mode, loads_file)
+        for mode in modes:
+            if mode == "thread-si":           # a thread that holds the GIL is made to yield it every 0.5 ms
+                sys.setswitchinterval(0.0005)
+            try:
+                longest, median = one_pool_run(path, mode, loads_file)
+            finally:
+                sys.setswitchinterval(0.005)
             got[mode].append((longest, median))
             print(f"  round {r + 1} {mode:6}: longest gap {longest:6.2f} steps, median {median:4.2f}",
                   flush=True)
@@ -305,10 +311,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", default=["detok", "host", "stops", "head", "pool"])
     ap.add_argument("--rounds", type=int, default=3, help="pool: runs of each side, alternating")
+    ap.add_argument("--modes", nargs="*", default=["pool", "thread", "thread-si"],
+                    help="pool: the sides (thread-si: a thread, with sys.setswitchinterval(0.0005))")
     args = ap.parse_args()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores (timings: wall clock, the machine as it is)")
     for name in args.only:
-        pool(args.rounds) if name == "pool" else globals()[name]()
+        pool(args.rounds, args.modes) if name == "pool" else globals()[name]()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import time
 import uuid
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,7 +33,7 @@ from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle, check_choices
-from minicb.entrypoints.serve.extra_routes import engine_answers, extra_routes
+from minicb.entrypoints.serve.extra_routes import engine_answers, extra_routes, model_card
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
@@ -108,9 +107,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "minicb",
-                                            "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [model_card(server)]}
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
@@ -242,12 +239,9 @@ def _request_text(server: Server, params, rid: str, stops,
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that stops as soon as the client goes away, and then calls ``on_close``.
-
-    Starlette (ASGI 2.4) notices a gone client only when the next write fails; a request waiting in
-    the queue, or a live page while the engine idles, writes nothing for a long time. So this listens
-    for ``http.disconnect`` beside the stream and cancels it at once; ``on_close`` runs however the
-    response ends (finished, client gone, server cancelled): a generation aborts its request there."""
+    """An SSE response that calls ``on_close`` however it ends (finished, client gone, cancelled): a
+    generation aborts its request there. Starlette stops the stream as soon as the client goes away:
+    it listens for ``http.disconnect`` beside it, since uvicorn's h11 says ASGI spec 2.3."""
 
     def __init__(self, content, on_close=None) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -255,15 +249,7 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-                async def run() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(run)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await super().__call__(scope, receive, send)
         finally:
             if self._on_close is not None:
                 self._on_close()

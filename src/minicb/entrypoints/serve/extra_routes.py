@@ -33,6 +33,7 @@ from minicb.entrypoints.serve.protocol import (
     _object,
     _unsupported,
     bad_request,
+    rendered,
 )
 from minicb.entrypoints.serve.tools import template_messages
 
@@ -81,10 +82,15 @@ def extra_routes(server, read_body) -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         server.frontend.local.check_model({"model": model_id})
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minicb",
-                "max_model_len": server.max_model_len}
+        return model_card(server)
 
     return router
+
+
+def model_card(server) -> dict:
+    """OpenAI's model object of the served model (``/v1/models`` lists it)."""
+    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minicb",
+            "max_model_len": server.max_model_len}
 
 
 async def engine_answers(server, timeout: float = PING_TIMEOUT_S) -> dict:
@@ -132,13 +138,8 @@ def tokenize_body(server, raw: bytes) -> dict:
             raise bad_request("send either prompt or messages, not both", "prompt")
         messages = _messages(template_messages(r.messages, None), server.limits)
         _no_control_text(messages, server.frontend.local.control_texts)
-        try:
-            text = tok.apply_chat_template(messages,
-                                           add_generation_prompt=r.add_generation_prompt is not False)
-        except InvalidArgument as e:
-            raise bad_request(str(e), "messages") from None
-        except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
-            raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
+        generation = r.add_generation_prompt is not False
+        text = rendered(lambda m: tok.apply_chat_template(m, add_generation_prompt=generation), messages)
     else:
         text, cap = r.prompt, server.limits.max_prompt_chars
         if text is None:

@@ -303,13 +303,17 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     tools = parse_tools(body, limits)
     messages = _messages(template_messages(f.messages, tools), limits)
     _no_control_text(messages, control_texts)
+    return _parse(body, f, [rendered(render, messages)], limits, tools)
+
+
+def rendered(render, messages: list[dict]) -> str:
+    """``render(messages)`` (the chat template), its refusal a 400 naming ``messages``."""
     try:
-        prompt = render(messages)
+        return render(messages)
     except InvalidArgument as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return _parse(body, f, [prompt], limits, tools)
 
 
 def _object(body: Any) -> dict:
