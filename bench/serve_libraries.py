@@ -151,7 +151,10 @@ def detok() -> None:
         want = tok.decode(ids)
         ours += tok.incremental_decoder().push_many(ids, final=True) != want
         stream = DecodeStream(skip_special_tokens=True)
-        theirs += "".join(x for t in ids if (x := stream.step(tok._tk, t)) is not None) != want
+        try:
+            theirs += "".join(x for t in ids if (x := stream.step(tok._tk, t)) is not None) != want
+        except Exception:   # noqa: BLE001 - an id sequence it cannot decode differs too
+            theirs += 1
     print(f"detok: of {len(seqs)} id sequences, text != decode(ids): IncrementalDecoder {ours}, "
           f"DecodeStream {theirs}")
 
