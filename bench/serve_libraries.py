@@ -3,12 +3,16 @@
     python bench/serve_libraries.py                   # all five
     python bench/serve_libraries.py --only stops host # some of them (pool, detok, host, head, stops)
 
-pool   frontend.py's worker processes vs the same ``Preparer.prepare`` in a thread (Starlette's
-       ``run_in_threadpool``): an innocent stream's longest and median gap between chunks, in steps
-       (each step given a real model's 20 ms, a GIL-free sleep), while another process keeps four
-       clients sending a 1,000-message chat, a 200,000-character prompt and the hostile test's
-       loads; the sides alternate (pool, thread, pool, ...) on the tiny GGUF of the tests; thread-si:
-       the thread with ``sys.setswitchinterval(0.0005)`` (the GIL handed over every 0.5 ms, not 5).
+pool   frontend.py's worker processes vs the same ``Preparer.prepare`` in threads (anyio's, as
+       Starlette's ``run_in_threadpool``, ``--frontend-workers`` at once): an innocent stream's
+       longest and median gap between chunks, in steps
+       (each step given a real model's 20 ms, a GIL-free sleep; the time the server's threads waited
+       for a CPU taken off each gap, as ``test_serve_hostile.py`` does), while another process keeps
+       four clients sending a 20,000-message chat (``--messages``), a 200,000-character prompt and the
+       hostile test's loads; the sides alternate (pool, thread, pool, ...) on the tiny GGUF of the
+       tests; thread-any: anyio's default pool (40 threads: every request in the frontend runs at
+       once); thread-si: threads with ``sys.setswitchinterval(0.0005)`` (the GIL handed over every
+       0.5 ms, not 5).
 detok  the tokenizer's ``IncrementalDecoder`` vs ``tokenizers.decoders.DecodeStream``: how many of a
        set of id sequences each turns into a text other than ``tokenizer.decode(ids)``.
 host   guard.py's Host check vs Starlette's ``TrustedHostMiddleware``: each one's answer per Host.
@@ -40,7 +44,7 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tests/serve")]
 
 from common import cpu_model  # noqa: E402
 
@@ -54,25 +58,17 @@ def gguf() -> pathlib.Path:
 
 
 # --- pool ---------------------------------------------------------------------------------------------
-def stream_gaps(url: str) -> list[float]:
-    import http.client
+def one_pool_run(path, mode: str, loads_file: str, messages: int) -> tuple[float, float, float, float]:
+    import anyio
+    import anyio.to_thread
+    from test_serve_hostile import _kept_s, _sse_times  # the pinned test's reader and CPU-wait gauge
 
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    c = http.client.HTTPConnection(host, int(port), timeout=300)
-    c.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 80,
-                                                     "temperature": 0, "ignore_eos": True, "stream": True}),
-              {"Content-Type": "application/json"})
-    times = [time.perf_counter() for line in c.getresponse() if line.startswith(b"data: ")][:-1]
-    c.close()
-    return [b - a for a, b in zip(times, times[1:])]
-
-
-def one_pool_run(path, mode: str, loads_file: str) -> tuple[float, float]:
-    from starlette.concurrency import run_in_threadpool
-
+    from minicb.entrypoints.serve.limits import ServeLimits
     from serve_helpers import running_server
 
     steps: list[float] = []
+    busy: list[int] = []                      # requests in the frontend at each step
+    box: dict = {}
 
     def hook(engine):
         inner = engine.step
@@ -82,36 +78,54 @@ def one_pool_run(path, mode: str, loads_file: str) -> tuple[float, float]:
             time.sleep(STEP_S)
             out = inner()
             steps.append(time.perf_counter() - t0)
+            busy.append(box["frontend"].queued if box else 0)
             return out
         engine.step = slow_step
 
     with running_server(path, engine_hook=hook, max_num_seqs=4, num_blocks=256, block_size=4,
-                        max_num_batched_tokens=32, max_prefill_tokens_while_decoding=0) as (server, url):
-        if mode.startswith("thread"):         # the library way: the same work in Starlette's thread pool
-            local = server.frontend.local
-            local.warm()
+                        max_num_batched_tokens=32, max_prefill_tokens_while_decoding=0,
+                        limits=ServeLimits(max_messages=max(1024, messages), max_prompt_chars=400_000)
+                        ) as (server, url):
+        frontend = box["frontend"] = server.frontend
+        if mode.startswith("thread"):         # the library way: the same work in anyio's threads (as
+            frontend.local.warm()             # Starlette's run_in_threadpool), --frontend-workers at once
+            limiter = None if mode == "thread-any" else anyio.CapacityLimiter(frontend.workers)
 
             async def prepare(kind, raw):
-                return await run_in_threadpool(local.prepare, kind, raw)
-            server.frontend.prepare = prepare
+                frontend.queued += 1
+                try:
+                    return await anyio.to_thread.run_sync(frontend.local.prepare, kind, raw, limiter=limiter)
+                finally:
+                    frontend.queued -= 1
+            frontend.prepare = prepare
         flood = subprocess.Popen([sys.executable, str(ROOT / "tests/flood_client.py"), url, loads_file, "4"],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             flood.stdout.readline()
-            time.sleep(1.0)                   # the four clients are sending
+            while frontend.queued < 2:        # large requests are being prepared
+                time.sleep(0.01)
             first = len(steps)
-            gaps = stream_gaps(url)
+            tids = [server.engine_thread._thread.native_id, server._thread.native_id,
+                    threading.get_native_id()]
+            chunks = _sse_times(url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 80, "stream": True,
+                                      "temperature": 0, "ignore_eos": True}, tids)
             step = statistics.median(steps[first:])
         finally:
             flood.communicate("", timeout=300)
-    return max(gaps) / step, statistics.median(gaps) / step
+    raw = [b - a for (a, _), (b, _) in zip(chunks, chunks[1:])]
+    gaps = [g - (_kept_s(wa, wb) or 0.0) for g, (_, wa), (_, wb) in zip(raw, chunks, chunks[1:])]
+    print(f"    median step {step * 1e3:.1f} ms, longest gap {max(gaps) * 1e3:.1f} ms "
+          f"(raw {max(raw) * 1e3:.1f})")
+    return max(gaps) / step, statistics.median(gaps) / step, max(raw) / step, statistics.mean(busy[first:])
 
 
-def pool(rounds: int, modes: list[str]) -> None:
+def pool(rounds: int, modes: list[str], messages: int) -> None:
     path = gguf()
     loads = [("/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
-                                       "messages": [{"role": "user", "content": "hello there"}] * 1000}),
+                                       "messages": [{"role": "user", "content": "hello there"}] * messages}),
              ("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": "word " * 40_000}),
+             ("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": "word " * 60}),
+             ("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": [7] * 300}),
              ("/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": "word " * 480}),
              ("/v1/completions", {"model": "tiny", "max_tokens": 4, "prompt": [5],
                                   "stop": [f"{i:x}" * 256 for i in range(16)]})]
@@ -123,14 +137,14 @@ def pool(rounds: int, modes: list[str]) -> None:
             if mode == "thread-si":           # a thread that holds the GIL is made to yield it every 0.5 ms
                 sys.setswitchinterval(0.0005)
             try:
-                longest, median = one_pool_run(path, mode, loads_file)
+                longest, median, raw, busy = one_pool_run(path, mode, loads_file, messages)
             finally:
                 sys.setswitchinterval(0.005)
             got[mode].append((longest, median))
-            print(f"  round {r + 1} {mode:6}: longest gap {longest:6.2f} steps, median {median:4.2f}",
-                  flush=True)
+            print(f"  round {r + 1} {mode:9}: longest gap {longest:5.2f} steps, median {median:4.2f} "
+                  f"(raw longest {raw:5.2f}; {busy:.1f} requests in the frontend per step)", flush=True)
     for mode, runs in got.items():
-        print(f"pool: {mode:6} longest gap median {statistics.median(x for x, _ in runs):.2f} steps "
+        print(f"pool: {mode:9} longest gap median {statistics.median(x for x, _ in runs):.2f} steps "
               f"(range {min(x for x, _ in runs):.2f}-{max(x for x, _ in runs):.2f}), median gap "
               f"{statistics.median(y for _, y in runs):.2f}")
 
@@ -314,12 +328,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", default=["detok", "host", "stops", "head", "pool"])
     ap.add_argument("--rounds", type=int, default=3, help="pool: runs of each side, alternating")
-    ap.add_argument("--modes", nargs="*", default=["pool", "thread", "thread-si"],
-                    help="pool: the sides (thread-si: a thread, with sys.setswitchinterval(0.0005))")
+    ap.add_argument("--messages", type=int, default=20_000,
+                    help="pool: messages of the flood's chat (default: the hostile test's)")
+    ap.add_argument("--modes", nargs="*", default=["pool", "thread", "thread-any", "thread-si"],
+                    help="pool: the sides to compare (see above)")
     args = ap.parse_args()
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores (timings: wall clock, the machine as it is)")
     for name in args.only:
-        pool(args.rounds, args.modes) if name == "pool" else globals()[name]()
+        pool(args.rounds, args.modes, args.messages) if name == "pool" else globals()[name]()
 
 
 if __name__ == "__main__":

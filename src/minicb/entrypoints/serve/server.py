@@ -106,8 +106,9 @@ class _DeadlineH11(H11Protocol):
     connection is served); a head past ``max_header_bytes`` is a 431 naming the flag.
 
     Why a subclass of uvicorn's (private) protocol: uvicorn 0.55 has no deadline on a request's head
-    (a slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head
-    past ``h11_max_incomplete_event_size`` with a plain-text 400."""
+    (a slowloris or silent connection holds a slot for ever: ``python bench/serve_libraries.py --only
+    head``; ``test_serve_hostile``), and answers a head past ``h11_max_incomplete_event_size`` with a
+    plain-text 400."""
 
     header_timeout = 10.0
     body_linger = 2.0
