@@ -58,7 +58,7 @@ def gguf() -> pathlib.Path:
 
 
 # --- pool ---------------------------------------------------------------------------------------------
-def one_pool_run(path, mode: str, loads_file: str, messages: int) -> tuple[float, float, float, float]:
+def one_pool_run(path, mode: str, loads_file: str, messages: int) -> tuple:
     import anyio
     import anyio.to_thread
     from test_serve_hostile import _kept_s, _sse_times  # the pinned test's reader and CPU-wait gauge
@@ -114,9 +114,8 @@ def one_pool_run(path, mode: str, loads_file: str, messages: int) -> tuple[float
             flood.communicate("", timeout=300)
     raw = [b - a for (a, _), (b, _) in zip(chunks, chunks[1:])]
     gaps = [g - (_kept_s(wa, wb) or 0.0) for g, (_, wa), (_, wb) in zip(raw, chunks, chunks[1:])]
-    print(f"    median step {step * 1e3:.1f} ms, longest gap {max(gaps) * 1e3:.1f} ms "
-          f"(raw {max(raw) * 1e3:.1f})")
-    return max(gaps) / step, statistics.median(gaps) / step, max(raw) / step, statistics.mean(busy[first:])
+    return (max(gaps) / step, statistics.median(gaps) / step, max(raw) / step, statistics.mean(busy[first:]),
+            step, max(gaps))
 
 
 def pool(rounds: int, modes: list[str], messages: int) -> None:
@@ -137,16 +136,18 @@ def pool(rounds: int, modes: list[str], messages: int) -> None:
             if mode == "thread-si":           # a thread that holds the GIL is made to yield it every 0.5 ms
                 sys.setswitchinterval(0.0005)
             try:
-                longest, median, raw, busy = one_pool_run(path, mode, loads_file, messages)
+                longest, median, raw, busy, step, gap = one_pool_run(path, mode, loads_file, messages)
             finally:
                 sys.setswitchinterval(0.005)
-            got[mode].append((longest, median))
-            print(f"  round {r + 1} {mode:9}: longest gap {longest:5.2f} steps, median {median:4.2f} "
-                  f"(raw longest {raw:5.2f}; {busy:.1f} requests in the frontend per step)", flush=True)
+            got[mode].append((longest, median, step))
+            print(f"  round {r + 1} {mode:10}: step {step * 1e3:5.1f} ms; longest gap {gap * 1e3:6.1f} ms "
+                  f"= {longest:5.2f} steps, median {median:4.2f} (raw longest {raw:5.2f}; {busy:.1f} "
+                  "requests in the frontend per step)", flush=True)
     for mode, runs in got.items():
-        print(f"pool: {mode:9} longest gap median {statistics.median(x for x, _ in runs):.2f} steps "
-              f"(range {min(x for x, _ in runs):.2f}-{max(x for x, _ in runs):.2f}), median gap "
-              f"{statistics.median(y for _, y in runs):.2f}")
+        steps, longest = [z * 1e3 for *_, z in runs], [x for x, *_ in runs]
+        print(f"pool: {mode:10} median step {statistics.median(steps):5.1f} ms (the engine's pace; 20 ms "
+              f"of it the model's), longest gap {statistics.median(longest):.2f} steps "
+              f"(range {min(longest):.2f}-{max(longest):.2f})")
 
 
 # --- detok --------------------------------------------------------------------------------------------

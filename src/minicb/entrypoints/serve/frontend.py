@@ -11,11 +11,11 @@
     engine thread's ``register`` copies from)
 
 Why processes, not a thread (``asyncio.to_thread``, Starlette's ``run_in_threadpool``): the chat
-template is pure-Python Jinja2, so a thread rendering thousands of messages holds the GIL and every
-stream's chunks wait; in a process it takes nothing from the server's interpreter, and a ``tokenizers``
-abort kills a worker, not the server. Measured side by side: ``python bench/serve_libraries.py --only
-pool``; pinned by ``test_serve_hostile.py``'s innocent-stream test (it fails with threads bounded
-as the workers are).
+template is pure-Python Jinja2, so a thread rendering thousands of messages holds the GIL: the
+engine thread's steps slow down and the streams' chunks wait; in a process it takes nothing from the
+server's interpreter, and a ``tokenizers`` abort kills a worker, not the server. Side by side:
+``python bench/serve_libraries.py --only pool``; pinned by ``test_serve_hostile.py``'s
+innocent-stream test (it fails with threads bounded as the workers are).
 vLLM V1 does this work in its API server process, SGLang in its tokenizer process.
 
 * **Started once** (``forkserver``: never forked from this threaded process), each worker built with
