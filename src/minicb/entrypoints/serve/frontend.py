@@ -61,7 +61,7 @@ log = logging.getLogger("minicb.entrypoints.serve")
 
 CLOSE_WAIT_S = 1.0            # close(): how long a terminated worker gets before it is killed
 WORKER_NICE = 10               # the workers yield the CPU to the engine thread and the event loop
-ORPHAN_CHECK_S = 0.5          # a worker checks this often that its parent is still there
+ORPHAN_CHECK_S = 0.5          # a worker checks this often that the server's process is still there
 
 
 @dataclass(slots=True)
@@ -203,7 +203,7 @@ class Frontend:
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         return concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
-                                                      initargs=(self._setup,))
+                                                      initargs=(self._setup, os.getpid()))
 
     async def start(self) -> None:
         """Start the workers and wait until each has run its initializer (a broken setup fails here,
@@ -305,26 +305,45 @@ def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
 _PREPARER: Preparer | None = None
 
 
-def _init_worker(setup: dict) -> None:
+def _init_worker(setup: dict, server_pid: int) -> None:
     """Runs once in each worker: ignore Ctrl-C, watch for the server's end, build the ``Preparer``."""
     global _PREPARER
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if WORKER_NICE:
         os.nice(WORKER_NICE)
-    threading.Thread(target=_leave_with, args=(os.getppid(),), name="minicb-frontend-orphan-check",
+    threading.Thread(target=_leave_with, args=(server_pid,), name="minicb-frontend-orphan-check",
                      daemon=True).start()
     _PREPARER = Preparer(**setup)
     _PREPARER.warm()
 
 
-def _leave_with(parent: int) -> None:
-    """Exit as soon as our parent is gone (the fork server, which leaves with the server's process,
-    or the server itself): a killed server cannot shut us down. The kernel re-parents an orphan at
-    once, even while the server is a zombie nobody has reaped yet (a parent that reads the server's
-    output until end of file before reaping it would otherwise wait for ever on our inherited pipes)."""
-    while os.getppid() == parent:
+def _leave_with(server_pid: int) -> None:
+    """Exit as soon as the server's process is gone (it was killed: nobody will shut us down).
+
+    Gone includes a zombie: a server that has exited but whose parent has not reaped it yet still has
+    its process id. A parent that reads the server's output until end of file before reaping it
+    (``subprocess.communicate``, ``$(minicb serve ...)``) would then wait forever on the pipes a worker
+    inherited, while the worker waited for the id to disappear. (Not "our parent is gone": the parent
+    is the fork server, which stays while any child, a worker included, holds its alive pipe.)"""
+    while True:
         time.sleep(ORPHAN_CHECK_S)
-    os._exit(0)
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:      # the id was reused by another user's process: ours is gone
+            os._exit(0)
+        if _is_zombie(server_pid):
+            os._exit(0)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (Linux's /proc; False where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _ping(delay: float) -> int:
