@@ -1,23 +1,13 @@
-"""The HTTP routes: OpenAI's API, health, metrics and the live page, on FastAPI.
+"""The HTTP routes on FastAPI: OpenAI's API, ``/health``, ``/metrics``, the live page and its feed.
 
-::
-
-    POST /v1/completions        POST /v1/chat/completions        GET /v1/models
-    GET  /health                GET  /metrics                    GET /  (live page)   GET /live/events
-
-A generation request goes: read the body, bounded (JSON only: 415; ``--max-body-bytes``: 413;
-``--body-timeout``: 408) -> prepare it in a worker process (``frontend``: 400 / 404 there) -> hand a
-``RequestHandle`` per prompt to the engine thread -> wait for its verdict (``Accepted``, or 400 / 503)
--> stream its ``Delta``s as SSE chunks, or gather them into one response (``_Answer``). The handlers
-never call the engine; nothing on this loop grows with a request beyond copying its bytes and
-decoding its generated tokens, one at a time.
-
-A stream always ends with a last event and ``data: [DONE]``: ``finish_reason: "abort"`` when the
-server shut down under it, an error object when its step failed (500) or the engine died (503); a
-non-streaming client gets that error object as the response. A client that goes away is noticed in
-both modes (``EventStream``; ``whole`` waits for ``http.disconnect`` too) and its request aborted,
-freeing its slot and KV blocks at the engine's next turn. Every error is OpenAI's error object,
-FastAPI's own 404 / 405 and anything unexpected (500, logged, no traceback sent) included.
+A generation request (``docs/concepts/serving.md``, "A request's life"): ``read_body`` (415 / 413 /
+408) -> ``frontend`` (400 / 404) -> a ``RequestHandle`` per prompt to the engine thread -> its verdict
+(``Accepted``, or 400 / 503) -> its ``Delta``s as SSE chunks or one response (``_Answer``). Nothing on
+this loop grows with a request beyond copying its bytes and decoding its tokens, one at a time. A
+stream always ends with a last event and ``data: [DONE]`` (``finish_reason: "abort"`` at shutdown, an
+error object when its step failed or the engine died); a client that goes away is noticed in both
+modes and its request aborted. Every error, FastAPI's own 404 / 405 and a 500 included, is OpenAI's
+error object.
 """
 
 from __future__ import annotations
@@ -34,7 +24,6 @@ import time
 import uuid
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,7 +33,7 @@ from minicb.core.errors import describe
 from minicb.entrypoints.serve import logprob_format
 from minicb.entrypoints.serve.detokenizer import RequestText
 from minicb.entrypoints.serve.engine_thread import Accepted, Delta, RequestHandle, check_choices
-from minicb.entrypoints.serve.extra_routes import engine_answers, extra_routes
+from minicb.entrypoints.serve.extra_routes import engine_answers, extra_routes, model_card
 from minicb.entrypoints.serve.frontend import Prepared, body_limit_error
 from minicb.entrypoints.serve.limits import ServeLimits, flag
 from minicb.entrypoints.serve.metrics import CONTENT_TYPE
@@ -118,9 +107,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "minicb",
-                                            "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [model_card(server)]}
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
@@ -252,12 +239,9 @@ def _request_text(server: Server, params, rid: str, stops,
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that stops as soon as the client goes away, and then calls ``on_close``.
-
-    Starlette (ASGI 2.4) notices a gone client only when the next write fails; a request waiting in
-    the queue, or a live page while the engine idles, writes nothing for a long time. So this listens
-    for ``http.disconnect`` beside the stream and cancels it at once; ``on_close`` runs however the
-    response ends (finished, client gone, server cancelled): a generation aborts its request there."""
+    """An SSE response that calls ``on_close`` however it ends (finished, client gone, cancelled): a
+    generation aborts its request there. Starlette stops the stream as soon as the client goes away:
+    it listens for ``http.disconnect`` beside it, since uvicorn's h11 says ASGI spec 2.3."""
 
     def __init__(self, content, on_close=None) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -265,15 +249,7 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            async with anyio.create_task_group() as tg:
-                async def run() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(run)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await super().__call__(scope, receive, send)
         finally:
             if self._on_close is not None:
                 self._on_close()

@@ -1,37 +1,21 @@
 """Each request's text, made on the event loop from the token ids the engine thread sends.
 
-::
+``RequestText.push(delta)``: ids -> the tokenizer's ``IncrementalDecoder`` -> text -> ``StopMatcher``
+-> the text that may be sent now; a stop string found cuts the text there and aborts the request
+(``abort(request_id, "stop")``). The engine thread only steps (``detokenize = False``), as vLLM V1's
+engine core; this is one table lookup and one incremental UTF-8 decode per token plus the stop
+automata: microseconds per step, nothing that grows with a prompt.
 
-    engine thread                         event loop (this module, per request)
-    ─────────────                         ─────────────────────────────────────────────────────
-    step -> token ids of each request ──► RequestText.push(delta): ids -> IncrementalDecoder -> text
-            (no text: the server's            -> StopMatcher -> the text that may be sent now
-            engine runs with                  a stop string found: the request is cut there and
-            ``detokenize = False``)           aborted (``abort(request_id, "stop")``)
+Why not ``tokenizers``' ``DecodeStream``: it never emits the bytes of a character split at a request's
+end (``"h" + the first byte of "é"`` streams as ``"h"`` where ``decode`` gives ``"h\ufffd"``); ours
+flushes them as U+FFFD, as ``decode`` does (``python bench/serve_libraries.py --only detok``;
+``test_serve_detokenizer.py``).
 
-The engine thread only steps: turning ids into text is the frontend's work, as in vLLM V1 (its API
-server process detokenizes; its engine core only schedules and runs the model). It runs here, on the
-loop, because it is small and sequential: one table lookup and one incremental UTF-8 decode per
-generated token (``IncrementalDecoder``, byte-level BPE), then the stop-string automata, amortised
-constant time per character and stop string (``StopMatcher``; at most ``--max-stop-chars`` of state).
-Per step that is at most one token per running request: microseconds, the same order as writing its
-SSE chunk. Nothing here grows with a prompt.
-
-Why not ``tokenizers``' own ``DecodeStream``: it holds back a token that ends inside a UTF-8
-character until the character completes, and a request that *ends* there loses those bytes (with the
-tiny test tokenizer, ``"h" + the first byte of "é"`` streams as ``"h"`` where ``decode`` gives
-``"h\ufffd"``), which breaks the contract below; the tokenizer's ``IncrementalDecoder`` flushes them
-as U+FFFD, as ``decode`` does, and is one table lookup per token for byte-level BPE
-(``tests/serve/test_serve_detokenizer.py`` compares them).
-
-The consistency contract of ``docs/errors.md`` holds for what a client receives: the token ids it
-is sent concatenate to the final ``token_ids``, and a request that ends without a stop string has
-``text == tokenizer.decode(token_ids)`` (the decoder is flushed at the end, the held-back text is
-released), less the last token's text when one of ``stop_token_ids`` ended it (vLLM's rule, unless
-``include_stop_str_in_output``; the choice's ``stop_reason`` is then that id). A stop string cuts the
-text right before it; the token ids are those up to the token that completed it, and whatever the
-engine made after that (the step that was already running when the
-abort arrived) is dropped, never sent.
+The contract (``docs/errors.md``): the ids a client is sent concatenate to the final ``token_ids``; a
+request that ends without a stop string has ``text == tokenizer.decode(token_ids)``, less the last
+token's text when one of ``stop_token_ids`` ended it (vLLM's rule, unless
+``include_stop_str_in_output``; ``stop_reason`` is then that id). A stop string cuts the text right
+before it, and what the engine made after it is dropped, never sent.
 """
 
 from __future__ import annotations

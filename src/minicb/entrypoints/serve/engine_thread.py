@@ -1,32 +1,22 @@
 """The engine thread: the one thread that owns the ``LLMEngine`` while the server runs.
 
-The HTTP side is asyncio (uvicorn); the engine is synchronous and not thread-safe, and a step takes
-milliseconds to seconds. So the engine lives in a thread of its own, and the two sides meet at two
-thread-safe doors, never anywhere else::
+The engine is synchronous, not thread-safe, and a step takes milliseconds to seconds, so it lives in a
+thread of its own and meets the event loop at two doors only: ``submit`` / ``abort`` / ``call`` post to
+the inbox (a list and a ``Condition``: the thread sleeps on it while there is no work, zero CPU), and
+each step's outputs go back in one ``loop.call_soon_threadsafe`` batch. The picture, and why a request
+joins the batch at the next step: ``docs/concepts/serving.md``, section "Two threads, two doors".
 
-      event loop (HTTP handlers)                      engine thread
-      ─────────────────────────                      ──────────────────────────────────────────
-      submit(handle) ──► inbox (list + Condition) ──► drain the inbox: add_request / abort / call
-      abort(id)      ──►                              step() while there is work; else sleep on
-                                                       the Condition (no polling: zero CPU idle)
-      handle.queue   ◄── loop.call_soon_threadsafe ◄── per-request Deltas of every step, in one batch
-        ▲ handle.text: token ids -> text, stop strings (detokenizer.py, on the loop)
-
-* A request that arrives while the engine runs waits in the inbox for at most the current step and
-  joins the batch at the next one: that *is* continuous batching, seen from a client. The inbox is
-  drained completely before every step, so a burst is admitted (or refused with 503) together, in
-  arrival order; ``max_waiting`` counts the requests that would actually *wait* beyond the free slots.
-* Requests arrive prepared (token ids, ``frontend.py``) and each step's *token ids* go back: the
-  engine makes no text here. Text and stop strings are made on the event loop (``detokenizer.py``); a
-  stop string found there comes back as ``abort(id, "stop")`` (one choice of ``n > 1``:
-  ``abort(id, "stop", index)``), which ends it before the next step.
+* The inbox is drained completely before every step, so a burst is admitted (or refused with 503)
+  together, in arrival order; ``max_waiting`` counts the requests that would *wait* beyond the free slots.
+* Requests arrive as token ids (``frontend.py``) and each step's *token ids* go back; text and stop
+  strings are made on the event loop (``detokenizer.py``), a stop string found there comes back as
+  ``abort(id, "stop")`` (one choice of ``n > 1``: ``abort(id, "stop", index)``).
 * Everything the loop learns about a request comes through its ``RequestHandle.queue``: ``Accepted``
   (or an ``ApiError``: 400 for a prompt the engine refuses, 503 when too many wait), then ``Delta``s
   (one per choice with new tokens), the last one of each choice ``finished``; a last ``Delta`` that
   ends a request without its answer (shutdown, a failed step) carries the ``ApiError`` to answer with.
-* If ``step()`` raises, the engine is *dead*: every open request ends with a 503 carrying the reason,
-  every new one is refused the same way, ``dead`` holds the reason (``/health`` says it), and
-  ``on_dead(reason)`` tells the server, which shuts down (exit code 1).
+* If ``step()`` raises, the engine is *dead*: every open and new request gets a 503 with the reason,
+  ``dead`` holds it (``/health``), and ``on_dead(reason)`` tells the server, which shuts down.
 * ``drain(timeout)`` (graceful shutdown) refuses new requests and aborts what is left when the time
   is up; ``call(fn)`` runs ``fn(engine)`` here between two steps (``/health``'s snapshot).
 """

@@ -1,22 +1,13 @@
-"""The small routes that tools expect beside generation: tokenizer, version, ping, one model.
+"""vLLM's small routes beside generation, with vLLM's shapes (``docs/concepts/serving.md``, "Tokenizer,
+version and probes"): ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET | POST /ping``,
+``GET /v1/models/{id}``.
 
-::
-
-    POST /tokenize    {"prompt": "text"} or {"messages": [...]}  ->  {"tokens", "count", "max_model_len"}
-    POST /detokenize  {"tokens": [ids]}                          ->  {"prompt": "text"}
-    GET  /version                                                ->  {"version": "0.1.0"}
-    GET | POST /ping                                             ->  200, empty (503 when down)
-    GET  /v1/models/{id}                                         ->  OpenAI's model object (404)
-
-vLLM's routes with vLLM's request and response shapes, so a client written for ``vllm serve`` works
-unchanged: lm-eval's ``tokenizer_backend=remote`` counts and cuts prompts with ``/tokenize`` and
-``/detokenize``, load balancers probe ``/ping``, the ``openai`` client's ``models.retrieve(id)`` reads
-``/v1/models/{id}``. ``/tokenize`` takes a completion prompt (``add_special_tokens`` default true)
-or a chat (``messages``, rendered by the same template with the same checks as
-``/v1/chat/completions``; ``add_special_tokens`` default false); ``count`` is given even past
-``max_model_len`` (that is how a client finds out), as in vLLM. The bodies pass the same doors as
-generation (``app.read_body``: 415 / 413 / 408; the JSON depth; ``--max-prompt-chars``,
-``--max-messages``; a 404 for another model) and the tokenizer runs in a thread, never on the loop.
+lm-eval's ``tokenizer_backend=remote`` counts and cuts prompts with ``/tokenize`` and ``/detokenize``,
+load balancers probe ``/ping``, ``openai``'s ``models.retrieve(id)`` reads ``/v1/models/{id}``. A chat
+is rendered by the same template with the same checks as ``/v1/chat/completions``; ``count`` is given
+even past ``max_model_len`` (as vLLM). The bodies pass the same doors as generation (``read_body``,
+the JSON depth, ``--max-prompt-chars``, ``--max-messages``, the model name); the tokenizer runs in a
+thread, never on the loop.
 """
 
 from __future__ import annotations
@@ -42,6 +33,7 @@ from minicb.entrypoints.serve.protocol import (
     _object,
     _unsupported,
     bad_request,
+    rendered,
 )
 from minicb.entrypoints.serve.tools import template_messages
 
@@ -90,10 +82,15 @@ def extra_routes(server, read_body) -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         server.frontend.local.check_model({"model": model_id})
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minicb",
-                "max_model_len": server.max_model_len}
+        return model_card(server)
 
     return router
+
+
+def model_card(server) -> dict:
+    """OpenAI's model object of the served model (``/v1/models`` lists it)."""
+    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minicb",
+            "max_model_len": server.max_model_len}
 
 
 async def engine_answers(server, timeout: float = PING_TIMEOUT_S) -> dict:
@@ -141,13 +138,8 @@ def tokenize_body(server, raw: bytes) -> dict:
             raise bad_request("send either prompt or messages, not both", "prompt")
         messages = _messages(template_messages(r.messages, None), server.limits)
         _no_control_text(messages, server.frontend.local.control_texts)
-        try:
-            text = tok.apply_chat_template(messages,
-                                           add_generation_prompt=r.add_generation_prompt is not False)
-        except InvalidArgument as e:
-            raise bad_request(str(e), "messages") from None
-        except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
-            raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
+        generation = r.add_generation_prompt is not False
+        text = rendered(lambda m: tok.apply_chat_template(m, add_generation_prompt=generation), messages)
     else:
         text, cap = r.prompt, server.limits.max_prompt_chars
         if text is None:

@@ -10,11 +10,13 @@
     a structured output: its grammar compiled in a thread of the server's process (the cache the
     engine thread's ``register`` copies from)
 
-Why processes: the event loop serves every client and the engine thread steps every request, so
-neither may run anything whose cost grows with a request. Parsing a JSON body, rendering the chat
-template of a thousand messages (pure-Python Jinja2), tokenizing 200,000 characters: each takes
-milliseconds to seconds, and in a *thread* it would hold the GIL for most of it, so every stream's
-chunks would wait. vLLM V1 does this work in its API server process, SGLang in its tokenizer process.
+Why processes, not a thread (``asyncio.to_thread``, Starlette's ``run_in_threadpool``): the chat
+template is pure-Python Jinja2, so a thread rendering thousands of messages holds the GIL: the
+engine thread's steps slow down and the streams' chunks wait; in a process it takes nothing from the
+server's interpreter, and a ``tokenizers`` abort kills a worker, not the server. Side by side:
+``python bench/serve_libraries.py --only pool``; pinned by ``test_serve_hostile.py``'s
+innocent-stream test (it fails with threads bounded as the workers are).
+vLLM V1 does this work in its API server process, SGLang in its tokenizer process.
 
 * **Started once** (``forkserver``: never forked from this threaded process), each worker built with
   the tokenizer (pickled: the ``tokenizers`` library's JSON), the model's name, vocabulary size,
@@ -321,7 +323,8 @@ def _leave_with(server_pid: int) -> None:
     Gone includes a zombie: a server that has exited but whose parent has not reaped it yet still has
     its process id. A parent that reads the server's output until end of file before reaping it
     (``subprocess.communicate``, ``$(minicb serve ...)``) would then wait forever on the pipes a worker
-    inherited, while the worker waited for the id to disappear."""
+    inherited, while the worker waited for the id to disappear. (Not "our parent is gone": the parent
+    is the fork server, which stays while any child, a worker included, holds its alive pipe.)"""
     while True:
         time.sleep(ORPHAN_CHECK_S)
         try:

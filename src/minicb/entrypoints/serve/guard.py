@@ -1,24 +1,13 @@
-"""The doors in front of the app: which ``Host`` may be named, which origins may read, who may generate.
+"""The doors in front of the app (why each: ``docs/concepts/serving.md``, "Security defaults")::
 
-::
+    request ─► head size (431) ─► Host allow-list (400) ─► CORS (--allowed-origins) ─► API key (401) ─► app
 
-    request ─► head size ─► Host allow-list ─► CORS (with --allowed-origins) ─► API key (/v1/*) ─► app
+h11 bounds only a head still *arriving*; one that arrives whole is measured here. The Host check is
+against DNS rebinding (a page on ``evil.example`` resolved to 127.0.0.1 still sends its own name).
 
-* **Head size**: a request line and headers over ``--max-header-bytes`` are a 431 (h11 bounds only a
-  head still *arriving*, its buffer; one that arrives whole is measured here).
-* **DNS rebinding**: a page on ``evil.example`` can make its name resolve to 127.0.0.1 and read the
-  local server's answers as same-origin, but its requests still say ``Host: evil.example``. So only a
-  ``Host`` that names this server is answered: the bound address, ``localhost``, ``127.0.0.1``,
-  ``::1`` and ``--allowed-hosts`` (``*``: any). Otherwise 400 ``invalid_host``.
-* **Cross-site requests**: none unless ``--allowed-origins`` (Starlette's ``CORSMiddleware``, as
-  ``vllm serve --allowed-origins``); a JSON body cannot be sent cross-site without a preflight.
-* **Other users**: ``--api-key KEY`` makes ``/v1/*``, ``/tokenize``, ``/detokenize``, the live page
-  and its feed and ``/metrics`` (unless ``--open-metrics``) need ``Authorization: Bearer KEY`` (401,
-  compared in constant time); ``/health``, ``/ping`` and ``/version`` stay open.
-
-Why the Host check is not Starlette's ``TrustedHostMiddleware``: its refusal is a plain-text
-``Invalid host header`` (no error object, no ``code`` a client can act on) and it redirects to
-``www.`` names by default (``tests/serve/test_serve_extra_routes.py`` checks the error object).
+Why not Starlette's ``TrustedHostMiddleware``: it refuses with a plain-text ``Invalid host header``
+(no error object, no ``code`` a client can act on) and redirects a name to its allowed ``www.`` form
+(``python bench/serve_libraries.py --only host``; the error object: ``test_serve_extra_routes.py``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """What one request and one connection may cost, and the flag that sets each bound.
 
-A server on a shared machine must know the most work a request can cause *before* doing any of it:
-one small body must not be able to allocate gigabytes or freeze the other clients. Every bound is
-checked in the order the work would happen, cheapest first (the body's size before it is parsed, a
-prompt's length before its ids are checked, the number and total length of the stop strings before a
-matcher is built), and refused with OpenAI's error object naming the limit and its flag. Each field
-of ``ServeLimits`` is one ``minicb serve`` flag (``flag``): its help text (what it bounds, and the
-answer past it) is the field's metadata, so ``minicb serve --help`` is this module's table.
-
-A token-id prompt is at most ``max_model_len`` ids anyway (the engine refuses a longer one), so its
-bound defaults to that (``with_model_len``).
+Each field of ``ServeLimits`` is one ``minicb serve`` flag (``flag``); its help text (what it bounds,
+and the answer past it) is the field's metadata, so ``minicb serve --help`` is this module's table.
+Why, and in which order they are checked: ``docs/concepts/serving.md``, "Limits". A token-id prompt
+is at most ``max_model_len`` ids anyway, so its bound defaults to that (``with_model_len``).
 """
 
 from __future__ import annotations

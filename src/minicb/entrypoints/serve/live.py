@@ -1,13 +1,7 @@
 """The live page's feed: step events in, at most ~10 small JSON frames a second out.
 
-The page at ``GET /`` draws the scheduler at work: a grid of slots x recent steps, each cell coloured
-by the request that held the slot in that step (a prompt chunk striped, a decode plain), the KV block
-pool coloured by owner (blocks in the prefix cache outlined: free ones are reused on a hit, held ones
-are a shared prefix), the waiting queue and tokens/s. It fits any size: the header stays pinned, the
-slot grid scrolls inside its panel and the pool's blocks shrink to fit theirs, so the pool and the queue
-are on the first screen at 256 slots; requests are labelled by a short form of their id (the full id
-on hover). It gets its data from ``GET /live/events``,
-a Server-Sent Events stream fed by this module::
+The page at ``GET /`` (``static/live.html``; what it draws: ``docs/concepts/serving.md``, "The live
+page") gets its data from ``GET /live/events``, a Server-Sent Events stream fed by this module::
 
     engine thread                                event loop (one task per open page)
     ─────────────                                ──────────────────────────────────────────────

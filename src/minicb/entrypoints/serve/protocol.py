@@ -17,13 +17,10 @@ vLLM's choices where OpenAI leaves room: ``temperature`` and ``top_p`` default t
 -1 is off; ``max_tokens`` defaults to 16 for completions and, for chat, to the room the prompt leaves
 (filled in on the engine thread); ``stop`` strings are matched on the text and never part of it; a
 list of prompts is one engine request each, answered with ``index = prompt_index * n + child``;
-completions' ``logprobs: k`` and ``echo``, chat's ``logprobs`` + ``top_logprobs``, vLLM's
-``prompt_logprobs`` (``k`` at most 20); ``priority`` needs ``--scheduling-policy priority``;
-``cache_salt`` keeps prefix-cache blocks to requests of one salt; ``request_id`` names the response;
-``stream_options.continuous_usage_stats`` puts the usage in every chunk (with ``include_usage``).
-Every field minicb does not implement (``_UNSUPPORTED``: beam search, ``best_of``, ``prompt_embeds``,
-the chat fields that would change the rendered prompt, ...) is a 400 naming it unless it holds its
-default, never a silently different answer; unknown fields are ignored (clients send extras).
+the logprob fields and vLLM's own (``priority``, ``cache_salt``, ``request_id``, ...) are
+``docs/concepts/serving.md``'s tables. Every field minicb does not implement (``_UNSUPPORTED``) is
+a 400 naming it unless it holds its default, never a silently different answer; unknown fields are
+ignored (clients send extras).
 
 Hand-written, with a tested reason: the prompt and message checks (``_prompts``, ``_messages``) run
 *before* pydantic, cheapest first, because a 10**6-id prompt must be refused by its length before its
@@ -303,13 +300,17 @@ def parse_chat(body: Any, render, limits: ServeLimits = DEFAULT_LIMITS,
     tools = parse_tools(body, limits)
     messages = _messages(template_messages(f.messages, tools), limits)
     _no_control_text(messages, control_texts)
+    return _parse(body, f, [rendered(render, messages)], limits, tools)
+
+
+def rendered(render, messages: list[dict]) -> str:
+    """``render(messages)`` (the chat template), its refusal a 400 naming ``messages``."""
     try:
-        prompt = render(messages)
+        return render(messages)
     except InvalidArgument as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:   # noqa: BLE001 - a template's raise_exception(): the messages broke its rules
         raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return _parse(body, f, [prompt], limits, tools)
 
 
 def _object(body: Any) -> dict:

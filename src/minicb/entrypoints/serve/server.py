@@ -13,25 +13,10 @@
     ...
     server.stop()
 
-**Shutdown** (SIGTERM, Ctrl-C, or ``stop()``): the engine thread refuses new requests (503) and closes
-arrivals; uvicorn stops accepting connections and waits for the open ones; the accepted requests
-run on, and those still unfinished after ``shutdown_timeout`` seconds are aborted (their streams end
-with ``finish_reason: "abort"`` and ``[DONE]``, a non-streaming client gets a 503 error object);
-live pages are ended; the engine thread stops; ``run`` returns the exit code:
-
-==== ==========================================================================================
-0    stopped on SIGTERM / Ctrl-C / ``stop()`` (requests past ``--shutdown-timeout`` were aborted)
-130  a second SIGTERM / Ctrl-C during the drain: every request was aborted at once, each client
-     still got its last chunk and ``[DONE]`` (or a 503 error object)
-1    the engine died (``EngineDeadError`` or any exception out of a step): every client got a 503
-     with the reason, ``/health`` said 503, and the server shut down
-==== ==========================================================================================
-
-**Connections** get the deadlines and sizes of ``limits.py`` (uvicorn's options, and ``_DeadlineH11``
-for what uvicorn lacks); ``guard.py`` puts the Host allow-list, CORS and the API key in front of the
-app. The event loop reads bodies, writes answers and makes each request's text (``detokenizer.py``);
-worker processes parse, render and tokenize (``frontend.py``); the engine thread only steps
-(``engine_thread.py``), told to make no text (``engine.detokenize = False``).
+**Shutdown** (SIGTERM, Ctrl-C, ``stop()``; a second signal; a dead engine) and its exit codes
+(``EXIT_*`` below): ``docs/concepts/serving.md``, section "Shutdown". ``limits.py`` bounds each
+connection (uvicorn's options, and ``_DeadlineH11`` for what uvicorn lacks); ``guard.py`` is the
+middleware in front of the app.
 """
 
 from __future__ import annotations
@@ -121,8 +106,9 @@ class _DeadlineH11(H11Protocol):
     connection is served); a head past ``max_header_bytes`` is a 431 naming the flag.
 
     Why a subclass of uvicorn's (private) protocol: uvicorn 0.55 has no deadline on a request's head
-    (a slowloris connection would hold a slot for ever: ``test_serve_hostile``), and answers a head
-    past ``h11_max_incomplete_event_size`` with a plain-text 400."""
+    (a slowloris or silent connection holds a slot for ever: ``python bench/serve_libraries.py --only
+    head``; ``test_serve_hostile``), and answers a head past ``h11_max_incomplete_event_size`` with a
+    plain-text 400."""
 
     header_timeout = 10.0
     body_linger = 2.0

@@ -7,28 +7,11 @@ SmolLM2-Instruct was tuned for function calling with a system prompt that lists 
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     ]</tool_call>
 
-(the format of SmolLM2's model card, and of the ``smollm2`` chat template in Ollama's library). The
-chat template in the GGUF file does not render tools, so this module does what a tool-aware template
-would: the tools' system prompt (``system_prompt``) goes first, an assistant turn's earlier
-``tool_calls`` are written back in that format, and a ``tool`` message becomes a user turn holding
-``<tool_response>...</tool_response>``.
-
-``tool_choice`` (OpenAI's values):
-
-============  =====================================================================================
-``none``      the tools are not shown to the model; a plain answer
-``auto``      the tools are shown; the output is parsed into ``tool_calls`` if it is the format above
-              (``finish_reason: "tool_calls"``), else it is the answer's content (the default)
-``required``  the output is *forced* into the format by a grammar (``constraint``): a list of one or
-              more calls, each ``{"name": one of the tools, "arguments": that tool's parameters}``
-              schema-checked by the grammar engine, like a ``json_schema`` response format; at most
-              one call per tool offered (a small model otherwise repeats its call until
-              ``max_tokens``), exactly one with ``parallel_tool_calls: false``
-named         ``{"type": "function", "function": {"name": ...}}``: the same, exactly one call to it
-============  =====================================================================================
-
-With ``stream: true`` and tools shown, the answer comes when it is complete, as one delta (the
-``tool_calls`` or the content): whether text is a tool call is only known at its end.
+The chat template in the GGUF file renders no tools, so this module does what a tool-aware template
+would (``template_messages``). ``tool_choice``: ``none`` hides the tools; ``auto`` (the default)
+shows them and parses the output into ``tool_calls`` if it is the format above; ``required`` and a
+named function force the format through a grammar (``constraint``). The whole story, streaming
+included: ``docs/concepts/structured_outputs.md``, section "Tools".
 """
 
 from __future__ import annotations
