@@ -588,7 +588,9 @@ def test_an_innocent_stream_keeps_its_pace_while_large_requests_arrive(gguf, tmp
     gaps = [g - (w or 0.0) for g, w in zip(raw, waited)]       # the machine's scheduling taken off
     step = statistics.median(steps[first:last])
     assert len(gaps) == 79, len(gaps)                     # load-independent: a count of chunks
-    assert len(answered) >= 12 and set(answered) <= {200, 400}, (len(answered), set(answered))
+    # load-independent: each of the flood's 4 clients waits for the answer it has in flight before it
+    # stops (how many more it got depends on how fast the machine is, so that is not asked)
+    assert len(answered) >= 4 and set(answered) <= {200, 400}, (len(answered), set(answered))
     # load-independent: requests in the frontend, counted at each step (the flood keeps it full)
     assert statistics.mean(busy[first:last]) >= 1, busy[first:last]
     ratio, median = max(gaps) / step, statistics.median(gaps) / step
