@@ -284,7 +284,7 @@ def test_registry_reports_a_broken_compiler(monkeypatch, caplog):
 @pytest.mark.parametrize("prompts_on", ["sdpa", "kernel"])
 def test_engine_on_cpu_paged_matches_baseline(policy, bs, prompts_on, monkeypatch):
     """Token for token against the padded baseline (float64), with prompt chunks on SDPA and on the
-    kernel (each prompt token a row: chunks that start at 0 and chunks after cached tokens alike)."""
+    prompt kernel (chunks that start at 0 and chunks after cached tokens alike)."""
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", prompts_on)
     model = tiny_model()
     prompts = random_prompts(24, 1, 60, TINY.vocab_size, seed=bs)

@@ -346,13 +346,13 @@ class CpuPagedAttention(ReferenceAttention):
 
     def prepare(self, meta: AttentionMetadata):
         n_real = meta.num_seqs - meta.num_padding_rows
-        chunks = [i for i in range(n_real) if meta.q_lens[i] > 1]
-        if not self.prompts_on_kernel or not chunks:   # SDPA for prompt chunks, or a step without
+        prompts = [i for i in range(n_real) if meta.q_lens[i] > 1]
+        if not self.prompts_on_kernel or not prompts:   # SDPA for prompt chunks, or a step without
             return super().prepare(meta)
         decodes = [i for i in range(n_real) if meta.q_lens[i] == 1]
         firsts = meta.cu_seqlens_q.tolist()
-        chunks = ([firsts[i] for i in chunks], [meta.q_lens[i] for i in chunks],
-                  [meta.start_positions[i] for i in chunks], chunks)
+        chunks = ([firsts[i] for i in prompts], [meta.q_lens[i] for i in prompts],
+                  [meta.start_positions[i] for i in prompts], prompts)
         groups = [_PromptTiles(chunks, meta.block_tables.contiguous(),
                                self._decode_groups(meta, decodes)[0] if decodes else None,
                                whole=not meta.num_padding_rows)]
