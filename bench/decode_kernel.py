@@ -84,9 +84,20 @@ def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     tiles = cpu_paged.prompt_tiles([0], [length], [0], cpu_paged.tile_rows(Q_HEADS, KV_HEADS))
     i = torch.arange(length)
     mask = fold_mask((i[None, :] <= i[:, None])[None], Q_HEADS // KV_HEADS, dtype)
-    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0],
-            "rows": lambda: cpu_paged.paged_decode(q, kc, vc, tables, ctx, BLOCK, length),
-            "tiles": lambda: cpu_paged.paged_prompt(q, kc, vc, blocks[None], tiles, BLOCK)}
+    # the kernels' arguments checked once, as the backend does (once a step, not once a layer)
+    cpu_paged.check_decode_args(q, kc, vc, tables, ctx, BLOCK, length)
+    cpu_paged.check_prompt_args(q, kc, vc, blocks[None], tiles, BLOCK)
+    out = torch.empty_like(q)
+
+    def rows():
+        cpu_paged.decode_into(out, q, kc, vc, tables, ctx, BLOCK, length)
+        return out
+
+    def tiled():
+        cpu_paged.prompt_into(out, q, kc, vc, blocks[None], tiles, BLOCK)
+        return out
+
+    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0], "rows": rows, "tiles": tiled}
 
 
 def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
@@ -104,7 +115,7 @@ def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
                 for _ in range(reps):
                     fn()
                 times[name].append((time.perf_counter() - t) / reps)
-        sdpa = ways["sdpa"]().double()
+        sdpa = ways["sdpa"]().double()      # (each way's output read before the next way runs)
         flops = 4 * length * (length + 1) / 2 * Q_HEADS * HEAD_DIM
         med = {name: statistics.median(ts) for name, ts in times.items()}
         for name, ts in times.items():

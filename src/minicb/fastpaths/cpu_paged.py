@@ -309,12 +309,11 @@ class _PromptTiles:
 
 
 def prompts_on_kernel(dtype: torch.dtype, head_dim: int, settings: Settings | None = None) -> bool:
-    """Whether prompt chunks go to the kernel too, each of their tokens a row whose context ends at
-    itself (``MINICB_PROMPT_ATTENTION=kernel`` or ``sdpa`` pins it): by default head_dim 64 on the
-    AVX-512 row, bfloat16 on its native dot products (where the kernel beat SDPA on a Zen 4 core at
-    every prompt length measured) and float32 (where it alone was level with SDPA, 0.85-1.20x, but a
-    step of kernel rows only runs its layers in one call, ``layer_stack``: W2 2.5-6% faster;
-    ``bench/RESULTS.md``); SDPA elsewhere."""
+    """Whether prompt chunks go to the prompt kernel, ``paged_prompt`` (``MINICB_PROMPT_ATTENTION=kernel``
+    or ``sdpa`` pins it): by default head_dim 64 on a CPU with AVX-512, in float32 and in bfloat16 on
+    its native dot products, where it ran 2-3x SDPA's speed from 64 to 2,048 tokens on a Zen 4 core
+    and 1.7-1.9x the decode kernel's with each prompt token a row (``bench/decode_kernel.py
+    --prompts``, ``bench/RESULTS.md``, issue 47); SDPA elsewhere."""
     pinned = (settings or Settings.from_env()).prompt_attention
     if pinned in ("kernel", "sdpa"):
         return pinned == "kernel"

@@ -254,8 +254,8 @@ static inline int fast_mode(int64_t D, int native) {
                 } else {                                                                               \
                     for (int64_t d = 0; d < D; ++d) qt[d * LANES + l] = l < nl ? LOAD(qr[d]) : 0;      \
                 }                                                                                      \
-                for (int64_t d = 0; d < D; ++d) o[d * LANES + l] = 0;                                  \
             }                                                                                          \
+            memset(o, 0, sizeof(A) * (size_t)(D * LANES));                                             \
             const int64_t end = start + (l0 + nl - 1) / group + 1;   /* the last lane's keys */       \
             for (int64_t t0 = 0; t0 < end; t0 += KC) {                                                 \
                 const int64_t n = end - t0 < KC ? end - t0 : KC;                                       \
