@@ -128,6 +128,19 @@ def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
               f"{med['sdpa'] / med['tiles']:.2f}x as fast as sdpa")
 
 
+def lp_share() -> None:
+    """How much of the long-prompt workload's prefill is attention: its causal attention's flops beside
+    the layers' products' (2 x SmolLM2's 106 M multiply-adds a token), at one pass over each prompt."""
+    from workloads import lp
+
+    lens = [len(p) for p in lp().prompts]
+    attn = sum(4 * n * (n + 1) / 2 * Q_HEADS * HEAD_DIM * LAYERS for n in lens)
+    hidden, inter, qkv = 576, 1536, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    products = 2 * LAYERS * hidden * (qkv + Q_HEADS * HEAD_DIM + 3 * inter) * sum(lens)
+    print(f"LP (bench/workloads.py): {len(lens)} prompts, {sum(lens):,} tokens (longest {max(lens)}): causal "
+          f"attention {attn / 1e12:.2f} TFLOP, the layers' products {products / 1e12:.2f} TFLOP")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
@@ -145,6 +158,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     if args.prompts:
         prompts(dtype, args.rounds, args.threads)
+        lp_share()
         return
     kernels = {"minicb": library(None, ())}
     if args.compare:

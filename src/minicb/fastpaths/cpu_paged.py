@@ -311,8 +311,8 @@ class _PromptTiles:
 def prompts_on_kernel(dtype: torch.dtype, head_dim: int, settings: Settings | None = None) -> bool:
     """Whether prompt chunks go to the prompt kernel, ``paged_prompt`` (``MINICB_PROMPT_ATTENTION=kernel``
     or ``sdpa`` pins it): by default head_dim 64 on a CPU with AVX-512, in float32 and in bfloat16 on
-    its native dot products, where it ran 2-3x SDPA's speed from 64 to 2,048 tokens on a Zen 4 core
-    and 1.7-1.9x the decode kernel's with each prompt token a row (``bench/decode_kernel.py
+    its native dot products, where it ran 1.9-3.6x SDPA's speed from 64 to 2,048 tokens on a Zen 4 core
+    and 1.7-2.0x the decode kernel's with each prompt token a row (``bench/decode_kernel.py
     --prompts``, ``bench/RESULTS.md``, issue 47); SDPA elsewhere."""
     pinned = (settings or Settings.from_env()).prompt_attention
     if pinned in ("kernel", "sdpa"):
