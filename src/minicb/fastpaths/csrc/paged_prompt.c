@@ -103,24 +103,24 @@ PORTABLE(bf16, uint16_t, float, bf16_load)
 #define SOFTMAX_FN(NAME, A, EXP)                                                                      \
     /* The online softmax's step for keys t0..t0+n (scores s, in place: their weights): m the maxima, \
      * sum the sums, c what earlier sums are rescaled by, lim[lane] the lane's last key. */           \
-    static void NAME##_softmax(A *s, A *m, A *sum, A *c, const A *lim, int64_t t0, int64_t n) {       \
+    static void NAME##_softmax(A *s, A *m, A *sum, A *c, const A *lim, int64_t t0, int64_t n, int nl) { \
         A mx[LANES];                                                                                  \
-        for (int l = 0; l < LANES; ++l) mx[l] = m[l];                                                 \
+        for (int l = 0; l < nl; ++l) mx[l] = m[l];                                                    \
         for (int64_t j = 0; j < n; ++j) {                                                             \
             const A t = (A)(t0 + j);                                                                  \
-            for (int l = 0; l < LANES; ++l) {                                                         \
+            for (int l = 0; l < nl; ++l) {                                                            \
                 const A x = t <= lim[l] ? s[j * LANES + l] : -INFINITY;                               \
                 mx[l] = x > mx[l] ? x : mx[l];                                                        \
             }                                                                                         \
         }                                                                                             \
-        for (int l = 0; l < LANES; ++l) {                                                             \
+        for (int l = 0; l < nl; ++l) {                                                                \
             c[l] = EXP(m[l] - mx[l]); /* m = -inf (the first chunk): sum and o are 0 anyway */        \
             sum[l] *= c[l];                                                                           \
             m[l] = mx[l];                                                                             \
         }                                                                                             \
         for (int64_t j = 0; j < n; ++j) {                                                             \
             const A t = (A)(t0 + j);                                                                  \
-            for (int l = 0; l < LANES; ++l) {                                                         \
+            for (int l = 0; l < nl; ++l) {                                                            \
                 const A p = t <= lim[l] ? EXP(s[j * LANES + l] - mx[l]) : 0;                          \
                 s[j * LANES + l] = p;                                                                 \
                 sum[l] += p;                                                                          \
@@ -135,81 +135,86 @@ SOFTMAX_FN(f64, double, exp_f64)
 #define RK 8 /* keys per register block of scores: 8 keys x 3 vectors = 24 sums */
 #define RD 8 /* head_dim values per register block of outputs: 8 x 3 vectors */
 
+/* These take the first nv vectors of lanes (16 nv lanes: a short tile needs fewer), a constant where
+ * they are inlined (BY_NV), so that their sums stay in registers. */
+#define INLINE static inline __attribute__((always_inline))
+#define BY_NV(nv, CALL)                                                                               \
+    switch (nv) {                                                                                     \
+    case 1: CALL(1); break;                                                                           \
+    case 2: CALL(2); break;                                                                           \
+    default: CALL(3); break;                                                                          \
+    }
+
 /* The scores of n keys kp[j] (float32: the cache's, or bfloat16 widened into scratch). */
-static void scores512_f32(float *s, const float *qt, const float **kp, int64_t n, int64_t D, float scale) {
+INLINE void scores512_f32(float *s, const float *qt, const float **kp, int64_t n, int64_t D, float scale,
+                          const int nv) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += RK) {
         const float *k[RK];                   /* past the chunk's end: its last key again, not stored */
         for (int r = 0; r < RK; ++r) k[r] = kp[j0 + r < n ? j0 + r : n - 1];
         __m512 a[RK][3];
-        for (int r = 0; r < RK; ++r) a[r][0] = a[r][1] = a[r][2] = _mm512_setzero_ps();
+        for (int r = 0; r < RK; ++r)
+            for (int v = 0; v < nv; ++v) a[r][v] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) {
-            const __m512 q0 = _mm512_loadu_ps(qt + d * LANES), q1 = _mm512_loadu_ps(qt + d * LANES + 16),
-                         q2 = _mm512_loadu_ps(qt + d * LANES + 32);
+            __m512 qv[3];
+            for (int v = 0; v < nv; ++v) qv[v] = _mm512_loadu_ps(qt + d * LANES + 16 * v);
             for (int r = 0; r < RK; ++r) {
                 const __m512 kb = _mm512_set1_ps(k[r][d]);
-                a[r][0] = _mm512_fmadd_ps(kb, q0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(kb, q1, a[r][1]);
-                a[r][2] = _mm512_fmadd_ps(kb, q2, a[r][2]);
+                for (int v = 0; v < nv; ++v) a[r][v] = _mm512_fmadd_ps(kb, qv[v], a[r][v]);
             }
         }
         for (int r = 0; r < RK && j0 + r < n; ++r)
-            for (int v = 0; v < 3; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
     }
 }
 
 #if defined(__AVX512BF16__)
 /* The same on vdpbf16ps: qp [D / 2][LANES] the queries' stored bfloat16 pairs, kp[j] the stored keys. */
-static void scores512_bf16n(float *s, const uint32_t *qp, const uint16_t **kp, int64_t n, int64_t D,
-                            float scale) {
+INLINE void scores512_bf16n(float *s, const uint32_t *qp, const uint16_t **kp, int64_t n, int64_t D, float scale,
+                            const int nv) {
     const __m512 vs = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += RK) {
         const uint16_t *k[RK];
         for (int r = 0; r < RK; ++r) k[r] = kp[j0 + r < n ? j0 + r : n - 1];
         __m512 a[RK][3];
-        for (int r = 0; r < RK; ++r) a[r][0] = a[r][1] = a[r][2] = _mm512_setzero_ps();
+        for (int r = 0; r < RK; ++r)
+            for (int v = 0; v < nv; ++v) a[r][v] = _mm512_setzero_ps();
         for (int64_t p = 0; p < D / 2; ++p) {
-            const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * LANES),
-                           q1 = (__m512bh)_mm512_loadu_si512(qp + p * LANES + 16),
-                           q2 = (__m512bh)_mm512_loadu_si512(qp + p * LANES + 32);
+            __m512bh qv[3];
+            for (int v = 0; v < nv; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qp + p * LANES + 16 * v);
             for (int r = 0; r < RK; ++r) {
                 uint32_t pair;
                 memcpy(&pair, k[r] + 2 * p, sizeof pair);
                 const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)pair);
-                a[r][0] = _mm512_dpbf16_ps(a[r][0], kb, q0);
-                a[r][1] = _mm512_dpbf16_ps(a[r][1], kb, q1);
-                a[r][2] = _mm512_dpbf16_ps(a[r][2], kb, q2);
+                for (int v = 0; v < nv; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], kb, qv[v]);
             }
         }
         for (int r = 0; r < RK && j0 + r < n; ++r)
-            for (int v = 0; v < 3; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
     }
 }
 #endif
 
-/* o = c o + the weighted sum of n values vp[j] (float32), 8 head_dim values x 3 vectors at a time. */
-static void values512(float *o, const float *c, const float *p, const float **vp, int64_t n, int64_t D) {
-    const __m512 c0 = _mm512_loadu_ps(c), c1 = _mm512_loadu_ps(c + 16), c2 = _mm512_loadu_ps(c + 32);
+/* o = c o + the weighted sum of n values vp[j] (float32), 8 head_dim values x nv vectors at a time. */
+INLINE void values512(float *o, const float *c, const float *p, const float **vp, int64_t n, int64_t D,
+                      const int nv) {
+    __m512 cv[3];
+    for (int v = 0; v < nv; ++v) cv[v] = _mm512_loadu_ps(c + 16 * v);
     for (int64_t d0 = 0; d0 < D; d0 += RD) {
         __m512 a[RD][3];
-        for (int e = 0; e < RD; ++e) {
-            a[e][0] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES), c0);
-            a[e][1] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 16), c1);
-            a[e][2] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 32), c2);
-        }
+        for (int e = 0; e < RD; ++e)
+            for (int v = 0; v < nv; ++v) a[e][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 16 * v), cv[v]);
         for (int64_t j = 0; j < n; ++j) {
-            const __m512 p0 = _mm512_loadu_ps(p + j * LANES), p1 = _mm512_loadu_ps(p + j * LANES + 16),
-                         p2 = _mm512_loadu_ps(p + j * LANES + 32);
+            __m512 pv[3];
+            for (int v = 0; v < nv; ++v) pv[v] = _mm512_loadu_ps(p + j * LANES + 16 * v);
             const float *vj = vp[j] + d0;
             for (int e = 0; e < RD; ++e) {
                 const __m512 vb = _mm512_set1_ps(vj[e]);
-                a[e][0] = _mm512_fmadd_ps(vb, p0, a[e][0]);
-                a[e][1] = _mm512_fmadd_ps(vb, p1, a[e][1]);
-                a[e][2] = _mm512_fmadd_ps(vb, p2, a[e][2]);
+                for (int v = 0; v < nv; ++v) a[e][v] = _mm512_fmadd_ps(vb, pv[v], a[e][v]);
             }
         }
         for (int e = 0; e < RD; ++e)
-            for (int v = 0; v < 3; ++v) _mm512_storeu_ps(o + (d0 + e) * LANES + 16 * v, a[e][v]);
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(o + (d0 + e) * LANES + 16 * v, a[e][v]);
     }
 }
 #endif
@@ -237,6 +242,7 @@ static inline int fast_mode(int64_t D, int native) {
         const T *kp[KC], *vp[KC];                                                                      \
         for (int64_t l0 = 0; l0 < lanes; l0 += LANES) { /* more than one block: group > LANES / rows */ \
             const int64_t nl = lanes - l0 < LANES ? lanes - l0 : LANES;                                \
+            const int nv = (int)(nl + 15) / 16;       /* vectors of lanes the AVX-512 loops take */    \
             /* lane l: query head g * group + (l0 + l) % group of row (l0 + l) / group; unused lanes  \
              * get a zero query (and a row's limit: they see key 0, so no lane's max stays -inf) */    \
             for (int l = 0; l < LANES; ++l) {                                                          \
@@ -264,7 +270,7 @@ static inline int fast_mode(int64_t D, int native) {
                     kp[j] = k_cache + slot * slot_len + g * D;                                         \
                     vp[j] = v_cache + slot * slot_len + g * D;                                         \
                 }                                                                                      \
-                NAME##_chunk(s, qt, o, m, sum, c, lim, kp, vp, kw, vw, t0, n, D, scale, mode);         \
+                NAME##_chunk(s, qt, o, m, sum, c, lim, kp, vp, kw, vw, t0, n, D, scale, mode, nv);     \
             }                                                                                          \
             for (int64_t l = 0; l < nl; ++l) {                                                         \
                 const int64_t i = (l0 + l) / group, h = (l0 + l) % group;                              \
@@ -278,34 +284,36 @@ static inline int fast_mode(int64_t D, int native) {
 /* One chunk of keys: scores, the softmax's step, the values; on the loops `mode` names. */
 static inline void f64_chunk(double *s, const double *qt, double *o, double *m, double *sum, double *c,
                              const double *lim, const double **kp, const double **vp, double *kw,
-                             double *vw, int64_t t0, int64_t n, int64_t D, double scale, int mode) {
-    (void)kw, (void)vw, (void)mode;
+                             double *vw, int64_t t0, int64_t n, int64_t D, double scale, int mode, int nv) {
+    (void)kw, (void)vw, (void)mode, (void)nv;
     f64_scores(s, qt, kp, n, D, scale);
-    f64_softmax(s, m, sum, c, lim, t0, n);
+    f64_softmax(s, m, sum, c, lim, t0, n, LANES);
     f64_values(o, c, s, vp, n, D);
 }
 
 static inline void f32_chunk(float *s, const float *qt, float *o, float *m, float *sum, float *c,
                              const float *lim, const float **kp, const float **vp, float *kw,
-                             float *vw, int64_t t0, int64_t n, int64_t D, float scale, int mode) {
+                             float *vw, int64_t t0, int64_t n, int64_t D, float scale, int mode, int nv) {
     (void)kw, (void)vw;
 #if FAST512
     if (mode) {
-        scores512_f32(s, qt, kp, n, D, scale);
-        f32_softmax(s, m, sum, c, lim, t0, n);
-        values512(o, c, s, vp, n, D);
+#define F32_STEPS(NV)                                                                                 \
+    scores512_f32(s, qt, kp, n, D, scale, NV);                                                        \
+    f32_softmax(s, m, sum, c, lim, t0, n, 16 * NV);                                                   \
+    values512(o, c, s, vp, n, D, NV)
+        BY_NV(nv, F32_STEPS)
         return;
     }
 #endif
-    (void)mode;
+    (void)mode, (void)nv;
     f32_scores(s, qt, kp, n, D, scale);
-    f32_softmax(s, m, sum, c, lim, t0, n);
+    f32_softmax(s, m, sum, c, lim, t0, n, LANES);
     f32_values(o, c, s, vp, n, D);
 }
 
 static inline void bf16_chunk(float *s, const float *qt, float *o, float *m, float *sum, float *c,
                               const float *lim, const uint16_t **kp, const uint16_t **vp, float *kw,
-                              float *vw, int64_t t0, int64_t n, int64_t D, float scale, int mode) {
+                              float *vw, int64_t t0, int64_t n, int64_t D, float scale, int mode, int nv) {
 #if FAST512
     if (mode) { /* the chunk's values (and keys, unless native) widened once, then float32's loops */
         const int native = mode == 2;
@@ -319,19 +327,23 @@ static inline void bf16_chunk(float *s, const float *qt, float *o, float *m, flo
             }
         }
 #if defined(__AVX512BF16__)
-        if (native)
-            scores512_bf16n(s, (const uint32_t *)qt, kp, n, D, scale);
-        else
+#define BF16_SCORES(NV)                                                                               \
+    if (native) scores512_bf16n(s, (const uint32_t *)qt, kp, n, D, scale, NV);                        \
+    else scores512_f32(s, qt, kf, n, D, scale, NV)
+#else
+#define BF16_SCORES(NV) scores512_f32(s, qt, kf, n, D, scale, NV)
 #endif
-            scores512_f32(s, qt, kf, n, D, scale);
-        f32_softmax(s, m, sum, c, lim, t0, n);
-        values512(o, c, s, vf, n, D);
+#define BF16_STEPS(NV)                                                                                \
+    BF16_SCORES(NV);                                                                                  \
+    f32_softmax(s, m, sum, c, lim, t0, n, 16 * NV);                                                   \
+    values512(o, c, s, vf, n, D, NV)
+        BY_NV(nv, BF16_STEPS)
         return;
     }
 #endif
-    (void)kw, (void)vw, (void)mode;
+    (void)kw, (void)vw, (void)mode, (void)nv;
     bf16_scores(s, qt, kp, n, D, scale);
-    f32_softmax(s, m, sum, c, lim, t0, n);
+    f32_softmax(s, m, sum, c, lim, t0, n, LANES);
     bf16_values(o, c, s, vp, n, D);
 }
 
