@@ -101,7 +101,7 @@ def load_prompt(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in (*PROMPT_DTYPES.values(), PROMPT_WIDEN_BF16):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr] * 5 + [i64, ptr] + [i64] * 5 + [ctypes.c_double, ctypes.c_int]
+        fn.argtypes = [ptr] * 5 + [i64, ptr] + [i64] * 5 + [ctypes.c_double, ctypes.c_int, i64]
         fn.restype = ctypes.c_int
     for name in ("minicb_paged_prompt_lanes", "minicb_paged_prompt_avx512"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
@@ -273,7 +273,7 @@ def prompt_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     kernel = getattr(load_prompt(), kernel_name(q.dtype, prompt=True)) if kernel is None else kernel
     if kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), tiles.data_ptr(),
               tiles.shape[0], out.data_ptr(), q_heads, k_cache.shape[1], head_dim, block_tables.shape[1],
-              block_size, scale, torch.get_num_threads()):
+              block_size, scale, torch.get_num_threads(), -1):
         raise MemoryError("paged_prompt could not allocate its scratch")
 
 

@@ -30,7 +30,7 @@
  *
  *     products (skinny _part)    every thread its share of the panels, all rows
  *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free (a step
- *                                with prompt chunks: each tile and each decode row)
+ *                                with prompt chunks: each tile's kv heads and each decode row)
  *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
  *                                           thread's, while the others wait at the next barrier)
  *
@@ -68,7 +68,8 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          double scale, int nthreads);
 typedef int (*prompt_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *tiles, int64_t n_tiles, void *out, int64_t q_heads, int64_t kv_heads,
-                         int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int nthreads);
+                         int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int nthreads,
+                         int64_t item);
 
 /* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels) */
 typedef struct {
@@ -149,13 +150,12 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
-            const int64_t work = p ? p->n_tiles + p->n_decodes : 0;
-            _Pragma("omp for schedule(dynamic) nowait")         /* tiles and decode rows, longest first */
+            const int64_t items = p ? p->n_tiles * d->kv_heads : 0, work = p ? items + p->n_decodes : 0;
+            _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then each decode row */
             for (int64_t w = 0; w < work; ++w) {
-                const int64_t i = w - p->n_tiles, r = i >= 0 ? p->decode_rows[i] : 0;
-                if (i < 0 ? f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles + 4 * (p->n_tiles - 1 - w),
-                                      1, b->attn, d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size,
-                                      d->scale, 1)
+                const int64_t i = w - items, r = i >= 0 ? p->decode_rows[i] : 0;
+                if (i < 0 ? f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
+                                      d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w)
                           : f->decode(AT(b->q, r * qdim), L->k_cache, L->v_cache, block_tables + i * d->max_blocks,
                                       context_lens + i, AT(b->attn, r * qdim), 1, d->q_heads, d->kv_heads, hd,
                                       d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {

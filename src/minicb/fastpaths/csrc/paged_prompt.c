@@ -357,13 +357,16 @@ TILE_FN(bf16, uint16_t, float, bf16_load, bf16_store)
 #define BF16_NATIVE 0
 #endif
 
-/* The entry points: every (tile, kv head) of the step, over `num_threads` threads. Returns 0, or 1
- * when a thread could not allocate its scratch. */
+/* The entry points: every (tile, kv head) of the step over `num_threads` threads, or (item >= 0) only
+ * work item `item` of them, in the order below (layer_stack.c hands the items to its threads itself).
+ * Returns 0, or 1 when a thread could not allocate its scratch. */
 #define PAGED_PROMPT(NAME, ITEM, T, A, NATIVE)                                                          \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
              const int32_t *tiles, int64_t n_tiles, T *out, int64_t q_heads, int64_t kv_heads,          \
-             int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int num_threads) {  \
-        const int64_t items = n_tiles * kv_heads, D = head_dim;                                        \
+             int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int num_threads,   \
+             int64_t item) {                                                                           \
+        const int64_t first = item >= 0 ? item : 0, items = item >= 0 ? item + 1 : n_tiles * kv_heads;  \
+        const int64_t D = head_dim;                                                                    \
         const int mode = sizeof(A) == sizeof(float) ? fast_mode(D, NATIVE) : 0;                        \
         int failed = 0;                                                                                \
         _Pragma("omp parallel num_threads(num_threads)") {                                             \
@@ -373,7 +376,7 @@ TILE_FN(bf16, uint16_t, float, bf16_load, bf16_store)
             }                                                                                          \
             /* one kv head after another, its last tiles (the longest contexts) first */              \
             _Pragma("omp for schedule(dynamic)")                                                       \
-            for (int64_t w = 0; w < items; ++w) {                                                      \
+            for (int64_t w = first; w < items; ++w) {                                                  \
                 if (buf == NULL) continue;                                                             \
                 const int32_t *tile = tiles + 4 * (n_tiles - 1 - w % n_tiles);                         \
                 ITEM(q, k_cache, v_cache, block_tables + (int64_t)tile[3] * max_blocks, tile, out,     \
