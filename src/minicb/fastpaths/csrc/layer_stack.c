@@ -150,15 +150,27 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
-            const int64_t items = p ? p->n_tiles * d->kv_heads : 0, work = p ? items + p->n_decodes : 0;
-            _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then each decode row */
+            const int64_t items = p ? p->n_tiles * d->kv_heads : 0;
+            const int64_t work = p ? items + (p->n_decodes + ATTN_ROWS - 1) / ATTN_ROWS : 0;
+            _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then the decode rows */
             for (int64_t w = 0; w < work; ++w) {
-                const int64_t i = w - items, r = i >= 0 ? p->decode_rows[i] : 0;
-                if (i < 0 ? f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
-                                      d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w)
-                          : f->decode(AT(b->q, r * qdim), L->k_cache, L->v_cache, block_tables + i * d->max_blocks,
-                                      context_lens + i, AT(b->attn, r * qdim), 1, d->q_heads, d->kv_heads, hd,
-                                      d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
+                int bad = 0;
+                if (w < items) {
+                    bad = f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
+                                    d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w);
+                } else {          /* ATTN_ROWS decode rows, in runs of consecutive rows of q: one call each */
+                    const int64_t i0 = (w - items) * ATTN_ROWS;
+                    const int64_t i1 = i0 + ATTN_ROWS < p->n_decodes ? i0 + ATTN_ROWS : p->n_decodes;
+                    for (int64_t i = i0, j; i < i1; i = j) {
+                        for (j = i + 1; j < i1 && p->decode_rows[j] == p->decode_rows[j - 1] + 1; ++j)
+                            ;
+                        const int64_t r = p->decode_rows[i];
+                        bad |= f->decode(AT(b->q, r * qdim), L->k_cache, L->v_cache, block_tables + i * d->max_blocks,
+                                         context_lens + i, AT(b->attn, r * qdim), j - i, d->q_heads, d->kv_heads, hd,
+                                         d->max_blocks, d->block_size, d->max_context, d->scale, 1);
+                    }
+                }
+                if (bad) {
                     _Pragma("omp atomic write")
                     failed = 1;
                 }
