@@ -24,11 +24,14 @@ The kernel's portable loops beside its AVX2 path, from the same file::
 ``--resident`` times the arithmetic alone: every row reads the same 8 blocks (128 keys, 192 KB of
 float32 keys and values, which stay in the core's L2), so nothing waits for memory.
 
-``--prompts`` times one prompt's attention (SmolLM2's heads, 16 to 1,024 tokens, nothing cached
-before it) two ways, alternately: what the reference backend runs for it (``grouped_sdpa``: PyTorch's
-SDPA with the causal mask folded once, on the prompt's own K/V) and the kernel with every prompt
-token a row whose context ends at itself (what ``cpu-paged`` does where ``prompts_on_kernel``);
-milliseconds per call, median, and the largest difference between the two::
+``--prompts`` times one prompt's attention (SmolLM2's heads, 16 to 2,048 tokens, nothing cached
+before it) three ways, alternately: what the reference backend runs for it (``grouped_sdpa``:
+PyTorch's SDPA with the causal mask folded once, on the prompt's own K/V), the decode kernel with
+every prompt token a row whose context ends at itself (``rows``: what ``cpu-paged`` did before the
+prompt kernel), and the prompt kernel (``tiles``: ``paged_prompt``, what ``cpu-paged`` does where
+``prompts_on_kernel``); milliseconds per call (median, and the range over the rounds), GFLOP/s
+(4 L (L + 1) / 2 x heads x head_dim: the causal prompt's multiply-adds, counted twice for scores and
+values) and the largest difference from SDPA::
 
     python bench/decode_kernel.py --prompts --dtype bfloat16
 """
@@ -78,17 +81,31 @@ def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     k, v = kc[slots], vc[slots]                      # the prompt's own K/V, as SDPA reads them
     tables = blocks[None].expand(length, nb).contiguous()
     ctx = torch.arange(1, length + 1, dtype=torch.int32)
+    tiles = cpu_paged.prompt_tiles([0], [length], [0], cpu_paged.tile_rows(Q_HEADS, KV_HEADS))
     i = torch.arange(length)
     mask = fold_mask((i[None, :] <= i[:, None])[None], Q_HEADS // KV_HEADS, dtype)
-    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0],
-            "kernel": lambda: cpu_paged.paged_decode(q, kc, vc, tables, ctx, BLOCK, length)}
+    # the kernels' arguments checked once, as the backend does (once a step, not once a layer)
+    cpu_paged.check_decode_args(q, kc, vc, tables, ctx, BLOCK, length)
+    cpu_paged.check_prompt_args(q, kc, vc, blocks[None], tiles, BLOCK)
+    out = torch.empty_like(q)
+
+    def rows():
+        cpu_paged.decode_into(out, q, kc, vc, tables, ctx, BLOCK, length)
+        return out
+
+    def tiled():
+        cpu_paged.prompt_into(out, q, kc, vc, blocks[None], tiles, BLOCK)
+        return out
+
+    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0], "rows": rows, "tiles": tiled}
 
 
-def prompts(dtype: torch.dtype, rounds: int) -> None:
-    print(f"machine: {machine_description()}; 1 thread; {dtype}; one prompt of L tokens, nothing cached "
-          f"before it, {Q_HEADS} query / {KV_HEADS} kv heads of {HEAD_DIM}; ms per call, median of {rounds}")
+def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
+    print(f"machine: {machine_description()}; {threads} thread(s); {dtype}; one prompt of L tokens, nothing "
+          f"cached before it, {Q_HEADS} query / {KV_HEADS} kv heads of {HEAD_DIM}; ms per call and GFLOP/s, "
+          f"median [range] of {rounds} rounds, the three ways alternating")
     g = torch.Generator().manual_seed(0)
-    for length in (16, 64, 170, 256, 512, 1024):
+    for length in (16, 64, 256, 512, 1024, 2048):
         ways = prompt_case(length, dtype, g)
         times: dict[str, list[float]] = {name: [] for name in ways}
         reps = max(1, 2000 // length)
@@ -98,10 +115,30 @@ def prompts(dtype: torch.dtype, rounds: int) -> None:
                 for _ in range(reps):
                     fn()
                 times[name].append((time.perf_counter() - t) / reps)
-        diff = (ways["sdpa"]().double() - ways["kernel"]().double()).abs().max().item()
-        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-        print(f"  {length:5d} tokens: sdpa {med['sdpa']:8.3f}  kernel {med['kernel']:8.3f}  "
-              f"sdpa / kernel {med['sdpa'] / med['kernel']:5.2f}x  max |difference| {diff:.1e}")
+        sdpa = ways["sdpa"]().double()      # (each way's output read before the next way runs)
+        flops = 4 * length * (length + 1) / 2 * Q_HEADS * HEAD_DIM
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, ts in times.items():
+            diff = (ways[name]().double() - sdpa).abs().max().item()
+            gf = [flops / t / 1e9 for t in (med[name], max(ts), min(ts))]
+            print(f"  {length:5d} tokens  {name:<5} {med[name] * 1e3:9.3f} ms [{min(ts) * 1e3:.3f}-"
+                  f"{max(ts) * 1e3:.3f}]  {gf[0]:6.1f} GFLOP/s [{gf[1]:.1f}-{gf[2]:.1f}]  "
+                  f"max |difference from sdpa| {diff:.1e}")
+        print(f"  {length:5d} tokens  tiles {med['rows'] / med['tiles']:.2f}x as fast as rows, "
+              f"{med['sdpa'] / med['tiles']:.2f}x as fast as sdpa")
+
+
+def lp_share() -> None:
+    """How much of the long-prompt workload's prefill is attention: its causal attention's flops beside
+    the layers' products' (2 x SmolLM2's 106 M multiply-adds a token), at one pass over each prompt."""
+    from workloads import lp
+
+    lens = [len(p) for p in lp().prompts]
+    attn = sum(4 * n * (n + 1) / 2 * Q_HEADS * HEAD_DIM * LAYERS for n in lens)
+    hidden, inter, qkv = 576, 1536, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    products = 2 * LAYERS * hidden * (qkv + Q_HEADS * HEAD_DIM + 3 * inter) * sum(lens)
+    print(f"LP (bench/workloads.py): {len(lens)} prompts, {sum(lens):,} tokens (longest {max(lens)}): causal "
+          f"attention {attn / 1e12:.2f} TFLOP, the layers' products {products / 1e12:.2f} TFLOP")
 
 
 def main() -> None:
@@ -115,12 +152,13 @@ def main() -> None:
     ap.add_argument("--compare-flags", default=" ".join(cpu_paged.EXTRA_FLAGS),
                     help="extra compiler flags for --compare (default: minicb's kernel's)")
     ap.add_argument("--prompts", action="store_true",
-                    help="one prompt: SDPA against the kernel, 16-1,024 tokens")
+                    help="one prompt: SDPA, the decode kernel's rows and the prompt kernel, 16-2,048 tokens")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.prompts:
-        prompts(dtype, args.rounds)
+        prompts(dtype, args.rounds, args.threads)
+        lp_share()
         return
     kernels = {"minicb": library(None, ())}
     if args.compare:

@@ -194,14 +194,15 @@ def test_bad_inputs_are_refused_before_c_reads_them():
         cpu_fused.silu_mul(torch.zeros(4, 8, dtype=torch.float64), 4)
 
 
-@pytest.mark.parametrize("module", [cpu_fused, cpu_paged, skinny_gemm], ids=lambda m: m.SOURCE.name)
-def test_c_sources_compile_cleanly_with_openmp(module, tmp_path):
+@pytest.mark.parametrize("module,source", [(m, m.SOURCE) for m in (cpu_fused, cpu_paged, skinny_gemm)]
+                         + [(cpu_paged, cpu_paged.PROMPT_SOURCE)], ids=lambda x: getattr(x, "name", ""))
+def test_c_sources_compile_cleanly_with_openmp(module, source, tmp_path):
     """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which
     would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
     source once with OpenMP and every warning an error."""
     cc = ckernels.compiler()
     cmd = [*cc, *ckernels.FLAGS, *module.EXTRA_FLAGS, ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
-           str(module.SOURCE), "-o", str(tmp_path / "lib.so"), "-lm"]
+           str(source), "-o", str(tmp_path / "lib.so"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():
         unavailable(f"{shlex.join(cc)} has no OpenMP: {proc.stderr[-300:]}")

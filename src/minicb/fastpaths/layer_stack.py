@@ -15,8 +15,8 @@ which split each product's panels and the other parts' rows, and meet at a barri
 (``layer_stack.c`` draws it); every thread count gives the same bits (``bench/decode_floor.py
 --thread-scaling`` times 1 against 2 threads).
 
-A step qualifies when every row of it is a row of the decode kernel (``cpu_paged``'s
-``_DecodeRows``: a decode step, or on the AVX-512 row any step, prompt tokens included),
+A step qualifies when all of its attention is the C kernels' (``cpu_paged``'s ``_DecodeRows``, a
+decode step, or ``_PromptTiles``, where prompt chunks go to the prompt kernel: on the AVX-512 row),
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed
 throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` turns it off.
 
@@ -42,7 +42,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("skinny", "norm", "add_norm", "rope", "silu", "decode")]
+    _fields_ = [(n, _ptr) for n in ("skinny", "norm", "add_norm", "rope", "silu", "decode", "prompt")]
 
 
 class _Layer(ctypes.Structure):
@@ -56,6 +56,11 @@ class _Dims(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int)]
 
 
+class _Prompts(ctypes.Structure):
+    _fields_ = [("tiles", _ptr), ("seq_tables", _ptr), ("n_tiles", _i64), ("seq_max_blocks", _i64),
+                ("decode_rows", _ptr), ("n_decodes", _i64)]
+
+
 class _Buffers(ctypes.Structure):
     _fields_ = [(n, _ptr) for n in ("x", "h", "qkv", "q", "attn", "a", "gu", "act")]
 
@@ -64,7 +69,7 @@ class _Buffers(ctypes.Structure):
 def load() -> ctypes.CDLL:
     """The compiled ``layer_stack.c`` (built on the first call); ``KernelUnavailable`` if it cannot be."""
     lib = ckernels.open_library(ckernels.build(SOURCE), "the compiled layer stack")
-    lib.minicb_layer_stack.argtypes = [_ptr] * 2 + [_i64] + [_ptr] * 8
+    lib.minicb_layer_stack.argtypes = [_ptr] * 2 + [_i64] + [_ptr] * 9
     lib.minicb_layer_stack.restype = ctypes.c_int
     return lib
 
@@ -100,7 +105,9 @@ class LayerStack:
         self.kernels = _Kernels(_address(skinny_gemm._c_function(dtype, part=True)),
                                 *(_address(cpu_fused._c_function(n, dtype))
                                   for n in ("rmsnorm", "add_rmsnorm", "rope", "silu_mul")),
-                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))))
+                                _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))),
+                                _address(getattr(cpu_paged.load_prompt(),
+                                                 cpu_paged.kernel_name(dtype, prompt=True))))
         layers = model.model.layers
         self.skinny_rows = min(m.skinny_rows for layer in layers
                                for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,
@@ -116,14 +123,15 @@ class LayerStack:
         self._table: tuple | None = None                # (the addresses it was made from, the table)
 
     def takes(self, x: torch.Tensor, backend, state) -> bool:
-        """Whether this step is all kernel rows (a single ``_DecodeRows`` that is the whole step), of a
-        paged cache, with few enough rows for the skinny kernel."""
-        from minicb.fastpaths.cpu_paged import CpuPagedAttention, _DecodeRows
+        """Whether this step is all the kernels' (a single ``_DecodeRows`` or ``_PromptTiles`` that is
+        the whole step), of a paged cache, with few enough rows for the skinny kernel."""
+        from minicb.fastpaths.cpu_paged import CpuPagedAttention, _DecodeRows, _PromptTiles
 
         groups = getattr(state, "groups", None) or ()
         return (not self.why_not and isinstance(backend, CpuPagedAttention) and backend.kv_cache is not None
                 and x.dtype == self.dtype and 0 < x.shape[0] <= self.skinny_rows and len(groups) == 1
-                and isinstance(groups[0], _DecodeRows) and groups[0].tokens is None)
+                and (isinstance(groups[0], _DecodeRows) and groups[0].tokens is None
+                     or isinstance(groups[0], _PromptTiles) and groups[0].whole))
 
     def _layer_table(self, kv_cache) -> ctypes.Array:
         """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved)."""
@@ -139,36 +147,50 @@ class LayerStack:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
         and ``model.norm`` return, for a step ``takes`` accepted."""
-        from minicb.fastpaths.cpu_paged import check_decode_args
+        from minicb.fastpaths.cpu_paged import _PromptTiles, check_decode_args, check_prompt_args
 
         cfg, g = self.cfg, state.groups[0]
         rows, hidden, d = x.shape[0], cfg.hidden_size, cfg.head_dim
         qdim, kvdim, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
         kc, vc = backend.kv_cache.layer(0)
+        bs = backend.kv_cache.block_size
         empty = functools.partial(torch.empty, dtype=x.dtype)
         h, q, attn, a = empty(rows, hidden), empty(rows, qdim), empty(rows, qdim), empty(rows, hidden)
         qkv, gu, act = empty(rows, qdim + 2 * kvdim), empty(rows, 2 * inter), empty(rows, inter)
-        if not g.checked:                    # what the layers' first call would check (cpu_paged)
-            check_decode_args(q.view(rows, -1, d), kc, vc, g.block_tables, g.context_lens,
-                              backend.kv_cache.block_size, g.max_context)
-            g.checked = True
+        prompts, dec = None, g
+        if isinstance(g, _PromptTiles):      # prompt tiles, and the step's decode rows one by one
+            dec = g.decodes
+            if not g.checked:                # what the layers' first call would check (cpu_paged)
+                g.make_tiles(cfg.num_attention_heads, cfg.num_key_value_heads)
+                check_prompt_args(q.view(rows, -1, d), kc, vc, g.block_tables, g.tiles, bs)
+                g.checked = True
+            rows_of = None if dec is None else dec.tokens      # int64: the decode rows' rows of q
+            prompts = _Prompts(g.tiles.data_ptr(), g.block_tables.data_ptr(), g.tiles.shape[0],
+                               g.block_tables.shape[1], None if dec is None else rows_of.data_ptr(),
+                               0 if dec is None else rows_of.numel())
+        if dec is not None and not dec.checked:
+            check_decode_args(q.view(rows, -1, d)[:dec.context_lens.numel()], kc, vc, dec.block_tables,
+                              dec.context_lens, bs, dec.max_context)
+            dec.checked = True
         for t in (x, cos, sin):
             cpu_fused._check("layer_stack", t)
         slots = state.slot_mapping.contiguous()
         if slots.dtype != torch.int64 or slots.shape != (rows,) or cos.shape != (rows, d):
             raise ValueError(f"layer_stack: slot_mapping {slots.dtype} {tuple(slots.shape)} or cos "
                              f"{tuple(cos.shape)} does not match {rows} rows")
+        tables = (g if dec is None else dec).block_tables
         dims = _Dims(rows, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, d, inter,
-                     x.element_size(), g.block_tables.shape[1], backend.kv_cache.block_size, g.max_context,
+                     x.element_size(), tables.shape[1], bs, 0 if dec is None else dec.max_context,
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         failed = self.lib.minicb_layer_stack(
             ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.tensors),
             self.final.data_ptr(),
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            g.block_tables.data_ptr(), g.context_lens.data_ptr())
+            tables.data_ptr(), None if dec is None else dec.context_lens.data_ptr(),
+            None if prompts is None else ctypes.byref(prompts))
         if failed:
-            raise MemoryError("paged_decode could not allocate its score buffer")
+            raise MemoryError("paged_decode or paged_prompt could not allocate its scratch")
         return h
 
 

@@ -12,8 +12,8 @@
  *     qkv = h @ Wqkv                         skinny product, [rows, (q_heads + 2 kv_heads) * 64]
  *     q, k rotated in place in qkv           rope, on row-strided views
  *     k, v copied to their cache slots       (slot -1: a padding row, not stored)
- *     q copied to a contiguous buffer        the decode kernel reads it whole
- *     attn = decode(q, cache)                every row one kernel row (a decode, or a prompt token)
+ *     q copied to a contiguous buffer        the kernels read it whole
+ *     attn = decode(q, cache)                decode rows; prompt chunks: prompt(q, cache), tile by tile
  *     x += attn @ Wo; h = RMSNorm(x)         skinny product, then add_rmsnorm in place
  *     act = silu(g) * u of h @ Wgu           skinny product, then silu_mul
  *     x += act @ Wdown; h = RMSNorm'(x)      the next layer's input norm, or the model's final norm
@@ -29,7 +29,8 @@
  * what another thread wrote:
  *
  *     products (skinny _part)    every thread its share of the panels, all rows
- *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free
+ *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free (a step
+ *                                with prompt chunks: each tile's kv heads and each decode row)
  *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
  *                                           thread's, while the others wait at the next barrier)
  *
@@ -65,6 +66,10 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          const int32_t *context_lens, void *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
                          double scale, int nthreads);
+typedef int (*prompt_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         const int32_t *tiles, int64_t n_tiles, void *out, int64_t q_heads, int64_t kv_heads,
+                         int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int nthreads,
+                         int64_t item);
 
 /* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels) */
 typedef struct {
@@ -74,6 +79,7 @@ typedef struct {
     rope_fn rope;
     silu_fn silu;
     decode_fn decode;
+    prompt_fn prompt;
 } kernels_t;
 
 /* one layer's weights (panels for the products) and its cache */
@@ -96,6 +102,16 @@ typedef struct {
     char *x, *h, *qkv, *q, *attn, *a, *gu, *act;
 } buffers_t;
 
+/* a step with prompt chunks (NULL: a step of decode rows): the chunks' tiles for the prompt kernel (its
+ * block tables one per sequence), and the step's decode rows, whose tables and contexts are then the
+ * block_tables and context_lens arguments, one per decode row */
+typedef struct {
+    const int32_t *tiles, *seq_tables;
+    int64_t n_tiles, seq_max_blocks;
+    const int64_t *decode_rows;
+    int64_t n_decodes;
+} prompts_t;
+
 #define AT(p, i) ((p) + (i) * e)
 #define ATTN_ROWS 4     /* rows per call of the decode kernel: the threads take them as they finish */
 #define SYNC team_wait(&bar, nt);   /* team_barrier.h: spins while waits are short, else sleeps */
@@ -103,7 +119,8 @@ typedef struct {
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
 int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
                        const dims_t *d, const buffers_t *b, const void *cos, const void *sin,
-                       const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens) {
+                       const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
+                       const prompts_t *p) {
     const int64_t hidden = d->hidden, e = d->elem, hd = d->head_dim;
     const int64_t qdim = d->q_heads * hd, kvdim = d->kv_heads * hd;
     const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
@@ -133,8 +150,33 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
+            const int64_t items = p ? p->n_tiles * d->kv_heads : 0;
+            const int64_t work = p ? items + (p->n_decodes + ATTN_ROWS - 1) / ATTN_ROWS : 0;
+            _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then the decode rows */
+            for (int64_t w = 0; w < work; ++w) {
+                int bad = 0;
+                if (w < items) {
+                    bad = f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
+                                    d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w);
+                } else {          /* ATTN_ROWS decode rows, in runs of consecutive rows of q: one call each */
+                    const int64_t i0 = (w - items) * ATTN_ROWS;
+                    const int64_t i1 = i0 + ATTN_ROWS < p->n_decodes ? i0 + ATTN_ROWS : p->n_decodes;
+                    for (int64_t i = i0, j; i < i1; i = j) {
+                        for (j = i + 1; j < i1 && p->decode_rows[j] == p->decode_rows[j - 1] + 1; ++j)
+                            ;
+                        const int64_t r = p->decode_rows[i];
+                        bad |= f->decode(AT(b->q, r * qdim), L->k_cache, L->v_cache, block_tables + i * d->max_blocks,
+                                         context_lens + i, AT(b->attn, r * qdim), j - i, d->q_heads, d->kv_heads, hd,
+                                         d->max_blocks, d->block_size, d->max_context, d->scale, 1);
+                    }
+                }
+                if (bad) {
+                    _Pragma("omp atomic write")
+                    failed = 1;
+                }
+            }
             _Pragma("omp for schedule(dynamic) nowait")         /* rows differ in length */
-            for (int64_t c = 0; c < all; c += ATTN_ROWS) {
+            for (int64_t c = 0; c < (p ? 0 : all); c += ATTN_ROWS) {
                 const int64_t m = all - c < ATTN_ROWS ? all - c : ATTN_ROWS;
                 if (f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
                               context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
