@@ -325,7 +325,7 @@ for (cap, per_decode), (t, n) in sat.items():
 # cap is only a price: a long prompt's steps get shorter and each pays `a`
 # again. `--saturation W2,LP` runs both workloads with each cap: on one thread
 # in float32 the cap cost long prompts 0.97x (35.3 against 36.3 tokens/s), in
-# bfloat16 on two threads, where `a` weighs more against `b`, 0.77x. So
+# bfloat16 on two threads, where `a` weighs more against `b`, 0.75x. So
 # `LLM()` has no cap unless given one; `minicb serve`, whose clients watch
 # their streams, sets 8 + 4.
 
