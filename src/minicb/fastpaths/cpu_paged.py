@@ -301,11 +301,14 @@ class _PromptTiles:
     checked: bool = False
     kernel: object = None
 
-    def make_tiles(self, q_heads: int, kv_heads: int) -> torch.Tensor:
-        """The chunks' tiles (once: every layer has the same heads)."""
-        if self.tiles is None:
-            self.tiles = prompt_tiles(*self.chunks[:3], tile_rows(q_heads, kv_heads), self.chunks[3])
-        return self.tiles
+    def check(self, q, k_cache, v_cache, block_size: int) -> None:
+        """Make the chunks' tiles and check them with the tables, at the first layer only: every layer
+        has the same heads and tables (the backend and the layer stack both call this)."""
+        if not self.checked:
+            rows_per_tile = tile_rows(q.shape[1], k_cache.shape[1])
+            self.tiles = prompt_tiles(*self.chunks[:3], rows_per_tile, self.chunks[3])
+            check_prompt_args(q, k_cache, v_cache, self.block_tables, self.tiles, block_size)
+            self.checked = True
 
 
 def prompts_on_kernel(dtype: torch.dtype, head_dim: int, settings: Settings | None = None) -> bool:
@@ -374,10 +377,9 @@ class CpuPagedAttention(ReferenceAttention):
             if g.decodes is not None:
                 self._attend_group(g.decodes, q, k, v, kc, vc, out)
             qc = q.contiguous()
-            if not g.checked:     # the tables are the same for every layer: check them at the first
-                g.make_tiles(q.shape[1], kc.shape[1])
-                check_prompt_args(qc, kc, vc, g.block_tables, g.tiles, self.kv_cache.block_size)
-                g.checked, g.kernel = True, getattr(load_prompt(), self.prompt_kernel_name)
+            if g.kernel is None:
+                g.check(qc, kc, vc, self.kv_cache.block_size)
+                g.kernel = getattr(load_prompt(), self.prompt_kernel_name)
             prompt_into(out, qc, kc, vc, g.block_tables, g.tiles, self.kv_cache.block_size, kernel=g.kernel)
             return
         if not isinstance(g, _DecodeRows):

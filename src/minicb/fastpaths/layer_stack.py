@@ -147,7 +147,7 @@ class LayerStack:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
         and ``model.norm`` return, for a step ``takes`` accepted."""
-        from minicb.fastpaths.cpu_paged import _PromptTiles, check_decode_args, check_prompt_args
+        from minicb.fastpaths.cpu_paged import _PromptTiles, check_decode_args
 
         cfg, g = self.cfg, state.groups[0]
         rows, hidden, d = x.shape[0], cfg.hidden_size, cfg.head_dim
@@ -160,10 +160,7 @@ class LayerStack:
         prompts, dec = None, g
         if isinstance(g, _PromptTiles):      # prompt tiles, and the step's decode rows one by one
             dec = g.decodes
-            if not g.checked:                # what the layers' first call would check (cpu_paged)
-                g.make_tiles(cfg.num_attention_heads, cfg.num_key_value_heads)
-                check_prompt_args(q.view(rows, -1, d), kc, vc, g.block_tables, g.tiles, bs)
-                g.checked = True
+            g.check(q.view(rows, -1, d), kc, vc, bs)       # what the layers' first call would check
             rows_of = None if dec is None else dec.tokens      # int64: the decode rows' rows of q
             prompts = _Prompts(g.tiles.data_ptr(), g.block_tables.data_ptr(), g.tiles.shape[0],
                                g.block_tables.shape[1], None if dec is None else rows_of.data_ptr(),
