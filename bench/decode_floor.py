@@ -4,6 +4,9 @@
     python bench/decode_floor.py --dtypes bfloat16 --batches 1,4,16,64 --steps 30
     MINICB_LINEAR=mkl python bench/decode_floor.py            # another linear path (cpu_linear.PATHS)
     python bench/decode_floor.py --thread-scaling             # one sequence: 1 thread against 2, alternating
+    python bench/decode_floor.py --dtypes bfloat16 --batches 1,3,5 --threads 2 --prompt-tokens 1000
+    python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" --batches 2,3,5,8 \
+        --threads 2 --dtypes bfloat16 --prompt-tokens 1000     # two builds of layer_stack.c, alternating
 
 A decode step at a small batch does little arithmetic: each weight is read from memory once and used
 for a handful of rows. So its time cannot go below ``bytes of the weights the step reads / one core's
@@ -16,7 +19,10 @@ read bandwidth``. This script measures both on this machine and prints that floo
   pass: what streaming a weight costs), on the same kind of pages as the weights (huge pages where the
   OS allows them, ``fastpaths/host_memory.py``; they read ~25% faster on the Zen 4 VM of RESULTS.md).
 
-Then it starts ``B`` requests (64-token prompts, EOS ignored), steps the engine until every prompt is
+The floor also counts the keys and values the step's attention reads (each sequence's context, every
+layer): little beside the weights at 64-token prompts, a third of them for 5 sequences of 1,000 tokens.
+
+Then it starts ``B`` requests (``--prompt-tokens``, default 64, EOS ignored), steps the engine until every prompt is
 in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
 with timers around its parts (``time.perf_counter``, about a microsecond per call, so the ``timed``
 step is a little longer, and its parts add up to it): the linear products (q/k/v, o, gate/up, down:
@@ -27,6 +33,12 @@ residual adds, the backend's glue, the Python of the layers), the runner's packi
 (``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
 scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
 parts are means; the header names the CPU. On a shared machine read the ratios.
+
+``--stack-builds NAME=FLAGS,...`` compares builds of ``layer_stack.c`` (compiled with the extra
+FLAGS, e.g. ``-DFIXED_ATTN_ROWS``: the decode rows 4 to a work item whatever the step, as before the
+rows were shared among the threads) in one process: for each ``--batches`` entry it starts the requests,
+then steps them ``--steps`` steps on each build in turn, ``--rounds`` rounds, and prints the stack's
+median ms per step per build [range of the rounds] and the ratio to the first build.
 
 ``--thread-scaling`` asks what a second thread gives a one-sequence decode (the ``--threads`` list,
 default ``1,2``): one request decodes while the thread count alternates, ``--steps`` steps at each
@@ -95,6 +107,13 @@ def weight_bytes(model: LlamaForCausalLM, rows: int = 1) -> int:
     return params * (2 if native else 4)        # the other paths multiply float32 copies
 
 
+def kv_bytes(model: LlamaForCausalLM, rows: int, context: int) -> int:
+    """The bytes of keys and values a decode step of ``rows`` sequences of ``context`` tokens reads."""
+    cfg = model.config
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize * cfg.num_hidden_layers
+    return rows * context * per_token
+
+
 def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
     for cls in (cl.PackedLinear, cl.PackedProjections, cl.Float32ComputeLinear, torch.nn.Linear):
         cls.forward = timed("linears", cls.forward)
@@ -107,14 +126,15 @@ def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
     llm.engine.step = timed("step", llm.engine.step)
 
 
-def decode_steps(llm: LLM, batch: int, steps: int, vocab: int) -> tuple[list[float], dict[str, float]]:
+def decode_steps(llm: LLM, batch: int, steps: int, vocab: int,
+                 prompt_tokens: int = 64) -> tuple[list[float], dict[str, float]]:
     """Start ``batch`` requests and prefill them; then the wall time of each of ``steps`` decode steps and
     the seconds the timers (if installed) counted in them."""
     eng = llm.engine
     g = torch.Generator().manual_seed(batch)
     ids = {f"r{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)}
     for rid in sorted(ids):
-        eng.add_request(rid, torch.randint(10, vocab, (64,), generator=g).tolist(),
+        eng.add_request(rid, torch.randint(10, vocab, (prompt_tokens,), generator=g).tolist(),
                         SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     started: set[str] = set()
     while started != ids:                              # until every prompt is in the cache
@@ -179,6 +199,59 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
         torch.set_num_threads(threads[0])
 
 
+def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
+                 prompt_tokens: int, steps: int, rounds: int) -> None:
+    """The stack's ms per step on each build of layer_stack.c, alternating (module docstring)."""
+    from minicb.fastpaths import ckernels
+
+    torch.set_num_threads(threads)
+    print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+    libs = {}
+    for name, flags in builds.items():
+        lib = ckernels.open_library(ckernels.build(layer_stack.SOURCE, extra_flags=flags), name)
+        lib.minicb_layer_stack.argtypes = layer_stack.load().minicb_layer_stack.argtypes
+        lib.minicb_layer_stack.restype = layer_stack.load().minicb_layer_stack.restype
+        libs[name] = lib
+    model = load_smollm2(getattr(torch, dname))
+    cpu_fast_paths(model, "cpu")
+    stack = model.layer_stack
+    blocks = max(batches) * (prompt_tokens + (rounds + 1) * steps * len(builds) + 8) // 16 + 64
+    llm = LLM(model, max_num_seqs=max(batches), max_num_batched_tokens=2048, num_blocks=blocks, block_size=16)
+    eng = llm.engine
+    run = layer_stack.LayerStack.run
+    layer_stack.LayerStack.run = timed("stack", run)
+    print(f"{dname}, {threads} threads, {prompt_tokens}-token prompts; the stack's ms per step: median "
+          f"[range of {rounds} rounds of {steps} steps]")
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        for i in range(b):
+            eng.add_request(f"ab{b}-{i}", torch.randint(10, model.config.vocab_size, (prompt_tokens,),
+                                                        generator=g).tolist(),
+                            SamplingParams(max_tokens=(rounds + 1) * steps * len(builds) + 4, ignore_eos=True))
+        while sum(r is not None for r in eng.snapshot().slots) < b or eng.snapshot().waiting:
+            eng.step()
+        eng.step()                                        # every prompt in the cache, all decoding
+        per = {name: [] for name in libs}
+        for rnd in range(rounds + 1):                     # round 0 warms each build up, uncounted
+            for name, lib in list(libs.items())[::1 if rnd % 2 else -1]:     # the order alternates
+                stack.lib = lib
+                before = SECONDS["stack"]
+                for _ in range(steps):
+                    eng.step()
+                if rnd:
+                    per[name].append((SECONDS["stack"] - before) / steps * 1e3)
+        first = statistics.median(next(iter(per.values())))
+        print(f"  {b:>3} seqs: " + "   ".join(
+            f"{name} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] {statistics.median(v) / first:.2f}x"
+            for name, v in per.items()), flush=True)
+        for i in range(b):
+            eng.abort_request(f"ab{b}-{i}")
+        while eng.has_unfinished_requests():
+            eng.step()
+    stack.lib = layer_stack.load()
+    layer_stack.LayerStack.run = run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -189,7 +262,16 @@ def main() -> None:
     ap.add_argument("--thread-scaling", action="store_true",
                     help="one sequence's ms per token at each --threads count, alternating")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="each sequence's prompt (its context)")
+    ap.add_argument("--stack-builds", help="NAME=FLAGS,...: builds of layer_stack.c to alternate")
     args = ap.parse_args()
+    if args.stack_builds:
+        builds = {name: tuple(flags.split()) for name, flags in
+                  (item.split("=", 1) for item in args.stack_builds.split(","))}
+        for dname in args.dtypes.split(","):
+            stack_builds(dname, builds, [int(b) for b in args.batches.split(",")], int(args.threads),
+                         args.prompt_tokens, args.steps, args.rounds)
+        return
     if args.thread_scaling:
         threads = [int(t) for t in (args.threads if args.threads != "1" else "1,2").split(",")]
         thread_scaling(args.dtypes.split(","), threads, args.steps, args.rounds)
@@ -205,16 +287,18 @@ def main() -> None:
         model = load_smollm2(dtype)
         applied = cpu_fast_paths(model, "cpu")
         batches = [int(b) for b in args.batches.split(",")]
-        nbytes = {b: weight_bytes(model, b) for b in batches}
+        context = args.prompt_tokens + 2 + args.steps // 2        # a measured step's mean context
+        nbytes = {b: weight_bytes(model, b) + kv_bytes(model, b, context) for b in batches}
         reads = ", ".join(f"{n / 1e6:.0f} MB -> floor {n / bw / 1e6:.2f} ms"
                           + (f" (steps of {', '.join(str(b) for b in batches if nbytes[b] == n)} rows)"
                              if len(set(nbytes.values())) > 1 else "")
                           for n in sorted(set(nbytes.values())))
-        print(f"\n{dname}: linear path {cl.linear_path(model)} ({', '.join(applied)}); weights read per "
-              f"step {reads} at {bw:.1f} GB/s")
-        llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
-        clean = {b: statistics.median(decode_steps(llm, b, args.steps, model.config.vocab_size)[0])
-                 for b in batches}
+        print(f"\n{dname}: linear path {cl.linear_path(model)} ({', '.join(applied)}); weights and K/V "
+              f"({args.prompt_tokens}-token prompts) read per step {reads} at {bw:.1f} GB/s")
+        blocks = max(512, max(batches) * (context + args.steps) // 16 + 64)       # no preemption
+        llm = LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=blocks, block_size=16)
+        clean = {b: statistics.median(decode_steps(llm, b, args.steps, model.config.vocab_size,
+                                                   args.prompt_tokens)[0]) for b in batches}
         install_timers(model, llm)
         print(f"  {'seqs':>5} {'step':>7} {'floor':>6} {'x floor':>7} | {'timed':>7} {'linears':>7} "
               f"{'lm head':>7} {'kernel':>7} {'stack':>7} {'fwd oth':>7} {'pack':>6} {'sample':>6} "
@@ -222,7 +306,7 @@ def main() -> None:
               "   (ms per step)")
         for b in batches:
             floor = nbytes[b] / (bw * 1e9) * 1e3         # ms
-            _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size)
+            _, parts = decode_steps(llm, b, args.steps, model.config.vocab_size, args.prompt_tokens)
             s = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in parts.items()})
             s["linears"] -= s["lm head"]                  # its class's timer counted the head too
             other = s["forward"] - s["linears"] - s["lm head"] - s["decode kernel"] - s["stack"]

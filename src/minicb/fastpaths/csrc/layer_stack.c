@@ -30,7 +30,9 @@
  *
  *     products (skinny _part)    every thread its share of the panels, all rows
  *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free (a step
- *                                with prompt chunks: each tile's kv heads and each decode row)
+ *                                with prompt chunks: each tile's kv heads and each decode row); fewer
+ *                                at a time when the step has fewer than ATTN_ROWS rows per thread, so
+ *                                that no thread sits idle while another reads every row's keys
  *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
  *                                           thread's, while the others wait at the next barrier)
  *
@@ -114,6 +116,21 @@ typedef struct {
 
 #define AT(p, i) ((p) + (i) * e)
 #define ATTN_ROWS 4     /* rows per call of the decode kernel: the threads take them as they finish */
+
+/* Decode rows per work item: ATTN_ROWS, or as few as shares `rows` among the `nt` threads. A decode
+ * row's attention reads its whole context from memory (1,000 keys: 0.75 MB in bfloat16 per layer), so
+ * 3 long rows in one item of 4 left the second thread idle while the first read them all: 14.2 ms a
+ * step of SmolLM2's stack against 10.0 with the rows split 2 + 1 (3 rows of ~1,000 keys, bfloat16, 2
+ * threads: `python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" ...`, its docstring). */
+static inline int64_t rows_per_item(int64_t rows, int nt) {
+#ifdef FIXED_ATTN_ROWS          /* the rule before: always ATTN_ROWS (the bench above builds both) */
+    (void)rows, (void)nt;
+    return ATTN_ROWS;
+#else
+    const int64_t even = (rows + nt - 1) / nt;
+    return even < 1 ? 1 : even < ATTN_ROWS ? even : ATTN_ROWS;
+#endif
+}
 #define SYNC team_wait(&bar, nt);   /* team_barrier.h: spins while waits are short, else sleeps */
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
@@ -130,6 +147,7 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
         const int t = omp_thread(), nt = omp_threads();
         /* this thread's rows [r0, r0 + n): the rows cut into nt runs (none for some when rows < nt) */
         const int64_t r0 = d->rows * t / nt, n = d->rows * (t + 1) / nt - r0, all = d->rows;
+        const int64_t per = rows_per_item(p ? p->n_decodes : all, nt);      /* decode rows per work item */
         if (n) f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), n, hidden, d->eps, 1);
         SYNC
         for (int64_t l = 0; l < num_layers; ++l) {
@@ -151,16 +169,16 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
             }
             SYNC                                    /* a prompt's rows attend to each other's keys */
             const int64_t items = p ? p->n_tiles * d->kv_heads : 0;
-            const int64_t work = p ? items + (p->n_decodes + ATTN_ROWS - 1) / ATTN_ROWS : 0;
+            const int64_t work = p ? items + (p->n_decodes + per - 1) / per : 0;
             _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then the decode rows */
             for (int64_t w = 0; w < work; ++w) {
                 int bad = 0;
                 if (w < items) {
                     bad = f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
                                     d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w);
-                } else {          /* ATTN_ROWS decode rows, in runs of consecutive rows of q: one call each */
-                    const int64_t i0 = (w - items) * ATTN_ROWS;
-                    const int64_t i1 = i0 + ATTN_ROWS < p->n_decodes ? i0 + ATTN_ROWS : p->n_decodes;
+                } else {          /* `per` decode rows, in runs of consecutive rows of q: one call each */
+                    const int64_t i0 = (w - items) * per;
+                    const int64_t i1 = i0 + per < p->n_decodes ? i0 + per : p->n_decodes;
                     for (int64_t i = i0, j; i < i1; i = j) {
                         for (j = i + 1; j < i1 && p->decode_rows[j] == p->decode_rows[j - 1] + 1; ++j)
                             ;
@@ -176,8 +194,8 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
             }
             _Pragma("omp for schedule(dynamic) nowait")         /* rows differ in length */
-            for (int64_t c = 0; c < (p ? 0 : all); c += ATTN_ROWS) {
-                const int64_t m = all - c < ATTN_ROWS ? all - c : ATTN_ROWS;
+            for (int64_t c = 0; c < (p ? 0 : all); c += per) {
+                const int64_t m = all - c < per ? all - c : per;
                 if (f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
                               context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
                               d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
