@@ -20,15 +20,15 @@ read bandwidth``. This script measures both on this machine and prints that floo
   OS allows them, ``fastpaths/host_memory.py``; they read ~25% faster on the Zen 4 VM of RESULTS.md).
 
 The floor also counts the keys and values the step's attention reads (each sequence's context, every
-layer): little beside the weights at 64-token prompts, a third of them for 5 sequences of 1,000 tokens.
+layer): under 1% beside the weights at 64-token prompts, 43% more for 5 sequences of 1,000 tokens.
 
-Then it starts ``B`` requests (``--prompt-tokens``, default 64, EOS ignored), steps the engine until every prompt is
-in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its wall time), once
-with timers around its parts (``time.perf_counter``, about a microsecond per call, so the ``timed``
-step is a little longer, and its parts add up to it): the linear products (q/k/v, o, gate/up, down:
-``linears``), the LM head, the decode kernel, all the layers of a step run in one C call (``stack``, where
-``layer_stack`` takes the step: then the products and the kernel inside it are not counted apart), the
-rest of the forward (``fwd oth``: norms, rotary,
+Then it starts ``B`` requests (``--prompt-tokens``, default 64; EOS ignored), steps the engine until
+every prompt is in the cache, and times ``--steps`` decode steps twice: once untouched (``step``, its
+wall time), once with timers around its parts (``time.perf_counter``, about a microsecond per call,
+so the ``timed`` step is a little longer, and its parts add up to it): the linear products (q/k/v, o,
+gate/up, down: ``linears``), the LM head, the decode kernel, all the layers of a step run in one C
+call (``stack``, where ``layer_stack`` takes the step: then the products and the kernel inside it are
+not counted apart), the rest of the forward (``fwd oth``: norms, rotary,
 residual adds, the backend's glue, the Python of the layers), the runner's packing of the batch
 (``pack``: ids, positions, metadata tensors), sampling, and the rest of the step (``sched+out``:
 scheduling, the runner's glue, making outputs). The untouched step is a median over the steps, the
@@ -225,9 +225,9 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
     g = torch.Generator().manual_seed(0)
     for b in batches:
         for i in range(b):
-            eng.add_request(f"ab{b}-{i}", torch.randint(10, model.config.vocab_size, (prompt_tokens,),
-                                                        generator=g).tolist(),
-                            SamplingParams(max_tokens=(rounds + 1) * steps * len(builds) + 4, ignore_eos=True))
+            prompt = torch.randint(10, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
+            params = SamplingParams(max_tokens=(rounds + 1) * steps * len(builds) + 4, ignore_eos=True)
+            eng.add_request(f"ab{b}-{i}", prompt, params)
         while sum(r is not None for r in eng.snapshot().slots) < b or eng.snapshot().waiting:
             eng.step()
         eng.step()                                        # every prompt in the cache, all decoding
@@ -242,8 +242,8 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
                     per[name].append((SECONDS["stack"] - before) / steps * 1e3)
         first = statistics.median(next(iter(per.values())))
         print(f"  {b:>3} seqs: " + "   ".join(
-            f"{name} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] {statistics.median(v) / first:.2f}x"
-            for name, v in per.items()), flush=True)
+            f"{name} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] "
+            f"{statistics.median(v) / first:.2f}x" for name, v in per.items()), flush=True)
         for i in range(b):
             eng.abort_request(f"ab{b}-{i}")
         while eng.has_unfinished_requests():

@@ -35,6 +35,7 @@ import time
 import urllib.parse
 
 from common import cpu_header
+
 from serve import MinicbServer
 
 PROMPT = list(range(1000, 1064))
@@ -140,15 +141,15 @@ def main() -> None:
             else:
                 srv, loop_cpu = run_served()
                 off = run_offline()
-            row = {"served_ms": per_token_ms(srv), "offline_ms": per_token_ms(off), "event_loop_cpu_ms": loop_cpu,
-                   "load_avg": os.getloadavg()[0]}
+            row = {"served_ms": per_token_ms(srv), "offline_ms": per_token_ms(off),
+                   "event_loop_cpu_ms": loop_cpu, "load_avg": os.getloadavg()[0]}
             rows.append(row)
             print(f"round {k}: served {row['served_ms']:.2f}  offline {row['offline_ms']:.2f}  overhead "
                   f"{row['served_ms'] - row['offline_ms']:+.2f}  (event loop CPU {loop_cpu:.2f})", flush=True)
         s = summary(rows)
         print(f"median: served {s['served_ms']:.2f}, offline {s['offline_ms']:.2f}; the server's overhead "
-              f"{s['overhead_ms']:+.2f} ms per token [{s['overhead_min_ms']:+.2f}, {s['overhead_max_ms']:+.2f}]; "
-              f"event loop CPU {s['event_loop_cpu_ms']:.2f} ms per token")
+              f"{s['overhead_ms']:+.2f} ms per token [{s['overhead_min_ms']:+.2f}, "
+              f"{s['overhead_max_ms']:+.2f}]; event loop CPU {s['event_loop_cpu_ms']:.2f} ms per token")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"cpu": cpu_header(), "dtype": args.dtype, "tokens": args.tokens, "rounds": rows,
