@@ -264,3 +264,61 @@ def test_peer_vllm_summary_per_wall_and_per_cpu_second():
     assert peer.summary(runs, "tok/s") == (50.0, 25.0, 100.0)
     assert peer.summary(runs, "tok/cpu") == (50.0, 25.0, 100.0)
     assert peer.summary(runs, "seconds") == (2.0, 1.0, 4.0)
+
+
+def test_roofline_step_cost_counts_products_head_attention_and_reads():
+    """bench/roofline.py's floor of a step, against the arithmetic written out for a small config: a
+    3-token chunk at position 5 (keys 6, 7, 8) that samples, and a decode row at position 9 (10 keys)."""
+    from types import SimpleNamespace as NS
+
+    (roofline,) = bench_modules("roofline")
+    cfg = NS(hidden_size=8, num_hidden_layers=2, head_dim=4, num_attention_heads=2, num_key_value_heads=1,
+             intermediate_size=16, vocab_size=100)
+    chunk = NS(num_tokens=3, start_pos=5, sample=True, context_len=8)
+    decode = NS(num_tokens=1, start_pos=9, sample=True, context_len=10)
+    weights = 8 * (8 + 4 + 4) + 8 * 8 + 3 * 8 * 16          # q/k/v, o, gate/up/down of one layer: 576
+    flops, nbytes = roofline.step_cost([chunk, decode], cfg, elem=2)
+    products = 2 * (3 + 1) * weights * 2                    # 4 tokens, 2 layers
+    head = 2 * 8 * 100 * 2                                  # two sampled rows
+    attention = 4 * 8 * (6 + 7 + 8 + 10) * 2                # q_heads * head_dim = 8, keys, 2 layers
+    assert flops == products + head + attention
+    assert nbytes == (8 + 10) * 2 * 4 * 2 * 2 + (weights * 2 + 8 * 100) * 2
+    assert roofline.kind_of([chunk, decode]) == "prompt-bearing"
+    assert [roofline.kind_of([decode] * n) for n in (1, 7, 8, 31, 32)] == [
+        "decode 1-7 rows", "decode 1-7 rows", "decode 8-31 rows", "decode 8-31 rows", "decode 32+ rows"]
+
+
+def test_serve_overhead_measures_gaps_between_token_chunks_and_pairs_the_rounds():
+    """bench/serve_overhead.py: only ``data: {`` lines are tokens; the time per token is the mean gap
+    after the first; the summary's overhead is the median of the rounds' paired differences."""
+    (so,) = bench_modules("serve_overhead")
+    ticks = iter([1.0, 1.5, 2.5])
+    lines = [b"data: {\"a\": 1}\n", b"\n", b"data: {\"b\": 2}\n", b": keep-alive\n", b"data: {\"c\": 3}\n",
+             b"data: [DONE]\n"]
+    times = so.sse_token_times(lines, clock=lambda: next(ticks))
+    assert times == [1.0, 1.5, 2.5]
+    assert so.per_token_ms(times) == pytest.approx(750.0)
+    with pytest.raises(ValueError):
+        so.per_token_ms([1.0])
+    rows = [{"served_ms": s, "offline_ms": o, "event_loop_cpu_ms": c}
+            for s, o, c in ((11.0, 10.0, 0.4), (12.0, 9.0, 0.5), (10.5, 10.3, 0.3))]
+    s = so.summary(rows)
+    assert (s["overhead_ms"], s["overhead_min_ms"], s["overhead_max_ms"]) == pytest.approx((1.0, 0.2, 3.0))
+    assert (s["served_ms"], s["offline_ms"], s["event_loop_cpu_ms"]) == (11.0, 10.0, 0.4)
+
+
+def test_decode_floor_counts_the_keys_and_values_a_step_reads():
+    """bench/decode_floor.py's floor adds each sequence's K and V, every layer: for SmolLM2 in bfloat16,
+    2 x 3 kv heads x 64 x 2 bytes x 30 layers = 23,040 bytes a token of context."""
+    import torch
+    from types import SimpleNamespace as NS
+
+    (decode_floor,) = bench_modules("decode_floor")
+    model = NS(config=NS(num_key_value_heads=3, head_dim=64, num_hidden_layers=30), dtype=torch.bfloat16)
+    assert decode_floor.kv_bytes(model, 1, 1) == 23040
+    assert decode_floor.kv_bytes(model, 5, 1012) == 5 * 1012 * 23040
+    # the docstring's "43% more for 5 sequences of 1,000 tokens" (a measured step's mean context:
+    # the prompt, 2, and half of 20 steps) beside SmolLM2's 269 MB of bfloat16 weights, LM head included
+    weights = 2 * (30 * 576 * (576 + 2 * 192 + 576 + 3 * 1536) + 49152 * 576)
+    assert round(weights / 1e6) == 269
+    assert round(100 * decode_floor.kv_bytes(model, 5, 1000 + 2 + 20 // 2) / weights) == 43

@@ -1,0 +1,133 @@
+"""How far a workload's steps are from what this machine allows: each step's time beside its floor.
+
+    python bench/roofline.py                          # W2 and LP, bfloat16, torch's threads
+    python bench/roofline.py --workloads LP --dtype float32 --threads 1
+
+A step must do its arithmetic and read its bytes. Its arithmetic: every scheduled token through every
+layer's products (2 x the layers' weights), the LM head for each sampled row, and attention (QK and PV:
+4 x query heads x head_dim per key a query attends, every layer). Its bytes: the weights once (269 MB
+for SmolLM2 in bfloat16) and the keys and values of every row's context. Two rates turn them into
+time, both measured here on the threads the engine uses:
+
+* the products' rate: the skinny kernel's best GFLOP/s on a [256, 576] x [576, 3072] product with its
+  weights in the caches (what the chunk's and the batch's products can reach: 94-98% of the vector
+  units' peak on a Zen 4 core, ``bench/cpu_ceilings.py``);
+* the read bandwidth: ``torch.sum`` over 256 MB (``decode_floor.read_bandwidth``).
+
+Two floors per step: ``max`` (arithmetic and reading overlap perfectly: the roofline) and
+``serial`` (one after the other, as a step whose parts meet at barriers does: products, then the
+attention that reads the cache). Then it runs the workload through ``LLM()`` (its defaults, the prefix
+cache emptied, EOS ignored), times every ``step()``, and prints per kind of step (prompt-bearing;
+decode-only by rows) the time, both floors and the ratios. A workload whose steps sit near the
+``serial`` floor has little left to win without overlapping the two (the arithmetic of one
+micro-batch with the memory reads of another). The header names the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+from common import cpu_header
+from decode_floor import read_bandwidth
+from workloads import WORKLOADS
+
+from minicb import LLM, SamplingParams
+from minicb.fastpaths import skinny_gemm
+
+
+def step_cost(seqs, cfg, elem: int) -> tuple[float, float]:
+    """``(flops, bytes)`` of one step of ``seqs`` (``ScheduledSeq``-like: ``num_tokens``, ``start_pos``,
+    ``sample``, ``context_len``) for a LLaMA ``cfg`` whose weights and cache are ``elem`` bytes a value."""
+    h, layers, d = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    qd, kvd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size
+    flops = bytes_ = 0.0
+    for s in seqs:
+        keys = s.num_tokens * s.start_pos + s.num_tokens * (s.num_tokens + 1) // 2   # causal: p + 1 each
+        flops += 2 * s.num_tokens * per_layer * layers + 4 * qd * keys * layers
+        flops += 2 * h * cfg.vocab_size * s.sample
+        bytes_ += s.context_len * 2 * kvd * elem * layers
+    bytes_ += (per_layer * layers + h * cfg.vocab_size) * elem
+    return flops, bytes_
+
+
+def products_rate(dtype: torch.dtype, repeats: int = 7) -> float:
+    """The skinny kernel's best FLOP/s on a cached [256, 576] x [576, 3072] product."""
+    w, x = torch.randn(3072, 576).to(dtype), torch.randn(256, 576).to(dtype)
+    panels = skinny_gemm.pack(w)
+    skinny_gemm.matmul(x, panels, 576, 3072)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            skinny_gemm.matmul(x, panels, 576, 3072)
+        best = min(best, (time.perf_counter() - t0) / 5)
+    return 2 * 256 * 576 * 3072 / best
+
+
+def kind_of(seqs) -> str:
+    if any(s.num_tokens > 1 for s in seqs):
+        return "prompt-bearing"
+    n = len(seqs)
+    return "decode 1-7 rows" if n < 8 else "decode 8-31 rows" if n < 32 else "decode 32+ rows"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="W2,LP")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    rate, bw = products_rate(dtype), read_bandwidth() * 1e9
+    print(f"{cpu_header()}; {os.cpu_count()} CPUs; {torch.get_num_threads()} threads; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"products {rate / 1e9:.0f} GFLOP/s, reading {bw / 1e9:.1f} GB/s ({args.dtype})")
+    llm = LLM(dtype=args.dtype)
+    eng, cfg = llm.engine, llm.engine.runner.model.config
+    steps: list = []
+    step = eng.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        out = step()
+        if eng.last_plan is not None and eng.last_plan.seqs:
+            steps.append((eng.last_plan.seqs, time.perf_counter() - t0))
+        return out
+
+    eng.step = timed_step
+    for name in args.workloads.split(","):
+        wl = WORKLOADS[name]()
+        params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in wl.output_lens]
+        llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)          # warm up
+        llm.reset_prefix_cache()
+        steps.clear()
+        llm.generate(wl.prompts, params, use_tqdm=False)
+        rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+        for seqs, t in steps:
+            flops, nbytes = step_cost(seqs, cfg, dtype.itemsize)
+            for key in (kind_of(seqs), "all"):
+                r = rows[key]
+                r[0] += 1
+                r[1] += t
+                r[2] += max(flops / rate, nbytes / bw)
+                r[3] += flops / rate + nbytes / bw
+        print(f"\n{name} ({wl.num_output_tokens} output tokens): steps, seconds, floors (max / serial) "
+              f"and the time over each")
+        for key in sorted(rows, key=lambda k: (k == "all", k)):
+            n, t, fmax, fser = rows[key]
+            print(f"  {key:<16} {n:>5} steps {t:7.2f} s   max {fmax:6.2f} s {t / fmax:5.2f}x   "
+                  f"serial {fser:6.2f} s {t / fser:5.2f}x   {1e3 * t / n:7.1f} ms a step")
+    eng.step = step
+
+
+if __name__ == "__main__":
+    sys.exit(main())
