@@ -32,7 +32,6 @@ import sys
 import time
 
 import torch
-
 from common import cpu_header
 from decode_floor import read_bandwidth
 from workloads import WORKLOADS

@@ -310,8 +310,9 @@ def test_serve_overhead_measures_gaps_between_token_chunks_and_pairs_the_rounds(
 def test_decode_floor_counts_the_keys_and_values_a_step_reads():
     """bench/decode_floor.py's floor adds each sequence's K and V, every layer: for SmolLM2 in bfloat16,
     2 x 3 kv heads x 64 x 2 bytes x 30 layers = 23,040 bytes a token of context."""
-    import torch
     from types import SimpleNamespace as NS
+
+    import torch
 
     (decode_floor,) = bench_modules("decode_floor")
     model = NS(config=NS(num_key_value_heads=3, head_dim=64, num_hidden_layers=30), dtype=torch.bfloat16)
