@@ -7,6 +7,8 @@
     python bench/decode_floor.py --dtypes bfloat16 --batches 1,3,5 --threads 2 --prompt-tokens 1000
     python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" --batches 2,3,5,8 \
         --threads 2 --dtypes bfloat16 --prompt-tokens 1000     # two builds of layer_stack.c, alternating
+    python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" --workload LP \
+        --threads 2 --dtypes bfloat16 --rounds 4                # the same, a whole workload a round
 
 A decode step at a small batch does little arithmetic: each weight is read from memory once and used
 for a handful of rows. So its time cannot go below ``bytes of the weights the step reads / one core's
@@ -38,7 +40,10 @@ parts are means; the header names the CPU. On a shared machine read the ratios.
 FLAGS, e.g. ``-DFIXED_ATTN_ROWS``: the decode rows 4 to a work item whatever the step, as before the
 rows were shared among the threads) in one process: for each ``--batches`` entry it starts the requests,
 then steps them ``--steps`` steps on each build in turn, ``--rounds`` rounds, and prints the stack's
-median ms per step per build [range of the rounds] and the ratio to the first build.
+median ms per step per build [range of the rounds] and the ratio to the first build. With
+``--workload W`` (``bench/workloads.py``'s W1, W2 or LP) each round runs the whole workload once on
+each build instead (``LLM()``'s defaults, the prefix cache emptied, EOS ignored) and prints output
+tokens/s: what the change is worth end to end.
 
 ``--thread-scaling`` asks what a second thread gives a one-sequence decode (the ``--threads`` list,
 default ``1,2``): one request decodes while the thread count alternates, ``--steps`` steps at each
@@ -199,8 +204,34 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
         torch.set_num_threads(threads[0])
 
 
+def workload_builds(dname: str, libs: dict, name: str, rounds: int) -> None:
+    """A workload's output tokens/s on each build of layer_stack.c, alternating (module docstring)."""
+    from workloads import WORKLOADS
+
+    wl = WORKLOADS[name]()
+    llm = LLM(dtype=dname)
+    stack = llm.engine.runner.model.layer_stack
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in wl.output_lens]
+    llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)               # warm up
+    rates = {name: [] for name in libs}
+    for rnd in range(rounds):
+        for build, lib in list(libs.items())[::1 if rnd % 2 == 0 else -1]:     # the order alternates
+            stack.lib = lib
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            llm.generate(wl.prompts, params, use_tqdm=False)
+            rates[build].append(wl.num_output_tokens / (time.perf_counter() - t0))
+            print(f"  round {rnd + 1} {build}: {rates[build][-1]:.1f} output tokens/s", flush=True)
+    first = next(iter(rates.values()))
+    for build, v in rates.items():
+        ratios = " ".join(f"{a / b:.2f}" for a, b in zip(v, first))
+        print(f"{name} {dname} {build}: median {statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}] "
+              f"tokens/s; per round x the first build: {ratios}")
+    stack.lib = layer_stack.load()
+
+
 def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
-                 prompt_tokens: int, steps: int, rounds: int) -> None:
+                 prompt_tokens: int, steps: int, rounds: int, workload: str | None = None) -> None:
     """The stack's ms per step on each build of layer_stack.c, alternating (module docstring)."""
     from minicb.fastpaths import ckernels
 
@@ -212,6 +243,9 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
         lib.minicb_layer_stack.argtypes = layer_stack.load().minicb_layer_stack.argtypes
         lib.minicb_layer_stack.restype = layer_stack.load().minicb_layer_stack.restype
         libs[name] = lib
+    if workload:
+        workload_builds(dname, libs, workload, rounds)
+        return
     model = load_smollm2(getattr(torch, dname))
     cpu_fast_paths(model, "cpu")
     stack = model.layer_stack
@@ -264,13 +298,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each sequence's prompt (its context)")
     ap.add_argument("--stack-builds", help="NAME=FLAGS,...: builds of layer_stack.c to alternate")
+    ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
     args = ap.parse_args()
     if args.stack_builds:
         builds = {name: tuple(flags.split()) for name, flags in
                   (item.split("=", 1) for item in args.stack_builds.split(","))}
         for dname in args.dtypes.split(","):
             stack_builds(dname, builds, [int(b) for b in args.batches.split(",")], int(args.threads),
-                         args.prompt_tokens, args.steps, args.rounds)
+                         args.prompt_tokens, args.steps, args.rounds, args.workload)
         return
     if args.thread_scaling:
         threads = [int(t) for t in (args.threads if args.threads != "1" else "1,2").split(",")]

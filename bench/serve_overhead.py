@@ -18,8 +18,10 @@ The difference is what serving a token costs beyond computing it: the engine thr
 (``call_soon_threadsafe``), the event loop's work (detokenizing, stop strings, the chunk's JSON, h11,
 the socket), and what that work takes from the compute threads on a machine whose cores the forward
 already uses. Printed per round and as the median and range of the rounds' differences (the issue's
-bar: under 1 ms), with the server's main thread's (the event loop's) CPU time per token from
-``/proc/PID/task``: the server's own work, whatever the contention.
+bar: under 1 ms), with two figures from inside the server: its main thread's (the event loop's) CPU
+time per token (``/proc/PID/task``: the server's own work, whatever the contention), and the time
+per token outside ``engine.step()`` (the served time per token less ``/health``'s ``engine_busy_s``
+over its ``num_steps``, the prompt's step included): what the engine thread spends between steps.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import urllib.parse
 
 from common import cpu_header
 
-from serve import MinicbServer
+from serve import MinicbServer, health
 
 PROMPT = list(range(1000, 1064))
 
@@ -101,7 +103,8 @@ def summary(rows: list[dict]) -> dict:
             "offline_ms": statistics.median(r["offline_ms"] for r in rows),
             "overhead_ms": statistics.median(diffs), "overhead_min_ms": min(diffs),
             "overhead_max_ms": max(diffs),
-            "event_loop_cpu_ms": statistics.median(r["event_loop_cpu_ms"] for r in rows)}
+            "event_loop_cpu_ms": statistics.median(r["event_loop_cpu_ms"] for r in rows),
+            "between_steps_ms": statistics.median(r["between_steps_ms"] for r in rows)}
 
 
 def main() -> None:
@@ -126,10 +129,13 @@ def main() -> None:
             offline.stdin.flush()
             return json.loads(offline.stdout.readline())
 
-        def run_served() -> tuple[list[float], float]:
-            t0 = main_thread_cpu_ticks(server.proc.pid)
+        def run_served() -> tuple[list[float], float, float]:
+            h0, t0 = health(server.url), main_thread_cpu_ticks(server.proc.pid)
             times = served(server.url, server.model, args.tokens)
-            return times, (main_thread_cpu_ticks(server.proc.pid) - t0) * tick_ms / args.tokens
+            cpu = (main_thread_cpu_ticks(server.proc.pid) - t0) * tick_ms / args.tokens
+            h1 = health(server.url)
+            step_ms = 1e3 * (h1["engine_busy_s"] - h0["engine_busy_s"]) / (h1["num_steps"] - h0["num_steps"])
+            return times, cpu, per_token_ms(times) - step_ms
 
         run_offline(), run_served()                           # warm both (kernels, caches, pages)
         rows = []
@@ -137,19 +143,21 @@ def main() -> None:
         for k in range(args.rounds):
             if k % 2:
                 off = run_offline()
-                srv, loop_cpu = run_served()
+                srv, loop_cpu, between = run_served()
             else:
-                srv, loop_cpu = run_served()
+                srv, loop_cpu, between = run_served()
                 off = run_offline()
             row = {"served_ms": per_token_ms(srv), "offline_ms": per_token_ms(off),
-                   "event_loop_cpu_ms": loop_cpu, "load_avg": os.getloadavg()[0]}
+                   "event_loop_cpu_ms": loop_cpu, "between_steps_ms": between, "load_avg": os.getloadavg()[0]}
             rows.append(row)
             print(f"round {k}: served {row['served_ms']:.2f}  offline {row['offline_ms']:.2f}  overhead "
-                  f"{row['served_ms'] - row['offline_ms']:+.2f}  (event loop CPU {loop_cpu:.2f})", flush=True)
+                  f"{row['served_ms'] - row['offline_ms']:+.2f}  (event loop CPU {loop_cpu:.2f}, between "
+                  f"steps {between:.2f})", flush=True)
         s = summary(rows)
         print(f"median: served {s['served_ms']:.2f}, offline {s['offline_ms']:.2f}; the server's overhead "
               f"{s['overhead_ms']:+.2f} ms per token [{s['overhead_min_ms']:+.2f}, "
-              f"{s['overhead_max_ms']:+.2f}]; event loop CPU {s['event_loop_cpu_ms']:.2f} ms per token")
+              f"{s['overhead_max_ms']:+.2f}]; event loop CPU {s['event_loop_cpu_ms']:.2f} ms per token; "
+              f"between steps {s['between_steps_ms']:.2f} ms per token")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"cpu": cpu_header(), "dtype": args.dtype, "tokens": args.tokens, "rounds": rows,

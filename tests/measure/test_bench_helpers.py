@@ -300,11 +300,12 @@ def test_serve_overhead_measures_gaps_between_token_chunks_and_pairs_the_rounds(
     assert so.per_token_ms(times) == pytest.approx(750.0)
     with pytest.raises(ValueError):
         so.per_token_ms([1.0])
-    rows = [{"served_ms": s, "offline_ms": o, "event_loop_cpu_ms": c}
-            for s, o, c in ((11.0, 10.0, 0.4), (12.0, 9.0, 0.5), (10.5, 10.3, 0.3))]
+    rows = [{"served_ms": s, "offline_ms": o, "event_loop_cpu_ms": c, "between_steps_ms": b}
+            for s, o, c, b in ((11.0, 10.0, 0.4, 0.1), (12.0, 9.0, 0.5, 0.3), (10.5, 10.3, 0.3, 0.2))]
     s = so.summary(rows)
     assert (s["overhead_ms"], s["overhead_min_ms"], s["overhead_max_ms"]) == pytest.approx((1.0, 0.2, 3.0))
-    assert (s["served_ms"], s["offline_ms"], s["event_loop_cpu_ms"]) == (11.0, 10.0, 0.4)
+    assert (s["served_ms"], s["offline_ms"]) == (11.0, 10.0)
+    assert (s["event_loop_cpu_ms"], s["between_steps_ms"]) == (0.4, 0.2)
 
 
 def test_decode_floor_counts_the_keys_and_values_a_step_reads():
