@@ -119,9 +119,10 @@ typedef struct {
 
 /* Decode rows per work item: ATTN_ROWS, or as few as shares `rows` among the `nt` threads. A decode
  * row's attention reads its whole context from memory (1,000 keys: 0.75 MB in bfloat16 per layer), so
- * 3 long rows in one item of 4 left the second thread idle while the first read them all: 14.2 ms a
- * step of SmolLM2's stack against 10.0 with the rows split 2 + 1 (3 rows of ~1,000 keys, bfloat16, 2
- * threads: `python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" ...`, its docstring). */
+ * 2 or 3 long rows in one item left the second thread idle while the first read them all: with 2, 3
+ * and 5 rows of ~1,000 keys (bfloat16, 2 threads) the stack took 1.31x, 1.32x and 1.41x as long a step
+ * as with the rows shared (`python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS"
+ * ...`, its docstring; bench/RESULTS.md). */
 static inline int64_t rows_per_item(int64_t rows, int nt) {
 #ifdef FIXED_ATTN_ROWS          /* the rule before: always ATTN_ROWS (the bench above builds both) */
     (void)rows, (void)nt;
