@@ -10,8 +10,8 @@ for SmolLM2 in bfloat16) and the keys and values of every row's context. Two rat
 time, both measured here on the threads the engine uses:
 
 * the products' rate: the skinny kernel's best GFLOP/s on a [256, 576] x [576, 3072] product with its
-  weights in the caches (what the chunk's and the batch's products can reach: 94-98% of the vector
-  units' peak on a Zen 4 core, ``bench/cpu_ceilings.py``);
+  weights in the caches (what the chunk's and the batch's products can reach; in float32
+  ``bench/cpu_ceilings.py`` puts the same kernel at 97% of a Zen 4 core's multiply-add peak);
 * the read bandwidth: ``torch.sum`` over 256 MB (``decode_floor.read_bandwidth``).
 
 Two floors per step: ``max`` (arithmetic and reading overlap perfectly: the roofline) and
