@@ -131,20 +131,27 @@ def install_timers(model: LlamaForCausalLM, llm: LLM) -> None:
     llm.engine.step = timed("step", llm.engine.step)
 
 
+def start_decoding(eng, batch: int, vocab: int, prompt_tokens: int, max_tokens: int) -> set[str]:
+    """Start ``batch`` requests of random ``prompt_tokens``-token prompts (seeded by ``batch``) and step
+    until every prompt is in the cache and all of them decode; their ids."""
+    g = torch.Generator().manual_seed(batch)
+    ids = {f"r{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)}
+    for rid in sorted(ids):
+        eng.add_request(rid, torch.randint(10, vocab, (prompt_tokens,), generator=g).tolist(),
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    started: set[str] = set()
+    while started != ids:                              # until every prompt is in the cache
+        started |= {o.request_id for o in eng.step() if o.token_ids}
+    eng.step()
+    return ids
+
+
 def decode_steps(llm: LLM, batch: int, steps: int, vocab: int,
                  prompt_tokens: int = 64) -> tuple[list[float], dict[str, float]]:
     """Start ``batch`` requests and prefill them; then the wall time of each of ``steps`` decode steps and
     the seconds the timers (if installed) counted in them."""
     eng = llm.engine
-    g = torch.Generator().manual_seed(batch)
-    ids = {f"r{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)}
-    for rid in sorted(ids):
-        eng.add_request(rid, torch.randint(10, vocab, (prompt_tokens,), generator=g).tolist(),
-                        SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    started: set[str] = set()
-    while started != ids:                              # until every prompt is in the cache
-        started |= {o.request_id for o in eng.step() if o.token_ids}
-    eng.step()
+    start_decoding(eng, batch, vocab, prompt_tokens, steps + 8)
     before, times = collections.Counter(SECONDS), []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -233,16 +240,9 @@ def workload_builds(dname: str, libs: dict, name: str, rounds: int) -> None:
 def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
                  prompt_tokens: int, steps: int, rounds: int, workload: str | None = None) -> None:
     """The stack's ms per step on each build of layer_stack.c, alternating (module docstring)."""
-    from minicb.fastpaths import ckernels
-
     torch.set_num_threads(threads)
     print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
-    libs = {}
-    for name, flags in builds.items():
-        lib = ckernels.open_library(ckernels.build(layer_stack.SOURCE, extra_flags=flags), name)
-        lib.minicb_layer_stack.argtypes = layer_stack.load().minicb_layer_stack.argtypes
-        lib.minicb_layer_stack.restype = layer_stack.load().minicb_layer_stack.restype
-        libs[name] = lib
+    libs = {name: layer_stack.load(flags) for name, flags in builds.items()}
     if workload:
         workload_builds(dname, libs, workload, rounds)
         return
@@ -256,15 +256,9 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
     layer_stack.LayerStack.run = timed("stack", run)
     print(f"{dname}, {threads} threads, {prompt_tokens}-token prompts; the stack's ms per step: median "
           f"[range of {rounds} rounds of {steps} steps]")
-    g = torch.Generator().manual_seed(0)
     for b in batches:
-        for i in range(b):
-            prompt = torch.randint(10, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
-            params = SamplingParams(max_tokens=(rounds + 1) * steps * len(builds) + 4, ignore_eos=True)
-            eng.add_request(f"ab{b}-{i}", prompt, params)
-        while sum(r is not None for r in eng.snapshot().slots) < b or eng.snapshot().waiting:
-            eng.step()
-        eng.step()                                        # every prompt in the cache, all decoding
+        max_tokens = (rounds + 1) * steps * len(builds) + 4
+        ids = start_decoding(eng, b, model.config.vocab_size, prompt_tokens, max_tokens)
         per = {name: [] for name in libs}
         for rnd in range(rounds + 1):                     # round 0 warms each build up, uncounted
             for name, lib in list(libs.items())[::1 if rnd % 2 else -1]:     # the order alternates
@@ -278,8 +272,8 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
         print(f"  {b:>3} seqs: " + "   ".join(
             f"{name} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] "
             f"{statistics.median(v) / first:.2f}x" for name, v in per.items()), flush=True)
-        for i in range(b):
-            eng.abort_request(f"ab{b}-{i}")
+        for rid in ids:
+            eng.abort_request(rid)
         while eng.has_unfinished_requests():
             eng.step()
     stack.lib = layer_stack.load()

@@ -33,11 +33,11 @@ import time
 
 import torch
 from common import cpu_header
+from cpu_ceilings import skinny_rate
 from decode_floor import read_bandwidth
 from workloads import WORKLOADS
 
 from minicb import LLM, SamplingParams
-from minicb.fastpaths import skinny_gemm
 
 
 def step_cost(seqs, cfg, elem: int) -> tuple[float, float]:
@@ -56,20 +56,6 @@ def step_cost(seqs, cfg, elem: int) -> tuple[float, float]:
     return flops, bytes_
 
 
-def products_rate(dtype: torch.dtype, repeats: int = 7) -> float:
-    """The skinny kernel's best FLOP/s on a cached [256, 576] x [576, 3072] product."""
-    w, x = torch.randn(3072, 576).to(dtype), torch.randn(256, 576).to(dtype)
-    panels = skinny_gemm.pack(w)
-    skinny_gemm.matmul(x, panels, 576, 3072)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(5):
-            skinny_gemm.matmul(x, panels, 576, 3072)
-        best = min(best, (time.perf_counter() - t0) / 5)
-    return 2 * 256 * 576 * 3072 / best
-
-
 def kind_of(seqs) -> str:
     if any(s.num_tokens > 1 for s in seqs):
         return "prompt-bearing"
@@ -86,7 +72,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    rate, bw = products_rate(dtype), read_bandwidth() * 1e9
+    rate, bw = skinny_rate(7, 256, 576, 3072, dtype) * 1e9, read_bandwidth() * 1e9
     print(f"{cpu_header()}; {os.cpu_count()} CPUs; {torch.get_num_threads()} threads; load average "
           f"{os.getloadavg()[0]:.2f}")
     print(f"products {rate / 1e9:.0f} GFLOP/s, reading {bw / 1e9:.1f} GB/s ({args.dtype})")

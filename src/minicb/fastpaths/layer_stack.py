@@ -65,10 +65,11 @@ class _Buffers(ctypes.Structure):
     _fields_ = [(n, _ptr) for n in ("x", "h", "qkv", "q", "attn", "a", "gu", "act")]
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL:
-    """The compiled ``layer_stack.c`` (built on the first call); ``KernelUnavailable`` if it cannot be."""
-    lib = ckernels.open_library(ckernels.build(SOURCE), "the compiled layer stack")
+@functools.cache
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled ``layer_stack.c`` (built on the first call); ``KernelUnavailable`` if it cannot be.
+    ``extra_flags`` builds a variant (``bench/decode_floor.py --stack-builds`` times two side by side)."""
+    lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled layer stack")
     lib.minicb_layer_stack.argtypes = [_ptr] * 2 + [_i64] + [_ptr] * 9
     lib.minicb_layer_stack.restype = ctypes.c_int
     return lib
