@@ -9,6 +9,8 @@
         --threads 2 --dtypes bfloat16 --prompt-tokens 1000     # two builds of layer_stack.c, alternating
     python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" --workload LP \
         --threads 2 --dtypes bfloat16 --rounds 4                # the same, a whole workload a round
+    python bench/decode_floor.py --prompt-builds "bf16-sum=,f32-sum=-DF32_WEIGHTED_SUM" --workload LP \
+        --threads 2 --dtypes bfloat16 --rounds 4                # two builds of paged_prompt.c, the same way
 
 A decode step at a small batch does little arithmetic: each weight is read from memory once and used
 for a handful of rows. So its time cannot go below ``bytes of the weights the step reads / one core's
@@ -43,7 +45,9 @@ then steps them ``--steps`` steps on each build in turn, ``--rounds`` rounds, an
 median ms per step per build [range of the rounds] and the ratio to the first build. With
 ``--workload W`` (``bench/workloads.py``'s W1, W2 or LP) each round runs the whole workload once on
 each build instead (``LLM()``'s defaults, the prefix cache emptied, EOS ignored) and prints output
-tokens/s: what the change is worth end to end.
+tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`` does the same for
+builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
+in float32 instead of on ``vdpbf16ps``), with a ``--workload``.
 
 ``--thread-scaling`` asks what a second thread gives a one-sequence decode (the ``--threads`` list,
 default ``1,2``): one request decodes while the thread count alternates, ``--steps`` steps at each
@@ -61,6 +65,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
+import functools
 import os
 import pathlib
 import statistics
@@ -211,19 +217,25 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
         torch.set_num_threads(threads[0])
 
 
-def workload_builds(dname: str, libs: dict, name: str, rounds: int) -> None:
-    """A workload's output tokens/s on each build of layer_stack.c, alternating (module docstring)."""
+def workload_builds(dname: str, libs: dict, name: str, rounds: int, prompt: bool = False) -> None:
+    """A workload's output tokens/s on each build of layer_stack.c (``prompt``: of paged_prompt.c),
+    alternating (module docstring)."""
     from workloads import WORKLOADS
 
     wl = WORKLOADS[name]()
     llm = LLM(dtype=dname)
     stack = llm.engine.runner.model.layer_stack
+    load_prompt, kernel = cpu_paged.load_prompt, cpu_paged.kernel_name(getattr(torch, dname), prompt=True)
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in wl.output_lens]
     llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)               # warm up
     rates = {name: [] for name in libs}
     for rnd in range(rounds):
         for build, lib in list(libs.items())[::1 if rnd % 2 == 0 else -1]:     # the order alternates
-            stack.lib = lib
+            if prompt:      # the stack's pointer, and the backend's for a step the stack does not take
+                stack.kernels.prompt = ctypes.cast(getattr(lib, kernel), ctypes.c_void_p).value
+                cpu_paged.load_prompt = functools.partial(lambda lib, *flags: lib, lib)
+            else:
+                stack.lib = lib
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
             llm.generate(wl.prompts, params, use_tqdm=False)
@@ -234,7 +246,7 @@ def workload_builds(dname: str, libs: dict, name: str, rounds: int) -> None:
         ratios = " ".join(f"{a / b:.2f}" for a, b in zip(v, first))
         print(f"{name} {dname} {build}: median {statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}] "
               f"tokens/s; per round x the first build: {ratios}")
-    stack.lib = layer_stack.load()
+    stack.lib, cpu_paged.load_prompt = layer_stack.load(), load_prompt
 
 
 def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
@@ -293,7 +305,19 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each sequence's prompt (its context)")
     ap.add_argument("--stack-builds", help="NAME=FLAGS,...: builds of layer_stack.c to alternate")
     ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
+    ap.add_argument("--prompt-builds", help="NAME=FLAGS,...: builds of paged_prompt.c to alternate on "
+                    "--workload")
     args = ap.parse_args()
+    if args.prompt_builds:
+        if not args.workload:
+            ap.error("--prompt-builds takes a --workload")
+        torch.set_num_threads(int(args.threads))
+        print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+        for dname in args.dtypes.split(","):
+            workload_builds(dname, {name: cpu_paged.load_prompt(tuple(flags.split())) for name, flags in
+                                    (item.split("=", 1) for item in args.prompt_builds.split(","))},
+                            args.workload, args.rounds, prompt=True)
+        return
     if args.stack_builds:
         builds = {name: tuple(flags.split()) for name, flags in
                   (item.split("=", 1) for item in args.stack_builds.split(","))}

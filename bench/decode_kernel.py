@@ -34,6 +34,11 @@ prompt kernel), and the prompt kernel (``tiles``: ``paged_prompt``, what ``cpu-p
 values) and the largest difference from SDPA::
 
     python bench/decode_kernel.py --prompts --dtype bfloat16
+    python bench/decode_kernel.py --prompts --dtype bfloat16 --prompt-flags=-DF32_WEIGHTED_SUM  # and a build
+
+``--prompt-flags=FLAGS`` adds the prompt kernel built with those extra flags as one more way (``tiles
+FLAGS``): ``-DF32_WEIGHTED_SUM`` sums the weighted values in float32 where the default build uses
+``vdpbf16ps`` (``paged_prompt.c``'s header).
 """
 
 from __future__ import annotations
@@ -68,9 +73,10 @@ def library(source: pathlib.Path | None, flags: tuple[str, ...]) -> ctypes.CDLL:
     return lib
 
 
-def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator, builds: tuple = ()) -> dict:
     """One prompt of ``length`` tokens with nothing cached before it, its K/V in random blocks of a
-    SmolLM2-sized pool: the two ways to attend it, as functions of nothing."""
+    SmolLM2-sized pool: the ways to attend it (``builds``: the prompt kernel built with each of these
+    tuples of extra flags too), as functions of nothing."""
     from minicb.model.attention import fold_mask, grouped_sdpa
 
     nb = -(-length // BLOCK)
@@ -93,20 +99,28 @@ def prompt_case(length: int, dtype: torch.dtype, g: torch.Generator) -> dict:
         cpu_paged.decode_into(out, q, kc, vc, tables, ctx, BLOCK, length)
         return out
 
-    def tiled():
-        cpu_paged.prompt_into(out, q, kc, vc, blocks[None], tiles, BLOCK)
-        return out
+    def tiled(flags=()):
+        kernel = getattr(cpu_paged.load_prompt(flags), cpu_paged.kernel_name(dtype, prompt=True))
+        table = blocks[None]
 
-    return {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0], "rows": rows, "tiles": tiled}
+        def call():
+            cpu_paged.prompt_into(out, q, kc, vc, table, tiles, BLOCK, kernel=kernel)
+            return out
+        return call
+
+    ways = {"sdpa": lambda: grouped_sdpa(q[None], k[None], v[None], mask)[0], "rows": rows, "tiles": tiled()}
+    for flags in builds:          # the prompt kernel built with other flags, the same call
+        ways[f"tiles {' '.join(flags)}"] = tiled(flags)
+    return ways
 
 
-def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
+def prompts(dtype: torch.dtype, rounds: int, threads: int, builds: tuple = ()) -> None:
     print(f"machine: {machine_description()}; {threads} thread(s); {dtype}; one prompt of L tokens, nothing "
           f"cached before it, {Q_HEADS} query / {KV_HEADS} kv heads of {HEAD_DIM}; ms per call and GFLOP/s, "
           f"median [range] of {rounds} rounds, the three ways alternating")
     g = torch.Generator().manual_seed(0)
     for length in (16, 64, 256, 512, 1024, 2048):
-        ways = prompt_case(length, dtype, g)
+        ways = prompt_case(length, dtype, g, builds)
         times: dict[str, list[float]] = {name: [] for name in ways}
         reps = max(1, 2000 // length)
         for _ in range(rounds):
@@ -125,7 +139,9 @@ def prompts(dtype: torch.dtype, rounds: int, threads: int) -> None:
                   f"{max(ts) * 1e3:.3f}]  {gf[0]:6.1f} GFLOP/s [{gf[1]:.1f}-{gf[2]:.1f}]  "
                   f"max |difference from sdpa| {diff:.1e}")
         print(f"  {length:5d} tokens  tiles {med['rows'] / med['tiles']:.2f}x as fast as rows, "
-              f"{med['sdpa'] / med['tiles']:.2f}x as fast as sdpa")
+              f"{med['sdpa'] / med['tiles']:.2f}x as fast as sdpa"
+              + "".join(f", {med[n] / med['tiles']:.2f}x as fast as {n}" for n in med
+                        if n.startswith("tiles ")))
 
 
 def lp_share() -> None:
@@ -153,11 +169,14 @@ def main() -> None:
                     help="extra compiler flags for --compare (default: minicb's kernel's)")
     ap.add_argument("--prompts", action="store_true",
                     help="one prompt: SDPA, the decode kernel's rows and the prompt kernel, 16-2,048 tokens")
+    ap.add_argument("--prompt-flags", action="append", default=[],
+                    help="with --prompts: time the prompt kernel built with these extra flags too "
+                         "(e.g. -DF32_WEIGHTED_SUM; may be given again)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.prompts:
-        prompts(dtype, args.rounds, args.threads)
+        prompts(dtype, args.rounds, args.threads, tuple(tuple(shlex.split(f)) for f in args.prompt_flags))
         lp_share()
         return
     kernels = {"minicb": library(None, ())}

@@ -43,9 +43,15 @@
  * registers) and of 8 head_dim values x 3 vectors of outputs. Dtypes as in paged_decode.c: float32 and
  * float64 compute in their own type; bfloat16 is widened to float32 (the tile's queries once, each chunk
  * of keys and values once per work item) and the output rounded once. Native bfloat16 (AVX-512 BF16):
- * the scores take the stored query and key pairs on vdpbf16ps (exact products summed in float32),
- * the weighted sum of values stays float32; minicb_paged_prompt_bf16_widen always widens. The widening
- * kernel multiply-adds in the float32 kernel's order, so it is that kernel on widened inputs, rounded.
+ * the scores take the stored query and key pairs on vdpbf16ps (exact products summed in float32), and
+ * so does the weighted sum of the values, two keys a lane: each chunk's softmax weights are rounded to
+ * bfloat16 (the sum they are divided by is of the float32 ones), which halves that sum's
+ * multiply-adds, two thirds of a tile's. A tile ran 1.2-1.3x as fast at 256-2,048 tokens on a Zen 4
+ * core, and LP end to end ~2% (bench/RESULTS.md, issue 47; -DF32_WEIGHTED_SUM builds the float32 sum
+ * for that comparison). The price is one bfloat16 rounding of each term p_j v_j, where the float32 sum
+ * rounds only the output (tests/model/test_paged_prompt.py bounds both). minicb_paged_prompt_bf16_widen
+ * always widens: it multiply-adds in the float32 kernel's order, so it is that kernel on widened
+ * inputs, rounded.
  */
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -193,6 +199,64 @@ INLINE void scores512_bf16n(float *s, const uint32_t *qp, const uint16_t **kp, i
             for (int v = 0; v < nv; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
     }
 }
+
+/* o = c o + the weighted sum of n values on vdpbf16ps: the weights p [n][LANES] (float32, the softmax's)
+ * rounded to bfloat16 two keys at a time into pp [n / 2][LANES] pairs, vp[j] the stored values, taken
+ * two keys at a time into vpair [n / 2][D] pairs (an odd last key paired with a zero weight and
+ * value). One vdpbf16ps multiplies two keys' weights by their values and adds both to the sums: half
+ * the multiply-add instructions of the float32 loop, which is most of a tile's arithmetic. */
+INLINE void values512_bf16n(float *o, const float *c, const float *p, const uint16_t **vp, uint32_t *pp,
+                            uint32_t *vpair, int64_t n, int64_t D, const int nv) {
+    const int64_t np = (n + 1) / 2;
+    /* 16-bit element 2i of a result takes element i of the first source, 2i + 1 that of the second:
+     * `inter` the two halves of one vector (elements i and 16 + i), pick_lo / pick_hi two vectors'
+     * first and last 16 (element indices 32 and up name the second vector) */
+    int16_t idx[3][32];
+    for (int i = 0; i < 16; ++i) {
+        idx[0][2 * i] = (int16_t)i, idx[0][2 * i + 1] = (int16_t)(16 + i);
+        idx[1][2 * i] = (int16_t)i, idx[1][2 * i + 1] = (int16_t)(32 + i);
+        idx[2][2 * i] = (int16_t)(16 + i), idx[2][2 * i + 1] = (int16_t)(48 + i);
+    }
+    const __m512i inter = _mm512_loadu_si512(idx[0]), pick_lo = _mm512_loadu_si512(idx[1]),
+                  pick_hi = _mm512_loadu_si512(idx[2]);
+    for (int64_t jp = 0; jp < np; ++jp) {
+        const int64_t j = 2 * jp, odd = j + 1 < n;
+        for (int v = 0; v < nv; ++v) {
+            const __m512 p0 = _mm512_loadu_ps(p + j * LANES + 16 * v);
+            const __m512 p1 = odd ? _mm512_loadu_ps(p + (j + 1) * LANES + 16 * v) : _mm512_setzero_ps();
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);   /* p0's 16, then p1's 16 */
+            _mm512_storeu_si512(pp + jp * LANES + 16 * v, _mm512_permutexvar_epi16(inter, both));
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {   /* 32 values of each key: their pairs, in order */
+            const int64_t left = D - d0 < 32 ? D - d0 : 32;                  /* 8, 16, 24 or 32 */
+            const __mmask32 k = (__mmask32)((1ull << left) - 1);
+            const __m512i a = _mm512_maskz_loadu_epi16(k, vp[j] + d0);
+            const __m512i b = odd ? _mm512_maskz_loadu_epi16(k, vp[j + 1] + d0) : _mm512_setzero_si512();
+            const __m512i lo = _mm512_permutex2var_epi16(a, pick_lo, b);
+            const __m512i hi = _mm512_permutex2var_epi16(a, pick_hi, b);
+            _mm512_mask_storeu_epi32(vpair + jp * D + d0, (__mmask16)k, lo);              /* values 0-15 */
+            _mm512_mask_storeu_epi32(vpair + jp * D + d0 + 16, (__mmask16)(k >> 16), hi);  /* 16-31 */
+        }
+    }
+    __m512 cv[3];
+    for (int v = 0; v < nv; ++v) cv[v] = _mm512_loadu_ps(c + 16 * v);
+    for (int64_t d0 = 0; d0 < D; d0 += RD) {
+        __m512 a[RD][3];
+        for (int e = 0; e < RD; ++e)
+            for (int v = 0; v < nv; ++v) a[e][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 16 * v), cv[v]);
+        for (int64_t jp = 0; jp < np; ++jp) {
+            __m512bh pv[3];
+            for (int v = 0; v < nv; ++v) pv[v] = (__m512bh)_mm512_loadu_si512(pp + jp * LANES + 16 * v);
+            const uint32_t *vj = vpair + jp * D + d0;
+            for (int e = 0; e < RD; ++e) {
+                const __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vj[e]);
+                for (int v = 0; v < nv; ++v) a[e][v] = _mm512_dpbf16_ps(a[e][v], vb, pv[v]);
+            }
+        }
+        for (int e = 0; e < RD; ++e)
+            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(o + (d0 + e) * LANES + 16 * v, a[e][v]);
+    }
+}
 #endif
 
 /* o = c o + the weighted sum of n values vp[j] (float32), 8 head_dim values x nv vectors at a time. */
@@ -227,8 +291,9 @@ static inline int fast_mode(int64_t D, int native) {
 }
 
 /* Scratch per thread, in A: qt [D][LANES] (the queries transposed; native: their bfloat16 pairs),
- * o [D][LANES], s [KC][LANES], m, sum, c, lim [LANES], and KC x D each for widened keys and values. */
-#define SCRATCH(D) (2 * (D) * LANES + KC * LANES + 4 * LANES + 2 * KC * (D))
+ * o [D][LANES], s [KC][LANES], m, sum, c, lim [LANES], KC x D each for widened keys and values (native:
+ * the values' pairs in the second) and KC / 2 x LANES for the native weights' pairs. */
+#define SCRATCH(D) (2 * (D) * LANES + KC * LANES + 4 * LANES + 2 * KC * (D) + KC / 2 * LANES)
 
 /* One work item: tile `tile` of the step, kv head g. MODE: fast_mode's answer for this type. */
 #define TILE_FN(NAME, T, A, LOAD, STORE)                                                         \
@@ -318,6 +383,16 @@ static inline void bf16_chunk(float *s, const float *qt, float *o, float *m, flo
     if (mode) { /* the chunk's values (and keys, unless native) widened once, then float32's loops */
         const int native = mode == 2;
         const float *kf[KC], *vf[KC];
+#if defined(__AVX512BF16__) && !defined(F32_WEIGHTED_SUM)   /* the flag: float32's sum (a bench's A/B) */
+        if (native) {
+#define BF16N_STEPS(NV)                                                                               \
+    scores512_bf16n(s, (const uint32_t *)qt, kp, n, D, scale, NV);                                    \
+    f32_softmax(s, m, sum, c, lim, t0, n, 16 * NV);                                                   \
+    values512_bf16n(o, c, s, vp, (uint32_t *)(vw + KC * D), (uint32_t *)vw, n, D, NV)
+            BY_NV(nv, BF16N_STEPS)
+            return;
+        }
+#endif
         for (int64_t j = 0; j < n; ++j) {
             for (int64_t d = 0; d < D; ++d) vw[j * D + d] = bf16_load(vp[j][d]);
             vf[j] = vw + j * D;
