@@ -24,6 +24,7 @@ from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, skinny_gemm
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
+from minicb.runtime.sampling import unscorable_rows
 from preconditions import unavailable
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -291,6 +292,13 @@ def test_argmax_is_torch_max_indices_with_ties_zeros_nans_and_denormals(dtype, s
         view = x[:, 2:n + 2]
         assert torch.equal(cpu_fused.argmax(view), torch.max(view, dim=-1).indices), (rows, n)
         assert torch.equal(cpu_fused.argmax(x.contiguous()), torch.max(x, dim=-1).indices)
+        # the sampler's hook: the same tokens, and unscorable_rows's answer from the same pass (rows
+        # whose maximum is a NaN, +inf, or -inf because nothing else is there)
+        x[rows - 1, :] = float("-inf")
+        tokens, broken = cpu_fused.greedy_argmax(x)
+        assert tokens == torch.max(x, dim=-1).indices.tolist()
+        assert broken == unscorable_rows(x) == unscorable_rows(x.double()), (rows, n)
+        assert rows - 1 in broken
     zeros = torch.tensor([[-1.0, -0.0, 0.0, -0.0], [-0.0, -1e-39, 0.0, 0.0]], dtype=dtype)   # -0 == +0
     assert cpu_fused.argmax(zeros).tolist() == torch.max(zeros, dim=-1).indices.tolist() == [1, 0]
     with pytest.raises(ValueError, match="not \\[rows, n > 0\\]"):

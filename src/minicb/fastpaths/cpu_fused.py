@@ -63,7 +63,7 @@ def load() -> ctypes.CDLL:
         silu_mul_ = getattr(lib, f"minicb_silu_mul_{suffix}")
         silu_mul_.argtypes, silu_mul_.restype = [ptr] * 2 + [i64] * 3 + [ctypes.c_int], None
         argmax = getattr(lib, f"minicb_argmax_{suffix}")
-        argmax.argtypes, argmax.restype = [ptr] + [i64] * 3 + [ptr, ctypes.c_int], None
+        argmax.argtypes, argmax.restype = [ptr] + [i64] * 3 + [ptr, ptr, ctypes.c_int], None
     return lib
 
 
@@ -159,17 +159,24 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.max(logits, -1).indices`` of float32 or bfloat16 ``logits [rows, n]`` (each row contiguous):
     the first maximum of each row, the first NaN where there is one, as int64 ``[rows]``. One C pass over
-    integer keys of the values (``fused_ops.c``); torch's bfloat16 loop is several times slower."""
+    integer keys of the values (``fused_ops.c``); torch's bfloat16 loop is several times slower.
+    ``finite`` (bool ``[rows]``, optional) is filled with whether each row's maximum is finite."""
     _check("argmax", logits, rows_strided=1)
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"argmax: logits {tuple(logits.shape)} is not [rows, n > 0]")
+    if finite is not None and (finite.dtype != torch.bool or finite.shape != logits.shape[:1]
+                               or not finite.is_contiguous()):
+        raise ValueError(f"argmax: finite {finite.dtype} {tuple(finite.shape)} is not bool "
+                         f"[{logits.shape[0]}]")
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     if logits.shape[0]:
         _c_function("argmax", logits.dtype)(logits.data_ptr(), logits.shape[0], logits.shape[1],
-                                            logits.stride(0), out.data_ptr(), torch.get_num_threads())
+                                            logits.stride(0), out.data_ptr(),
+                                            None if finite is None else finite.data_ptr(),
+                                            torch.get_num_threads())
     return out
 
 
@@ -232,13 +239,21 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     return len(swaps)
 
 
-def greedy_argmax(logits: torch.Tensor) -> list[int] | None:
-    """The runner's greedy argmax (``runtime.sampling.greedy_tokens``): ``argmax`` as a list for the
-    logits it takes (CPU float32 / bfloat16 ``[rows, n > 0]``, the fused ops built), None otherwise."""
+def greedy_argmax(logits: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """The sampler's greedy argmax (``runtime.sampling.Sampler``): for the logits it takes (CPU float32 /
+    bfloat16 ``[rows, n > 0]``, the fused ops built) ``argmax``'s tokens as a list and the rows whose
+    maximum is not finite (``sampling.unscorable_rows``'s answer, from the same pass); None otherwise.
+
+    Why the second answer comes from here: after a step's C kernels have streamed the weights through
+    the caches, each small torch call of the step's Python runs cold, 25-90 microseconds instead of 2-6
+    (``bench/RESULTS.md``, seventeenth session): ``unscorable_rows``'s four took 0.24 ms of a one-sequence
+    step. One flag a row written by the argmax's own loop costs nothing."""
     if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2 \
             or not logits.shape[1] or not _builds():
         return None
-    return argmax(logits).tolist()
+    finite = torch.empty(logits.shape[0], dtype=torch.bool)
+    tokens = argmax(logits, finite).tolist()
+    return tokens, [i for i, ok in enumerate(finite.tolist()) if not ok]
 
 
 @functools.cache

@@ -37,6 +37,7 @@ Tensors are contiguous; ``cu_seqlens_*`` and ``block_tables`` are int32 as Flash
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -123,16 +124,13 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
 def _to_tensors(ids, pos, slots, q_lens, starts, ctx, tables, logits_rows, sample_ids, bs, device,
                 num_padding_rows: int = 0):
     # ``ctx[i]``: the keys row i attends over after the step (its start plus its new tokens)
+    # each tensor made in one call from Python lists (a torch call per row would cost a step with many
+    # rows tens of microseconds a call: the step's kernels have just pushed torch's code out of the caches)
     width = max(map(len, tables), default=0)
-    bt = torch.zeros((len(tables), width), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu_k = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    if q_lens:
-        cu_q[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-        cu_k[1:] = torch.cumsum(torch.tensor(ctx), 0)
+    padded = [[*t, *[0] * (width - len(t))] for t in tables]
+    bt = torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(ctx)], dtype=torch.int32)
     meta = AttentionMetadata(
         cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
         max_seqlen_q=max(q_lens, default=0), max_seqlen_k=max(ctx, default=0),

@@ -57,16 +57,10 @@ from minicb.runtime.logprobs import row_logprobs
 _temperature = operator.attrgetter("temperature")
 
 
-def greedy_tokens(logits: torch.Tensor, argmax=None) -> list[int]:
-    """The first maximum of each row (the first NaN where there is one), as ``argmax`` says.
-
-    ``argmax``: a faster function with the same answer, handed in by whoever built the runner (the
-    fast paths' one C pass, ``minicb.fastpaths.cpu_fused.argmax``: 1.0 against ``max``'s 2.7 ms for
-    64 x 49,152 bfloat16 logits on a Zen 4 core, ``python bench/sampler_rows.py --bfloat16``); it
-    returns None for logits it does not take. Without it: torch's bfloat16 argmax is slow on the CPU,
-    and so is widening the logits first; ``max``'s indices are the same tokens."""
-    if argmax is not None and (tokens := argmax(logits)) is not None:
-        return tokens
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first maximum of each row (the first NaN where there is one), as ``argmax`` says. torch's
+    bfloat16 argmax is slow on the CPU, and so is widening the logits first; ``max``'s indices are the
+    same tokens."""
     if logits.dtype == torch.bfloat16:
         return torch.max(logits, dim=-1).indices.tolist()
     return torch.argmax(logits, dim=-1).tolist()
@@ -145,7 +139,11 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, *, tokenizer=None, vocab_size: int | None = None,
                  eos_token_id: int | None = None, argmax=None) -> None:
-        self.argmax = argmax              # a faster greedy argmax, or None (``greedy_tokens``)
+        # a faster greedy argmax, or None (``greedy_tokens``, ``unscorable_rows``): handed in by whoever
+        # built the runner (the fast paths' one C pass, ``minicb.fastpaths.cpu_fused.greedy_argmax``: 1.0
+        # against ``max``'s 2.7 ms for 64 x 49,152 bfloat16 logits on a Zen 4 core, ``python
+        # bench/sampler_rows.py --bfloat16``), it returns both answers, or None for logits it does not take
+        self.argmax = argmax
         self._generators: dict[str, torch.Generator] = {}
         self._processors: dict[str, list[RowProcessor]] = {}     # only requests that have some
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
@@ -200,10 +198,12 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, request_ids: tuple[str, ...], params: list[SamplingParams],
                 lps: list | None) -> list[int | RowOutput]:
         procs = self._processors
-        greedy = None
+        greedy = broken = None
         if not any(map(_temperature, params)):            # every row greedy (SamplingParams.greedy)
-            greedy = greedy_tokens(logits, self.argmax)
-        broken = unscorable_rows(logits, greedy)
+            found = None if self.argmax is None else self.argmax(logits)
+            greedy, broken = found if found is not None else (greedy_tokens(logits), None)
+        if broken is None:
+            broken = unscorable_rows(logits, greedy)
         plain = lps is None and not (procs and any(r in procs for r in request_ids))   # no extra per row
         if greedy is not None and not broken and plain:
             return greedy
