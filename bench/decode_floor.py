@@ -4,6 +4,7 @@
     python bench/decode_floor.py --dtypes bfloat16 --batches 1,4,16,64 --steps 30
     MINICB_LINEAR=mkl python bench/decode_floor.py            # another linear path (cpu_linear.PATHS)
     python bench/decode_floor.py --thread-scaling             # one sequence: 1 thread against 2, alternating
+    python bench/decode_floor.py --cold-calls --dtypes bfloat16  # small torch calls after a step's kernels
     python bench/decode_floor.py --dtypes bfloat16 --batches 1,3,5 --threads 2 --prompt-tokens 1000
     python bench/decode_floor.py --stack-builds "now=,fixed=-DFIXED_ATTN_ROWS" --batches 2,3,5,8 \
         --threads 2 --dtypes bfloat16 --prompt-tokens 1000     # two builds of layer_stack.c, alternating
@@ -48,6 +49,12 @@ each build instead (``LLM()``'s defaults, the prefix cache emptied, EOS ignored)
 tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`` does the same for
 builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
 in float32 instead of on ``vdpbf16ps``), with a ``--workload``.
+
+``--cold-calls`` times four small torch calls (a tensor from a list, a gather, ``isfinite``, ``any``:
+what ``sampling.unscorable_rows`` did for a greedy row) inside a one-sequence decode step, right after
+its C kernels have streamed the weights through the caches, and the same four on their own in a loop:
+after the kernels each call starts cold (torch's dispatch code and data evicted), which is why the
+step's Python keeps its torch calls few.
 
 ``--thread-scaling`` asks what a second thread gives a one-sequence decode (the ``--threads`` list,
 default ``1,2``): one request decodes while the thread count alternates, ``--steps`` steps at each
@@ -167,6 +174,47 @@ def decode_steps(llm: LLM, batch: int, steps: int, vocab: int,
     while eng.has_unfinished_requests():
         eng.step()
     return times, parts
+
+
+def cold_calls(dname: str, steps: int) -> None:
+    """Four small torch calls (those ``sampling.unscorable_rows`` made on a greedy row: a tensor from a
+    list, a gather, isfinite, any) timed inside a one-sequence decode step, right after its kernels
+    streamed the weights through the caches, and the same four in a loop on their own (module
+    docstring, ``--cold-calls``)."""
+    def four(logits, tokens):
+        top = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        return bool((~torch.isfinite(top)).any())
+
+    inside: list[float] = []
+    llm = LLM(dtype=dname)
+    sampler = llm.engine.runner.sampler
+    argmax = sampler.argmax
+
+    def timed_argmax(logits):
+        found = argmax(logits)
+        t = time.perf_counter()
+        four(logits, found[0])
+        inside.append(time.perf_counter() - t)
+        return found
+    sampler.argmax = timed_argmax
+    ids = start_decoding(llm.engine, 1, llm.engine.runner.vocab_size, 64, steps + 8)
+    inside.clear()
+    for _ in range(steps):
+        llm.engine.step()
+    sampler.argmax = argmax
+    logits = torch.randn(1, llm.engine.runner.vocab_size).to(getattr(torch, dname))
+    alone = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        four(logits, [0])
+        alone.append(time.perf_counter() - t)
+    for rid in ids:
+        llm.engine.abort_request(rid)
+    print(f"{cpu_header()}\n{dname}: four small torch calls (tensor, gather, isfinite, any) inside a "
+          f"one-sequence decode step, after its kernels: median {statistics.median(inside) * 1e6:.0f} us "
+          f"[{min(inside) * 1e6:.0f}-{max(inside) * 1e6:.0f}] over {steps} steps; the same four in a loop "
+          f"on their own: {statistics.median(alone) * 1e6:.0f} us [{min(alone) * 1e6:.0f}-"
+          f"{max(alone) * 1e6:.0f}]")
 
 
 def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: int) -> None:
@@ -307,7 +355,14 @@ def main() -> None:
     ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
     ap.add_argument("--prompt-builds", help="NAME=FLAGS,...: builds of paged_prompt.c to alternate on "
                     "--workload")
+    ap.add_argument("--cold-calls", action="store_true",
+                    help="four small torch calls inside a decode step, after its kernels, and on their own")
     args = ap.parse_args()
+    if args.cold_calls:
+        torch.set_num_threads(int(args.threads))
+        for dname in args.dtypes.split(","):
+            cold_calls(dname, args.steps)
+        return
     if args.prompt_builds:
         if not args.workload:
             ap.error("--prompt-builds takes a --workload")

@@ -245,9 +245,10 @@ def greedy_argmax(logits: torch.Tensor) -> tuple[list[int], list[int]] | None:
     maximum is not finite (``sampling.unscorable_rows``'s answer, from the same pass); None otherwise.
 
     Why the second answer comes from here: after a step's C kernels have streamed the weights through
-    the caches, each small torch call of the step's Python runs cold, 25-90 microseconds instead of 2-6
-    (``bench/RESULTS.md``, seventeenth session): ``unscorable_rows``'s four took 0.24 ms of a one-sequence
-    step. One flag a row written by the argmax's own loop costs nothing."""
+    the caches, each small torch call of the step's Python starts cold, about ten times slower than the
+    same call in a loop (``python bench/decode_floor.py --cold-calls``, ``bench/RESULTS.md``), and
+    ``unscorable_rows``'s four calls were a visible part of a one-sequence step. One flag a row, written
+    by the argmax's own loop, costs nothing."""
     if logits.device.type != "cpu" or logits.dtype not in DTYPES or logits.dim() != 2 \
             or not logits.shape[1] or not _builds():
         return None

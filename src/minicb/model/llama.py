@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 @functools.lru_cache(maxsize=8)
 def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """The rotary frequencies ``theta ** (-2i / head_dim)``: the model's constants, computed once (four
-    small torch calls fewer a step: each runs cold after a step's weights went through the caches)."""
+    small torch calls fewer a step, each of which starts cold after the step's kernels)."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 

@@ -124,8 +124,8 @@ def pack(plan: StepPlan, device: torch.device | str = "cpu", pad_token_id: int =
 def _to_tensors(ids, pos, slots, q_lens, starts, ctx, tables, logits_rows, sample_ids, bs, device,
                 num_padding_rows: int = 0):
     # ``ctx[i]``: the keys row i attends over after the step (its start plus its new tokens)
-    # each tensor made in one call from Python lists (a torch call per row would cost a step with many
-    # rows tens of microseconds a call: the step's kernels have just pushed torch's code out of the caches)
+    # each tensor made in one call from Python lists, not a torch call per row: after a step's kernels
+    # every torch call starts cold (``python bench/decode_floor.py --cold-calls``)
     width = max(map(len, tables), default=0)
     padded = [[*t, *[0] * (width - len(t))] for t in tables]
     bt = torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width)
