@@ -13,7 +13,7 @@ called. Torch's own code is not counted; the model's Python code is. Two modes:
 It also prints the largest classes of ``minicb/core`` and ``minicb/engine`` (lines from ``class`` to
 its last line). ``tests/test_step_gauge.py`` holds the reference figures to their limits.
 
-    python bench/step_trace.py            # "reference: one decode step crosses 14 files, 56 functions"
+    python bench/step_trace.py            # "reference: one decode step crosses 14 files, 57 functions"
     python bench/step_trace.py --list     # every file and function, grouped by file
 """
 
