@@ -72,8 +72,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import functools
 import os
 import pathlib
 import statistics
@@ -280,8 +278,8 @@ def workload_builds(dname: str, libs: dict, name: str, rounds: int, prompt: bool
     for rnd in range(rounds):
         for build, lib in list(libs.items())[::1 if rnd % 2 == 0 else -1]:     # the order alternates
             if prompt:      # the stack's pointer, and the backend's for a step the stack does not take
-                stack.kernels.prompt = ctypes.cast(getattr(lib, kernel), ctypes.c_void_p).value
-                cpu_paged.load_prompt = functools.partial(lambda lib, *flags: lib, lib)
+                stack.kernels.prompt = layer_stack._address(getattr(lib, kernel))
+                cpu_paged.load_prompt = lambda *flags, lib=lib: lib
             else:
                 stack.lib = lib
             llm.reset_prefix_cache()

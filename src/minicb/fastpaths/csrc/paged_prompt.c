@@ -199,6 +199,31 @@ INLINE void scores512_bf16n(float *s, const uint32_t *qp, const uint16_t **kp, i
             for (int v = 0; v < nv; ++v) _mm512_storeu_ps(s + (j0 + r) * LANES + 16 * v, _mm512_mul_ps(a[r][v], vs));
     }
 }
+#endif
+
+/* An output register block of the weighted sums, RD head_dim values x nv vectors of lanes at o (row
+ * stride LANES): loaded and rescaled by the online softmax's c, and stored back. Both weighted-sum
+ * loops below (float32 and vdpbf16ps) start and end a block this way. */
+INLINE void out_block_rescaled(__m512 a[RD][3], const float *o, const __m512 *cv, const int nv) {
+    for (int e = 0; e < RD; ++e)
+        for (int v = 0; v < nv; ++v) a[e][v] = _mm512_mul_ps(_mm512_loadu_ps(o + e * LANES + 16 * v), cv[v]);
+}
+
+INLINE void out_block_store(float *o, __m512 a[RD][3], const int nv) {
+    for (int e = 0; e < RD; ++e)
+        for (int v = 0; v < nv; ++v) _mm512_storeu_ps(o + e * LANES + 16 * v, a[e][v]);
+}
+
+#if defined(__AVX512BF16__)
+/* 16-bit element 2i of a result takes element i of the first source, 2i + 1 that of the second:
+ * PAIR_INTER the two halves of one vector (elements i and 16 + i), PAIR_LO / PAIR_HI two vectors' first
+ * and last 16 (element indices 32 and up name the second vector). */
+static const int16_t PAIR_INTER[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+static const int16_t PAIR_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const int16_t PAIR_HI[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 /* o = c o + the weighted sum of n values on vdpbf16ps: the weights p [n][LANES] (float32, the softmax's)
  * rounded to bfloat16 two keys at a time into pp [n / 2][LANES] pairs, vp[j] the stored values, taken
@@ -208,17 +233,8 @@ INLINE void scores512_bf16n(float *s, const uint32_t *qp, const uint16_t **kp, i
 INLINE void values512_bf16n(float *o, const float *c, const float *p, const uint16_t **vp, uint32_t *pp,
                             uint32_t *vpair, int64_t n, int64_t D, const int nv) {
     const int64_t np = (n + 1) / 2;
-    /* 16-bit element 2i of a result takes element i of the first source, 2i + 1 that of the second:
-     * `inter` the two halves of one vector (elements i and 16 + i), pick_lo / pick_hi two vectors'
-     * first and last 16 (element indices 32 and up name the second vector) */
-    int16_t idx[3][32];
-    for (int i = 0; i < 16; ++i) {
-        idx[0][2 * i] = (int16_t)i, idx[0][2 * i + 1] = (int16_t)(16 + i);
-        idx[1][2 * i] = (int16_t)i, idx[1][2 * i + 1] = (int16_t)(32 + i);
-        idx[2][2 * i] = (int16_t)(16 + i), idx[2][2 * i + 1] = (int16_t)(48 + i);
-    }
-    const __m512i inter = _mm512_loadu_si512(idx[0]), pick_lo = _mm512_loadu_si512(idx[1]),
-                  pick_hi = _mm512_loadu_si512(idx[2]);
+    const __m512i inter = _mm512_loadu_si512(PAIR_INTER), pick_lo = _mm512_loadu_si512(PAIR_LO),
+                  pick_hi = _mm512_loadu_si512(PAIR_HI);
     for (int64_t jp = 0; jp < np; ++jp) {
         const int64_t j = 2 * jp, odd = j + 1 < n;
         for (int v = 0; v < nv; ++v) {
@@ -242,8 +258,7 @@ INLINE void values512_bf16n(float *o, const float *c, const float *p, const uint
     for (int v = 0; v < nv; ++v) cv[v] = _mm512_loadu_ps(c + 16 * v);
     for (int64_t d0 = 0; d0 < D; d0 += RD) {
         __m512 a[RD][3];
-        for (int e = 0; e < RD; ++e)
-            for (int v = 0; v < nv; ++v) a[e][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 16 * v), cv[v]);
+        out_block_rescaled(a, o + d0 * LANES, cv, nv);
         for (int64_t jp = 0; jp < np; ++jp) {
             __m512bh pv[3];
             for (int v = 0; v < nv; ++v) pv[v] = (__m512bh)_mm512_loadu_si512(pp + jp * LANES + 16 * v);
@@ -253,8 +268,7 @@ INLINE void values512_bf16n(float *o, const float *c, const float *p, const uint
                 for (int v = 0; v < nv; ++v) a[e][v] = _mm512_dpbf16_ps(a[e][v], vb, pv[v]);
             }
         }
-        for (int e = 0; e < RD; ++e)
-            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(o + (d0 + e) * LANES + 16 * v, a[e][v]);
+        out_block_store(o + d0 * LANES, a, nv);
     }
 }
 #endif
@@ -266,8 +280,7 @@ INLINE void values512(float *o, const float *c, const float *p, const float **vp
     for (int v = 0; v < nv; ++v) cv[v] = _mm512_loadu_ps(c + 16 * v);
     for (int64_t d0 = 0; d0 < D; d0 += RD) {
         __m512 a[RD][3];
-        for (int e = 0; e < RD; ++e)
-            for (int v = 0; v < nv; ++v) a[e][v] = _mm512_mul_ps(_mm512_loadu_ps(o + (d0 + e) * LANES + 16 * v), cv[v]);
+        out_block_rescaled(a, o + d0 * LANES, cv, nv);
         for (int64_t j = 0; j < n; ++j) {
             __m512 pv[3];
             for (int v = 0; v < nv; ++v) pv[v] = _mm512_loadu_ps(p + j * LANES + 16 * v);
@@ -277,8 +290,7 @@ INLINE void values512(float *o, const float *c, const float *p, const float **vp
                 for (int v = 0; v < nv; ++v) a[e][v] = _mm512_fmadd_ps(vb, pv[v], a[e][v]);
             }
         }
-        for (int e = 0; e < RD; ++e)
-            for (int v = 0; v < nv; ++v) _mm512_storeu_ps(o + (d0 + e) * LANES + 16 * v, a[e][v]);
+        out_block_store(o + d0 * LANES, a, nv);
     }
 }
 #endif
