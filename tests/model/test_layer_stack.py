@@ -93,21 +93,26 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
     """The stack is one parallel region whose threads split the products' panels and the other parts'
     rows: every stacked step (one-row decodes and prompt chunks on the kernel, more rows than
     threads and fewer) is run on 1 thread, then on 2 and 3 from the same input, and all agree bit for
-    bit (each writes the same K/V to the same slots)."""
+    bit (each writes the same K/V to the same slots). Then on 2 threads of a build whose second thread
+    never comes (``-DTEAM_ABSENT_THREADS``): the first takes every item, as a running thread takes a
+    descheduled one's (``team_queue.h``), and the bits are the same. (A barrier would wait forever.)"""
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
     model = stacked(dtype)
     run, rows = layer_stack.LayerStack.run, []
     before = torch.get_num_threads()
 
+    normal, absent = layer_stack.load(), layer_stack.load(("-DTEAM_ABSENT_THREADS",))
+
     def on_threads(self, x, cos, sin, backend, state):
         results = []
         try:
-            for threads in (1, 2, 3):
+            for threads, self.lib in ((1, normal), (2, normal), (3, normal), (2, absent)):
                 torch.set_num_threads(threads)
                 y = x.clone()
                 results.append((run(self, y, cos, sin, backend, state).clone(), y))
         finally:
             torch.set_num_threads(before)
+            self.lib = normal
         for got, residual in results[1:]:
             assert torch.equal(got, results[0][0]) and torch.equal(residual, results[0][1]), x.shape
         rows.append(x.shape[0])

@@ -53,7 +53,7 @@
 #include <string.h>
 
 #include "omp_id.h"
-#include "team_barrier.h"
+#include "team_queue.h"
 
 typedef void (*skinny_fn)(const void *x, int64_t xstride, const void *panels, void *y, int64_t ystride,
                           int64_t rows, int64_t in, int64_t out, int part, int parts);
@@ -132,34 +132,59 @@ static inline int64_t rows_per_item(int64_t rows, int nt) {
     return even < 1 ? 1 : even < ATTN_ROWS ? even : ATTN_ROWS;
 #endif
 }
-#define SYNC team_wait(&bar, nt);   /* team_barrier.h: spins while waits are short, else sleeps */
+#ifndef PARTS_PER_THREAD
+#define PARTS_PER_THREAD 2  /* a product's items: this many shares of its panels per thread */
+#endif
+#define ROWS_PER_THREAD 2   /* a norm's, rotary's or SiLU's items: the rows cut into this many runs a thread */
+
+#ifdef TEAM_ABSENT_THREADS   /* tests: every thread but the first stays away, which a barrier would wait for */
+#define TAKES_PART(t) ((t) == 0)
+#else
+#define TAKES_PART(t) 1
+#endif
+
+/* rows [*r0, *r1) of run `i` of `runs` */
+static inline void run_of(int64_t rows, int64_t i, int64_t runs, int64_t *r0, int64_t *r1) {
+    *r0 = rows * i / runs;
+    *r1 = rows * (i + 1) / runs;
+}
 
 /* Returns 0, or 1 when the decode kernel could not allocate its scratch. */
 int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_layers, const void *final_norm,
                        const dims_t *d, const buffers_t *b, const void *cos, const void *sin,
                        const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
                        const prompts_t *p) {
-    const int64_t hidden = d->hidden, e = d->elem, hd = d->head_dim;
+    const int64_t hidden = d->hidden, e = d->elem, hd = d->head_dim, all = d->rows;
     const int64_t qdim = d->q_heads * hd, kvdim = d->kv_heads * hd;
     const int64_t qkv_out = qdim + 2 * kvdim, gu_out = 2 * d->inter;
-    int failed = 0;
-    team_barrier_t bar = {0};
-    _Pragma("omp parallel num_threads(d->nthreads)") {
-        const int t = omp_thread(), nt = omp_threads();
-        /* this thread's rows [r0, r0 + n): the rows cut into nt runs (none for some when rows < nt) */
-        const int64_t r0 = d->rows * t / nt, n = d->rows * (t + 1) / nt - r0, all = d->rows;
-        const int64_t per = rows_per_item(p ? p->n_decodes : all, nt);      /* decode rows per work item */
-        if (n) f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), n, hidden, d->eps, 1);
-        SYNC
+    atomic_int failed = 0;
+    team_queue_t q = {0};
+    _Pragma("omp parallel num_threads(d->nthreads)") if (TAKES_PART(omp_thread())) {
+        const int nt = omp_threads();
+        const int64_t parts = nt > 1 ? nt * PARTS_PER_THREAD : 1;                 /* a product's items */
+        const int64_t runs = all < nt * ROWS_PER_THREAD ? all : nt * ROWS_PER_THREAD;   /* a row-wise part's */
+        const int64_t per = rows_per_item(p ? p->n_decodes : all, nt);       /* decode rows per work item */
+        const int64_t tiles = p ? p->n_tiles * d->kv_heads : 0;                /* (tile, kv head) items */
+        const int64_t attn_items = tiles + ((p ? p->n_decodes : all) + per - 1) / per;
+        int base = 0, mine = team_take(&q);
+        int64_t r0, r1;
+        TEAM_PHASE(&q, base, mine, runs, {
+            run_of(all, item, runs, &r0, &r1);
+            f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), r1 - r0, hidden, d->eps, 1);
+        });
         for (int64_t l = 0; l < num_layers; ++l) {
             const layer_t *L = layers + l;
-            f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, all, hidden, qkv_out, t, nt);
-            SYNC
-            if (n) {
+            /* after a failed attention every item is skipped: each checks the flag once its phase may start */
+#define OK (!atomic_load_explicit(&failed, memory_order_relaxed))
+            TEAM_PHASE(&q, base, mine, parts, {
+                if (OK) f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, all, hidden, qkv_out, (int)item, (int)parts);
+            });
+            TEAM_PHASE(&q, base, mine, runs, if (OK) {
+                run_of(all, item, runs, &r0, &r1);
                 char *qkv = AT(b->qkv, r0 * qkv_out);
-                f->rope(qkv, AT(qkv, qdim), AT((const char *)cos, r0 * hd), AT((const char *)sin, r0 * hd), n,
+                f->rope(qkv, AT(qkv, qdim), AT((const char *)cos, r0 * hd), AT((const char *)sin, r0 * hd), r1 - r0,
                         d->q_heads, d->kv_heads, hd, qkv_out, qkv_out, 1);
-                for (int64_t r = r0; r < r0 + n; ++r) {
+                for (int64_t r = r0; r < r1; ++r) {
                     const char *row = AT(b->qkv, r * qkv_out);
                     memcpy(AT(b->q, r * qdim), row, qdim * e);
                     if (slots[r] >= 0) {
@@ -167,18 +192,16 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                         memcpy(AT((char *)L->v_cache, slots[r] * kvdim), AT(row, qdim + kvdim), kvdim * e);
                     }
                 }
-            }
-            SYNC                                    /* a prompt's rows attend to each other's keys */
-            const int64_t items = p ? p->n_tiles * d->kv_heads : 0;
-            const int64_t work = p ? items + (p->n_decodes + per - 1) / per : 0;
-            _Pragma("omp for schedule(dynamic) nowait")  /* each (tile, kv head), then the decode rows */
-            for (int64_t w = 0; w < work; ++w) {
+            });
+            /* a prompt's rows attend to each other's keys: after every row's copy. Each (tile, kv head), then
+             * the decode rows, `per` at a time (a step without prompts: rows in order, `per` a call) */
+            TEAM_PHASE(&q, base, mine, attn_items, if (OK) {
                 int bad = 0;
-                if (w < items) {
+                if (item < tiles) {
                     bad = f->prompt(b->q, L->k_cache, L->v_cache, p->seq_tables, p->tiles, p->n_tiles, b->attn,
-                                    d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, w);
-                } else {          /* `per` decode rows, in runs of consecutive rows of q: one call each */
-                    const int64_t i0 = (w - items) * per;
+                                    d->q_heads, d->kv_heads, hd, p->seq_max_blocks, d->block_size, d->scale, 1, item);
+                } else if (p) {   /* `per` decode rows, in runs of consecutive rows of q: one call each */
+                    const int64_t i0 = (item - tiles) * per;
                     const int64_t i1 = i0 + per < p->n_decodes ? i0 + per : p->n_decodes;
                     for (int64_t i = i0, j; i < i1; i = j) {
                         for (j = i + 1; j < i1 && p->decode_rows[j] == p->decode_rows[j - 1] + 1; ++j)
@@ -188,46 +211,40 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                                          context_lens + i, AT(b->attn, r * qdim), j - i, d->q_heads, d->kv_heads, hd,
                                          d->max_blocks, d->block_size, d->max_context, d->scale, 1);
                     }
+                } else {
+                    const int64_t c = item * per, m = all - c < per ? all - c : per;
+                    bad = f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
+                                    context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
+                                    d->max_blocks, d->block_size, d->max_context, d->scale, 1);
                 }
-                if (bad) {
-                    _Pragma("omp atomic write")
-                    failed = 1;
-                }
-            }
-            _Pragma("omp for schedule(dynamic) nowait")         /* rows differ in length */
-            for (int64_t c = 0; c < (p ? 0 : all); c += per) {
-                const int64_t m = all - c < per ? all - c : per;
-                if (f->decode(AT(b->q, c * qdim), L->k_cache, L->v_cache, block_tables + c * d->max_blocks,
-                              context_lens + c, AT(b->attn, c * qdim), m, d->q_heads, d->kv_heads, hd,
-                              d->max_blocks, d->block_size, d->max_context, d->scale, 1)) {
-                    _Pragma("omp atomic write")
-                    failed = 1;
-                }
-            }
-            SYNC
-            int stop;
-            _Pragma("omp atomic read")
-            stop = failed;
-            if (stop)                               /* every thread reads it after the same barrier */
-                break;
-            f->skinny(b->attn, qdim, L->o, b->a, hidden, all, qdim, hidden, t, nt);
-            SYNC
-            if (n)
-                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), n,
+                if (bad) atomic_store_explicit(&failed, 1, memory_order_relaxed);
+            });
+            TEAM_PHASE(&q, base, mine, parts, {
+                if (OK) f->skinny(b->attn, qdim, L->o, b->a, hidden, all, qdim, hidden, (int)item, (int)parts);
+            });
+            TEAM_PHASE(&q, base, mine, runs, if (OK) {
+                run_of(all, item, runs, &r0, &r1);
+                f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), r1 - r0,
                             hidden, d->eps, 1);
-            SYNC
-            f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, all, hidden, gu_out, t, nt);
-            SYNC
-            if (n) f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), n, d->inter, gu_out, 1);
-            SYNC
-            f->skinny(b->act, d->inter, L->down, b->a, hidden, all, d->inter, hidden, t, nt);
-            SYNC
-            if (n)
+            });
+            TEAM_PHASE(&q, base, mine, parts, {
+                if (OK) f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, all, hidden, gu_out, (int)item, (int)parts);
+            });
+            TEAM_PHASE(&q, base, mine, runs, if (OK) {
+                run_of(all, item, runs, &r0, &r1);
+                f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), r1 - r0, d->inter, gu_out, 1);
+            });
+            TEAM_PHASE(&q, base, mine, parts, {
+                if (OK) f->skinny(b->act, d->inter, L->down, b->a, hidden, all, d->inter, hidden, (int)item, (int)parts);
+            });
+            TEAM_PHASE(&q, base, mine, runs, if (OK) {
+                run_of(all, item, runs, &r0, &r1);
                 f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden),
-                            l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, AT(b->h, r0 * hidden), n,
+                            l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, AT(b->h, r0 * hidden), r1 - r0,
                             hidden, d->eps, 1);
-            SYNC
+            });
+#undef OK
         }
     }
-    return failed;
+    return atomic_load(&failed);
 }
