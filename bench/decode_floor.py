@@ -50,6 +50,14 @@ tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`
 builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
 in float32 instead of on ``vdpbf16ps``), with a ``--workload``.
 
+``--beside BURN,SLEEP`` runs the ``--stack-builds`` beside another process, busy ``BURN`` ms then asleep
+``SLEEP`` ms over and over: the machine a served step runs on, where the server's event loop and a
+client take a core now and then. ``-DTEAM_BARRIERS`` builds the stack's parts as they were before its
+work queue (``team_queue.h``): each thread its fixed share of a part, then a wait for all::
+
+    python bench/decode_floor.py --stack-builds "queue=,barriers=-DTEAM_BARRIERS" --beside 1,2 \
+        --batches 1,16,64 --threads 2 --dtypes bfloat16 --rounds 6 --steps 30
+
 ``--cold-calls`` times four small torch calls (a tensor from a list, a gather, ``isfinite``, ``any``:
 what ``sampling.unscorable_rows`` did for a greedy row) inside a one-sequence decode step, right after
 its C kernels have streamed the weights through the caches, and the same four on their own in a loop:
@@ -72,9 +80,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -295,6 +305,35 @@ def workload_builds(dname: str, libs: dict, name: str, rounds: int, prompt: bool
     stack.lib, cpu_paged.load_prompt = layer_stack.load(), load_prompt
 
 
+BUSY_LOOP = """
+import sys, time
+burn, sleep = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < burn:
+        pass
+    time.sleep(sleep)
+"""
+
+
+@contextlib.contextmanager
+def beside(spec: str | None):
+    """``--beside BURN,SLEEP``: another process on the machine while the builds run, busy ``BURN`` ms
+    then asleep ``SLEEP`` ms over and over (1,2: a third of a core in 1 ms bursts, as a server's event
+    loop and its client take one while the engine steps); stopped after."""
+    if not spec:
+        yield
+        return
+    burn, sleep = spec.split(",")
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, burn, sleep])
+    print(f"beside: a process busy {burn} ms, then asleep {sleep} ms, over and over")
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
                  prompt_tokens: int, steps: int, rounds: int, workload: str | None = None) -> None:
     """The stack's ms per step on each build of layer_stack.c, alternating (module docstring)."""
@@ -353,6 +392,8 @@ def main() -> None:
     ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
     ap.add_argument("--prompt-builds", help="NAME=FLAGS,...: builds of paged_prompt.c to alternate on "
                     "--workload")
+    ap.add_argument("--beside", metavar="BURN,SLEEP",
+                    help="with --stack-builds: a process beside, busy BURN ms, asleep SLEEP ms, on and on")
     ap.add_argument("--cold-calls", action="store_true",
                     help="four small torch calls inside a decode step, after its kernels, and on their own")
     args = ap.parse_args()
@@ -374,9 +415,10 @@ def main() -> None:
     if args.stack_builds:
         builds = {name: tuple(flags.split()) for name, flags in
                   (item.split("=", 1) for item in args.stack_builds.split(","))}
-        for dname in args.dtypes.split(","):
-            stack_builds(dname, builds, [int(b) for b in args.batches.split(",")], int(args.threads),
-                         args.prompt_tokens, args.steps, args.rounds, args.workload)
+        with beside(args.beside):
+            for dname in args.dtypes.split(","):
+                stack_builds(dname, builds, [int(b) for b in args.batches.split(",")], int(args.threads),
+                             args.prompt_tokens, args.steps, args.rounds, args.workload)
         return
     if args.thread_scaling:
         threads = [int(t) for t in (args.threads if args.threads != "1" else "1,2").split(",")]

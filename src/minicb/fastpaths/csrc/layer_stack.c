@@ -25,29 +25,34 @@
  *
  * Threads: the whole stack is one OpenMP parallel region of `nthreads` threads, not one per kernel
  * call (a one-sequence step is about 300 calls of a few tens of microseconds each). The team is woken
- * once a step and goes through the layers together, meeting at a barrier wherever the next part reads
- * what another thread wrote:
+ * once a step and the step's work is one queue of numbered items (team_queue.h), nine parts a layer;
+ * a part's items start once every item of the part before is done, because each part reads what the
+ * one before wrote:
  *
- *     products (skinny _part)    every thread its share of the panels, all rows
- *     attention                  the rows, ATTN_ROWS at a time, to whichever thread is free (a step
- *                                with prompt chunks: each tile's kv heads and each decode row); fewer
- *                                at a time when the step has fewer than ATTN_ROWS rows per thread, so
- *                                that no thread sits idle while another reads every row's keys
- *     norms, rotary, cache copies, SiLU     every thread its share of the rows (one row: the last
- *                                           thread's, while the others wait at the next barrier)
+ *     products (skinny _part)    PARTS_PER_THREAD shares of the panels a thread, all rows each
+ *     attention                  the rows, ATTN_ROWS at a time (a step with prompt chunks: each tile's
+ *                                kv heads, then the decode rows); fewer at a time when the step has
+ *                                fewer than ATTN_ROWS rows per thread, so that no thread sits idle
+ *                                while another reads every row's keys
+ *     norms, rotary, cache copies, SiLU     the rows cut into ROWS_PER_THREAD runs a thread (one row:
+ *                                           one item, while the others wait for the next part)
+ *
+ * Whichever thread is free takes the next item. That is what a busy machine needs: a part waits for
+ * items, not for threads, so a thread whose core the OS gave to another process (the server's event
+ * loop, a client) holds up nobody unless it holds an item, and the running thread takes what it has
+ * not. With barriers between the parts (`team_barrier.h`, until the eighteenth session) each of the
+ * nine a layer waited for every thread to arrive: beside a process using a third of a core in 1 ms
+ * bursts, a one-sequence bfloat16 step took 1.39x as long as it does now, 16 and 64 sequences 1.10x
+ * (bench/RESULTS.md, issue 47); on an idle machine the two are level.
  *
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
  * on one: the memory system fetches the neighbouring runs too, so both threads read all the keys.
- * On an idle machine a barrier or a region costs little next to a layer's products, and the
- * one-region stack measured level with the kernels opening their own regions (bench/RESULTS.md). On a busy one a barrier may wait for a
- * thread that is not running, and OpenMP's own barriers, which spin for milliseconds, made two
- * threads many times slower than one: the barriers here are team_barrier.h's, which give the core
- * up when waits grow long. Even so one thread is the better setting on a machine that is busy.
  *
  * Each output is computed by the same code whichever thread runs it (the products' sums run over
  * the inputs in the same order, a row's norm is one row's loop), so the bits do not depend on the
- * thread count (tests/model/test_layer_stack.py compares 1 and 2 threads).
+ * thread count (tests/model/test_layer_stack.py compares 1, 2 and 3 threads, and 2 of which one never
+ * comes: `-DTEAM_ABSENT_THREADS`).
  */
 #include <stdint.h>
 #include <string.h>

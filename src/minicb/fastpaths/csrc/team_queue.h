@@ -32,8 +32,11 @@
 #ifndef MINICB_TEAM_QUEUE_H
 #define MINICB_TEAM_QUEUE_H
 #include <limits.h>
+#include <stdint.h>
 #include <sched.h>
 #include <stdatomic.h>
+
+#include "omp_id.h"
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -100,6 +103,21 @@ static inline void team_finish(team_queue_t *q, int end) {
     }
 }
 
+#ifdef TEAM_BARRIERS
+/* The rule before the queue, for side-by-side timing (`bench/decode_floor.py --stack-builds`): thread t
+ * runs items t, t + nt, ... of the phase, then waits for all of them, a barrier's wait. */
+#define TEAM_PHASE(q, base, mine, count, ...)                                      \
+    do {                                                                           \
+        const int phase_end_ = (base) + (int)(count);                              \
+        (void)(mine);                                                              \
+        (base) = phase_end_;                                                       \
+        for (int64_t item = omp_thread(); item < (int64_t)(count); item += omp_threads()) { \
+            __VA_ARGS__                                                            \
+            team_finish((q), phase_end_);                                          \
+        }                                                                          \
+        team_wait_done((q), phase_end_);                                           \
+    } while (0)
+#else
 /* A phase of `count` items in a thread's walk: runs the body (the last argument; `item` is its number in
  * the phase) for every item this thread takes, each once the earlier phases are done. `base` (the phase's first number, the
  * same in every thread) and `mine` (the number this thread holds) are the caller's. */
@@ -117,4 +135,5 @@ static inline void team_finish(team_queue_t *q, int end) {
             (mine) = team_take(q);                                                 \
         }                                                                          \
     } while (0)
+#endif
 #endif
