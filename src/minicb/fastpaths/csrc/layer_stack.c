@@ -40,10 +40,12 @@
  * Whichever thread is free takes the next item. That is what a busy machine needs: a part waits for
  * items, not for threads, so a thread whose core the OS gave to another process (the server's event
  * loop, a client) holds up nobody unless it holds an item, and the running thread takes what it has
- * not. With barriers between the parts (`team_barrier.h`, until the eighteenth session) each of the
- * nine a layer waited for every thread to arrive: beside a process using a third of a core in 1 ms
- * bursts, a one-sequence bfloat16 step took 1.39x as long as it does now, 16 and 64 sequences 1.10x
- * (bench/RESULTS.md, issue 47); on an idle machine the two are level.
+ * not. With barriers between the parts (until the eighteenth session; `-DTEAM_BARRIERS` builds that
+ * rule again) each of the nine a layer waited for every thread to arrive: beside a process busy 1 ms
+ * in every 3, a one-sequence bfloat16 step took 1.20-1.63x as long as with the queue, 16 and 64
+ * sequences 1.03-1.23x (three runs of `python bench/decode_floor.py --stack-builds
+ * "queue=,barriers=-DTEAM_BARRIERS" --beside 1,2 ...`, bench/RESULTS.md, issue 47); on an idle machine
+ * the two are level.
  *
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
