@@ -1,9 +1,11 @@
-"""Served side by side: ``minicb serve`` and vLLM's CPU build's OpenAI server under one open-loop client.
+r"""Served side by side: ``minicb serve`` and vLLM's CPU build's OpenAI server under one open-loop client.
 
     python bench/serve_peers.py                          # the lead's run: whole machine, bfloat16, W2
     python bench/serve_peers.py --one-core               # every server on core 0, the client on core 1
     python bench/serve_peers.py --workload LP --rates 0.25,sat --vllm all      # long prompts, fewer turns
     python bench/serve_peers.py --skip-vllm --rates sat  # minicb alone (no vLLM venv needed)
+    python bench/serve_peers.py --skip-vllm --rates sat,sat,sat,sat \
+        --minicb-also 'min64=CC="cc -DTEAM_SPIN_MIN=64"'  # beside a variant of itself, 4 turns
 
 The first command takes about 20 minutes on a quiet 2-vCPU Zen 4 EPYC: two vLLM starts of 1-5
 minutes each, then per server 64 requests at 0.5, 1 and 2 requests/s and all at once, about 4 minutes
@@ -48,11 +50,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -148,12 +153,19 @@ def others_paused(driven: Server, servers: list[Server]):
             s.pause(False)
 
 
-def start_minicb(args) -> Server:
+def start_minicb(args, name: str = "minicb", spec: str = "") -> Server:
+    """``minicb serve`` with ``--minicb-args``; ``spec`` (an ``--minicb-also``'s) adds its own words:
+    leading ``KEY=VALUE`` ones go to the environment (``CC="gcc -DX=1"`` rebuilds the C kernels), the rest
+    are more flags."""
+    words = shlex.split(spec)
+    assign = [w for w in itertools.takewhile(lambda w: "=" in w and not w.startswith("-"), words)]
     port = free_port()
     cmd = [sys.executable, "-m", "minicb", "serve", "--port", str(port), "--served-model-name", "smollm2",
-           "--dtype", args.dtype, "--threads", "1" if args.one_core else "0", *args.minicb_args.split()]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return Server("minicb", cmd, port, args.server_cpu if args.one_core else None, env)
+           "--dtype", args.dtype, "--threads", "1" if args.one_core else "0", *args.minicb_args.split(),
+           *words[len(assign):]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **dict(w.split("=", 1) for w in assign)}
+    return Server(name, cmd, port, args.server_cpu if args.one_core else None, env)
 
 
 def start_vllm(args, name: str, bind: str | None, pin: int | None) -> Server:
@@ -207,6 +219,9 @@ def main() -> None:
     ap.add_argument("--server-cpu", type=int, default=0, help="with --one-core: the servers' core")
     ap.add_argument("--client-cpu", type=int, default=1, help="with --one-core: the client's core")
     ap.add_argument("--minicb-args", default="", help="more flags of minicb serve (default: none)")
+    ap.add_argument("--minicb-also", action="append", default=[], metavar="NAME=SPEC",
+                    help="one more minicb server, named minicb-NAME, in every turn: SPEC's leading KEY=VALUE "
+                         "words are its environment, the rest more flags (repeatable)")
     ap.add_argument("--vllm-python", default=DEFAULT_VENV_PYTHON, help="the Python of a vLLM CPU venv")
     ap.add_argument("--skip-vllm", action="store_true", help="minicb alone")
     ap.add_argument("--hf-dir", default="/tmp/serve_peers_hf", help="the exported model vLLM reads")
@@ -234,6 +249,10 @@ def main() -> None:
                 servers[-1].pause(True)
         if not servers:
             servers.append(start_minicb(args))
+        for also in args.minicb_also:
+            name, _, spec = also.partition("=")
+            servers.append(start_minicb(args, f"minicb-{name}", spec))
+            servers[-1].pause(True)
         for s in servers:
             s.pause(False)
             print(f"  {s.name} (ready after {s.startup_s:.0f} s): {s.command}", flush=True)
@@ -242,6 +261,8 @@ def main() -> None:
                 run_load(s.url, s.model, [[5, 6, 7, 8]], [4], [0.0])        # warm up
         rows = []
         for k, rate in enumerate(args.rates.split(",")):
+            turn = args.rates.split(",")[:k].count(rate)          # a repeated rate's turns: sat, sat#2, ...
+            label = f"{rate}#{turn + 1}" if turn else rate
             prompts = [[100 + k] + p[1:] for p in wl.prompts]     # no prefix-cache hits across rates
             arrivals = poisson_arrivals(len(prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
             for s in servers if k % 2 == 0 else servers[::-1]:
@@ -253,16 +274,21 @@ def main() -> None:
                     cpu = cpu_seconds_of_tree(s.proc.pid) - cpu0
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
-                row = {"system": s.name, "rate": rate, **summarize(recs), "cpu_s": cpu,
+                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu,
                        "load_avg": os.getloadavg()[0]}
                 row["tok_per_cpu_s"] = row["tokens"] / cpu if cpu else float("nan")
                 rows.append(row)
-                print(f"  {s.name:<9} rate {rate:>4}: {row['throughput']:6.1f} tok/s "
+                print(f"  {s.name:<9} rate {label:>4}: {row['throughput']:6.1f} tok/s "
                       f"({row['seconds']:.1f} s, {cpu:.1f} CPU s), TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"ITL p50 {row['itl_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()
         print(table(rows, [s.name for s in servers]))
+        for rate in dict.fromkeys(r for r in args.rates.split(",") if args.rates.split(",").count(r) > 1):
+            meds = {s.name: statistics.median(r["throughput"] for r in rows if r["system"] == s.name
+                                              and r["rate"].split("#")[0] == rate) for s in servers}
+            print(f"{rate}, median tok/s of {args.rates.split(',').count(rate)} turns: "
+                  + ", ".join(f"{n} {v:.1f} ({v / meds[servers[0].name]:.2f}x)" for n, v in meds.items()))
         if args.out:
             pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(args.out).write_text(json.dumps({"cpu": cpu_header(), "dtype": args.dtype,

@@ -25,6 +25,14 @@
  * (Halving it instead let the odd long wait of an idle float32 step pull it down too far; a fixed
  * TEAM_SPIN_MAX spun too long on a busy machine.)
  *
+ * The floor is the classic rule for spinning before blocking: spin at least about as long as going to
+ * sleep and being woken costs, since a wait shorter than that is lost twice when it sleeps. On a KVM
+ * guest a futex wake reaches a sleeping thread in tens of microseconds (a halted virtual CPU must be
+ * woken), the order of 1024 pauses on Zen 4. The floor was 64 pauses: beside a server's client, whose
+ * bursts pulled every thread's budget down to it, most of a phase's ordinary waits, a fraction of an
+ * item long, ended in a sleep and a wake, and a served step took longer than the same step offline.
+ * `bench/decode_floor.py --stack-builds "min64=-DTEAM_SPIN_MIN=64,min1k=" --beside 2,1` times both.
+ *
  * Memory order: `done` is added to with release and read with acquire, so what an item wrote is seen
  * by every item of a later phase. `done` and `sleepers` are sequentially consistent with each other:
  * either the finishing thread sees a sleeper and wakes it, or the sleeper sees the new `done`.
@@ -53,7 +61,7 @@
 #define TEAM_SPIN_MAX 4096
 #endif
 #ifndef TEAM_SPIN_MIN
-#define TEAM_SPIN_MIN 64
+#define TEAM_SPIN_MIN 1024
 #endif
 #ifndef TEAM_DECAY
 #define TEAM_DECAY 2        /* a wait that ended in sleep takes budget >> TEAM_DECAY off the budget */
