@@ -63,6 +63,7 @@ def check(name: str, solution: pathlib.Path | None = None) -> subprocess.Complet
         cmd += ["--solution", str(solution)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), NO_COLOR="1")
     env.pop("CI", None)
+    env.pop("PYTEST_ADDOPTS", None)         # the outer run's options are not the checker's
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -122,6 +123,7 @@ def sample_output() -> str:
         shutil.copy(ANSWERS / "wrong_victim_newest_arrival.py", pathlib.Path(tmp) / "my_victim.py")
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), NO_COLOR="1", COLUMNS="80")
         env.pop("CI", None)
+        env.pop("PYTEST_ADDOPTS", None)     # the outer run's options (--durations...) would print too
         r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--tb=short",
                             str(EXERCISES / "check_victim.py"), "--solution", "my_victim.py"],
                            cwd=tmp, capture_output=True, text=True, env=env, timeout=300)

@@ -41,9 +41,14 @@ import _cells  # noqa: E402
 sys.path.remove(str(TUTORIALS))
 
 
-@functools.cache
 def run(name: str, flags: str = "") -> _cells.ChapterRun:
-    """Run a chapter (cell by cell, in a fresh interpreter) with ``flags``; it must exit 0."""
+    """Run a chapter (cell by cell, in a fresh interpreter) with ``flags``; it must exit 0. Once per
+    (chapter, flags) in a session, whichever way the flags were passed."""
+    return _run(name, flags)
+
+
+@functools.cache                  # keyed on its arguments as given: run() passes both, always
+def _run(name: str, flags: str) -> _cells.ChapterRun:
     return _cells.run(TUTORIALS / name, tuple(shlex.split(flags)), timeout=300)
 
 
