@@ -153,19 +153,36 @@ def others_paused(driven: Server, servers: list[Server]):
             s.pause(False)
 
 
-def start_minicb(args, name: str = "minicb", spec: str = "") -> Server:
-    """``minicb serve`` with ``--minicb-args``; ``spec`` (an ``--minicb-also``'s) adds its own words:
-    leading ``KEY=VALUE`` ones go to the environment (``CC="gcc -DX=1"`` rebuilds the C kernels), the rest
-    are more flags."""
+def split_spec(spec: str) -> tuple[dict[str, str], list[str]]:
+    """An ``--minicb-also`` SPEC's words: the leading ``KEY=VALUE`` ones are environment variables
+    (``CC="gcc -DX=1"`` rebuilds the C kernels with X), the rest more flags of ``minicb serve``."""
     words = shlex.split(spec)
-    assign = [w for w in itertools.takewhile(lambda w: "=" in w and not w.startswith("-"), words)]
+    n = sum(1 for _ in itertools.takewhile(lambda w: "=" in w and not w.startswith("-"), words))
+    return dict(w.split("=", 1) for w in words[:n]), words[n:]
+
+
+def start_minicb(args, name: str = "minicb", spec: str = "") -> Server:
+    """``minicb serve`` with ``--minicb-args``, and ``spec``'s environment and flags (``split_spec``)."""
+    env_more, flags = split_spec(spec)
     port = free_port()
     cmd = [sys.executable, "-m", "minicb", "serve", "--port", str(port), "--served-model-name", "smollm2",
            "--dtype", args.dtype, "--threads", "1" if args.one_core else "0", *args.minicb_args.split(),
-           *words[len(assign):]]
+           *flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           **dict(w.split("=", 1) for w in assign)}
+           **env_more}
     return Server(name, cmd, port, args.server_cpu if args.one_core else None, env)
+
+
+def turn_medians(rows: list[dict], rates: list[str], names: list[str]) -> list[str]:
+    """For each rate given more than once (``sat,sat,sat``: turns labelled sat, sat#2, ...), a line with
+    each server's median tok/s over those turns and its ratio to the first server's."""
+    lines = []
+    for rate in dict.fromkeys(r for r in rates if rates.count(r) > 1):
+        med = {n: statistics.median(r["throughput"] for r in rows
+                                    if r["system"] == n and r["rate"].split("#")[0] == rate) for n in names}
+        lines.append(f"{rate}, median tok/s of {rates.count(rate)} turns: "
+                     + ", ".join(f"{n} {v:.1f} ({v / med[names[0]]:.2f}x)" for n, v in med.items()))
+    return lines
 
 
 def start_vllm(args, name: str, bind: str | None, pin: int | None) -> Server:
@@ -260,8 +277,9 @@ def main() -> None:
             with others_paused(s, servers):
                 run_load(s.url, s.model, [[5, 6, 7, 8]], [4], [0.0])        # warm up
         rows = []
-        for k, rate in enumerate(args.rates.split(",")):
-            turn = args.rates.split(",")[:k].count(rate)          # a repeated rate's turns: sat, sat#2, ...
+        rates = args.rates.split(",")
+        for k, rate in enumerate(rates):
+            turn = rates[:k].count(rate)                          # a repeated rate's turns: sat, sat#2, ...
             label = f"{rate}#{turn + 1}" if turn else rate
             prompts = [[100 + k] + p[1:] for p in wl.prompts]     # no prefix-cache hits across rates
             arrivals = poisson_arrivals(len(prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
@@ -284,11 +302,8 @@ def main() -> None:
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()
         print(table(rows, [s.name for s in servers]))
-        for rate in dict.fromkeys(r for r in args.rates.split(",") if args.rates.split(",").count(r) > 1):
-            meds = {s.name: statistics.median(r["throughput"] for r in rows if r["system"] == s.name
-                                              and r["rate"].split("#")[0] == rate) for s in servers}
-            print(f"{rate}, median tok/s of {args.rates.split(',').count(rate)} turns: "
-                  + ", ".join(f"{n} {v:.1f} ({v / meds[servers[0].name]:.2f}x)" for n, v in meds.items()))
+        for line in turn_medians(rows, rates, [s.name for s in servers]):
+            print(line)
         if args.out:
             pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(args.out).write_text(json.dumps({"cpu": cpu_header(), "dtype": args.dtype,

@@ -210,6 +210,20 @@ def test_serve_peers_stops_every_server_but_the_measured_one_and_resumes_them():
             proc.wait()
 
 
+def test_serve_peers_variant_spec_and_the_medians_of_repeated_turns():
+    (sp,) = bench_modules("serve_peers")
+    assert sp.split_spec('CC="cc -DTEAM_SPIN_MIN=64" X=1 --max-num-seqs 8 --flag=a') == \
+        ({"CC": "cc -DTEAM_SPIN_MIN=64", "X": "1"}, ["--max-num-seqs", "8", "--flag=a"])
+    assert sp.split_spec("--max-num-seqs 0") == ({}, ["--max-num-seqs", "0"])
+    assert sp.split_spec("") == ({}, [])
+    rows = [{"system": n, "rate": label, "throughput": t} for n, label, t in [
+        ("a", "sat", 100.0), ("b", "sat", 90.0), ("a", "1", 5.0), ("b", "1", 50.0),
+        ("a", "sat#2", 300.0), ("b", "sat#2", 330.0), ("a", "sat#3", 200.0), ("b", "sat#3", 240.0)]]
+    # medians of the sat turns only: a 200 (100, 200, 300), b 240 (90, 240, 330); rate 1 ran once: no line
+    assert sp.turn_medians(rows, ["sat", "1", "sat", "sat"], ["a", "b"]) == \
+        ["sat, median tok/s of 3 turns: a 200.0 (1.00x), b 240.0 (1.20x)"]
+
+
 def test_long_prompt_workload_is_48_arxiv_requests_scaled_by_a_quarter():
     """LP's shape from the trace file itself: its first draws of a seed-0 generator pick the rows, each
     length divided by 4 and rounded; every request is a scaled row of the trace (for any seed value),
