@@ -56,7 +56,8 @@ API_MODULES = [
         ("grammar", ("runtime.logits_processors", "runtime.grammar"))]),
     ("One step and the faces", [
         ("runner", "runtime.runner"), ("engine", ("engine.llm_engine", "engine.interface")),
-        ("events", "engine.events"), ("outputs", ("engine.outputs", "engine.logprobs")), ("arrivals", "engine.arrivals"),
+        ("events", "engine.events"), ("outputs", ("engine.outputs", "engine.logprobs")),
+        ("arrivals", "engine.arrivals"),
         ("llm", "entrypoints.llm"), ("baseline", "runtime.baseline"),
         ("distributed", ("distributed", "distributed.sharding", "distributed.group", "distributed.runner",
                          "distributed.launch"))]),
