@@ -36,10 +36,11 @@ the ratio crosses 1 is where ``skinny_gemm.ROWS`` belongs for the CPU's loop; on
 third column times the kernel built without it (``-mno-avx512f``: its AVX2 loops), beside the AVX-512
 ones; ``--rows`` picks the row counts.
 
-``--prefetch`` does the same in float32 for three builds of the kernel (``-DSKINNY_PREFETCH=2``, the
-default: the next panel's cache lines asked for at an even pace over the panel's passes; ``=1``: bunched
-at the start of each pass; ``=0``: not asked for), beside oneDNN, at 4-256 rows: what the prefetch of
-the AVX2 float32 tiles is worth (on a CPU with AVX-512 the three builds run the same AVX-512 loop).
+``--prefetch`` does the same (``--dtype``, ``--threads``) for three builds of the kernel
+(``-DSKINNY_PREFETCH=2``, the default: the next panel's cache lines asked for at an even pace over the
+panel's passes; ``=1``: bunched at the start of each pass; ``=0``: not asked for), beside oneDNN, at
+4-256 rows: what asking for the next panel is worth, in the AVX2 tiles and in the AVX-512 loops (which
+ask only when a call has at least 19 rows: ``skinny_gemm.c``, ``next_share512``).
 
 ``--memory`` loads SmolLM2 in a fresh process per case (float32 and bfloat16, on the path ``LLM()``
 picks) and prints the process's resident memory (``VmRSS``) after the load and after the fast paths,
@@ -174,34 +175,37 @@ def skinny(rows_list=SKINNY_ROWS) -> None:
 PREFETCH_ROWS = (4, 8, 16, 24, 32, 48, 64, 128, 256)
 
 
-def prefetch(rows_list=PREFETCH_ROWS) -> None:
+def prefetch(rows_list=PREFETCH_ROWS, dtype: torch.dtype = torch.float32) -> None:
     from decode_floor import read_bandwidth
 
     from minicb.fastpaths import skinny_gemm
     from minicb.fastpaths.cpu_linear import _pack
 
-    print(f"one thread's read bandwidth (torch.sum over 256 MB, best of 5): {read_bandwidth():.1f} GB/s")
+    print(f"read bandwidth on {torch.get_num_threads()} thread(s) (torch.sum over 256 MB, best of 5): "
+          f"{read_bandwidth():.1f} GB/s")
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30       # SmolLM2's layers, [out, in]
     g = torch.Generator().manual_seed(0)
-    weights = [0.05 * torch.randn(o, i, generator=g) for o, i in shapes]
-    dnn = [(_pack(w, torch.float32), *w.shape) for w in weights]
+    weights = [(0.05 * torch.randn(o, i, generator=g)).to(dtype) for o, i in shapes]
+    dnn = [(_pack(w, dtype), *w.shape) for w in weights]
     panels = [(skinny_gemm.pack(w), *w.shape) for w in weights]
     flops = 2 * sum(o * i for o, i in shapes)
     builds = {f"prefetch={v}": skinny_gemm.load((f"-DSKINNY_PREFETCH={v}",)) for v in (2, 1, 0)}
-    loop = skinny_gemm.PATH_NAMES[torch.float32][skinny_gemm.path(torch.float32)]
-    print(f"float32, {sum(w.numel() * 4 for w in weights) / 1e6:.0f} MB of weights a pass; GFLOP/s from "
-          f"memory, median of 5 alternating passes; the skinny kernel's {loop} loop")
+    loop = skinny_gemm.PATH_NAMES[dtype][skinny_gemm.path(dtype)]
+    mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{str(dtype).removeprefix('torch.')}, {mb:.0f} MB of weights a pass; GFLOP/s from memory, "
+          f"median of 5 alternating passes; the skinny kernel's {loop} loop")
     del weights
-    print(f"{'rows':>5} {'oneDNN':>8} " + " ".join(f"{b:>11}" for b in builds) + "   prefetch=2/oneDNN")
+    print(f"{'rows':>5} {'oneDNN':>8} " + " ".join(f"{b:>11}" for b in builds)
+          + "   prefetch=2/oneDNN  prefetch=2/0")
     for rows in rows_list:
-        xs = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
-        runs = {"dnn": functools.partial(_one_pass, functools.partial(_onednn, dtype=torch.float32), dnn, xs)}
+        xs = {i: torch.randn(rows, i, generator=g).to(dtype) for i in (576, 1536)}
+        runs = {"dnn": functools.partial(_one_pass, functools.partial(_onednn, dtype=dtype), dnn, xs)}
         for b, lib in builds.items():
             runs[b] = functools.partial(_one_pass, functools.partial(_skinny, lib=lib), panels, xs)
         ms = _median_ms(runs, rounds=5, calls=1)
         gf = {k: flops * rows / (v / 1e3) / 1e9 for k, v in ms.items()}
         print(f"{rows:>5} {gf['dnn']:>8.1f} " + " ".join(f"{gf[b]:>11.1f}" for b in builds)
-              + f"   {ms['dnn'] / ms['prefetch=2']:>5.2f}x")
+              + f"   {ms['dnn'] / ms['prefetch=2']:>17.2f}x  {ms['prefetch=0'] / ms['prefetch=2']:>11.2f}x")
 
 
 def _onednn(p, x, out_f, in_f, dtype):
@@ -271,7 +275,8 @@ def main() -> None:
     ap.add_argument("--skinny", action="store_true",
                     help="few-row products from memory: oneDNN against the skinny kernel (see the docstring)")
     ap.add_argument("--prefetch", action="store_true",
-                    help="float32 from memory: the AVX2 tiles' prefetch spread, bunched, off (the docstring)")
+                    help="products from memory (--dtype, --threads): the next panel asked for spread, "
+                         "bunched, not at all (the docstring)")
     ap.add_argument("--rows", help="with --prefetch or --skinny: the row counts, comma-separated (default 4 "
                                    "to 256, 1 to 256)")
     ap.add_argument("--memory", action="store_true", help="resident memory after packing (the docstring)")
@@ -287,7 +292,7 @@ def main() -> None:
     if args.skinny:
         return skinny(rows or SKINNY_ROWS)
     if args.prefetch:
-        return prefetch(rows or PREFETCH_ROWS)
+        return prefetch(rows or PREFETCH_ROWS, getattr(torch, args.dtype))
     if args.memory:
         return memory()
     wl = w2() if args.workload == "W2" else w1()

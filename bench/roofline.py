@@ -2,6 +2,7 @@
 
     python bench/roofline.py                          # W2 and LP, bfloat16, torch's threads
     python bench/roofline.py --workloads LP --dtype float32 --threads 1
+    python bench/roofline.py --peer-json bench/results/peers/X.json --bars W2=1.5,LP=1.3   # a bar's time
 
 A step must do its arithmetic and read its bytes. Its arithmetic: every scheduled token through every
 layer's products (2 x the layers' weights), the LM head for each sampled row, and attention (QK and PV:
@@ -21,13 +22,22 @@ cache emptied, EOS ignored), times every ``step()``, and prints per kind of step
 decode-only by rows) the time, both floors and the ratios. A workload whose steps sit near the
 ``serial`` floor has little left to win without overlapping the two (the arithmetic of one
 micro-batch with the memory reads of another). The header names the CPU.
+
+``--peer-json`` (``bench/peer_vllm.py --json``'s file: ``{dtype: {"W2/vllm-all": [{"seconds": ...}]}}``)
+with ``--bars W2=1.5,...`` puts a bar beside the floors: the time a workload must take to be that many
+times faster than the peer's median round (``--peer``, default ``vllm-all``), as a multiple of each
+floor and of this run. A bar below the ``serial`` floor can only be met by overlapping the two kinds of
+work; one near the ``max`` floor asks every step to be both at the products' best rate and at the
+memory's, with nothing else (norms, sampling, scheduling, Python) taking any time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
+import pathlib
 import sys
 import time
 
@@ -56,6 +66,15 @@ def step_cost(seqs, cfg, elem: int) -> tuple[float, float]:
     return flops, bytes_
 
 
+def bar_seconds(peer: dict, dtype: str, workload: str, name: str, times: float) -> tuple[float, float]:
+    """``(peer's median seconds, the time that is `times` x faster)`` for ``workload`` from a
+    ``peer_vllm.py --json`` dict."""
+    runs = sorted(r["seconds"] for r in peer[dtype][f"{workload}/{name}"])
+    mid = len(runs) // 2
+    median = runs[mid] if len(runs) % 2 else (runs[mid - 1] + runs[mid]) / 2
+    return median, median / times
+
+
 def kind_of(seqs) -> str:
     if any(s.num_tokens > 1 for s in seqs):
         return "prompt-bearing"
@@ -68,7 +87,12 @@ def main() -> None:
     ap.add_argument("--workloads", default="W2,LP")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's choice)")
+    ap.add_argument("--peer-json", help="peer_vllm.py --json's file: put --bars beside the floors")
+    ap.add_argument("--peer", default="vllm-all", help="with --peer-json: the engine (default vllm-all)")
+    ap.add_argument("--bars", default="W2=1.5,LP=1.3", help="with --peer-json: WORKLOAD=TIMES,...")
     args = ap.parse_args()
+    peer = json.loads(pathlib.Path(args.peer_json).read_text()) if args.peer_json else None
+    bars = {k: float(v) for k, v in (b.split("=") for b in args.bars.split(","))}
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -111,6 +135,12 @@ def main() -> None:
             n, t, fmax, fser = rows[key]
             print(f"  {key:<16} {n:>5} steps {t:7.2f} s   max {fmax:6.2f} s {t / fmax:5.2f}x   "
                   f"serial {fser:6.2f} s {t / fser:5.2f}x   {1e3 * t / n:7.1f} ms a step")
+        if peer is not None and name in bars:
+            n, t, fmax, fser = rows["all"]
+            theirs, goal = bar_seconds(peer, args.dtype, name, args.peer, bars[name])
+            print(f"  the bar, {bars[name]:g}x {args.peer}'s {theirs:.2f} s (median of its rounds in "
+                  f"{args.peer_json}): {goal:.2f} s = {goal / fmax:.2f}x the max floor, {goal / fser:.2f}x "
+                  f"the serial floor; this run took {t / goal:.2f}x it")
     eng.step = step
 
 
