@@ -302,6 +302,19 @@ def test_roofline_step_cost_counts_products_head_attention_and_reads():
         "decode 1-7 rows", "decode 1-7 rows", "decode 8-31 rows", "decode 8-31 rows", "decode 32+ rows"]
 
 
+def test_roofline_bar_is_the_peers_median_round_divided_by_the_bar():
+    """bench/roofline.py --peer-json: the bar's time is the peer's median round (odd and even counts)
+    over the bar; another engine's rounds in the same file do not count."""
+    (roofline,) = bench_modules("roofline")
+    peer = {"bfloat16": {"W2/vllm-all": [{"seconds": 12.0}, {"seconds": 9.0}, {"seconds": 30.0}],
+                         "W2/minicb": [{"seconds": 1.0}],
+                         "LP/vllm-all": [{"seconds": 40.0}, {"seconds": 20.0}]}}
+    assert roofline.bar_seconds(peer, "bfloat16", "W2", "vllm-all", 1.5) == (12.0, 8.0)
+    assert roofline.bar_seconds(peer, "bfloat16", "LP", "vllm-all", 1.25) == (30.0, 24.0)
+    with pytest.raises(KeyError):
+        roofline.bar_seconds(peer, "float32", "W2", "vllm-all", 1.5)
+
+
 def test_serve_overhead_measures_gaps_between_token_chunks_and_pairs_the_rounds():
     """bench/serve_overhead.py: only ``data: {`` lines are tokens; the time per token is the mean gap
     after the first; the summary's overhead is the median of the rounds' paired differences."""

@@ -95,18 +95,23 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
     threads and fewer) is run on 1 thread, then on 2 and 3 from the same input, and all agree bit for
     bit (each writes the same K/V to the same slots). Then on 2 threads of a build whose second thread
     never comes (``-DTEAM_ABSENT_THREADS``): the first takes every item, as a running thread takes a
-    descheduled one's (``team_queue.h``), and the bits are the same. (A barrier would wait forever.)"""
+    descheduled one's (``team_queue.h``), and the bits are the same. (A barrier would wait forever.)
+    And on 2 and 3 threads of a build whose products' items take 5 rows each (``-DPRODUCT_ROWS=5``;
+    256 otherwise, more than these steps have): each share of the panels cut into runs of rows, the
+    last one short, gives the same bits too."""
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
     model = stacked(dtype)
     run, rows = layer_stack.LayerStack.run, []
     before = torch.get_num_threads()
 
     normal, absent = layer_stack.load(), layer_stack.load(("-DTEAM_ABSENT_THREADS",))
+    short_runs = layer_stack.load(("-DPRODUCT_ROWS=5",))
 
     def on_threads(self, x, cos, sin, backend, state):
         results = []
         try:
-            for threads, self.lib in ((1, normal), (2, normal), (3, normal), (2, absent)):
+            for threads, self.lib in ((1, normal), (2, normal), (3, normal), (2, absent), (2, short_runs),
+                                      (3, short_runs)):
                 torch.set_num_threads(threads)
                 y = x.clone()
                 results.append((run(self, y, cos, sin, backend, state).clone(), y))
@@ -124,6 +129,7 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
     llm.generate(random_prompts(5, 3, 40, CFG.vocab_size, seed=6),
                  SamplingParams(max_tokens=12, ignore_eos=True))
     assert 1 in rows and max(rows) > 3, rows        # single rows (threads idle) and rows split three ways
+    assert any(r > 5 and r % 5 for r in rows), rows  # runs of 5 rows and a short last one
 
 
 # prompts on SDPA: their steps fall back to the layers (StackedLlama.hidden's other branch)

@@ -29,7 +29,8 @@
  * a part's items start once every item of the part before is done, because each part reads what the
  * one before wrote:
  *
- *     products (skinny _part)    PARTS_PER_THREAD shares of the panels a thread, all rows each
+ *     products (skinny _part)    PARTS_PER_THREAD shares of the panels a thread, times the step's
+ *                                runs of PRODUCT_ROWS rows (one run in a decode step)
  *     attention                  the rows, ATTN_ROWS at a time (a step with prompt chunks: each tile's
  *                                kv heads, then the decode rows); fewer at a time when the step has
  *                                fewer than ATTN_ROWS rows per thread, so that no thread sits idle
@@ -46,6 +47,14 @@
  * sequences 1.03-1.23x (three runs of `python bench/decode_floor.py --stack-builds
  * "queue=,barriers=-DTEAM_BARRIERS" --beside 1,2 ...`, bench/RESULTS.md, issue 47); on an idle machine
  * the two are level.
+ *
+ * A product's items are cut by rows as well as by panels in a step of more than PRODUCT_ROWS rows:
+ * SmolLM2's o and down products have 9 panels and its qkv 15, which four shares cannot split evenly,
+ * so with every row in each share one thread waited for the other a panel in five (o, down) or in
+ * eight (qkv) of every row, the 2,048 of a prompt step too. Runs of 256 rows (the skinny kernel's own CHUNK: it reads its panels once per run either
+ * way) give 32 items a product. W2 and LP in bfloat16 on two threads, alternating with the old rule
+ * (`python bench/decode_floor.py --stack-builds "rows=,panels=-DPRODUCT_ROWS=100000" --workload W2`,
+ * bench/RESULTS.md, issue 47): 1.02x the output tokens per second in each.
  *
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
@@ -143,6 +152,9 @@ static inline int64_t rows_per_item(int64_t rows, int nt) {
 #define PARTS_PER_THREAD 2  /* a product's items: this many shares of its panels per thread */
 #endif
 #define ROWS_PER_THREAD 2   /* a norm's, rotary's or SiLU's items: the rows cut into this many runs a thread */
+#ifndef PRODUCT_ROWS
+#define PRODUCT_ROWS 256    /* a product's rows per item in a step of more rows (skinny_gemm.c's CHUNK) */
+#endif
 
 #ifdef TEAM_ABSENT_THREADS   /* tests: every thread but the first stays away, which a barrier would wait for */
 #define TAKES_PART(t) ((t) == 0)
@@ -168,13 +180,20 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
     team_queue_t q = {0};
     _Pragma("omp parallel num_threads(d->nthreads)") if (TAKES_PART(omp_thread())) {
         const int nt = omp_threads();
-        const int64_t parts = nt > 1 ? nt * PARTS_PER_THREAD : 1;                 /* a product's items */
+        const int64_t parts = nt > 1 ? nt * PARTS_PER_THREAD : 1;        /* a product's shares of panels */
+        const int64_t products = parts * ((all + PRODUCT_ROWS - 1) / PRODUCT_ROWS);   /* ... x runs of rows */
         const int64_t runs = all < nt * ROWS_PER_THREAD ? all : nt * ROWS_PER_THREAD;   /* a row-wise part's */
         const int64_t per = rows_per_item(p ? p->n_decodes : all, nt);       /* decode rows per work item */
         const int64_t tiles = p ? p->n_tiles * d->kv_heads : 0;                /* (tile, kv head) items */
         const int64_t attn_items = tiles + ((p ? p->n_decodes : all) + per - 1) / per;
         int base = 0, mine = team_take(&q);
         int64_t r0, r1;
+        /* item `item` of a product: share item % parts of the panels, rows [r0, r0 + n) of run item / parts */
+#define PRODUCT(X, XS, W, Y, YS, IN, OUT)                                                                     \
+    if (OK) {                                                                                                 \
+        const int64_t c0 = item / parts * PRODUCT_ROWS, n = all - c0 < PRODUCT_ROWS ? all - c0 : PRODUCT_ROWS; \
+        f->skinny(AT(X, c0 * (XS)), XS, W, AT(Y, c0 * (YS)), YS, n, IN, OUT, (int)(item % parts), (int)parts); \
+    }
         TEAM_PHASE(&q, base, mine, runs, {
             run_of(all, item, runs, &r0, &r1);
             f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), r1 - r0, hidden, d->eps, 1);
@@ -183,9 +202,7 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
             const layer_t *L = layers + l;
             /* after a failed attention every item is skipped: each checks the flag once its phase may start */
 #define OK (!atomic_load_explicit(&failed, memory_order_relaxed))
-            TEAM_PHASE(&q, base, mine, parts, {
-                if (OK) f->skinny(b->h, hidden, L->qkv, b->qkv, qkv_out, all, hidden, qkv_out, (int)item, (int)parts);
-            });
+            TEAM_PHASE(&q, base, mine, products, PRODUCT(b->h, hidden, L->qkv, b->qkv, qkv_out, hidden, qkv_out));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 char *qkv = AT(b->qkv, r0 * qkv_out);
@@ -226,24 +243,18 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
                 if (bad) atomic_store_explicit(&failed, 1, memory_order_relaxed);
             });
-            TEAM_PHASE(&q, base, mine, parts, {
-                if (OK) f->skinny(b->attn, qdim, L->o, b->a, hidden, all, qdim, hidden, (int)item, (int)parts);
-            });
+            TEAM_PHASE(&q, base, mine, products, PRODUCT(b->attn, qdim, L->o, b->a, hidden, qdim, hidden));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), r1 - r0,
                             hidden, d->eps, 1);
             });
-            TEAM_PHASE(&q, base, mine, parts, {
-                if (OK) f->skinny(b->h, hidden, L->gate_up, b->gu, gu_out, all, hidden, gu_out, (int)item, (int)parts);
-            });
+            TEAM_PHASE(&q, base, mine, products, PRODUCT(b->h, hidden, L->gate_up, b->gu, gu_out, hidden, gu_out));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), r1 - r0, d->inter, gu_out, 1);
             });
-            TEAM_PHASE(&q, base, mine, parts, {
-                if (OK) f->skinny(b->act, d->inter, L->down, b->a, hidden, all, d->inter, hidden, (int)item, (int)parts);
-            });
+            TEAM_PHASE(&q, base, mine, products, PRODUCT(b->act, d->inter, L->down, b->a, hidden, d->inter, hidden));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden),
@@ -251,6 +262,7 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                             hidden, d->eps, 1);
             });
 #undef OK
+#undef PRODUCT
         }
     }
     return atomic_load(&failed);
