@@ -102,8 +102,10 @@ static inline const char *next_share(const void *next, int64_t lines, int64_t ro
  * panel's `lines` shared among the call's ceil(rows / RB) passes of `steps` steps each. A pass asks
  * for at most one line a step, so a call of fewer passes than that (fewer than 19 rows: the panel is
  * multiplied for too short a time to hide its reading) asks for none and leaves it to the hardware.
- * From memory (`python bench/linear_paths.py --prefetch --dtype bfloat16`, two threads) 24-64 rows
- * ran 4-17% faster with it; 12-16 rows, asking for only part of the panel, ran slower. */
+ * What it is worth depends on the memory: SmolLM2's products from memory on two threads (`python
+ * bench/linear_paths.py --prefetch --dtype bfloat16 --threads 2`, bench/RESULTS.md, issue 47) ran
+ * 1.01-1.37x as fast with it from 24 to 128 rows at 32.5 GB/s (0.97x at 256), 1.01-1.04x at 62 GB/s.
+ * (Tried: asking for part of the panel at 12-16 rows, one line a step, made them slower.) */
 static inline const char *next_share512(const void *next, int64_t lines, int64_t steps, int64_t rows,
                                         int64_t r0, int64_t *n) {
     const int64_t passes = (rows + RB - 1) / RB;
