@@ -309,7 +309,9 @@ def test_roofline_bar_is_the_peers_median_round_divided_by_the_bar():
     peer = {"bfloat16": {"W2/vllm-all": [{"seconds": 12.0}, {"seconds": 9.0}, {"seconds": 30.0}],
                          "W2/minicb": [{"seconds": 1.0}],
                          "LP/vllm-all": [{"seconds": 40.0}, {"seconds": 20.0}]}}
+    # load-independent: the "seconds" are numbers written into this dict, no clock is read
     assert roofline.bar_seconds(peer, "bfloat16", "W2", "vllm-all", 1.5) == (12.0, 8.0)
+    # load-independent: as above
     assert roofline.bar_seconds(peer, "bfloat16", "LP", "vllm-all", 1.25) == (30.0, 24.0)
     with pytest.raises(KeyError):
         roofline.bar_seconds(peer, "float32", "W2", "vllm-all", 1.5)
