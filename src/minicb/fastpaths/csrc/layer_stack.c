@@ -51,10 +51,11 @@
  * A product's items are cut by rows as well as by panels in a step of more than PRODUCT_ROWS rows:
  * SmolLM2's o and down products have 9 panels and its qkv 15, which four shares cannot split evenly,
  * so with every row in each share one thread waited for the other a panel in five (o, down) or in
- * eight (qkv) of every row, the 2,048 of a prompt step too. Runs of 256 rows (the skinny kernel's own CHUNK: it reads its panels once per run either
- * way) give 32 items a product. W2 and LP in bfloat16 on two threads, alternating with the old rule
- * (`python bench/decode_floor.py --stack-builds "rows=,panels=-DPRODUCT_ROWS=100000" --workload W2`,
- * bench/RESULTS.md, issue 47): 1.02x the output tokens per second in each.
+ * eight (qkv) of every row, the 2,048 of a prompt step too. Runs of 256 rows (the skinny kernel's own
+ * CHUNK: it reads its panels once per run either way) give 32 items a product. W2 and LP in bfloat16
+ * on two threads, alternating with the old rule (`python bench/decode_floor.py --stack-builds
+ * "rows=,panels=-DPRODUCT_ROWS=100000" --workload W2`, bench/RESULTS.md, issue 47): 1.02x the output
+ * tokens per second in each.
  *
  * One row's attention stays on one thread. Split over its kv heads (tried: each thread reading its
  * heads' 128-byte runs of every key), a 2,000-key step took longer on two threads than with the row
@@ -188,7 +189,7 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
         const int64_t attn_items = tiles + ((p ? p->n_decodes : all) + per - 1) / per;
         int base = 0, mine = team_take(&q);
         int64_t r0, r1;
-        /* item `item` of a product: share item % parts of the panels, rows [r0, r0 + n) of run item / parts */
+        /* item `item` of a product: share item % parts of the panels, rows [c0, c0 + n): run item / parts */
 #define PRODUCT(X, XS, W, Y, YS, IN, OUT)                                                                     \
     if (OK) {                                                                                                 \
         const int64_t c0 = item / parts * PRODUCT_ROWS, n = all - c0 < PRODUCT_ROWS ? all - c0 : PRODUCT_ROWS; \

@@ -66,20 +66,26 @@
 #define SKINNY_PREFETCH 2   /* the next panel: 2 spread over passes, 1 bunched at each pass's start, 0 not */
 #endif
 
-/* What the AVX2 tiles share. next_share: the part of the next panel (`lines` cache lines, 0 for none)
+/* pass_share: pass `pass` of `passes`' even share of the next panel's `lines` cache lines: `*n` lines
+ * from the address returned (none past the last line).
+ *
+ * What the AVX2 tiles share. next_share: the part of the next panel (`lines` cache lines, 0 for none)
  * that pass `pass` of the row group at r0 asks for, so that the panel's lines are spread evenly over
- * all of its tile passes ((the groups of TILE_MIN rows or more) x `group_passes`): `*n` lines from the
- * address returned. PREFETCH_START(steps) paces them over a pass of `steps` steps (SKINNY_PREFETCH),
- * PREFETCH_TICK() asks for one when it is due, and STORE_TILE(NR) stores a tile's accumulators, two
- * vectors (16 outputs from c) a row. */
+ * all of its tile passes ((the groups of TILE_MIN rows or more) x `group_passes`).
+ * PREFETCH_START(steps) paces them over a pass of `steps` steps (SKINNY_PREFETCH), PREFETCH_TICK()
+ * asks for one when it is due, and STORE_TILE(NR) stores a tile's accumulators, two vectors (16
+ * outputs from c) a row. */
+static inline const char *pass_share(const void *next, int64_t lines, int64_t passes, int64_t pass,
+                                     int64_t *n) {
+    const int64_t per = (lines + passes - 1) / passes;
+    const int64_t first = pass * per, left = lines - first > 0 ? lines - first : 0;
+    *n = left < per ? left : per;
+    return *n ? (const char *)next + 64 * first : NULL;
+}
 static inline const char *next_share(const void *next, int64_t lines, int64_t rows, int64_t r0,
                                      int64_t group_passes, int64_t pass, int64_t *n) {
     const int64_t passes = (rows / RB + (rows % RB >= TILE_MIN)) * group_passes;
-    const int64_t per = (lines + passes - 1) / passes;
-    const int64_t first = (r0 / RB * group_passes + pass) * per;
-    const int64_t left = lines - first > 0 ? lines - first : 0;
-    *n = left < per ? left : per;
-    return *n ? (const char *)next + 64 * first : NULL;
+    return pass_share(next, lines, passes, r0 / RB * group_passes + pass, n);
 }
 #define PREFETCH_START(steps)                                                                          \
     const int64_t every = !pf_lines || !SKINNY_PREFETCH ? (steps) + 1                                  \
@@ -109,10 +115,7 @@ static inline const char *next_share(const void *next, int64_t lines, int64_t ro
 static inline const char *next_share512(const void *next, int64_t lines, int64_t steps, int64_t rows,
                                         int64_t r0, int64_t *n) {
     const int64_t passes = (rows + RB - 1) / RB;
-    const int64_t per = (lines + passes - 1) / passes;
-    const int64_t first = r0 / RB * per, left = lines - first > 0 ? lines - first : 0;
-    *n = next && SKINNY_PREFETCH && per <= steps ? (left < per ? left : per) : 0;
-    return *n ? (const char *)next + 64 * first : NULL;
+    return pass_share(next, next && (lines + passes - 1) / passes <= steps ? lines : 0, passes, r0 / RB, n);
 }
 #endif
 
