@@ -108,3 +108,36 @@ def site(tmp_path_factory) -> pathlib.Path:
                           cwd=root, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
     return out
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _step_assertions_fail_the_test(monkeypatch):
+    """A test's own ``assert`` inside a step (in a patched runner, kernel or layer stack) fails the
+    test. The engine turns any exception of a step into ``finish_reason == "error"`` for that step's
+    requests and goes on serving the rest, so such an assertion used to vanish unless the test looked
+    at every output's finish reason: a mutant of layer_stack.c that attended the wrong rows passed
+    tests/model/test_layer_stack.py that way (twenty-first session)."""
+    try:
+        from minicb.engine import loop
+    except ImportError:                  # make test-core without the engine's dependencies
+        yield
+        return
+    caught: list[BaseException] = []
+    describe = loop.describe
+
+    def recording(exc: BaseException) -> str:
+        tb = exc.__traceback__
+        while tb is not None and isinstance(exc, AssertionError):
+            if pathlib.Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(TESTS):
+                caught.append(exc)
+                break
+            tb = tb.tb_next
+        return describe(exc)
+
+    monkeypatch.setattr(loop, "describe", recording)
+    yield
+    if caught:
+        pytest.fail(f"an assertion of the test failed inside a step: {describe(caught[0])}", pytrace=False)

@@ -102,19 +102,30 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
     model = stacked(dtype)
     run, rows = layer_stack.LayerStack.run, []
-    before = torch.get_num_threads()
+    before, empty, full = torch.get_num_threads(), torch.empty, torch.full
 
     normal, absent = layer_stack.load(), layer_stack.load(("-DTEAM_ABSENT_THREADS",))
     short_runs = layer_stack.load(("-DPRODUCT_ROWS=5",))
 
+    def poisoned(*size, dtype=None, **kw):           # a buffer the stack fails to write stays NaN
+        return full(size[0] if len(size) == 1 and not isinstance(size[0], int) else size, float("nan"),
+                    dtype=dtype, **kw)
+
     def on_threads(self, x, cos, sin, backend, state):
-        results = []
+        results, full_slots = [], state.slot_mapping[state.slot_mapping >= 0]
         try:
             for threads, self.lib in ((1, normal), (2, normal), (3, normal), (2, absent), (2, short_runs),
                                       (3, short_runs)):
                 torch.set_num_threads(threads)
+                for i in range(len(self.tensors)):       # this step's K/V slots, which it must write
+                    for cache in backend.kv_cache.layer(i):
+                        cache[full_slots] = float("nan")
                 y = x.clone()
-                results.append((run(self, y, cos, sin, backend, state).clone(), y))
+                monkeypatch.setattr(torch, "empty", poisoned)
+                try:
+                    results.append((run(self, y, cos, sin, backend, state).clone(), y))
+                finally:
+                    monkeypatch.setattr(torch, "empty", empty)
         finally:
             torch.set_num_threads(before)
             self.lib = normal
