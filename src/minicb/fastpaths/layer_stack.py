@@ -11,8 +11,9 @@ buffers, and so computes what the layers compute, bit for bit (``tests/model/tes
 compares every step's output with the layers' own).
 
 Threads: the C loop is one OpenMP parallel region a step, of ``torch.get_num_threads()`` threads,
-which split each product's panels and the other parts' rows, and meet at a barrier between parts
-(``layer_stack.c`` draws it); every thread count gives the same bits (``bench/decode_floor.py
+which take the step's work as numbered items (shares of a product's panels, runs of the other parts'
+rows) from one queue, each part's items once the part before is done (``layer_stack.c`` draws it,
+``team_queue.h`` is the queue); every thread count gives the same bits (``bench/decode_floor.py
 --thread-scaling`` times 1 against 2 threads).
 
 A step qualifies when all of its attention is the C kernels' (``cpu_paged``'s ``_DecodeRows``, a
