@@ -118,8 +118,9 @@ def _step_assertions_fail_the_test(monkeypatch):
     """A test's own ``assert`` inside a step (in a patched runner, kernel or layer stack) fails the
     test. The engine turns any exception of a step into ``finish_reason == "error"`` for that step's
     requests and goes on serving the rest, so such an assertion used to vanish unless the test looked
-    at every output's finish reason: a mutant of layer_stack.c that attended the wrong rows passed
-    tests/model/test_layer_stack.py that way (twenty-first session)."""
+    at every output's finish reason: in a trial build of layer_stack.c (two micro-batches, not kept:
+    bench/RESULTS.md), a mutant that attended the wrong rows passed tests/model/test_layer_stack.py
+    that way (twenty-first session)."""
     try:
         from minicb.engine import loop
     except ImportError:                  # make test-core without the engine's dependencies

@@ -98,7 +98,9 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
     descheduled one's (``team_queue.h``), and the bits are the same. (A barrier would wait forever.)
     And on 2 and 3 threads of a build whose products' items take 5 rows each (``-DPRODUCT_ROWS=5``;
     256 otherwise, more than these steps have): each share of the panels cut into runs of rows, the
-    last one short, gives the same bits too."""
+    last one short, gives the same bits too. Every run gets buffers full of NaN and finds the step's
+    K/V slots set to NaN, so a build that leaves a row or a slot unwritten fails, rather than pass on
+    what the run before left there."""
     monkeypatch.setenv("MINICB_PROMPT_ATTENTION", "kernel")
     model = stacked(dtype)
     run, rows = layer_stack.LayerStack.run, []
@@ -112,14 +114,14 @@ def test_two_threads_give_the_same_bits_as_one(dtype, monkeypatch):
                     dtype=dtype, **kw)
 
     def on_threads(self, x, cos, sin, backend, state):
-        results, full_slots = [], state.slot_mapping[state.slot_mapping >= 0]
+        results, stored = [], state.slot_mapping[state.slot_mapping >= 0]
         try:
             for threads, self.lib in ((1, normal), (2, normal), (3, normal), (2, absent), (2, short_runs),
                                       (3, short_runs)):
                 torch.set_num_threads(threads)
                 for i in range(len(self.tensors)):       # this step's K/V slots, which it must write
                     for cache in backend.kv_cache.layer(i):
-                        cache[full_slots] = float("nan")
+                        cache[stored] = float("nan")
                 y = x.clone()
                 monkeypatch.setattr(torch, "empty", poisoned)
                 try:
