@@ -3,6 +3,7 @@
 import pathlib
 import signal
 import sys
+import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
@@ -122,7 +123,7 @@ def _step_assertions_fail_the_test(monkeypatch):
     bench/RESULTS.md), a mutant that attended the wrong rows passed tests/model/test_layer_stack.py
     that way (twenty-first session)."""
     try:
-        from minicb.engine import loop
+        from minicb.engine import llm_engine, loop
     except ImportError:                  # make test-core without the engine's dependencies
         yield
         return
@@ -130,15 +131,16 @@ def _step_assertions_fail_the_test(monkeypatch):
     describe = loop.describe
 
     def recording(exc: BaseException) -> str:
-        tb = exc.__traceback__
-        while tb is not None and isinstance(exc, AssertionError):
-            if pathlib.Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(TESTS):
-                caught.append(exc)
-                break
-            tb = tb.tb_next
+        if isinstance(exc, AssertionError) and any(
+                pathlib.Path(frame.f_code.co_filename).resolve().is_relative_to(TESTS)
+                for frame, _ in traceback.walk_tb(exc.__traceback__)):
+            caught.append(exc)
         return describe(exc)
 
-    monkeypatch.setattr(loop, "describe", recording)
+    # the two places that turn an exception into outputs: a failed step (loop) and a dead engine, the
+    # bookkeeping's failure (llm_engine imports the same function by name)
+    for module in (loop, llm_engine):
+        monkeypatch.setattr(module, "describe", recording)
     yield
     if caught:
         pytest.fail(f"an assertion of the test failed inside a step: {describe(caught[0])}", pytrace=False)
