@@ -112,8 +112,9 @@ def vs_vllm(args, wl) -> None:
     if not tables:
         raise SystemExit(f"no *profiler_out.txt under {args.vs_vllm}; run bench/peer_vllm.py --profile-vllm")
     theirs = vllm_parts(read_vllm_table(tables[-1]))
-    model = load_smollm2(DTYPES[args.dtype])
-    cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
+    blocks: dict = {}
+    model = load_smollm2(DTYPES[args.dtype], blocks)
+    cpu_fast_paths(model, "cpu", q4_blocks=blocks)   # what LLM() does for a model it loads itself
     ours = profile_run(model, wl, time.process_time)   # LLM()'s defaults; CPU seconds (a busy machine)
     ours["attention"] += ours.pop("gather") + ours.pop("kernel")
     print(f"machine: {machine_description()}; {args.dtype}; load average {os.getloadavg()[0]:.2f}")

@@ -236,8 +236,9 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
         for t in threads:                      # what the memory gives each count now: a step's ceiling
             torch.set_num_threads(t)
             bandwidth.append(f"{t} thread(s) {read_bandwidth():.1f}")
-        model = load_smollm2(dtype)
-        applied = cpu_fast_paths(model, "cpu")
+        blocks: dict = {}
+        model = load_smollm2(dtype, blocks)
+        applied = cpu_fast_paths(model, "cpu", q4_blocks=blocks)
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
         eng = llm.engine
         eng.add_request(f"scaling-{dname}", torch.randint(10, model.config.vocab_size, (64,)).tolist(),
@@ -343,8 +344,9 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
     if workload:
         workload_builds(dname, libs, workload, rounds)
         return
-    model = load_smollm2(getattr(torch, dname))
-    cpu_fast_paths(model, "cpu")
+    blocks: dict = {}
+    model = load_smollm2(getattr(torch, dname), blocks)
+    cpu_fast_paths(model, "cpu", q4_blocks=blocks)
     stack = model.layer_stack
     blocks = max(batches) * (prompt_tokens + (rounds + 1) * steps * len(builds) + 8) // 16 + 64
     llm = LLM(model, max_num_seqs=max(batches), max_num_batched_tokens=2048, num_blocks=blocks, block_size=16)
@@ -432,8 +434,9 @@ def main() -> None:
     print(f"one thread's read bandwidth (torch.sum over 256 MB on {pages}, best of 5): {bw:.1f} GB/s")
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
-        model = load_smollm2(dtype)
-        applied = cpu_fast_paths(model, "cpu")
+        blocks: dict = {}
+        model = load_smollm2(dtype, blocks)
+        applied = cpu_fast_paths(model, "cpu", q4_blocks=blocks)
         batches = [int(b) for b in args.batches.split(",")]
         context = args.prompt_tokens + 2 + args.steps // 2        # a measured step's mean context
         nbytes = {b: weight_bytes(model, b) + kv_bytes(model, b, context) for b in batches}

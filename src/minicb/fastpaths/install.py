@@ -41,10 +41,12 @@ _load_log = logging.getLogger(LOAD_LOGGER)
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
-def cpu_fast_paths(model, device, settings: Settings | None = None) -> list[str]:
+def cpu_fast_paths(model, device, settings: Settings | None = None, q4_blocks: dict | None = None) -> list[str]:
     """Put ``model`` on the CPU's fast paths, in place (module docstring); the names of what was
     applied (``["packed-linears-f32", "fused-ops"]``, ...). Nothing on another device. ``settings``:
-    the switches (default: read from the environment now, once)."""
+    the switches (default: read from the environment now, once). ``q4_blocks``: the GGUF's 4-bit
+    weights the model was loaded from (``LoadedModel.q4_blocks``), which the layer stack reads in
+    bfloat16 steps of few rows."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
@@ -65,17 +67,21 @@ def cpu_fast_paths(model, device, settings: Settings | None = None) -> list[str]
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
     if "fused-ops" in applied and rows and settings.layer_stack:
         try:
-            why_not = layer_stack.install(model)
+            why_not = layer_stack.install(model, q4_blocks, settings)
         except KernelUnavailable as e:
             why_not = str(e)
         if why_not is None:
             applied.append("layer-stack")
+            if model.layer_stack.q4_rows:
+                applied.append(f"q4-{model.layer_stack.q4_rows}-rows")
         else:
             _log.info("minicb: decoder layers called one by one: %s", why_not)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
         rows = cpu_linear.skinny_rows_of(model)
         skinny = (f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else
                   f"; no skinny kernel ({rows_why})" if rows_why else "")
+        q4 = getattr(getattr(model, "layer_stack", None), "q4_rows", 0)
+        skinny += f", up to {q4} from the GGUF's 4-bit blocks" if q4 else ""
         _load_log.info("minicb: %s linear layers on %s: %s%s", str(model.dtype).removeprefix("torch."),
                        path, why, skinny)
     return linears + applied

@@ -32,6 +32,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minicb.fastpaths import ckernels, cpu_fused, cpu_linear, skinny_gemm
@@ -96,7 +97,8 @@ class LayerStack:
     a new tensor later needs ``install`` again); their addresses are read every step, so a tensor
     whose storage was replaced (``.data = ...``) is followed."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, q4_blocks: dict | None = None,
+                 settings: Settings | None = None) -> None:
         from minicb.fastpaths import cpu_paged
 
         cfg, dtype = model.config, model.dtype
@@ -122,7 +124,37 @@ class LayerStack:
                         for layer in layers]
         self.final = model.model.norm.weight
         self.cfg, self.dtype = cfg, dtype
-        self._table: tuple | None = None                # (the addresses it was made from, the table)
+        self._tables: dict[bool, tuple] = {}     # q4 or not: (the addresses it was made from, the table)
+        self.q4_rows, self.q4_why = self._add_q4(model, q4_blocks or {}, settings)
+
+    def _add_q4(self, model: LlamaForCausalLM, blocks: dict, settings: Settings | None) -> tuple[int, str]:
+        """Panels of the GGUF's Q4_1 blocks for every layer's products, for steps of up to ``q4_rows``
+        rows (``skinny_gemm.pack_q4``); ``(0, why not)`` unless every product has blocks that stand for
+        exactly the bfloat16 weights its panels hold, which is checked here, weight by weight."""
+        if self.dtype != torch.bfloat16 or not blocks:
+            return 0, "no Q4_1 weights"
+        rows, why = skinny_gemm.choose_q4_rows(settings)
+        if not rows:
+            return 0, why
+        tensors = []
+        for i, ts in enumerate(self.tensors):
+            pre = f"model.layers.{i}."
+            names = ([f"{pre}self_attn.{n}_proj.weight" for n in "qkv"], [f"{pre}self_attn.o_proj.weight"],
+                     [f"{pre}mlp.{n}_proj.weight" for n in ("gate", "up")], [f"{pre}mlp.down_proj.weight"])
+            q4 = []
+            for group, panels in zip(names, ts[1:3] + ts[4:]):
+                if not all(n in blocks for n in group):
+                    return 0, f"{group[0]} is not Q4_1"
+                stacked = np.concatenate([blocks[n] for n in group])
+                weight = skinny_gemm.q4_weight(stacked)
+                if not torch.equal(skinny_gemm.unpack(panels, *weight.shape), weight):
+                    return 0, f"{group[0]}'s Q4_1 blocks are not its bfloat16 weights"
+                q4.append(skinny_gemm.pack_q4(stacked))
+            tensors.append((ts[0], q4[0], q4[1], ts[3], q4[2], q4[3]))
+        self.q4_tensors = tensors
+        self.q4_kernels = _Kernels(_address(getattr(skinny_gemm.load(), skinny_gemm.Q4_FUNCTION + "_part")),
+                                   *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))
+        return rows, why
 
     def takes(self, x: torch.Tensor, backend, state) -> bool:
         """Whether this step is all the kernels' (a single ``_DecodeRows`` or ``_PromptTiles`` that is
@@ -135,16 +167,18 @@ class LayerStack:
                 and (isinstance(groups[0], _DecodeRows) and groups[0].tokens is None
                      or isinstance(groups[0], _PromptTiles) and groups[0].whole))
 
-    def _layer_table(self, kv_cache) -> ctypes.Array:
-        """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved)."""
-        key = (kv_cache.data.data_ptr(), *(t.data_ptr() for ts in self.tensors for t in ts))
-        if self._table is None or self._table[0] != key:
-            table = (_Layer * len(self.tensors))()
-            for i, ts in enumerate(self.tensors):
+    def _layer_table(self, kv_cache, q4: bool = False) -> ctypes.Array:
+        """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved);
+        ``q4``: with the products' 4-bit panels."""
+        tensors = self.q4_tensors if q4 else self.tensors
+        key = (kv_cache.data.data_ptr(), *(t.data_ptr() for ts in tensors for t in ts))
+        if q4 not in self._tables or self._tables[q4][0] != key:
+            table = (_Layer * len(tensors))()
+            for i, ts in enumerate(tensors):
                 kc, vc = kv_cache.layer(i)
                 table[i] = _Layer(*(t.data_ptr() for t in ts), kc.data_ptr(), vc.data_ptr())
-            self._table = (key, table)
-        return self._table[1]
+            self._tables[q4] = (key, table)
+        return self._tables[q4][1]
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
@@ -182,8 +216,10 @@ class LayerStack:
                      x.element_size(), tables.shape[1], bs, 0 if dec is None else dec.max_context,
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
+        q4 = rows <= self.q4_rows          # few rows: the products read the 4-bit blocks (same bits)
         failed = self.lib.minicb_layer_stack(
-            ctypes.byref(self.kernels), self._layer_table(backend.kv_cache), len(self.tensors),
+            ctypes.byref(self.q4_kernels if q4 else self.kernels), self._layer_table(backend.kv_cache, q4),
+            len(self.tensors),
             self.final.data_ptr(),
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), None if dec is None else dec.context_lens.data_ptr(),
@@ -228,10 +264,12 @@ class StackedLlama(LlamaForCausalLM):
         return h if logits_indices is None else h[logits_indices]
 
 
-def install(model: LlamaForCausalLM) -> str | None:
+def install(model: LlamaForCausalLM, q4_blocks: dict | None = None, settings: Settings | None = None
+            ) -> str | None:
     """Give ``model`` the stack (its class becomes ``StackedLlama``); None when done, else why not (the
-    model is left as it is). Builds the C loop first: a missing compiler raises ``KernelUnavailable``."""
-    stack = LayerStack(model)
+    model is left as it is). Builds the C loop first: a missing compiler raises ``KernelUnavailable``.
+    ``q4_blocks``: the GGUF's Q4_1 weights (``LoadedModel.q4_blocks``), for steps of few rows."""
+    stack = LayerStack(model, q4_blocks, settings)
     if stack.why_not:
         return stack.why_not
     model.layer_stack = stack

@@ -41,6 +41,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +64,11 @@ AMX_ROWS = 16              # bfloat16 on a CPU with AMX: oneDNN's tile products 
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
+Q4_FUNCTION = "minicb_skinny_q4"
+Q4_BLOCK, Q4_BLOCK_BYTES = 32, 1536      # inputs of a Q4_1 block; bytes of a panel's block (skinny_gemm.c)
+# Decode steps of up to this many rows read a bfloat16 model's Q4_1 weights where it has them and the
+# CPU has AVX-512 BF16 (``choose_q4_rows``): measured against the bfloat16 panels, bench/RESULTS.md.
+Q4_ROWS = 2
 
 
 @functools.cache
@@ -72,7 +78,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     CPU runs, and ``-mno-avx512f`` for the AVX2 loops (on a CPU with AVX2)."""
     lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled skinny GEMM")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in DTYPES.values():
+    for name in (*DTYPES.values(), Q4_FUNCTION):       # Q4_FUNCTION: bfloat16 from 4-bit blocks
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
         part = getattr(lib, name + "_part")       # one thread's share of the panels (layer_stack.c)
@@ -118,6 +124,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     else:
         panels = w.reshape(n_out // width, width, n_in).permute(0, 2, 1)
     return host_memory.on_huge_pages(panels)      # every step streams them: 2 MiB pages where allowed
+
+
+def unpack(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The weight ``[out_features, in_features]`` that ``pack`` made ``panels`` of, as a view (no copy)."""
+    if panels.dim() == 4:                                  # bfloat16: [panels, in / 2, 64, 2]
+        w = panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)
+    else:
+        w = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])
+    return w[:out_features, :in_features]
 
 
 def panels_shape(in_features: int, out_features: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -169,3 +184,74 @@ def choose_rows(dtype: torch.dtype, settings: Settings | None = None) -> tuple[i
     if dtype == torch.bfloat16 and "amx_bf16" in ckernels.cpu_flags():
         return AMX_ROWS, f"its {PATH_NAMES[dtype][loop]} path, AMX's tiles beyond {AMX_ROWS} rows"
     return ROWS[dtype, loop], f"its {PATH_NAMES[dtype][loop]} path"
+
+
+# --------------------------------------------------------------------------------------------------
+# The same products from a GGUF's 4-bit blocks (Q4_1): skinny_gemm.c's panel_q4 explains the layout
+# --------------------------------------------------------------------------------------------------
+
+def q4_weight(blocks: np.ndarray) -> torch.Tensor:
+    """The bfloat16 weight ``[out, in]`` that Q4_1 ``blocks`` (``[out, in / 32, 20]`` bytes) stand for:
+    ``d * q + m`` in float32 as the loader computes it (``gguf_loader.dequantize``), rounded by torch.
+
+    The kernel rounds with ``vcvtne2ps2bf16``, which differs from torch only on subnormals (it makes
+    them zero) and in a NaN's bits. A float16 ``d`` and ``m`` are multiples of 2^-24, so ``d * q + m``
+    is 0 or at least 2^-24, never subnormal; and a weight equal to a finite one (``LayerStack`` checks
+    that every product's panels hold exactly this weight) is no NaN."""
+    b = torch.from_numpy(blocks)
+    scale, offset = (b[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+    qs = b[..., 4:]
+    return torch.cat([qs & 15, qs >> 4], dim=2).float().mul_(scale).add_(offset).flatten(1).to(torch.bfloat16)
+
+
+def pack_q4(blocks: np.ndarray) -> torch.Tensor:
+    """Q4_1 ``blocks`` ``[out, in / 32, 20]`` (uint8: d, m as float16, then 16 bytes of nibbles) as
+    panel_q4's panels, uint8 ``[panels, in / 32, 1536]``: outputs padded with zero blocks to a multiple
+    of 64. Per panel and block, the scales D1, D2, M1, M2 of each vector (float16, each output's
+    twice: one per input of a pair), then the pairs' bytes (low nibble: output 16v + t/2, high:
+    16v + 8 + t/2; input 2j + t % 2 of the block, for byte t of vector v of pair j)."""
+    if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != 20:
+        raise ValueError(f"pack_q4 takes Q4_1 blocks [out, in / 32, 20] uint8, got {blocks.dtype} {blocks.shape}")
+    out, nb, _ = blocks.shape
+    panels = -(-out // PANEL_WIDTH)
+    b = F.pad(torch.from_numpy(blocks), (0, 0, 0, 0, 0, panels * PANEL_WIDTH - out))   # zero blocks
+    qs = b[..., 4:]
+    q = torch.cat([qs & 15, qs >> 4], dim=2)             # [out, nb, 32]: the block's inputs in order
+    # [panel, vector, half, output, block, pair, input of the pair] -> [panel, block, pair, vector, ...]
+    q = q.reshape(panels, 4, 2, 8, nb, 16, 2).permute(0, 4, 5, 1, 2, 3, 6)
+    nibbles = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).reshape(panels, nb, 1024)
+    # [panel, block, vector, (D, M), half, 16]: each output's scale and offset twice
+    scales = b[..., :4].reshape(panels, 4, 2, 8, nb, 2, 2).permute(0, 4, 1, 5, 2, 3, 6)
+    scales = scales.repeat_interleave(2, dim=5).reshape(panels, nb, 512)
+    return host_memory.on_huge_pages(torch.cat([scales, nibbles], dim=2))
+
+
+def matmul_q4(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``matmul`` from ``pack_q4``'s panels: bfloat16 ``x [rows, in_features]`` times the weight the
+    blocks stand for (``q4_weight``), the same bits as ``matmul`` on that weight's bfloat16 panels."""
+    nb = in_features // Q4_BLOCK
+    if (x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or in_features % Q4_BLOCK
+            or panels.dtype != torch.uint8 or not panels.is_contiguous()
+            or panels.shape != (-(-out_features // PANEL_WIDTH), nb, Q4_BLOCK_BYTES)):
+        raise ValueError(f"skinny_gemm.matmul_q4: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
+                         f"{in_features}] weight do not fit panels {panels.dtype} {tuple(panels.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    getattr(lib or load(), Q4_FUNCTION)(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features,
+                                        x.shape[0], in_features, out_features, torch.get_num_threads())
+    return y
+
+
+def choose_q4_rows(settings: Settings | None = None) -> tuple[int, str]:
+    """``(rows, why)``: decode steps of up to ``rows`` rows read a bfloat16 model's Q4_1 blocks (0:
+    never). ``MINICB_Q4_ROWS`` pins it; by default ``Q4_ROWS`` where the kernel has its AVX-512 BF16
+    loop (elsewhere the blocks' loop is plain C: not worth it)."""
+    env = (settings or Settings.from_env()).q4_rows
+    if env:
+        if not env.isdigit():
+            raise ValueError(f"MINICB_Q4_ROWS must be a whole number of rows (0: off), got {env!r}")
+        return int(env), f"MINICB_Q4_ROWS={env}"
+    if unavailable_reason() is not None or path(torch.bfloat16) != 2:
+        return 0, "the 4-bit loop needs AVX-512 BF16"
+    return Q4_ROWS, "its AVX-512 BF16 path"

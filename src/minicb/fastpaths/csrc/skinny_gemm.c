@@ -337,6 +337,10 @@ static inline uint32_t load_pair(const uint16_t *x) {
     return pair;
 }
 
+/* The plain C loops' product of a pair of inputs and a pair of bfloat16 weights (panel_bf16 and
+ * panel_q4 share it, so that both round alike wherever the compiler fuses a multiply and an add). */
+#define PAIR_PRODUCT(x0, w0, x1, w1) ((x0) * bf16_load(w0) + (x1) * bf16_load(w1))
+
 /* The same for a bfloat16 panel P [ceil(in / 2)][TW][2] (an odd last input paired with a zero). */
 static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, int64_t in, int nr,
                        float acc[RB][TW], const uint16_t *next, int64_t r0, int64_t rows) {
@@ -419,9 +423,123 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
             const float x0 = bf16_load(x[r * xstride + i]);
             const float x1 = i + 1 < in ? bf16_load(x[r * xstride + i + 1]) : 0.0f;
             const uint16_t *pi = p + i * TW;
-            for (int j = 0; j < TW; ++j)
-                acc[r][j] += x0 * bf16_load(pi[2 * j]) + x1 * bf16_load(pi[2 * j + 1]);
+            for (int j = 0; j < TW; ++j) acc[r][j] += PAIR_PRODUCT(x0, pi[2 * j], x1, pi[2 * j + 1]);
         }
+    }
+#endif
+}
+
+/* ---- The same bfloat16 products from weights kept in 4-bit blocks (Q4_1) ----
+ *
+ * SmolLM2's GGUF stores its layers' weights as Q4_1: blocks of 32 inputs of one output, each weight
+ * w = d * q + m with a 4-bit q and a float16 scale d and offset m per block, about 5 bits a weight.
+ * minicb's bfloat16 model holds each w rounded to bfloat16 (16 bits), and a decode step of one or a
+ * few rows reads all of them from memory: 215 MB for the 30 layers, most of a one-sequence step's
+ * time. panel_q4 reads the blocks instead (6 bits a weight) and makes each bfloat16 weight in
+ * registers just before its product: d * q + m in float32 (exactly the loader's value: d * q is exact
+ * in float32, so the fused multiply-add rounds once, as the loader's add does), rounded to nearest
+ * even by vcvtne2ps2bf16 (as torch's cast; it would flush a subnormal w to zero, so q4_panels refuses
+ * a weight that has one). Same bfloat16 weights, same pairs, same vdpbf16ps in the same order: the
+ * same bits as panel_bf16 on the bfloat16 panels, from 3/8 of the bytes and about eight more vector
+ * instructions per 32 weights, which a step of one to a few rows can afford and which then split
+ * over the threads where the memory's bandwidth does not.
+ *
+ * Layout (q4_panels in skinny_gemm.py packs it): per panel of TW outputs, per block of 32 inputs,
+ *
+ *     scales   [4 vectors][D1, D2, M1, M2][16] float16                      512 bytes
+ *     nibbles  [16 pairs][4 vectors][16] bytes                             1024 bytes
+ *
+ * Vector v of a pair holds what one 512-bit load of the bfloat16 panel holds: outputs 16v .. 16v+15,
+ * each with the pair's two inputs. Its first 16 bfloat16 words (outputs 16v .. 16v+7) come from the
+ * 16 bytes' low nibbles, its last 16 (outputs 16v+8 .. 16v+15) from their high nibbles, so one
+ * vcvtne2ps2bf16 of the two halves gives the words in the panel's order; D1 and M1 hold the scale and
+ * offset of each low-nibble word's output, D2 and M2 of each high one's. */
+/* A float16 as a float32 (exact; the plain C loop's scale and offset) */
+static inline float half_load(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, f = h & 1023u;
+    uint32_t u = sign | (e == 31 ? 0x7f800000u | f << 13 : (e + 112) << 23 | f << 13);
+    float v;
+    memcpy(&v, &u, sizeof v);
+    if (e == 0) v = (sign ? -1.0f : 1.0f) * (float)f * (1.0f / 16777216.0f);   /* zero, subnormal */
+    return v;
+}
+
+#define Q4_BLOCK 32
+#define Q4_BLOCK_BYTES 1536
+#define Q4_PANEL(in) ((in) / Q4_BLOCK * Q4_BLOCK_BYTES)
+
+static void panel_q4(const uint16_t *x, int64_t xstride, const uint8_t *p, int64_t in, int nr,
+                     float acc[RB][TW], const uint8_t *next, int64_t r0, int64_t rows) {
+    (void)next, (void)r0, (void)rows;
+#if defined(__AVX512BF16__)
+#define PANEL_Q4(NR)                                                                                   \
+    {                                                                                                  \
+        const __m512i low = _mm512_set1_epi32(15);                                                     \
+        __m512 a[NR][4];                                                                               \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();                                 \
+        for (int64_t kb = 0; kb < in / Q4_BLOCK; ++kb) {                                               \
+            const uint8_t *blk = p + kb * Q4_BLOCK_BYTES;                                              \
+            __m512 d1[4], d2[4], m1[4], m2[4];                                                         \
+            for (int v = 0; v < 4; ++v) {                                                              \
+                const __m256i *sc = (const __m256i *)(blk + 128 * v);                                  \
+                d1[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc));                                       \
+                d2[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 1));                                   \
+                m1[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 2));                                   \
+                m2[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 3));                                   \
+            }                                                                                          \
+            for (int j = 0; j < Q4_BLOCK / 2; ++j) {                                                   \
+                const int64_t i = kb * Q4_BLOCK + 2 * j;                                               \
+                for (int v = 0; v < 4; ++v) {                                                          \
+                    const __m512i q = _mm512_cvtepu8_epi32(                                            \
+                        _mm_loadu_si128((const __m128i *)(blk + 512 + 64 * j + 16 * v)));              \
+                    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1[v], \
+                                                      m1[v]);                                          \
+                    const __m512 w2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d2[v], \
+                                                      m2[v]);                                          \
+                    const __m512bh w = _mm512_cvtne2ps_pbh(w2, w1);                                    \
+                    for (int r = 0; r < NR; ++r)                                                       \
+                        a[r][v] = _mm512_dpbf16_ps(                                                    \
+                            a[r][v], (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * xstride + i)), w); \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r)                                                                   \
+            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + 16 * v, a[r][v]);                    \
+        return;                                                                                        \
+    }
+    switch (nr) {
+    case 1: PANEL_Q4(1)
+    case 2: PANEL_Q4(2)
+    case 3: PANEL_Q4(3)
+    case 4: PANEL_Q4(4)
+    case 5: PANEL_Q4(5)
+    default: PANEL_Q4(6)
+    }
+#else
+    /* plain C: each block's weights made in bfloat16 as above, then panel_bf16's plain loop */
+    for (int r = 0; r < nr; ++r)
+        for (int j = 0; j < TW; ++j) acc[r][j] = 0;
+    for (int64_t kb = 0; kb < in / Q4_BLOCK; ++kb) {
+        const uint8_t *blk = p + kb * Q4_BLOCK_BYTES;
+        uint16_t w[Q4_BLOCK / 2][TW][2];
+        for (int v = 0; v < 4; ++v)
+            for (int t = 0; t < 32; ++t) {        /* word t of vector v: output 16v + t/2, input t%2 */
+                const int high = t >= 16, lane = high ? t - 16 : t;
+                const uint16_t *sc = (const uint16_t *)(blk + 128 * v);
+                const float d = half_load(sc[16 * high + lane]), m = half_load(sc[32 + 16 * high + lane]);
+                for (int j = 0; j < Q4_BLOCK / 2; ++j) {
+                    const uint8_t byte = blk[512 + 64 * j + 16 * v + lane];
+                    const float q = (float)(high ? byte >> 4 : byte & 15);
+                    w[j][16 * v + t / 2][t % 2] = bf16_store(d * q + m);
+                }
+            }
+        for (int r = 0; r < nr; ++r)
+            for (int j = 0; j < Q4_BLOCK / 2; ++j) {
+                const int64_t i = kb * Q4_BLOCK + 2 * j;
+                const float x0 = bf16_load(x[r * xstride + i]), x1 = bf16_load(x[r * xstride + i + 1]);
+                for (int c = 0; c < TW; ++c) acc[r][c] += PAIR_PRODUCT(x0, w[j][c][0], x1, w[j][c][1]);
+            }
     }
 #endif
 }
@@ -453,11 +571,11 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
     *p1 = panels * (part + 1) / parts;
 }
 
-#define SKINNY(NAME, T, PANEL, STORE, PAIRS)                                                                  \
-    void NAME##_part(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows, \
+#define SKINNY(NAME, T, PT, PANEL, STORE, PANEL_SIZE)                                                 \
+    void NAME##_part(const T *x, int64_t xstride, const PT *packed, T *y, int64_t ystride, int64_t rows, \
                      int64_t in, int64_t out, int part, int parts) {                                  \
         const int64_t panels = (out + TW - 1) / TW;                                                   \
-        const int64_t panel_size = (PAIRS ? (in + 1) & ~(int64_t)1 : in) * TW;  /* bf16: in made even */ \
+        const int64_t panel_size = PANEL_SIZE(in);            /* in PT: one panel's whole run */      \
         int64_t p0, p1;                                                                               \
         share(panels, part, parts, &p0, &p1);                                                         \
         for (int64_t c0 = 0; c0 < rows; c0 += CHUNK) {                                                \
@@ -469,8 +587,8 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
                 const int64_t o0 = b * TW;                                                            \
                 const int64_t no = out - o0 < TW ? out - o0 : TW;                                     \
                 /* the next panel to ask the memory for: the next chunk's first after the last */    \
-                const T *next = b + 1 < p1 ? packed + (b + 1) * panel_size                            \
-                                : c0 + CHUNK < rows ? packed + p0 * panel_size : NULL;                \
+                const PT *next = b + 1 < p1 ? packed + (b + 1) * panel_size                           \
+                                 : c0 + CHUNK < rows ? packed + p0 * panel_size : NULL;               \
                 for (int64_t r0 = 0; r0 < crows; r0 += RB) {                                          \
                     const int nr = (int)(crows - r0 < RB ? crows - r0 : RB);                          \
                     PANEL(xc + r0 * xstride, xstride, packed + b * panel_size, in, nr, acc, next,     \
@@ -483,10 +601,10 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
-    void NAME(const T *x, int64_t xstride, const T *packed, T *y, int64_t ystride, int64_t rows,      \
+    void NAME(const T *x, int64_t xstride, const PT *packed, T *y, int64_t ystride, int64_t rows,     \
               int64_t in, int64_t out, int nthreads) {                                                \
         const int64_t panels = (out + TW - 1) / TW;                                                   \
-        const int64_t work = panels * (PAIRS ? (in + 1) & ~(int64_t)1 : in) * TW * (int64_t)sizeof(T); \
+        const int64_t work = panels * PANEL_SIZE(in) * (int64_t)sizeof(PT);                           \
         const int parts = nthreads > 1 && work >= SPLIT_BYTES ? nthreads : 1;                         \
         if (parts == 1) {                                                                             \
             NAME##_part(x, xstride, packed, y, ystride, rows, in, out, 0, 1);                         \
@@ -496,8 +614,11 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
         NAME##_part(x, xstride, packed, y, ystride, rows, in, out, omp_thread(), omp_threads());      \
     }
 
-SKINNY(minicb_skinny_f32, float, panel_f32, f32_store, 0)
-SKINNY(minicb_skinny_bf16, uint16_t, panel_bf16, bf16_store, 1)
+#define F32_PANEL(in) ((in) * TW)
+#define BF16_PANEL(in) ((((in) + 1) & ~(int64_t)1) * TW)       /* bfloat16: `in` made even */
+SKINNY(minicb_skinny_f32, float, float, panel_f32, f32_store, F32_PANEL)
+SKINNY(minicb_skinny_bf16, uint16_t, uint16_t, panel_bf16, bf16_store, BF16_PANEL)
+SKINNY(minicb_skinny_q4, uint16_t, uint8_t, panel_q4, bf16_store, Q4_PANEL)
 
 int minicb_skinny_panel_width(void) { return TW; }
 

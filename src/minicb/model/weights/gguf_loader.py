@@ -501,9 +501,11 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
-                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to ``dtype`` under its Hugging Face name, Q/K rows un-permuted."""
+def state_dict_from_gguf(g: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                         q4_blocks: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to ``dtype`` under its Hugging Face name, Q/K rows un-permuted.
+    ``q4_blocks``, a dict, also gets a copy of every Q4_1 tensor's blocks, ``[out, in / 32, 20]`` bytes
+    under the same name, rows un-permuted alike (``skinny_gemm.pack_q4`` reads them)."""
     names = {}
     for name, info in g.tensors.items():
         target = hf_name(name)
@@ -521,11 +523,15 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig,
     for name, target in names.items():
         info = g.tensors[name]
         w = dequantize(g.raw(name), info.ggml_type, info.shape)
-        if name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.num_key_value_heads)
+        keep = q4_blocks is not None and info.ggml_type == GGMLQuantizationType.Q4_1 and len(info.shape) == 2
+        blocks = g.raw(name).reshape(info.shape[0], -1, 20) if keep else None
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if name.endswith("q.weight") else config.num_key_value_heads
+            w = unpermute_qk(w, heads)
+            blocks = None if blocks is None else unpermute_qk(blocks, heads)
         out[target] = _to_torch(w, dtype)
+        if blocks is not None:
+            q4_blocks[target] = np.array(blocks, order="C")        # a copy: the file is closed after
     return out
 
 
@@ -541,9 +547,11 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """``(config, state_dict, metadata)`` of the GGUF at ``path``; the tokenizer is built by the caller."""
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              q4_blocks: dict[str, np.ndarray] | None = None):
+    """``(config, state_dict, metadata)`` of the GGUF at ``path``; the tokenizer is built by the caller.
+    ``q4_blocks``: filled with the Q4_1 tensors' blocks (``state_dict_from_gguf``)."""
     with read_gguf(path) as g:
         config = config_from_gguf(g)
-        state_dict = state_dict_from_gguf(g, config, dtype)
+        state_dict = state_dict_from_gguf(g, config, dtype, q4_blocks)
         return config, state_dict, g.metadata
