@@ -114,7 +114,7 @@ def vs_vllm(args, wl) -> None:
     theirs = vllm_parts(read_vllm_table(tables[-1]))
     blocks: dict = {}
     model = load_smollm2(DTYPES[args.dtype], blocks)
-    cpu_fast_paths(model, "cpu", q4_blocks=blocks)   # what LLM() does for a model it loads itself
+    cpu_fast_paths(model, "cpu", gguf_blocks=blocks)   # what LLM() does for a model it loads itself
     ours = profile_run(model, wl, time.process_time)   # LLM()'s defaults; CPU seconds (a busy machine)
     ours["attention"] += ours.pop("gather") + ours.pop("kernel")
     print(f"machine: {machine_description()}; {args.dtype}; load average {os.getloadavg()[0]:.2f}")

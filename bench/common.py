@@ -24,12 +24,12 @@ def matmul_ceiling_gflops(n: int = 2048, repeats: int = 5) -> float:
     return bench_cli.matmul_ceiling_gflops(n, repeats)
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, q4_blocks: dict | None = None) -> LlamaForCausalLM:
-    """The installed SmolLM2-135M as minicb's model, weights in ``dtype``; ``q4_blocks``, a dict, gets
-    its Q4_1 weights as stored (a bfloat16 load's), for ``cpu_fast_paths(..., q4_blocks=)`` as ``LLM``."""
+def load_smollm2(dtype: torch.dtype = torch.float32, gguf_blocks: dict | None = None) -> LlamaForCausalLM:
+    """The installed SmolLM2-135M as minicb's model, weights in ``dtype``; ``gguf_blocks``, a dict, gets
+    its quantized weights as stored (a bfloat16 load's), for ``cpu_fast_paths(..., gguf_blocks=)``."""
     loaded = load_model(None, dtype=dtype)
-    if q4_blocks is not None:
-        q4_blocks.update(loaded.q4_blocks)
+    if gguf_blocks is not None:
+        gguf_blocks.update(loaded.gguf_blocks)
     return LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, dtype)
 
 

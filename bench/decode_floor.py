@@ -50,6 +50,12 @@ tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`
 builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
 in float32 instead of on ``vdpbf16ps``), with a ``--workload``.
 
+``--block-rows 0,8`` alternates the limit of the stack's steps that read a bfloat16 model's GGUF blocks
+(``MINICB_BLOCK_ROWS``: 0, the bfloat16 panels for every step; 8, the blocks up to 8 rows) the same way,
+on the default build, ``--batches`` for the row counts::
+
+    python bench/decode_floor.py --block-rows 0,8 --batches 1,2,3,4,6,8 --threads 2 --dtypes bfloat16
+
 ``--beside BURN,SLEEP`` runs the ``--stack-builds`` beside another process, busy ``BURN`` ms then asleep
 ``SLEEP`` ms over and over: the machine a served step runs on, where the server's event loop and a
 client take a core now and then. ``-DTEAM_BARRIERS`` builds the stack's parts as they were before its
@@ -238,7 +244,7 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
             bandwidth.append(f"{t} thread(s) {read_bandwidth():.1f}")
         blocks: dict = {}
         model = load_smollm2(dtype, blocks)
-        applied = cpu_fast_paths(model, "cpu", q4_blocks=blocks)
+        applied = cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=2048, num_blocks=512, block_size=16)
         eng = llm.engine
         eng.add_request(f"scaling-{dname}", torch.randint(10, model.config.vocab_size, (64,)).tolist(),
@@ -336,19 +342,25 @@ def beside(spec: str | None):
 
 
 def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[int], threads: int,
-                 prompt_tokens: int, steps: int, rounds: int, workload: str | None = None) -> None:
-    """The stack's ms per step on each build of layer_stack.c, alternating (module docstring)."""
+                 prompt_tokens: int, steps: int, rounds: int, workload: str | None = None,
+                 block_rows: list[int] | None = None) -> None:
+    """The stack's ms per step on each build of layer_stack.c, alternating (module docstring);
+    ``block_rows``: on the default build, each of these limits of the GGUF blocks' steps instead."""
     torch.set_num_threads(threads)
     print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     libs = {name: layer_stack.load(flags) for name, flags in builds.items()}
+    limits = dict.fromkeys(libs, None)
+    if block_rows:
+        libs = {f"blocks<={n}": layer_stack.load() for n in block_rows}
+        limits = {f"blocks<={n}": n for n in block_rows}
     if workload:
         workload_builds(dname, libs, workload, rounds)
         return
-    blocks: dict = {}
-    model = load_smollm2(getattr(torch, dname), blocks)
-    cpu_fast_paths(model, "cpu", q4_blocks=blocks)
+    gguf_blocks: dict = {}
+    model = load_smollm2(getattr(torch, dname), gguf_blocks)
+    cpu_fast_paths(model, "cpu", gguf_blocks=gguf_blocks)
     stack = model.layer_stack
-    blocks = max(batches) * (prompt_tokens + (rounds + 1) * steps * len(builds) + 8) // 16 + 64
+    blocks = max(batches) * (prompt_tokens + (rounds + 1) * steps * len(libs) + 8) // 16 + 64
     llm = LLM(model, max_num_seqs=max(batches), max_num_batched_tokens=2048, num_blocks=blocks, block_size=16)
     eng = llm.engine
     run = layer_stack.LayerStack.run
@@ -356,12 +368,14 @@ def stack_builds(dname: str, builds: dict[str, tuple[str, ...]], batches: list[i
     print(f"{dname}, {threads} threads, {prompt_tokens}-token prompts; the stack's ms per step: median "
           f"[range of {rounds} rounds of {steps} steps]")
     for b in batches:
-        max_tokens = (rounds + 1) * steps * len(builds) + 4
+        max_tokens = (rounds + 1) * steps * len(libs) + 4
         ids = start_decoding(eng, b, model.config.vocab_size, prompt_tokens, max_tokens)
         per = {name: [] for name in libs}
         for rnd in range(rounds + 1):                     # round 0 warms each build up, uncounted
             for name, lib in list(libs.items())[::1 if rnd % 2 else -1]:     # the order alternates
                 stack.lib = lib
+                if limits[name] is not None:
+                    stack.block_rows = limits[name]
                 before = SECONDS["stack"]
                 for _ in range(steps):
                     eng.step()
@@ -391,6 +405,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="each sequence's prompt (its context)")
     ap.add_argument("--stack-builds", help="NAME=FLAGS,...: builds of layer_stack.c to alternate")
+    ap.add_argument("--block-rows", help="A,B,...: like --stack-builds, the default build with each limit "
+                    "of the steps that read the GGUF's blocks (MINICB_BLOCK_ROWS) in turn")
     ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
     ap.add_argument("--prompt-builds", help="NAME=FLAGS,...: builds of paged_prompt.c to alternate on "
                     "--workload")
@@ -414,13 +430,16 @@ def main() -> None:
                                     (item.split("=", 1) for item in args.prompt_builds.split(","))},
                             args.workload, args.rounds, prompt=True)
         return
-    if args.stack_builds:
+    if args.block_rows and (args.workload or args.stack_builds):
+        ap.error("--block-rows alternates on the default build, without --workload or --stack-builds")
+    if args.stack_builds or args.block_rows:
         builds = {name: tuple(flags.split()) for name, flags in
-                  (item.split("=", 1) for item in args.stack_builds.split(","))}
+                  (item.split("=", 1) for item in (args.stack_builds or "default=").split(","))}
         with beside(args.beside):
             for dname in args.dtypes.split(","):
                 stack_builds(dname, builds, [int(b) for b in args.batches.split(",")], int(args.threads),
-                             args.prompt_tokens, args.steps, args.rounds, args.workload)
+                             args.prompt_tokens, args.steps, args.rounds, args.workload,
+                             [int(n) for n in args.block_rows.split(",")] if args.block_rows else None)
         return
     if args.thread_scaling:
         threads = [int(t) for t in (args.threads if args.threads != "1" else "1,2").split(",")]
@@ -436,7 +455,7 @@ def main() -> None:
         dtype = getattr(torch, dname)
         blocks: dict = {}
         model = load_smollm2(dtype, blocks)
-        applied = cpu_fast_paths(model, "cpu", q4_blocks=blocks)
+        applied = cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
         batches = [int(b) for b in args.batches.split(",")]
         context = args.prompt_tokens + 2 + args.steps // 2        # a measured step's mean context
         nbytes = {b: weight_bytes(model, b) + kv_bytes(model, b, context) for b in batches}

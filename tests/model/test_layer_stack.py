@@ -194,12 +194,13 @@ def test_which_models_get_the_stack(monkeypatch):
     assert "layer-stack" not in cpu_fast_paths(f64, "cpu") and type(f64) is LlamaForCausalLM
 
 
-def test_steps_of_few_rows_read_the_ggufs_4bit_blocks_and_give_the_same_bits(tmp_path, monkeypatch):
-    """A bfloat16 model loaded from a GGUF whose weights are all Q4_1 (Q and K rows permuted by the
-    writer, un-permuted by the loader, blocks and all): its stacked steps of up to ``MINICB_Q4_ROWS``
-    rows read the blocks (``skinny_gemm.pack_q4``), the others the bfloat16 panels, and every stacked
-    step equals the layers' own calls on the bfloat16 panels bit for bit. Blocks that do not stand for
-    the model's weights are refused, and so is a model of another dtype."""
+def test_steps_of_few_rows_read_the_ggufs_blocks_and_give_the_same_bits(tmp_path, monkeypatch):
+    """A bfloat16 model loaded from a GGUF of SmolLM2's formats (the layers' weights Q4_1, their Q and K
+    rows permuted by the writer and un-permuted by the loader, blocks and all; the tied embedding Q8_0):
+    its stacked steps of up to ``MINICB_BLOCK_ROWS`` rows read the blocks (``skinny_gemm.pack_blocks``),
+    the others the bfloat16 panels, and every stacked step equals the layers' own calls on the
+    bfloat16 panels bit for bit; so do the LM head's products from its Q8_0 blocks. Blocks that do not
+    stand for the model's weights are refused, and so is a model of another dtype."""
     from gguf import GGMLQuantizationType as T
     from test_loader import tiny_hf_model, write_tiny_gguf
 
@@ -207,37 +208,45 @@ def test_steps_of_few_rows_read_the_ggufs_4bit_blocks_and_give_the_same_bits(tmp
     from minicb.model.weights.loader import load_model
 
     if skinny_gemm.path(torch.bfloat16) != 2:
-        unavailable("the 4-bit loop is the AVX-512 BF16 one; this CPU runs the plain C loop")
-    path = write_tiny_gguf(tmp_path / "q4.gguf", tiny_hf_model(tie=True), types=lambda name: T.Q4_1)
-    monkeypatch.setenv("MINICB_Q4_ROWS", "3")
+        unavailable("the blocks' loop is the AVX-512 BF16 one; this CPU runs the plain C loop")
+    path = write_tiny_gguf(tmp_path / "blocks.gguf", tiny_hf_model(tie=True),
+                           types=lambda name: T.Q8_0 if "embed" in name else T.Q4_1)
+    monkeypatch.setenv("MINICB_BLOCK_ROWS", "3")
     loaded = load_model(path, dtype=torch.bfloat16)
-    assert len(loaded.q4_blocks) == 2 * 7 + 1                 # every 2-D weight: 7 a layer, the embedding
+    assert sorted({b.shape[2] for b in loaded.gguf_blocks.values()}) == [20, 34]
+    assert len(loaded.gguf_blocks) == 2 * 7 + 1               # every 2-D weight: 7 a layer, the embedding
 
     def build(blocks):
         model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.bfloat16)
-        return model, cpu_fast_paths(model, "cpu", q4_blocks=blocks)
+        return model, cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
 
-    model, applied = build(loaded.q4_blocks)
-    assert "q4-3-rows" in applied and model.layer_stack.q4_rows == 3
+    model, applied = build(loaded.gguf_blocks)
+    assert "gguf-blocks-3-rows" in applied and model.layer_stack.block_rows == model.lm_head.block_rows == 3
+    x = torch.randn(3, loaded.config.hidden_size).to(torch.bfloat16)
+    logits = model.lm_head(x)                                  # from the Q8_0 blocks
+    model.lm_head.block_rows = 0
+    assert torch.equal(logits, model.lm_head(x))               # from the bfloat16 panels
+    model.lm_head.block_rows = 3
     rows, tables = checked_runs(monkeypatch, model), []
     table = layer_stack.LayerStack._layer_table
     monkeypatch.setattr(layer_stack.LayerStack, "_layer_table",
-                        lambda self, kv, q4=False: tables.append(q4) or table(self, kv, q4))
+                        lambda self, kv, blocks=False: tables.append(blocks) or table(self, kv, blocks))
     llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
               num_blocks=64)
     llm.generate(random_prompts(5, 3, 30, loaded.config.vocab_size, seed=7),
                  [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)])
     assert tables == [r <= 3 for r in rows] and {1, 2, 3} <= set(rows) and max(rows) > 3, rows
 
-    other = dict(loaded.q4_blocks)
+    other = dict(loaded.gguf_blocks)
     name = "model.layers.1.mlp.down_proj.weight"
     other[name] = other[name].copy()
     other[name][5, 1, 7] ^= 0x10                             # one weight's 4 bits, changed
     model, applied = build(other)
-    assert not any(a.startswith("q4") for a in applied)
-    assert model.layer_stack.q4_why == "model.layers.1.mlp.down_proj.weight's Q4_1 blocks are not its bfloat16 weights"
+    assert not any(a.startswith("gguf-blocks") for a in applied)
+    assert model.layer_stack.block_why == f"{name}'s blocks are not its bfloat16 weights"
+    assert model.lm_head.block_rows == 0
     del other[name]
-    assert build(other)[0].layer_stack.q4_why == "model.layers.1.mlp.down_proj.weight is not Q4_1"
+    assert build(other)[0].layer_stack.block_why == f"{name} has no blocks of one kind"
     f32 = LlamaForCausalLM.from_state_dict(loaded.config, load_model(path).state_dict, torch.float32)
-    cpu_fast_paths(f32, "cpu", q4_blocks=loaded.q4_blocks)
-    assert f32.layer_stack.q4_rows == 0 and load_model(path).q4_blocks == {}
+    cpu_fast_paths(f32, "cpu", gguf_blocks=loaded.gguf_blocks)
+    assert f32.layer_stack.block_rows == 0 and load_model(path).gguf_blocks == {}

@@ -133,7 +133,7 @@ class LLM:
             model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch_dtype, home)
             if tensor_parallel_size == 1 and fast_paths:
                 _phase("packing the weights for this CPU (and compiling its C kernels)")
-                cpu_fast_paths(model, device, q4_blocks=loaded.q4_blocks)
+                cpu_fast_paths(model, device, gguf_blocks=loaded.gguf_blocks)
         sched = SchedulerConfig(**_default_config(model, config, kv_cache_memory_bytes))
         if tensor_parallel_size > 1:
             from minicb.distributed.launch import launch

@@ -189,6 +189,8 @@ class PackedLinear(nn.Module):
     ``Float32ComputeLinear`` does), or bfloat16 for a bfloat16 layer on the CPU's bfloat16
     instructions (a float32 layer always keeps float32 products)."""
 
+    block_rows = 0          # products of up to so many rows from the GGUF's blocks (``read_blocks``)
+
     def __init__(self, linear: nn.Module, compute_dtype: torch.dtype = torch.float32,
                  keep_weight: bool = True, skinny_rows: int = 0) -> None:
         super().__init__()
@@ -203,7 +205,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_packed", _pack(w, self.compute_dtype), persistent=False)
         _add_panels(self, w, linear.weight.dtype, skinny_rows)
 
+    def read_blocks(self, panels: torch.Tensor, rows: int) -> None:
+        """Products of up to ``rows`` rows from ``panels``: ``skinny_gemm.panels_of_blocks`` of the GGUF
+        blocks that stand for this layer's weight (the same bits as its skinny panels)."""
+        self.block_panels, self.block_rows = panels, rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.block_rows and x.dim() == 2:      # the GGUF's blocks: the same bits
+            return skinny_gemm.matmul_blocks(x, self.block_panels, self.in_features, self.out_features)
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
             return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)

@@ -14,7 +14,10 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
    (``MINICB_SKINNY_ROWS`` pins it), its weights on 2 MiB pages where the OS allows them
    (``host_memory``; ``MINICB_HUGE_PAGES=0`` keeps plain ones);
 4. with all of those, the decoder layers of a step whose rows are all decode-kernel rows in one C
-   call (``layer_stack``; ``MINICB_LAYER_STACK=0`` keeps the layers' own calls).
+   call (``layer_stack``; ``MINICB_LAYER_STACK=0`` keeps the layers' own calls);
+5. for a bfloat16 model read from a GGUF's Q4_1 / Q8_0 weights (``LoadedModel.gguf_blocks``), steps
+   of one row multiply from those blocks as stored, a third to a half of the bfloat16 bytes, with the
+   same bits (``skinny_gemm.pack_blocks``; ``MINICB_BLOCK_ROWS`` pins how many rows, 0: never).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
@@ -41,12 +44,13 @@ _load_log = logging.getLogger(LOAD_LOGGER)
 _FUSED_FALLBACK_LOGGED: set[str] = set()
 
 
-def cpu_fast_paths(model, device, settings: Settings | None = None, q4_blocks: dict | None = None) -> list[str]:
+def cpu_fast_paths(model, device, settings: Settings | None = None,
+                   gguf_blocks: dict | None = None) -> list[str]:
     """Put ``model`` on the CPU's fast paths, in place (module docstring); the names of what was
     applied (``["packed-linears-f32", "fused-ops"]``, ...). Nothing on another device. ``settings``:
-    the switches (default: read from the environment now, once). ``q4_blocks``: the GGUF's 4-bit
-    weights the model was loaded from (``LoadedModel.q4_blocks``), which the layer stack reads in
-    bfloat16 steps of few rows."""
+    the switches (default: read from the environment now, once). ``gguf_blocks``: the GGUF's quantized
+    weights the model was loaded from (``LoadedModel.gguf_blocks``), which a bfloat16 model reads in
+    steps of one row (``layer_stack``, the LM head)."""
     applied = []
     if torch.device(device).type != "cpu":
         return applied
@@ -67,21 +71,21 @@ def cpu_fast_paths(model, device, settings: Settings | None = None, q4_blocks: d
     linears = cpu_linear.apply_path(model, path, skinny_rows=rows)
     if "fused-ops" in applied and rows and settings.layer_stack:
         try:
-            why_not = layer_stack.install(model, q4_blocks, settings)
+            why_not = layer_stack.install(model, gguf_blocks, settings)
         except KernelUnavailable as e:
             why_not = str(e)
         if why_not is None:
             applied.append("layer-stack")
-            if model.layer_stack.q4_rows:
-                applied.append(f"q4-{model.layer_stack.q4_rows}-rows")
+            if model.layer_stack.block_rows:
+                applied.append(f"gguf-blocks-{model.layer_stack.block_rows}-rows")
         else:
             _log.info("minicb: decoder layers called one by one: %s", why_not)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
         rows = cpu_linear.skinny_rows_of(model)
         skinny = (f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else
                   f"; no skinny kernel ({rows_why})" if rows_why else "")
-        q4 = getattr(getattr(model, "layer_stack", None), "q4_rows", 0)
-        skinny += f", up to {q4} from the GGUF's 4-bit blocks" if q4 else ""
+        blocks = getattr(getattr(model, "layer_stack", None), "block_rows", 0)
+        skinny += f", up to {blocks} from the GGUF's blocks as stored" if blocks else ""
         _load_log.info("minicb: %s linear layers on %s: %s%s", str(model.dtype).removeprefix("torch."),
                        path, why, skinny)
     return linears + applied

@@ -97,7 +97,7 @@ class LayerStack:
     a new tensor later needs ``install`` again); their addresses are read every step, so a tensor
     whose storage was replaced (``.data = ...``) is followed."""
 
-    def __init__(self, model: LlamaForCausalLM, q4_blocks: dict | None = None,
+    def __init__(self, model: LlamaForCausalLM, gguf_blocks: dict | None = None,
                  settings: Settings | None = None) -> None:
         from minicb.fastpaths import cpu_paged
 
@@ -124,16 +124,18 @@ class LayerStack:
                         for layer in layers]
         self.final = model.model.norm.weight
         self.cfg, self.dtype = cfg, dtype
-        self._tables: dict[bool, tuple] = {}     # q4 or not: (the addresses it was made from, the table)
-        self.q4_rows, self.q4_why = self._add_q4(model, q4_blocks or {}, settings)
+        self._tables: dict[bool, tuple] = {}     # blocks or not: (the addresses it was made from, the table)
+        self.block_rows, self.block_why = self._add_blocks(model, gguf_blocks or {}, settings)
 
-    def _add_q4(self, model: LlamaForCausalLM, blocks: dict, settings: Settings | None) -> tuple[int, str]:
-        """Panels of the GGUF's Q4_1 blocks for every layer's products, for steps of up to ``q4_rows``
-        rows (``skinny_gemm.pack_q4``); ``(0, why not)`` unless every product has blocks that stand for
-        exactly the bfloat16 weights its panels hold, which is checked here, weight by weight."""
+    def _add_blocks(self, model: LlamaForCausalLM, blocks: dict, settings: Settings | None
+                    ) -> tuple[int, str]:
+        """Panels of the GGUF's blocks (``skinny_gemm.pack_blocks``) for every layer's products and the
+        LM head, for steps of up to ``block_rows`` rows; ``(0, why not)`` unless every product has
+        blocks that stand for exactly the bfloat16 weights its panels hold, checked here weight by
+        weight (``skinny_gemm.panels_of_blocks``)."""
         if self.dtype != torch.bfloat16 or not blocks:
-            return 0, "no Q4_1 weights"
-        rows, why = skinny_gemm.choose_q4_rows(settings)
+            return 0, "no GGUF blocks"
+        rows, why = skinny_gemm.choose_block_rows(settings)
         if not rows:
             return 0, why
         tensors = []
@@ -141,19 +143,28 @@ class LayerStack:
             pre = f"model.layers.{i}."
             names = ([f"{pre}self_attn.{n}_proj.weight" for n in "qkv"], [f"{pre}self_attn.o_proj.weight"],
                      [f"{pre}mlp.{n}_proj.weight" for n in ("gate", "up")], [f"{pre}mlp.down_proj.weight"])
-            q4 = []
+            packed = []
             for group, panels in zip(names, ts[1:3] + ts[4:]):
-                if not all(n in blocks for n in group):
-                    return 0, f"{group[0]} is not Q4_1"
+                if not all(n in blocks for n in group) or len({blocks[n].shape[2] for n in group}) != 1:
+                    return 0, f"{group[0]} has no blocks of one kind"
                 stacked = np.concatenate([blocks[n] for n in group])
-                weight = skinny_gemm.q4_weight(stacked)
-                if not torch.equal(skinny_gemm.unpack(panels, *weight.shape), weight):
-                    return 0, f"{group[0]}'s Q4_1 blocks are not its bfloat16 weights"
-                q4.append(skinny_gemm.pack_q4(stacked))
-            tensors.append((ts[0], q4[0], q4[1], ts[3], q4[2], q4[3]))
-        self.q4_tensors = tensors
-        self.q4_kernels = _Kernels(_address(getattr(skinny_gemm.load(), skinny_gemm.Q4_FUNCTION + "_part")),
-                                   *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))
+                packed.append(skinny_gemm.panels_of_blocks(stacked, panels))
+                if packed[-1] is None:
+                    return 0, f"{group[0]}'s blocks are not its bfloat16 weights"
+            tensors.append((ts[0], packed[0], packed[1], ts[3], packed[2], packed[3]))
+        kinds = {t.shape[2] for ts in tensors for t in (ts[1], ts[2], ts[4], ts[5])}
+        if len(kinds) != 1:
+            return 0, "the layers' blocks are of more than one kind"
+        name = {size: n for _, n, size in skinny_gemm.BLOCK_KINDS.values()}[kinds.pop()]
+        self.block_tensors = tensors
+        self.block_kernels = _Kernels(_address(getattr(skinny_gemm.load(), name + "_part")),
+                                      *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))
+        head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
+        lm = model.lm_head
+        if isinstance(lm, cpu_linear.PackedLinear) and lm.skinny_rows and head in blocks:
+            panels = skinny_gemm.panels_of_blocks(blocks[head], lm.weight_panels)
+            if panels is not None:
+                lm.read_blocks(panels, rows)
         return rows, why
 
     def takes(self, x: torch.Tensor, backend, state) -> bool:
@@ -167,18 +178,18 @@ class LayerStack:
                 and (isinstance(groups[0], _DecodeRows) and groups[0].tokens is None
                      or isinstance(groups[0], _PromptTiles) and groups[0].whole))
 
-    def _layer_table(self, kv_cache, q4: bool = False) -> ctypes.Array:
+    def _layer_table(self, kv_cache, blocks: bool = False) -> ctypes.Array:
         """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved);
-        ``q4``: with the products' 4-bit panels."""
-        tensors = self.q4_tensors if q4 else self.tensors
+        ``blocks``: with the products' panels of the GGUF's blocks."""
+        tensors = self.block_tensors if blocks else self.tensors
         key = (kv_cache.data.data_ptr(), *(t.data_ptr() for ts in tensors for t in ts))
-        if q4 not in self._tables or self._tables[q4][0] != key:
+        if blocks not in self._tables or self._tables[blocks][0] != key:
             table = (_Layer * len(tensors))()
             for i, ts in enumerate(tensors):
                 kc, vc = kv_cache.layer(i)
                 table[i] = _Layer(*(t.data_ptr() for t in ts), kc.data_ptr(), vc.data_ptr())
-            self._tables[q4] = (key, table)
-        return self._tables[q4][1]
+            self._tables[blocks] = (key, table)
+        return self._tables[blocks][1]
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
@@ -216,9 +227,10 @@ class LayerStack:
                      x.element_size(), tables.shape[1], bs, 0 if dec is None else dec.max_context,
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
-        q4 = rows <= self.q4_rows          # few rows: the products read the 4-bit blocks (same bits)
+        gguf = rows <= self.block_rows        # few rows: the products read the GGUF's blocks (same bits)
         failed = self.lib.minicb_layer_stack(
-            ctypes.byref(self.q4_kernels if q4 else self.kernels), self._layer_table(backend.kv_cache, q4),
+            ctypes.byref(self.block_kernels if gguf else self.kernels),
+            self._layer_table(backend.kv_cache, gguf),
             len(self.tensors),
             self.final.data_ptr(),
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -264,12 +276,12 @@ class StackedLlama(LlamaForCausalLM):
         return h if logits_indices is None else h[logits_indices]
 
 
-def install(model: LlamaForCausalLM, q4_blocks: dict | None = None, settings: Settings | None = None
+def install(model: LlamaForCausalLM, gguf_blocks: dict | None = None, settings: Settings | None = None
             ) -> str | None:
     """Give ``model`` the stack (its class becomes ``StackedLlama``); None when done, else why not (the
     model is left as it is). Builds the C loop first: a missing compiler raises ``KernelUnavailable``.
-    ``q4_blocks``: the GGUF's Q4_1 weights (``LoadedModel.q4_blocks``), for steps of few rows."""
-    stack = LayerStack(model, q4_blocks, settings)
+    ``gguf_blocks``: the GGUF's Q4_1 weights (``LoadedModel.gguf_blocks``), for steps of few rows."""
+    stack = LayerStack(model, gguf_blocks, settings)
     if stack.why_not:
         return stack.why_not
     model.layer_stack = stack

@@ -23,8 +23,8 @@ SWITCHES: tuple[tuple[str, str, str, str], ...] = (
      "the GEMM of linear layers: auto, torch, mkl, onednn-f32, onednn-bf16"),
     ("MINICB_SKINNY_ROWS", "skinny_rows", "",
      "steps of up to N rows go to the skinny kernel (0: off; unset: chosen for the CPU)"),
-    ("MINICB_Q4_ROWS", "q4_rows", "",
-     "decode steps of up to N rows read a bfloat16 model's Q4_1 weights as stored (0: off; unset: by CPU)"),
+    ("MINICB_BLOCK_ROWS", "block_rows", "",
+     "steps of up to N rows read a bfloat16 model's GGUF blocks as stored (0: off; unset: by CPU)"),
     ("MINICB_FUSED_OPS", "fused_ops", "1", "0: the reference RMSNorm, rotary embedding and SiLU"),
     ("MINICB_LAYER_STACK", "layer_stack", "1", "0: decoder layers called one by one, never in one C call"),
     ("MINICB_HUGE_PAGES", "huge_pages", "1", "0: the skinny kernel's weight copies on plain pages"),
@@ -44,7 +44,7 @@ class Settings:
 
     linear: str = "auto"
     skinny_rows: str = ""
-    q4_rows: str = ""
+    block_rows: str = ""
     fused_ops: bool = True
     layer_stack: bool = True
     huge_pages: bool = True

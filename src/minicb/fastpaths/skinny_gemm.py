@@ -64,11 +64,12 @@ AMX_ROWS = 16              # bfloat16 on a CPU with AMX: oneDNN's tile products 
 PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
               torch.bfloat16: {2: "AVX-512 BF16", 1: "AVX2, widened to float32", 0: "plain C"}}
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
-Q4_FUNCTION = "minicb_skinny_q4"
-Q4_BLOCK, Q4_BLOCK_BYTES = 32, 1536      # inputs of a Q4_1 block; bytes of a panel's block (skinny_gemm.c)
-# Decode steps of up to this many rows read a bfloat16 model's Q4_1 weights where it has them and the
-# CPU has AVX-512 BF16 (``choose_q4_rows``): measured against the bfloat16 panels, bench/RESULTS.md.
-Q4_ROWS = 2
+# A GGUF's blocks of 32 inputs, by their size in the file: (format, kernel, bytes of a panel's block)
+BLOCK_KINDS = {20: ("Q4_1", "minicb_skinny_q4", 1536), 34: ("Q8_0", "minicb_skinny_q8", 2304)}
+# Decode steps of up to this many rows read a bfloat16 model's blocks where it has them and the CPU
+# has AVX-512 BF16 (``choose_block_rows``): one row 0.68x the bfloat16 panels' stack time on 2 threads,
+# two 0.96x, three 1.04x, four 1.11x (``bench/decode_floor.py --block-rows 0,8``, bench/RESULTS.md).
+BLOCK_ROWS = 1
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     CPU runs, and ``-mno-avx512f`` for the AVX2 loops (on a CPU with AVX2)."""
     lib = ckernels.open_library(ckernels.build(SOURCE, extra_flags=extra_flags), "the compiled skinny GEMM")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in (*DTYPES.values(), Q4_FUNCTION):       # Q4_FUNCTION: bfloat16 from 4-bit blocks
+    for name in (*DTYPES.values(), *(kind[1] for kind in BLOCK_KINDS.values())):   # + from GGUF blocks
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int], None
         part = getattr(lib, name + "_part")       # one thread's share of the panels (layer_stack.c)
@@ -187,71 +188,98 @@ def choose_rows(dtype: torch.dtype, settings: Settings | None = None) -> tuple[i
 
 
 # --------------------------------------------------------------------------------------------------
-# The same products from a GGUF's 4-bit blocks (Q4_1): skinny_gemm.c's panel_q4 explains the layout
+# The same products from a GGUF's blocks (Q4_1, Q8_0): skinny_gemm.c's panel_blocks draws the layout
 # --------------------------------------------------------------------------------------------------
 
-def q4_weight(blocks: np.ndarray) -> torch.Tensor:
-    """The bfloat16 weight ``[out, in]`` that Q4_1 ``blocks`` (``[out, in / 32, 20]`` bytes) stand for:
-    ``d * q + m`` in float32 as the loader computes it (``gguf_loader.dequantize``), rounded by torch.
+def _kind(blocks: np.ndarray) -> tuple[str, str, int]:
+    if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] not in BLOCK_KINDS:
+        raise ValueError(f"GGUF blocks are [out, in / 32, 20 (Q4_1) or 34 (Q8_0)] uint8, got {blocks.dtype} "
+                         f"{blocks.shape}")
+    return BLOCK_KINDS[blocks.shape[2]]
+
+
+def blocks_weight(blocks: np.ndarray) -> torch.Tensor:
+    """The bfloat16 weight ``[out, in]`` that GGUF ``blocks`` (``[out, in / 32, 20 or 34]`` bytes) stand
+    for: ``d * q + m`` (Q4_1) or ``d * q`` (Q8_0) in float32 as the loader computes it
+    (``gguf_loader.dequantize``), rounded by torch.
 
     The kernel rounds with ``vcvtne2ps2bf16``, which differs from torch only on subnormals (it makes
-    them zero) and in a NaN's bits. A float16 ``d`` and ``m`` are multiples of 2^-24, so ``d * q + m``
-    is 0 or at least 2^-24, never subnormal; and a weight equal to a finite one (``LayerStack`` checks
-    that every product's panels hold exactly this weight) is no NaN."""
+    them zero) and in a NaN's bits. A float16 ``d`` and ``m`` are multiples of 2^-24, so every weight
+    is 0 or at least 2^-24, never subnormal; and a weight equal to a finite one (``panels_of_blocks``
+    checks that the panels hold exactly this weight; the loader that every weight is finite) is no
+    NaN."""
+    _kind(blocks)
     b = torch.from_numpy(blocks)
-    scale, offset = (b[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
-    qs = b[..., 4:]
+    scale = b[..., 0:2].contiguous().view(torch.float16).float()
+    if blocks.shape[2] == 34:                               # Q8_0: d, then 32 signed bytes
+        return b[..., 2:].view(torch.int8).float().mul_(scale).flatten(1).to(torch.bfloat16)
+    offset, qs = b[..., 2:4].contiguous().view(torch.float16).float(), b[..., 4:]
     return torch.cat([qs & 15, qs >> 4], dim=2).float().mul_(scale).add_(offset).flatten(1).to(torch.bfloat16)
 
 
-def pack_q4(blocks: np.ndarray) -> torch.Tensor:
-    """Q4_1 ``blocks`` ``[out, in / 32, 20]`` (uint8: d, m as float16, then 16 bytes of nibbles) as
-    panel_q4's panels, uint8 ``[panels, in / 32, 1536]``: outputs padded with zero blocks to a multiple
-    of 64. Per panel and block, the scales D1, D2, M1, M2 of each vector (float16, each output's
-    twice: one per input of a pair), then the pairs' bytes (low nibble: output 16v + t/2, high:
-    16v + 8 + t/2; input 2j + t % 2 of the block, for byte t of vector v of pair j)."""
-    if blocks.dtype != np.uint8 or blocks.ndim != 3 or blocks.shape[2] != 20:
-        raise ValueError(f"pack_q4 takes Q4_1 blocks [out, in / 32, 20] uint8, got {blocks.dtype} {blocks.shape}")
+def pack_blocks(blocks: np.ndarray) -> torch.Tensor:
+    """GGUF ``blocks`` ``[out, in / 32, 20 or 34]`` (uint8: Q4_1's d, m as float16 and 16 bytes of
+    nibbles; Q8_0's d and 32 signed bytes) as panel_blocks' panels, uint8 ``[panels, in / 32, 1536 or
+    2304]``: outputs padded with zero blocks to a multiple of 64. Per panel and block, each vector's
+    scales (float16, each output's twice: one per input of a pair), then the pairs: word t of vector
+    v of pair j is output 16v + t // 2, input 2j + t % 2 of the block, from byte t % 16's low nibble
+    (t < 16) or high one (Q4_1), or from byte t (Q8_0)."""
+    kind = _kind(blocks)[0]
     out, nb, _ = blocks.shape
     panels = -(-out // PANEL_WIDTH)
     b = F.pad(torch.from_numpy(blocks), (0, 0, 0, 0, 0, panels * PANEL_WIDTH - out))   # zero blocks
-    qs = b[..., 4:]
-    q = torch.cat([qs & 15, qs >> 4], dim=2)             # [out, nb, 32]: the block's inputs in order
-    # [panel, vector, half, output, block, pair, input of the pair] -> [panel, block, pair, vector, ...]
-    q = q.reshape(panels, 4, 2, 8, nb, 16, 2).permute(0, 4, 5, 1, 2, 3, 6)
-    nibbles = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).reshape(panels, nb, 1024)
-    # [panel, block, vector, (D, M), half, 16]: each output's scale and offset twice
-    scales = b[..., :4].reshape(panels, 4, 2, 8, nb, 2, 2).permute(0, 4, 1, 5, 2, 3, 6)
-    scales = scales.repeat_interleave(2, dim=5).reshape(panels, nb, 512)
-    return host_memory.on_huge_pages(torch.cat([scales, nibbles], dim=2))
+    if kind == "Q8_0":
+        # [panel, vector, output, block, pair, input of the pair] -> [panel, block, pair, vector, ...]
+        pairs = b[..., 2:].reshape(panels, 4, 16, nb, 16, 2).permute(0, 3, 4, 1, 2, 5)
+        pairs = pairs.reshape(panels, nb, 2048)
+        scales = b[..., :2].reshape(panels, 4, 2, 8, nb, 1, 2)   # [panel, vector, half, output, block, d]
+    else:
+        qs = b[..., 4:]
+        q = torch.cat([qs & 15, qs >> 4], dim=2)          # [out, nb, 32]: the block's inputs in order
+        q = q.reshape(panels, 4, 2, 8, nb, 16, 2).permute(0, 4, 5, 1, 2, 3, 6)   # [.., vector, half, ..]
+        pairs = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).reshape(panels, nb, 1024)
+        scales = b[..., :4].reshape(panels, 4, 2, 8, nb, 2, 2)   # [.., block, (d, m), float16 bytes]
+    # [panel, block, vector, (d, m), half, output, bytes]: each output's scale (and offset) twice
+    scales = scales.permute(0, 4, 1, 5, 2, 3, 6).repeat_interleave(2, dim=5).reshape(panels, nb, -1)
+    return host_memory.on_huge_pages(torch.cat([scales, pairs], dim=2))
 
 
-def matmul_q4(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
-              lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``matmul`` from ``pack_q4``'s panels: bfloat16 ``x [rows, in_features]`` times the weight the
-    blocks stand for (``q4_weight``), the same bits as ``matmul`` on that weight's bfloat16 panels."""
-    nb = in_features // Q4_BLOCK
-    if (x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or in_features % Q4_BLOCK
-            or panels.dtype != torch.uint8 or not panels.is_contiguous()
-            or panels.shape != (-(-out_features // PANEL_WIDTH), nb, Q4_BLOCK_BYTES)):
-        raise ValueError(f"skinny_gemm.matmul_q4: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
+def panels_of_blocks(blocks: np.ndarray, panels: torch.Tensor) -> torch.Tensor | None:
+    """``pack_blocks(blocks)`` if ``blocks`` stand for exactly the bfloat16 weight whose skinny panels
+    are ``panels`` (``blocks_weight``: the kernel then gives the same bits from either), else None."""
+    weight = blocks_weight(blocks)
+    return pack_blocks(blocks) if torch.equal(unpack(panels, *weight.shape), weight) else None
+
+
+def matmul_blocks(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``matmul`` from ``pack_blocks``' panels: bfloat16 ``x [rows, in_features]`` times the weight the
+    blocks stand for (``blocks_weight``), the same bits as ``matmul`` on that weight's bfloat16
+    panels (the AVX-512 BF16 and the plain C loops)."""
+    kinds = {size: name for _, name, size in BLOCK_KINDS.values()}
+    nb = in_features // 32
+    if (x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or in_features % 32
+            or panels.dtype != torch.uint8 or not panels.is_contiguous() or panels.dim() != 3
+            or panels.shape[:2] != (-(-out_features // PANEL_WIDTH), nb) or panels.shape[2] not in kinds):
+        raise ValueError(f"skinny_gemm.matmul_blocks: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
                          f"{in_features}] weight do not fit panels {panels.dtype} {tuple(panels.shape)}")
     x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    getattr(lib or load(), Q4_FUNCTION)(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features,
-                                        x.shape[0], in_features, out_features, torch.get_num_threads())
+    getattr(lib or load(), kinds[panels.shape[2]])(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(),
+                                                   out_features, x.shape[0], in_features, out_features,
+                                                   torch.get_num_threads())
     return y
 
 
-def choose_q4_rows(settings: Settings | None = None) -> tuple[int, str]:
-    """``(rows, why)``: decode steps of up to ``rows`` rows read a bfloat16 model's Q4_1 blocks (0:
-    never). ``MINICB_Q4_ROWS`` pins it; by default ``Q4_ROWS`` where the kernel has its AVX-512 BF16
-    loop (elsewhere the blocks' loop is plain C: not worth it)."""
-    env = (settings or Settings.from_env()).q4_rows
+def choose_block_rows(settings: Settings | None = None) -> tuple[int, str]:
+    """``(rows, why)``: decode steps of up to ``rows`` rows read a bfloat16 model's GGUF blocks (0:
+    never). ``MINICB_BLOCK_ROWS`` pins it; by default ``BLOCK_ROWS`` where the kernel has its AVX-512
+    BF16 loop (elsewhere the blocks' loop is plain C: not worth it)."""
+    env = (settings or Settings.from_env()).block_rows
     if env:
         if not env.isdigit():
-            raise ValueError(f"MINICB_Q4_ROWS must be a whole number of rows (0: off), got {env!r}")
-        return int(env), f"MINICB_Q4_ROWS={env}"
+            raise ValueError(f"MINICB_BLOCK_ROWS must be a whole number of rows (0: off), got {env!r}")
+        return int(env), f"MINICB_BLOCK_ROWS={env}"
     if unavailable_reason() is not None or path(torch.bfloat16) != 2:
-        return 0, "the 4-bit loop needs AVX-512 BF16"
-    return Q4_ROWS, "its AVX-512 BF16 path"
+        return 0, "the blocks' loop needs AVX-512 BF16"
+    return BLOCK_ROWS, "its AVX-512 BF16 path"

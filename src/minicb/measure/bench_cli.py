@@ -239,7 +239,7 @@ def cmd_bench(args) -> int:
                   else f"loading {args.model}", enabled=quiet):
         blocks: dict = {}
         model, _ = build_model(args.model, args.dtype, args.seed, blocks)
-        cpu_fast_paths(model, "cpu", q4_blocks=blocks)   # what LLM() runs (one line on stderr)
+        cpu_fast_paths(model, "cpu", gguf_blocks=blocks)   # what LLM() runs (one line on stderr)
     prompts = make_prompts(requests, model.config.vocab_size, args.seed)
     max_len = max(r.prompt_len + r.output_len for r in requests)
     sched_kwargs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -4,9 +4,9 @@ for pictures and quick runs), SmolLM2 (``"default"``), or a GGUF file / Hugging 
 from __future__ import annotations
 
 
-def build_model(name: str, dtype: str, seed: int = 0, q4_blocks: dict | None = None):
+def build_model(name: str, dtype: str, seed: int = 0, gguf_blocks: dict | None = None):
     """(model, tokenizer) for ``name``: 'tiny' is a random 2-layer model (vocab 256), 'default' SmolLM2.
-    ``q4_blocks``, a dict, gets a GGUF's Q4_1 weights as stored (``LoadedModel.q4_blocks``)."""
+    ``gguf_blocks``, a dict, gets a GGUF's quantized weights as stored (``LoadedModel.gguf_blocks``)."""
     import torch
 
     from minicb.core.config import TINY_MODEL
@@ -17,8 +17,8 @@ def build_model(name: str, dtype: str, seed: int = 0, q4_blocks: dict | None = N
     from minicb.model.weights.loader import load_model
 
     loaded = load_model(None if name == "default" else name, dtype=as_dtype(dtype))
-    if q4_blocks is not None:
-        q4_blocks.update(loaded.q4_blocks)
+    if gguf_blocks is not None:
+        gguf_blocks.update(loaded.gguf_blocks)
     model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, as_dtype(dtype),
                                              torch.device("cpu"))
     return model, loaded.tokenizer

@@ -429,32 +429,42 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
 #endif
 }
 
-/* ---- The same bfloat16 products from weights kept in 4-bit blocks (Q4_1) ----
+/* ---- The same bfloat16 products from the GGUF's blocks (Q4_1, Q8_0) ----
  *
  * SmolLM2's GGUF stores its layers' weights as Q4_1: blocks of 32 inputs of one output, each weight
- * w = d * q + m with a 4-bit q and a float16 scale d and offset m per block, about 5 bits a weight.
- * minicb's bfloat16 model holds each w rounded to bfloat16 (16 bits), and a decode step of one or a
- * few rows reads all of them from memory: 215 MB for the 30 layers, most of a one-sequence step's
- * time. panel_q4 reads the blocks instead (6 bits a weight) and makes each bfloat16 weight in
- * registers just before its product: d * q + m in float32 (exactly the loader's value: d * q is exact
- * in float32, so the fused multiply-add rounds once, as the loader's add does), rounded to nearest
- * even by vcvtne2ps2bf16 (as torch's cast; it would flush a subnormal w to zero, so q4_panels refuses
- * a weight that has one). Same bfloat16 weights, same pairs, same vdpbf16ps in the same order: the
- * same bits as panel_bf16 on the bfloat16 panels, from 3/8 of the bytes and about eight more vector
- * instructions per 32 weights, which a step of one to a few rows can afford and which then split
- * over the threads where the memory's bandwidth does not.
+ * w = d * q + m with a 4-bit q and a float16 scale d and offset m per block, about 5 bits a weight;
+ * its embedding (the tied LM head) as Q8_0: w = d * q with an 8-bit signed q. minicb's bfloat16 model
+ * holds each w rounded to bfloat16 (16 bits), and a decode step of one row reads all of them from
+ * memory: 270 MB, most of a one-sequence step's time. panel_blocks reads the blocks instead (6 and 9
+ * bits a weight) and makes each bfloat16 weight in registers just before its product: d * q (+ m) in
+ * float32, exactly the loader's value (d * q is exact in float32, so the fused multiply-add rounds
+ * once, as the loader's add does), rounded to nearest even by vcvtne2ps2bf16 as torch's cast rounds
+ * (skinny_gemm.blocks_weight says why the two cannot differ here). Same bfloat16 weights, same pairs,
+ * same vdpbf16ps in the same order: the same bits as panel_bf16 on the bfloat16 panels, from a third
+ * to a half of the bytes and about eight more vector instructions per 32 weights. On one row that
+ * arithmetic splits over the threads where the memory's bandwidth does not (bench/RESULTS.md).
  *
- * Layout (q4_panels in skinny_gemm.py packs it): per panel of TW outputs, per block of 32 inputs,
+ * Layout (skinny_gemm.pack_blocks packs it): per panel of TW outputs, per block of 32 inputs,
  *
- *     scales   [4 vectors][D1, D2, M1, M2][16] float16                      512 bytes
- *     nibbles  [16 pairs][4 vectors][16] bytes                             1024 bytes
+ *     Q4_1   scales [4 vectors][D1, D2, M1, M2][16] float16    then [16 pairs][4 vectors][16] bytes
+ *     Q8_0   scales [4 vectors][D1, D2][16] float16            then [16 pairs][4 vectors][32] bytes
  *
  * Vector v of a pair holds what one 512-bit load of the bfloat16 panel holds: outputs 16v .. 16v+15,
  * each with the pair's two inputs. Its first 16 bfloat16 words (outputs 16v .. 16v+7) come from the
- * 16 bytes' low nibbles, its last 16 (outputs 16v+8 .. 16v+15) from their high nibbles, so one
- * vcvtne2ps2bf16 of the two halves gives the words in the panel's order; D1 and M1 hold the scale and
- * offset of each low-nibble word's output, D2 and M2 of each high one's. */
-/* A float16 as a float32 (exact; the plain C loop's scale and offset) */
+ * low nibbles of its 16 bytes (Q8_0: its first 16 bytes), its last 16 (outputs 16v+8 .. 16v+15) from
+ * the high nibbles (the last 16 bytes), so one vcvtne2ps2bf16 of the two halves gives the words in the
+ * panel's order; D1 (M1) holds the scale (offset) of each first-half word's output, D2 (M2) of each
+ * second-half one's. Where the kernel has no AVX-512 BF16 loop, a plain C loop makes each block's
+ * bfloat16 weights the same way and multiplies them as panel_bf16's plain C loop does. */
+#define QBLOCK 32                                        /* inputs of a block */
+#define Q4_SCALES 512                                    /* bytes of a panel's block: scales, then pairs */
+#define Q4_PAIR 64
+#define Q8_SCALES 256
+#define Q8_PAIR 128
+#define Q4_PANEL(in) ((in) / QBLOCK * (Q4_SCALES + QBLOCK / 2 * Q4_PAIR))
+#define Q8_PANEL(in) ((in) / QBLOCK * (Q8_SCALES + QBLOCK / 2 * Q8_PAIR))
+
+/* A float16 as a float32 (exact; the plain C loop's scales) */
 static inline float half_load(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, f = h & 1023u;
     uint32_t u = sign | (e == 31 ? 0x7f800000u | f << 13 : (e + 112) << 23 | f << 13);
@@ -464,40 +474,55 @@ static inline float half_load(uint16_t h) {
     return v;
 }
 
-#define Q4_BLOCK 32
-#define Q4_BLOCK_BYTES 1536
-#define Q4_PANEL(in) ((in) / Q4_BLOCK * Q4_BLOCK_BYTES)
+/* word t of vector v of pair j of a block `blk` (q4: Q4_1, else Q8_0), as bfloat16 */
+static inline uint16_t block_word(const uint8_t *blk, int q4, int v, int j, int t) {
+    const int second = t >= 16, lane = t - 16 * second;
+    const uint16_t *sc = (const uint16_t *)blk + (q4 ? 64 : 32) * v + 16 * second + lane;
+    const float d = half_load(sc[0]), m = q4 ? half_load(sc[32]) : 0.0f;
+    if (q4) {
+        const uint8_t byte = blk[Q4_SCALES + Q4_PAIR * j + 16 * v + lane];
+        return bf16_store(d * (float)(second ? byte >> 4 : byte & 15) + m);
+    }
+    return bf16_store(d * (float)(int8_t)blk[Q8_SCALES + Q8_PAIR * j + 32 * v + t]);
+}
 
-static void panel_q4(const uint16_t *x, int64_t xstride, const uint8_t *p, int64_t in, int nr,
-                     float acc[RB][TW], const uint8_t *next, int64_t r0, int64_t rows) {
-    (void)next, (void)r0, (void)rows;
+static void panel_blocks(const uint16_t *x, int64_t xstride, const uint8_t *p, int64_t in, int nr,
+                         float acc[RB][TW], int q4) {
+    const int64_t block_bytes = q4 ? Q4_PANEL(QBLOCK) : Q8_PANEL(QBLOCK);
 #if defined(__AVX512BF16__)
-#define PANEL_Q4(NR)                                                                                   \
+    /* the weights of vector v of pair j, as the bfloat16 panel holds them */
+#define Q4_WORDS(v, j)                                                                                 \
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pairs + Q4_PAIR * (j) + 16 * (v)))); \
+    const __m512bh w = _mm512_cvtne2ps_pbh(                                                            \
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d2[v], m2[v]),                    \
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1[v], m1[v]));
+#define Q8_WORDS(v, j)                                                                                 \
+    const int8_t *b8 = (const int8_t *)pairs + Q8_PAIR * (j) + 32 * (v);                               \
+    const __m512bh w = _mm512_cvtne2ps_pbh(                                                            \
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b8 + 16)))), d2[v]), \
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b8))), d1[v]));
+#define PANEL_BLOCKS(NR, WORDS, SCALES, SCALE_STRIDE)                                                   \
     {                                                                                                  \
         const __m512i low = _mm512_set1_epi32(15);                                                     \
+        (void)low;                                                                                     \
         __m512 a[NR][4];                                                                               \
         for (int r = 0; r < NR; ++r)                                                                   \
             for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();                                 \
-        for (int64_t kb = 0; kb < in / Q4_BLOCK; ++kb) {                                               \
-            const uint8_t *blk = p + kb * Q4_BLOCK_BYTES;                                              \
+        for (int64_t kb = 0; kb < in / QBLOCK; ++kb) {                                                 \
+            const uint8_t *blk = p + kb * block_bytes, *pairs = blk + SCALES;                          \
             __m512 d1[4], d2[4], m1[4], m2[4];                                                         \
-            for (int v = 0; v < 4; ++v) {                                                              \
-                const __m256i *sc = (const __m256i *)(blk + 128 * v);                                  \
+            for (int v = 0; v < 4; ++v) {          /* m1, m2: Q4_1's offsets (Q8_0 leaves them) */    \
+                const __m256i *sc = (const __m256i *)(blk + SCALE_STRIDE * v);                         \
                 d1[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc));                                       \
                 d2[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 1));                                   \
-                m1[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 2));                                   \
-                m2[v] = _mm512_cvtph_ps(_mm256_loadu_si256(sc + 3));                                   \
+                m1[v] = SCALE_STRIDE > 64 ? _mm512_cvtph_ps(_mm256_loadu_si256(sc + 2)) : d1[v];       \
+                m2[v] = SCALE_STRIDE > 64 ? _mm512_cvtph_ps(_mm256_loadu_si256(sc + 3)) : d2[v];       \
             }                                                                                          \
-            for (int j = 0; j < Q4_BLOCK / 2; ++j) {                                                   \
-                const int64_t i = kb * Q4_BLOCK + 2 * j;                                               \
-                for (int v = 0; v < 4; ++v) {                                                          \
-                    const __m512i q = _mm512_cvtepu8_epi32(                                            \
-                        _mm_loadu_si128((const __m128i *)(blk + 512 + 64 * j + 16 * v)));              \
-                    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d1[v], \
-                                                      m1[v]);                                          \
-                    const __m512 w2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d2[v], \
-                                                      m2[v]);                                          \
-                    const __m512bh w = _mm512_cvtne2ps_pbh(w2, w1);                                    \
+            (void)m1, (void)m2;                                                                        \
+            for (int j = 0; j < QBLOCK / 2; ++j) {                                                     \
+                const int64_t i = kb * QBLOCK + 2 * j;                                                 \
+                for (int v = 0; v < 4; ++v) {   /* the four vectors side by side: four sums at once */ \
+                    WORDS(v, j)                                                                        \
                     for (int r = 0; r < NR; ++r)                                                       \
                         a[r][v] = _mm512_dpbf16_ps(                                                    \
                             a[r][v], (__m512bh)_mm512_set1_epi32((int)load_pair(x + r * xstride + i)), w); \
@@ -508,40 +533,50 @@ static void panel_q4(const uint16_t *x, int64_t xstride, const uint8_t *p, int64
             for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc[r] + 16 * v, a[r][v]);                    \
         return;                                                                                        \
     }
-    switch (nr) {
-    case 1: PANEL_Q4(1)
-    case 2: PANEL_Q4(2)
-    case 3: PANEL_Q4(3)
-    case 4: PANEL_Q4(4)
-    case 5: PANEL_Q4(5)
-    default: PANEL_Q4(6)
+#define BLOCKS_ROWS(WORDS, SCALES, SCALE_STRIDE)                                                       \
+    switch (nr) {                                                                                      \
+    case 1: PANEL_BLOCKS(1, WORDS, SCALES, SCALE_STRIDE)                                               \
+    case 2: PANEL_BLOCKS(2, WORDS, SCALES, SCALE_STRIDE)                                               \
+    case 3: PANEL_BLOCKS(3, WORDS, SCALES, SCALE_STRIDE)                                               \
+    case 4: PANEL_BLOCKS(4, WORDS, SCALES, SCALE_STRIDE)                                               \
+    case 5: PANEL_BLOCKS(5, WORDS, SCALES, SCALE_STRIDE)                                               \
+    default: PANEL_BLOCKS(6, WORDS, SCALES, SCALE_STRIDE)                                              \
     }
+    if (q4)
+        BLOCKS_ROWS(Q4_WORDS, Q4_SCALES, 128)
+    else
+        BLOCKS_ROWS(Q8_WORDS, Q8_SCALES, 64)
 #else
-    /* plain C: each block's weights made in bfloat16 as above, then panel_bf16's plain loop */
+    /* plain C: each block's weights made in bfloat16 (block_word), then panel_bf16's plain C loop */
+    (void)block_word;
     for (int r = 0; r < nr; ++r)
-        for (int j = 0; j < TW; ++j) acc[r][j] = 0;
-    for (int64_t kb = 0; kb < in / Q4_BLOCK; ++kb) {
-        const uint8_t *blk = p + kb * Q4_BLOCK_BYTES;
-        uint16_t w[Q4_BLOCK / 2][TW][2];
+        for (int c = 0; c < TW; ++c) acc[r][c] = 0;
+    for (int64_t kb = 0; kb < in / QBLOCK; ++kb) {
+        const uint8_t *blk = p + kb * block_bytes;
+        uint16_t w[QBLOCK / 2][TW][2];
         for (int v = 0; v < 4; ++v)
-            for (int t = 0; t < 32; ++t) {        /* word t of vector v: output 16v + t/2, input t%2 */
-                const int high = t >= 16, lane = high ? t - 16 : t;
-                const uint16_t *sc = (const uint16_t *)(blk + 128 * v);
-                const float d = half_load(sc[16 * high + lane]), m = half_load(sc[32 + 16 * high + lane]);
-                for (int j = 0; j < Q4_BLOCK / 2; ++j) {
-                    const uint8_t byte = blk[512 + 64 * j + 16 * v + lane];
-                    const float q = (float)(high ? byte >> 4 : byte & 15);
-                    w[j][16 * v + t / 2][t % 2] = bf16_store(d * q + m);
-                }
-            }
+            for (int j = 0; j < QBLOCK / 2; ++j)
+                for (int t = 0; t < 32; ++t) w[j][16 * v + t / 2][t % 2] = block_word(blk, q4, v, j, t);
         for (int r = 0; r < nr; ++r)
-            for (int j = 0; j < Q4_BLOCK / 2; ++j) {
-                const int64_t i = kb * Q4_BLOCK + 2 * j;
+            for (int j = 0; j < QBLOCK / 2; ++j) {
+                const int64_t i = kb * QBLOCK + 2 * j;
                 const float x0 = bf16_load(x[r * xstride + i]), x1 = bf16_load(x[r * xstride + i + 1]);
                 for (int c = 0; c < TW; ++c) acc[r][c] += PAIR_PRODUCT(x0, w[j][c][0], x1, w[j][c][1]);
             }
     }
 #endif
+}
+
+static void panel_q4(const uint16_t *x, int64_t xstride, const uint8_t *p, int64_t in, int nr,
+                     float acc[RB][TW], const uint8_t *next, int64_t r0, int64_t rows) {
+    (void)next, (void)r0, (void)rows;
+    panel_blocks(x, xstride, p, in, nr, acc, 1);
+}
+
+static void panel_q8(const uint16_t *x, int64_t xstride, const uint8_t *p, int64_t in, int nr,
+                     float acc[RB][TW], const uint8_t *next, int64_t r0, int64_t rows) {
+    (void)next, (void)r0, (void)rows;
+    panel_blocks(x, xstride, p, in, nr, acc, 0);
 }
 
 static inline float f32_store(float x) { return x; }
@@ -619,6 +654,7 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
 SKINNY(minicb_skinny_f32, float, float, panel_f32, f32_store, F32_PANEL)
 SKINNY(minicb_skinny_bf16, uint16_t, uint16_t, panel_bf16, bf16_store, BF16_PANEL)
 SKINNY(minicb_skinny_q4, uint16_t, uint8_t, panel_q4, bf16_store, Q4_PANEL)
+SKINNY(minicb_skinny_q8, uint16_t, uint8_t, panel_q8, bf16_store, Q8_PANEL)
 
 int minicb_skinny_panel_width(void) { return TW; }
 

@@ -502,10 +502,10 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def state_dict_from_gguf(g: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                         q4_blocks: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+                         gguf_blocks: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to ``dtype`` under its Hugging Face name, Q/K rows un-permuted.
-    ``q4_blocks``, a dict, also gets a copy of every Q4_1 tensor's blocks, ``[out, in / 32, 20]`` bytes
-    under the same name, rows un-permuted alike (``skinny_gemm.pack_q4`` reads them)."""
+    ``gguf_blocks``, a dict, also gets a copy of every Q4_1 and Q8_0 weight's blocks, ``[out, in / 32,
+    20 or 34]`` bytes under the same name, rows un-permuted alike (``skinny_gemm.pack_blocks``)."""
     names = {}
     for name, info in g.tensors.items():
         target = hf_name(name)
@@ -523,15 +523,16 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig, dtype: torch.dtype = 
     for name, target in names.items():
         info = g.tensors[name]
         w = dequantize(g.raw(name), info.ggml_type, info.shape)
-        keep = q4_blocks is not None and info.ggml_type == GGMLQuantizationType.Q4_1 and len(info.shape) == 2
-        blocks = g.raw(name).reshape(info.shape[0], -1, 20) if keep else None
+        size = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}.get(info.ggml_type)
+        keep = gguf_blocks is not None and size is not None and len(info.shape) == 2
+        blocks = g.raw(name).reshape(info.shape[0], -1, size) if keep else None
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if name.endswith("q.weight") else config.num_key_value_heads
             w = unpermute_qk(w, heads)
             blocks = None if blocks is None else unpermute_qk(blocks, heads)
         out[target] = _to_torch(w, dtype)
         if blocks is not None:
-            q4_blocks[target] = np.array(blocks, order="C")        # a copy: the file is closed after
+            gguf_blocks[target] = np.array(blocks, order="C")        # a copy: the file is closed after
     return out
 
 
@@ -548,10 +549,10 @@ def _to_torch(w: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              q4_blocks: dict[str, np.ndarray] | None = None):
+              gguf_blocks: dict[str, np.ndarray] | None = None):
     """``(config, state_dict, metadata)`` of the GGUF at ``path``; the tokenizer is built by the caller.
-    ``q4_blocks``: filled with the Q4_1 tensors' blocks (``state_dict_from_gguf``)."""
+    ``gguf_blocks``: filled with the Q4_1 and Q8_0 weights' blocks (``state_dict_from_gguf``)."""
     with read_gguf(path) as g:
         config = config_from_gguf(g)
-        state_dict = state_dict_from_gguf(g, config, dtype, q4_blocks)
+        state_dict = state_dict_from_gguf(g, config, dtype, gguf_blocks)
         return config, state_dict, g.metadata

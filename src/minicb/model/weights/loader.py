@@ -48,9 +48,10 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str                         # the file or directory loaded
-    # a GGUF's Q4_1 weights as stored, [out, in / 32, 20] bytes by Hugging Face name: the skinny
-    # kernel reads them in decode steps of few rows (skinny_gemm.pack_q4); empty for other formats
-    q4_blocks: dict = dataclasses.field(default_factory=dict)
+    # a GGUF's Q4_1 and Q8_0 weights as stored, [out, in / 32, 20 or 34] bytes by Hugging Face name:
+    # the skinny kernel reads them in a bfloat16 model's steps of one row (skinny_gemm.pack_blocks);
+    # empty for other formats and dtypes
+    gguf_blocks: dict = dataclasses.field(default_factory=dict)
 
 
 def default_model_path() -> pathlib.Path:
@@ -218,7 +219,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgument(f"dtype must be one of {[str(t) for t in FLOAT_DTYPES]}, got {dtype!r}")
     p = _resolve(path)
-    q4_blocks: dict = {}
+    gguf_blocks: dict = {}
     if p.is_dir():
         from minicb.model.weights.hf_loader import load_hf_dir
 
@@ -227,8 +228,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
     else:
         from minicb.model.weights.gguf_loader import load_gguf
 
-        # only a bfloat16 model's skinny kernel reads them (skinny_gemm.pack_q4)
-        config, state_dict, metadata = load_gguf(p, dtype, q4_blocks if dtype == torch.bfloat16 else None)
+        # only a bfloat16 model's skinny kernel reads them (skinny_gemm.pack_blocks)
+        config, state_dict, metadata = load_gguf(p, dtype, gguf_blocks if dtype == torch.bfloat16 else None)
         tokenizer = tokenizer or _build_tokenizer(lambda: Tokenizer.from_gguf_metadata(metadata), str(p))
     source = str(p)
     check_state_dict(config, state_dict, source)
@@ -243,4 +244,4 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
             bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id,
             eos_token_id=config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, source=source,
-                       q4_blocks=q4_blocks)
+                       gguf_blocks=gguf_blocks)
