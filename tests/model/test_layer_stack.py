@@ -236,6 +236,9 @@ def test_steps_of_few_rows_read_the_ggufs_blocks_and_give_the_same_bits(tmp_path
     llm.generate(random_prompts(5, 3, 30, loaded.config.vocab_size, seed=7),
                  [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)])
     assert tables == [r <= 3 for r in rows] and {1, 2, 3} <= set(rows) and max(rows) > 3, rows
+    # a prompt longer than a step's budget: its first steps ask the LM head for no row at all
+    out = llm.generate([list(range(5, 75))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 3
 
     other = dict(loaded.gguf_blocks)
     name = "model.layers.1.mlp.down_proj.weight"

@@ -211,7 +211,7 @@ class PackedLinear(nn.Module):
         self.block_panels, self.block_rows = panels, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.block_rows and x.dim() == 2:      # the GGUF's blocks: the same bits
+        if 0 < x.shape[0] <= self.block_rows and x.dim() == 2:  # the GGUF's blocks: the same bits
             return skinny_gemm.matmul_blocks(x, self.block_panels, self.in_features, self.out_features)
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
             return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)

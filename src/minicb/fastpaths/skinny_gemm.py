@@ -67,8 +67,10 @@ PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked aga
 # A GGUF's blocks of 32 inputs, by their size in the file: (format, kernel, bytes of a panel's block)
 BLOCK_KINDS = {20: ("Q4_1", "minicb_skinny_q4", 1536), 34: ("Q8_0", "minicb_skinny_q8", 2304)}
 # Decode steps of up to this many rows read a bfloat16 model's blocks where it has them and the CPU
-# has AVX-512 BF16 (``choose_block_rows``): one row 0.68x the bfloat16 panels' stack time on 2 threads,
-# two 0.96x, three 1.04x, four 1.11x (``bench/decode_floor.py --block-rows 0,8``, bench/RESULTS.md).
+# has AVX-512 BF16 (``choose_block_rows``). The layer stack's time a step from the blocks over its time
+# from the bfloat16 panels (``python bench/decode_floor.py --block-rows 0,8 ...``, bench/RESULTS.md,
+# Zen 4): one row 0.58x on 2 threads and 0.92x on 1; two to four rows 0.88-0.98x on 2 threads but
+# 1.07-1.16x on 1, six 1.21x: past one row the blocks' arithmetic costs what their bytes save.
 BLOCK_ROWS = 1
 
 
