@@ -250,6 +250,12 @@ def test_steps_of_few_rows_read_the_ggufs_blocks_and_give_the_same_bits(tmp_path
     assert model.lm_head.block_rows == 0
     del other[name]
     assert build(other)[0].layer_stack.block_why == f"{name} has no blocks of one kind"
+    mixed = load_model(write_tiny_gguf(tmp_path / "mixed.gguf", tiny_hf_model(tie=True),
+                                       types=lambda n: T.Q8_0 if "embed" in n or n == name else T.Q4_1),
+                       dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_state_dict(mixed.config, mixed.state_dict, torch.bfloat16)
+    cpu_fast_paths(model, "cpu", gguf_blocks=mixed.gguf_blocks)
+    assert model.layer_stack.block_why == "the layers' blocks are of more than one kind"
     f32 = LlamaForCausalLM.from_state_dict(loaded.config, load_model(path).state_dict, torch.float32)
     cpu_fast_paths(f32, "cpu", gguf_blocks=loaded.gguf_blocks)
     assert f32.layer_stack.block_rows == 0 and load_model(path).gguf_blocks == {}

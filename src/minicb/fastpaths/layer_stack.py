@@ -21,6 +21,11 @@ decode step, or ``_PromptTiles``, where prompt chunks go to the prompt kernel: o
 it has at most as many rows as the skinny kernel takes, and the model is fused and packed
 throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` turns it off.
 
+A bfloat16 model loaded from a GGUF gets a second table beside the first: the same layers with the
+products' panels made from the file's Q4_1 or Q8_0 blocks (``skinny_gemm.pack_blocks``, checked to
+stand for exactly the bfloat16 weights), which steps of up to ``block_rows`` rows (one, by default)
+read with the blocks' kernel, the same bits from less than half the bytes.
+
 ``install(model)`` switches a model's class to ``StackedLlama``, whose ``hidden`` (the part of
 ``LlamaForCausalLM.forward`` between the embedding and the LM head) tries the stack first and hands
 any other step to the layers; ``LLM`` does it on the CPU fast paths.
@@ -280,7 +285,7 @@ def install(model: LlamaForCausalLM, gguf_blocks: dict | None = None, settings: 
             ) -> str | None:
     """Give ``model`` the stack (its class becomes ``StackedLlama``); None when done, else why not (the
     model is left as it is). Builds the C loop first: a missing compiler raises ``KernelUnavailable``.
-    ``gguf_blocks``: the GGUF's Q4_1 weights (``LoadedModel.gguf_blocks``), for steps of few rows."""
+    ``gguf_blocks``: the GGUF's quantized weights (``LoadedModel.gguf_blocks``), for steps of one row."""
     stack = LayerStack(model, gguf_blocks, settings)
     if stack.why_not:
         return stack.why_not

@@ -33,6 +33,12 @@ threads instead. Each output is the same loop whichever thread runs it: the same
 
 Numerics: float32 sums of the products in input order, rounded once to the output dtype; oneDNN sums
 in another order, so the two agree to float32 rounding (bfloat16 outputs: to one bfloat16 rounding).
+
+A bfloat16 model read from a GGUF has its weights in fewer bytes in the file: Q4_1 and Q8_0 blocks of
+32 inputs. ``pack_blocks`` lays those out as panels too, and ``matmul_blocks`` (the C loop
+``panel_blocks``) makes each bfloat16 weight from them in registers right before the same product:
+the same bits as ``matmul`` on the bfloat16 panels, from a third to a half of the bytes, for steps of
+one row (``choose_block_rows``; the layer stack and the LM head use them, ``LayerStack._add_blocks``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@
  *     float32:   P[panel][i][64]          = W[panel * 64 + j][i]
  *     bfloat16:  P[panel][i / 2][64][2]   = W[panel * 64 + j][i]     (pairs of inputs side by side)
  *
+ * (A bfloat16 model read from a GGUF also gets panels of the file's own Q4_1 / Q8_0 blocks, for steps
+ * of one row: panel_blocks, below.)
+ *
  * For each input i the loop loads the panel's 64 weights (four 512-bit vectors), broadcasts x[r][i]
  * and adds the products into 4 accumulators per row: no horizontal sums, every weight loaded once and
  * used for every row (up to RB rows at once; more rows re-read the panel from the L2 cache). bfloat16
