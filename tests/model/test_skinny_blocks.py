@@ -59,8 +59,8 @@ SHAPES = [(64, 32), (100, 96), (960, 576), (576, 1536), (37, 64)]
 @pytest.mark.parametrize("out_f,in_f", SHAPES)
 def test_products_from_the_blocks_equal_the_bfloat16_panels_bit_for_bit(kind, build, out_f, in_f):
     """The AVX-512 BF16 loop (the native build here, where the CPU has it) and the plain C loop give
-    the bfloat16 panels' bits; the AVX2 build has no loop of its own for blocks (its blocks take the plain C loop,
-    while its bfloat16 panels take the AVX2 one, which sums otherwise), so there the products agree
+    the bfloat16 panels' bits; the AVX2 build has no loop of its own for blocks (they take the plain C
+    loop, while its bfloat16 panels take the AVX2 one, which sums otherwise), so there the products agree
     with float64 to a float32 sum rounded once, as every build's do."""
     lib = BUILDS[build]()
     blocks = gguf_blocks(kind, out_f, in_f, seed=out_f + in_f)
