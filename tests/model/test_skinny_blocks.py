@@ -8,20 +8,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_skinny_gemm import BUILDS, _bound
+from test_skinny_gemm import BUILDS, _bound, kernel  # noqa: F401  (kernel: its autouse fixture)
 
 from minicb.fastpaths import skinny_gemm as sg
 from minicb.fastpaths.settings import Settings
 from minicb.model.weights.gguf_loader import dequantize
-from preconditions import unavailable
-
-
-@pytest.fixture(autouse=True)
-def kernel(monkeypatch):
-    reason = sg.unavailable_reason()
-    if reason is not None:
-        unavailable(f"the skinny kernel does not build here: {reason}")
-    monkeypatch.delenv("MINICB_BLOCK_ROWS", raising=False)
 
 
 def gguf_blocks(kind: str, out_f: int, in_f: int, seed: int) -> np.ndarray:

@@ -16,6 +16,7 @@ def kernel(monkeypatch):
     if reason is not None:
         unavailable(f"the skinny kernel does not build here: {reason}")
     monkeypatch.delenv("MINICB_SKINNY_ROWS", raising=False)
+    monkeypatch.delenv("MINICB_BLOCK_ROWS", raising=False)
 
 
 def _cpu_flags() -> set[str]:
