@@ -281,13 +281,13 @@ def matmul_blocks(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_f
 
 def choose_block_rows(settings: Settings | None = None) -> tuple[int, str]:
     """``(rows, why)``: decode steps of up to ``rows`` rows read a bfloat16 model's GGUF blocks (0:
-    never). ``MINICB_BLOCK_ROWS`` pins it; by default ``BLOCK_ROWS`` where the kernel has its AVX-512
-    BF16 loop (elsewhere the blocks' loop is plain C: not worth it)."""
+    never): ``BLOCK_ROWS``, or what ``MINICB_BLOCK_ROWS`` pins, where the kernel has its AVX-512 BF16
+    loop; never elsewhere (the blocks' loop there is plain C, slower, and sums otherwise than the
+    bfloat16 panels' AVX2 loop: the bits would depend on the step's rows)."""
     env = (settings or Settings.from_env()).block_rows
-    if env:
-        if not env.isdigit():
-            raise ValueError(f"MINICB_BLOCK_ROWS must be a whole number of rows (0: off), got {env!r}")
-        return int(env), f"MINICB_BLOCK_ROWS={env}"
-    if unavailable_reason() is not None or path(torch.bfloat16) != 2:
-        return 0, "the blocks' loop needs AVX-512 BF16"
-    return BLOCK_ROWS, "its AVX-512 BF16 path"
+    if env and not env.isdigit():
+        raise ValueError(f"MINICB_BLOCK_ROWS must be a whole number of rows (0: off), got {env!r}")
+    if env == "0" or unavailable_reason() is not None or path(torch.bfloat16) != 2:
+        # elsewhere the blocks' plain C loop would not give the bits of the panels' AVX2 loop
+        return 0, "MINICB_BLOCK_ROWS=0" if env == "0" else "the blocks' loop needs AVX-512 BF16"
+    return (int(env), f"MINICB_BLOCK_ROWS={env}") if env else (BLOCK_ROWS, "its AVX-512 BF16 path")
