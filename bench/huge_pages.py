@@ -49,8 +49,9 @@ def main() -> None:
         engines = {}
         for kind, switch in (("plain", "0"), ("huge", "1")):
             os.environ["MINICB_HUGE_PAGES"] = switch          # read while the panels are made
-            model = load_smollm2(dtype)
-            cpu_fast_paths(model, "cpu")
+            blocks: dict = {}                 # the GGUF's blocks, which LLM() hands the fast paths
+            model = load_smollm2(dtype, blocks)
+            cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
             engines[kind] = (LLM(model, max_num_seqs=64, max_num_batched_tokens=2048, num_blocks=512,
                                  block_size=16), model.config.vocab_size)
         os.environ.pop("MINICB_HUGE_PAGES")

@@ -301,8 +301,9 @@ def main() -> None:
     llms = {}
     for path in paths:
         os.environ["MINICB_LINEAR"] = path
-        model = load_smollm2(getattr(torch, args.dtype))
-        applied = cpu_fast_paths(model, "cpu")
+        blocks: dict = {}                 # the GGUF's blocks, which LLM() hands the fast paths
+        model = load_smollm2(getattr(torch, args.dtype), blocks)
+        applied = cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
         print(f"{path}: {linear_path(model)} ({', '.join(applied)})", flush=True)
         llms[path] = LLM(model)
     runs: dict[str, list[float]] = {p: [] for p in paths}

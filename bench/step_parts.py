@@ -86,8 +86,9 @@ def parts(args) -> None:
     llama.LlamaForCausalLM.forward = timed("forward", llama.LlamaForCausalLM.forward)
     if args.reference_ops:
         os.environ["MINICB_FUSED_OPS"] = "0"
-    model = load_smollm2(getattr(torch, args.dtype))
-    applied = cpu_fast_paths(model, "cpu")
+    blocks: dict = {}                 # the GGUF's blocks, which LLM() hands the fast paths
+    model = load_smollm2(getattr(torch, args.dtype), blocks)
+    applied = cpu_fast_paths(model, "cpu", gguf_blocks=blocks)
     head_is_linear = isinstance(model.lm_head, linear_classes)     # then "linear" counts it too
     model.lm_head.forward = timed("lm head", model.lm_head.forward)
     wl = w1() if args.workload == "W1" else w2()

@@ -72,8 +72,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="W1,W2")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_smollm2(DTYPES[args.dtype])
-    cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
+    blocks: dict = {}                 # the GGUF's blocks, which LLM() hands the fast paths
+    model = load_smollm2(DTYPES[args.dtype], blocks)
+    cpu_fast_paths(model, "cpu", gguf_blocks=blocks)   # what LLM() does for a model it loads itself
     names = args.configs.split(",")
     wls = [w for w in (w1(), w2()) if w.name in args.workloads.split(",")]
     run(model, w1(num=2, new_tokens=4), {})         # first-call costs out of the way

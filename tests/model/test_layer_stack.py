@@ -241,6 +241,17 @@ def test_steps_of_few_rows_read_the_ggufs_blocks_and_give_the_same_bits(tmp_path
     # a prompt longer than a step's budget: its first steps ask the LM head for no row at all
     out = llm.generate([list(range(5, 75))], SamplingParams(max_tokens=3, ignore_eos=True))
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 3
+    # a weight replaced after loading (new storage, here the same values): the blocks would be the
+    # old weight's, so they are dropped at the next step that would read them
+    panels = model.model.layers[1].mlp.down_proj.weight_panels
+    panels.data = panels.data.clone()
+    del tables[:], rows[:]
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert model.layer_stack.block_rows == model.lm_head.block_rows == 0 and rows and not any(tables)
+    assert model.layer_stack.block_why == "a weight was replaced after the blocks were packed"
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", "2")              # the LM head: no more rows than its panels'
+    assert build(loaded.gguf_blocks)[0].lm_head.block_rows == 2
+    monkeypatch.setenv("MINICB_SKINNY_ROWS", "4096")
 
     other = dict(loaded.gguf_blocks)
     name = "model.layers.1.mlp.down_proj.weight"

@@ -1,5 +1,6 @@
 """``skinny_gemm``'s products from a GGUF's Q4_1 and Q8_0 blocks (``pack_blocks``, ``matmul_blocks``): the
-same bits as the bfloat16 panels of the weight the blocks stand for, in every build, on any thread count.
+same bits as the bfloat16 panels of the weight the blocks stand for, on any thread count, in the builds
+whose loops sum alike (AVX-512 BF16, plain C; the AVX2 build: within float32 rounding).
 
 What the blocks stand for is checked apart from the kernel: ``blocks_weight`` against the loader's own
 numpy dequantization (itself checked against the ``gguf`` package, ``test_loader.py``)."""
@@ -72,20 +73,24 @@ def test_products_from_the_blocks_equal_the_bfloat16_panels_bit_for_bit(kind, bu
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rows_read_through_their_stride_and_two_threads_give_the_same_bits(kind):
-    blocks = gguf_blocks(kind, 960, 576, seed=5)
+    """Rows 1,000 apart (the kernel's ``xstride``, no copy), and a product big enough to be split over
+    two threads (``SPLIT_BYTES``: 24 panels of 18 blocks, 0.66 MB of Q4_1)."""
+    blocks = gguf_blocks(kind, 1536, 576, seed=5)
     packed, panels = sg.pack_blocks(blocks), sg.pack(sg.blocks_weight(blocks))
+    assert packed.nbytes > 524288
     wide = torch.randn(3, 1000).to(torch.bfloat16)
     x = wide[:, 100:676]                                   # rows 1,000 apart
+    assert x.stride() == (1000, 1)
     before = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(sg.matmul_blocks(x, packed, 576, 960))
+            results.append(sg.matmul_blocks(x, packed, 576, 1536))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1])
-    assert torch.equal(results[0], sg.matmul(x.contiguous(), panels, 576, 960))
+    assert torch.equal(results[0], sg.matmul(x.contiguous(), panels, 576, 1536))
 
 
 def test_what_does_not_fit_the_blocks_is_refused():

@@ -16,8 +16,8 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
 4. with all of those, the decoder layers of a step whose rows are all decode-kernel rows in one C
    call (``layer_stack``; ``MINICB_LAYER_STACK=0`` keeps the layers' own calls);
 5. for a bfloat16 model read from a GGUF's Q4_1 / Q8_0 weights (``LoadedModel.gguf_blocks``), steps
-   of one row multiply from those blocks as stored, a third to a half of the bfloat16 bytes, with the
-   same bits (``skinny_gemm.pack_blocks``; ``MINICB_BLOCK_ROWS`` pins how many rows, 0: never).
+   of one row multiply from those blocks as stored, 3/8 (Q4_1) or 9/16 (Q8_0) of the bfloat16 bytes,
+   with the same bits (``skinny_gemm.pack_blocks``; ``MINICB_BLOCK_ROWS`` pins how many rows, 0: never).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product

@@ -24,7 +24,8 @@ throughout; any other step runs the layers as before. ``MINICB_LAYER_STACK=0`` t
 A bfloat16 model loaded from a GGUF gets a second table beside the first: the same layers with the
 products' panels made from the file's Q4_1 or Q8_0 blocks (``skinny_gemm.pack_blocks``, checked to
 stand for exactly the bfloat16 weights), which steps of up to ``block_rows`` rows (one, by default)
-read with the blocks' kernel, the same bits from less than half the bytes.
+read with the blocks' kernel, the same bits from 3/8 (Q4_1) or 9/16 (Q8_0) of the bytes. A weight
+replaced after that (its panels' storage changed) turns the blocks off: they would be the old one's.
 
 ``install(model)`` switches a model's class to ``StackedLlama``, whose ``hidden`` (the part of
 ``LlamaForCausalLM.forward`` between the embedding and the LM head) tries the stack first and hands
@@ -143,17 +144,21 @@ class LayerStack:
         rows, why = skinny_gemm.choose_block_rows(settings)
         if not rows:
             return 0, why
+        cfg = self.cfg
+        qdim, kvdim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shapes = ((qdim + 2 * kvdim, cfg.hidden_size), (cfg.hidden_size, qdim),
+                  (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size))
         tensors = []
         for i, ts in enumerate(self.tensors):
             pre = f"model.layers.{i}."
             names = ([f"{pre}self_attn.{n}_proj.weight" for n in "qkv"], [f"{pre}self_attn.o_proj.weight"],
                      [f"{pre}mlp.{n}_proj.weight" for n in ("gate", "up")], [f"{pre}mlp.down_proj.weight"])
             packed = []
-            for group, panels in zip(names, ts[1:3] + ts[4:]):
-                if not all(n in blocks for n in group) or len({blocks[n].shape[2] for n in group}) != 1:
+            for group, panels, (out_f, in_f) in zip(names, ts[1:3] + ts[4:], shapes):
+                if not all(n in blocks for n in group) or len({blocks[n].shape[1:] for n in group}) != 1:
                     return 0, f"{group[0]} has no blocks of one kind"
                 stacked = np.concatenate([blocks[n] for n in group])
-                packed.append(skinny_gemm.panels_of_blocks(stacked, panels))
+                packed.append(skinny_gemm.panels_of_blocks(stacked, panels, out_f, in_f))
                 if packed[-1] is None:
                     return 0, f"{group[0]}'s blocks are not its bfloat16 weights"
             tensors.append((ts[0], packed[0], packed[1], ts[3], packed[2], packed[3]))
@@ -165,12 +170,19 @@ class LayerStack:
         self.block_kernels = _Kernels(_address(getattr(skinny_gemm.load(), name + "_part")),
                                       *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))
         head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
-        lm = model.lm_head
+        lm = self.lm_head = model.lm_head
         if isinstance(lm, cpu_linear.PackedLinear) and lm.skinny_rows and head in blocks:
-            panels = skinny_gemm.panels_of_blocks(blocks[head], lm.weight_panels)
-            if panels is not None:
-                lm.read_blocks(panels, rows)
+            panels = skinny_gemm.panels_of_blocks(blocks[head], lm.weight_panels, lm.out_features,
+                                                  lm.in_features)
+            if panels is not None:                # no more rows than its own skinny panels take
+                lm.read_blocks(panels, min(rows, lm.skinny_rows))
+        self._blocks_of = self._panels()
         return rows, why
+
+    def _panels(self) -> tuple[int, ...]:
+        """Where the bfloat16 panels the blocks were checked against are (the LM head's too)."""
+        head = getattr(self.lm_head, "weight_panels", None)
+        return (*(t.data_ptr() for ts in self.tensors for t in ts), 0 if head is None else head.data_ptr())
 
     def takes(self, x: torch.Tensor, backend, state) -> bool:
         """Whether this step is all the kernels' (a single ``_DecodeRows`` or ``_PromptTiles`` that is
@@ -233,6 +245,11 @@ class LayerStack:
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         gguf = rows <= self.block_rows        # few rows: the products read the GGUF's blocks (same bits)
+        if gguf and self._panels() != self._blocks_of:      # a weight replaced: the blocks are stale
+            self.block_rows, gguf = 0, False
+            self.block_why = "a weight was replaced after the blocks were packed"
+            if isinstance(self.lm_head, cpu_linear.PackedLinear):
+                self.lm_head.read_blocks(None, 0)
         failed = self.lib.minicb_layer_stack(
             ctypes.byref(self.block_kernels if gguf else self.kernels),
             self._layer_table(backend.kv_cache, gguf),

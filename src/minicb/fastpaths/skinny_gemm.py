@@ -37,8 +37,9 @@ in another order, so the two agree to float32 rounding (bfloat16 outputs: to one
 A bfloat16 model read from a GGUF has its weights in fewer bytes in the file: Q4_1 and Q8_0 blocks of
 32 inputs. ``pack_blocks`` lays those out as panels too, and ``matmul_blocks`` (the C loop
 ``panel_blocks``) makes each bfloat16 weight from them in registers right before the same product:
-the same bits as ``matmul`` on the bfloat16 panels, from a third to a half of the bytes, for steps of
-one row (``choose_block_rows``; the layer stack and the LM head use them, ``LayerStack._add_blocks``).
+the same bits as ``matmul`` on the bfloat16 panels, from 3/8 (Q4_1) or 9/16 (Q8_0) of the bytes, for
+steps of one row (``choose_block_rows``; the layer stack and the LM head use them:
+``LayerStack._add_blocks``).
 """
 
 from __future__ import annotations
@@ -252,11 +253,15 @@ def pack_blocks(blocks: np.ndarray) -> torch.Tensor:
     return host_memory.on_huge_pages(torch.cat([scales, pairs], dim=2))
 
 
-def panels_of_blocks(blocks: np.ndarray, panels: torch.Tensor) -> torch.Tensor | None:
-    """``pack_blocks(blocks)`` if ``blocks`` stand for exactly the bfloat16 weight whose skinny panels
-    are ``panels`` (``blocks_weight``: the kernel then gives the same bits from either), else None."""
+def panels_of_blocks(blocks: np.ndarray, panels: torch.Tensor, out_features: int, in_features: int
+                     ) -> torch.Tensor | None:
+    """``pack_blocks(blocks)`` if ``blocks`` stand for exactly the bfloat16 weight ``[out_features,
+    in_features]`` whose skinny panels are ``panels`` (``blocks_weight``: the kernel then gives the
+    same bits from either), else None."""
+    if blocks.shape[:2] != (out_features, in_features // 32) or in_features % 32:
+        return None
     weight = blocks_weight(blocks)
-    return pack_blocks(blocks) if torch.equal(unpack(panels, *weight.shape), weight) else None
+    return pack_blocks(blocks) if torch.equal(unpack(panels, out_features, in_features), weight) else None
 
 
 def matmul_blocks(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
@@ -271,7 +276,8 @@ def matmul_blocks(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_f
             or panels.shape[:2] != (-(-out_features // PANEL_WIDTH), nb) or panels.shape[2] not in kinds):
         raise ValueError(f"skinny_gemm.matmul_blocks: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
                          f"{in_features}] weight do not fit panels {panels.dtype} {tuple(panels.shape)}")
-    x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     getattr(lib or load(), kinds[panels.shape[2]])(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(),
                                                    out_features, x.shape[0], in_features, out_features,

@@ -443,9 +443,9 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
  * float32, exactly the loader's value (d * q is exact in float32, so the fused multiply-add rounds
  * once, as the loader's add does), rounded to nearest even by vcvtne2ps2bf16 as torch's cast rounds
  * (skinny_gemm.blocks_weight says why the two cannot differ here). Same bfloat16 weights, same pairs,
- * same vdpbf16ps in the same order: the same bits as panel_bf16 on the bfloat16 panels, from a third
- * to a half of the bytes and about eight more vector instructions per 32 weights. On one row that
- * arithmetic splits over the threads where the memory's bandwidth does not (bench/RESULTS.md).
+ * same vdpbf16ps in the same order: the same bits as panel_bf16 on the bfloat16 panels, from 3/8
+ * (Q4_1) or 9/16 (Q8_0) of the bytes and about eight more vector instructions per 32 weights. On one
+ * row that arithmetic splits over the threads where the memory's bandwidth may not (bench/RESULTS.md).
  *
  * Layout (skinny_gemm.pack_blocks packs it): per panel of TW outputs, per block of 32 inputs,
  *
