@@ -165,7 +165,7 @@ class LayerStack:
         kinds = {t.shape[2] for ts in tensors for t in (ts[1], ts[2], ts[4], ts[5])}
         if len(kinds) != 1:
             return 0, "the layers' blocks are of more than one kind"
-        name = {size: n for _, n, size in skinny_gemm.BLOCK_KINDS.values()}[kinds.pop()]
+        name = skinny_gemm.BLOCK_KERNELS[kinds.pop()]
         self.block_tensors = tensors
         self.block_kernels = _Kernels(_address(getattr(skinny_gemm.load(), name + "_part")),
                                       *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))

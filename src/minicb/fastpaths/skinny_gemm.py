@@ -73,6 +73,7 @@ PATH_NAMES = {torch.float32: {2: "AVX-512", 1: "AVX2", 0: "plain C"},
 PANEL_WIDTH = 64           # outputs per panel: TW in skinny_gemm.c (checked against it by the tests)
 # A GGUF's blocks of 32 inputs, by their size in the file: (format, kernel, bytes of a panel's block)
 BLOCK_KINDS = {20: ("Q4_1", "minicb_skinny_q4", 1536), 34: ("Q8_0", "minicb_skinny_q8", 2304)}
+BLOCK_KERNELS = {size: kernel for _, kernel, size in BLOCK_KINDS.values()}   # by a panel's block bytes
 # Decode steps of up to this many rows read a bfloat16 model's blocks where it has them and the CPU
 # has AVX-512 BF16 (``choose_block_rows``). The layer stack's time a step from the blocks over its time
 # from the bfloat16 panels (``python bench/decode_floor.py --block-rows 0,8 ...``, bench/RESULTS.md,
@@ -269,19 +270,19 @@ def matmul_blocks(x: torch.Tensor, panels: torch.Tensor, in_features: int, out_f
     """``matmul`` from ``pack_blocks``' panels: bfloat16 ``x [rows, in_features]`` times the weight the
     blocks stand for (``blocks_weight``), the same bits as ``matmul`` on that weight's bfloat16
     panels (the AVX-512 BF16 and the plain C loops)."""
-    kinds = {size: name for _, name, size in BLOCK_KINDS.values()}
     nb = in_features // 32
     if (x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16 or in_features % 32
             or panels.dtype != torch.uint8 or not panels.is_contiguous() or panels.dim() != 3
-            or panels.shape[:2] != (-(-out_features // PANEL_WIDTH), nb) or panels.shape[2] not in kinds):
+            or panels.shape[:2] != (-(-out_features // PANEL_WIDTH), nb)
+            or panels.shape[2] not in BLOCK_KERNELS):
         raise ValueError(f"skinny_gemm.matmul_blocks: x {x.dtype} {tuple(x.shape)} and a [{out_features}, "
                          f"{in_features}] weight do not fit panels {panels.dtype} {tuple(panels.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    getattr(lib or load(), kinds[panels.shape[2]])(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(),
-                                                   out_features, x.shape[0], in_features, out_features,
-                                                   torch.get_num_threads())
+    fn = getattr(lib or load(), BLOCK_KERNELS[panels.shape[2]])
+    fn(x.data_ptr(), x.stride(0), panels.data_ptr(), y.data_ptr(), out_features, x.shape[0], in_features,
+       out_features, torch.get_num_threads())
     return y
 
 

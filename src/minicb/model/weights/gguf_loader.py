@@ -523,9 +523,9 @@ def state_dict_from_gguf(g: GGUFFile, config: ModelConfig, dtype: torch.dtype = 
     for name, target in names.items():
         info = g.tensors[name]
         w = dequantize(g.raw(name), info.ggml_type, info.shape)
-        size = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}.get(info.ggml_type)
-        keep = gguf_blocks is not None and size is not None and len(info.shape) == 2
-        blocks = g.raw(name).reshape(info.shape[0], -1, size) if keep else None
+        keep = gguf_blocks is not None and len(info.shape) == 2 and info.ggml_type in (
+            GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+        blocks = g.raw(name).reshape(info.shape[0], -1, GGML_QUANT_SIZES[info.ggml_type][1]) if keep else None
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if name.endswith("q.weight") else config.num_key_value_heads
             w = unpermute_qk(w, heads)
