@@ -287,17 +287,17 @@ def main() -> None:
                 for other in servers:
                     wait_until_idle(other.proc.pid)
                 with others_paused(s, servers):
-                    cpu0 = cpu_seconds_of_tree(s.proc.pid)
+                    cpu0, client0 = cpu_seconds_of_tree(s.proc.pid), time.process_time()
                     recs = run_load(s.url, s.model, prompts, wl.output_lens, arrivals)
-                    cpu = cpu_seconds_of_tree(s.proc.pid) - cpu0
+                    cpu, client = cpu_seconds_of_tree(s.proc.pid) - cpu0, time.process_time() - client0
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
-                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu,
+                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu, "client_cpu_s": client,
                        "load_avg": os.getloadavg()[0]}
                 row["tok_per_cpu_s"] = row["tokens"] / cpu if cpu else float("nan")
                 rows.append(row)
                 print(f"  {s.name:<9} rate {label:>4}: {row['throughput']:6.1f} tok/s "
-                      f"({row['seconds']:.1f} s, {cpu:.1f} CPU s), TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+                      f"({row['seconds']:.1f} s, {cpu:.1f} CPU s, the client {client:.1f}), TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"ITL p50 {row['itl_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()

@@ -1,16 +1,16 @@
 """Stall-free batching: does a long prompt freeze the streams that are running? (issue 47)
 
-    python bench/stall.py                    # cap off and serve's (8 + 4 per decode), 3 rounds, + W2
+    python bench/stall.py                    # cap off and serve's (4 + 4 a sequence), 3 rounds, + W2
     python bench/stall.py --quick            # 1 round, no W2 (a few minutes)
     python bench/stall.py --saturation W2,LP # the price offline, where prompts are short and long
-    python bench/stall.py --caps 0,8+4,16+4,16+0 --rounds 2    # C+R: C tokens + R per decode
+    python bench/stall.py --caps 0,4+4,12+4,12+0 --rounds 2    # C+R: C tokens + R a sequence held
     python bench/stall.py --threads 1        # one torch thread (default: torch's choice, as serve's)
     python bench/stall.py --threads 1 --clock cpu   # on a shared host: CPU seconds, not wall seconds
 
 Every engine is built as ``minicb serve`` builds its own (``LLM()`` with serve's defaults: SmolLM2 in
 float32 unless ``--dtype``, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory,
 prefix caching on, the CPU fast paths); only the stall-free cap differs: ``C+R`` is
-``max_prefill_tokens_while_decoding=C, prefill_tokens_per_decode=R`` (a step with ``n`` decodes takes at
+``max_prefill_tokens_while_decoding=C, prefill_tokens_per_seq=R`` (a step with ``n`` decodes takes at
 most ``C + R n`` prompt tokens; ``C`` alone keeps ``LLM()``'s ``R``; 0: no cap, ``LLM()``'s own default
 and the behaviour before issue 47). The engine is stepped in this process, as the server's engine thread
 steps it, and a token's time is when ``step()`` hands it out (the server then only sends it).
@@ -21,10 +21,11 @@ run: the stream's median gap between tokens, its largest gap and their ratio (th
 5x), and the long prompt's time to first token (TTFT, from its arrival); in the summary also the median
 step that carries a chunk of the prompt's last quarter (its tokens attend to the most keys: the
 costliest chunks, and with a cap the steps that make the largest gaps). Then a cost model fitted over
-all the steps of the runs, step time = a + b x tokens, and the cap that keeps a step with ``n`` decodes
-within 5x their own step by that model, ``(5 - 1) (a / b + n)`` prompt tokens, i.e. ``C+R = 4a/b + 4``
-(``minicb.core.planner`` derives it): what the defaults were chosen from, ``C`` with a margin for the
-late chunks, which cost more than ``b`` a token.
+all the steps of the runs, step time = a + b x tokens, and the cap that keeps a step within 5x the step
+of the ``N`` sequences held by that model, ``(5 - 1) (a / b + N)`` prompt tokens, i.e. ``C+R = 4a/b +
+4`` (``minicb.core.planner`` derives it): what the defaults were chosen from, ``C`` with a margin for the
+late chunks, which cost more than ``b`` a token (here ``N = 2``: the stream and the long prompt, so a
+cap ``C+4`` gives the prompt ``C + 8`` tokens a step).
 
 **The price at saturation** (``--saturation``, W2 by default without ``--quick``): each workload
 (``bench/workloads.py``: W2 64 short requests, LP 48 long prompts; EOS ignored) through ``llm.generate``
@@ -128,7 +129,7 @@ def cpu_kind() -> str:
 def parse_cap(text: str) -> dict:
     """``"32+4"``: the two ``LLM()`` arguments; ``"32"`` keeps ``LLM()``'s per-decode share; ``"0"``: off."""
     c, _, r = text.partition("+")
-    per_decode = {"prefill_tokens_per_decode": int(r)} if r else {}
+    per_decode = {"prefill_tokens_per_seq": int(r)} if r else {}
     return {"max_prefill_tokens_while_decoding": int(c), **per_decode}
 
 
@@ -143,9 +144,9 @@ def spread(xs: list[float], fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default = f"{SERVE_STALL_CAP}+{FAST_DEFAULTS['prefill_tokens_per_decode']}"
+    default = f"{SERVE_STALL_CAP}+{FAST_DEFAULTS['prefill_tokens_per_seq']}"
     ap.add_argument("--caps", default=f"0,{default}",
-                    help=f"caps to compare, C or C+R (C prompt tokens + R per decode), 0 = no cap "
+                    help=f"caps to compare, C or C+R (C prompt tokens + R a sequence held), 0 = no cap "
                          f"(default: 0,{default}, off and serve's)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each cap, alternating (default 3)")
     ap.add_argument("--long", type=int, default=2000, help="tokens of the long prompt (default 2000)")
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     a, b = fit([s for rs in res.values() for x in rs for s in x["steps"]])
     k = RATIO_BAR - 1
     print(f"\ncost model over every step: step = {a * 1e3:.1f} ms + {b * 1e3:.2f} ms x tokens (a / b = "
-          f"{a / b:.1f} tokens); a step with n decodes stays within {RATIO_BAR:g}x their own step up to "
-          f"{k:g} (a / b + n) prompt tokens: C+R = {k * a / b:.0f}+{k:g}")
+          f"{a / b:.1f} tokens); a step stays within {RATIO_BAR:g}x the step of the N sequences held up to "
+          f"{k:g} (a / b + N) prompt tokens: C+R = {k * a / b:.0f}+{k:g}")
     for name in filter(None, saturation.split(",")):
         wl, tps = {"W2": w2, "LP": lp}[name](), {c: [] for c in caps}
         print(f"\n{name} at saturation ({len(wl.prompts)} requests, {wl.num_output_tokens} output tokens), "

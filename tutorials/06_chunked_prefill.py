@@ -192,8 +192,9 @@ print("chunked and unchunked runs give identical tokens: "
 # a step that runs decodes takes at most `max_prefill_tokens_while_decoding`
 # prompt tokens (`--stall-cap` here; all prompts together: ongoing, swapped in
 # and new), and a step without decodes gives prompts the whole budget again.
-# (`prefill_tokens_per_decode` raises the cap by so many tokens per decode in
-# the step; below it is 0, so the cap is the same in every step.)
+# (`prefill_tokens_per_seq` raises the cap by so many tokens per sequence the
+# scheduler holds, running or waiting; below it is 0, so the cap is the same
+# in every step.)
 
 # %%
 cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
@@ -218,20 +219,23 @@ print(f"stall-free: C's first token at step {stall_first} "
 # What should the cap be? A step's time is close to a straight line in its
 # tokens, `a + b x tokens`: `a` is what every step pays (reading the weights
 # once, the Python around the forward), `b` each token's share of the matrix
-# products. `n` decodes alone take `a + b n`; with `p` prompt tokens beside
-# them the step is at most `k` times as long while `p <= (k - 1)(a / b + n)`.
-# So `max_prefill_tokens_while_decoding = (k - 1) a / b` and
-# `prefill_tokens_per_decode = k - 1` keep every step within `k` times the step
-# its decodes would have had alone, one stream or a hundred. `bench/stall.py`
-# fits the line over the steps it runs with SmolLM2-135M in float32 at
-# `minicb serve`'s defaults; on AMD EPYC family 25 model 17 (Zen 4), one torch
-# thread, timed in CPU seconds (`--threads 1 --clock cpu`: the host was shared)
-# it printed `step = 16.8 ms + 3.45 ms x tokens`: for `k = 5`, 19 + 4 per
-# decode. `minicb serve` uses 8 + 4: a chunk late in a long prompt costs more
-# than `b` (its tokens attend to up to 2,000 keys), and the cap must hold for
-# the costliest chunk. The scheduler driven on that clock (`minicb.simulate`'s
-# `SimulatedEngine`, the same scheduler) replays the issue's case: one stream,
-# and after its 16th token a 2,000-token prompt.
+# products. The scheduler holds `N` sequences; every one of them decodes soon
+# (the waiting ones once their prompts are in), so `a + b N` is the step the
+# running streams are heading for. A step of `n <= N` decodes and `p` prompt
+# tokens is at most `k` times that while `p <= (k - 1)(a / b + N)`. So
+# `max_prefill_tokens_while_decoding = (k - 1) a / b` and
+# `prefill_tokens_per_seq = k - 1` keep every step within `k` times it, one
+# stream or a hundred. `bench/stall.py` fits the line over the steps it runs
+# with SmolLM2-135M in float32 at `minicb serve`'s defaults; on AMD EPYC
+# family 25 model 17 (Zen 4), one torch thread, timed in CPU seconds
+# (`--threads 1 --clock cpu`: the host was shared) it printed `step = 16.8 ms
+# + 3.45 ms x tokens`: for `k = 5`, 19 + 4 a sequence. `minicb serve` uses
+# 4 + 4: a chunk late in a long prompt costs more than `b` (its tokens attend
+# to up to 2,000 keys), and the cap must hold for the costliest chunk. The
+# scheduler driven on that clock (`minicb.simulate`'s `SimulatedEngine`, the
+# same scheduler) replays the issue's case: one stream, and after its 16th
+# token a 2,000-token prompt: two sequences held, so a cap `C + 4` gives the
+# prompt `C + 8` tokens a step beside the stream.
 
 # %%
 A_MS, B_MS = 16.8, 3.45        # bench/stall.py's fit (see above)
@@ -242,7 +246,7 @@ def stall_case(cap: int | None, long_len: int = 2000, stream: int = 640):
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
                           block_size=16, num_blocks=4096, max_model_len=4096,
                           max_prefill_tokens_while_decoding=cap,
-                          prefill_tokens_per_decode=4)
+                          prefill_tokens_per_seq=4)
     eng = SimulatedEngine(
         cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
     eng.add_request("s", prompt_ids(32, 0),
@@ -262,7 +266,7 @@ def stall_case(cap: int | None, long_len: int = 2000, stream: int = 640):
     return gaps[len(gaps) // 2], gaps[-1], first - arrived
 
 
-for cap in (None, 8, 16, 32):
+for cap in (None, 4, 12, 28):
     med, worst, ttft = stall_case(cap)
     name = "off" if cap is None else f"{cap}+4"
     print(f"cap {name:>4}: stream gap median {med:3.0f} ms, largest "
@@ -274,20 +278,23 @@ for cap in (None, 8, 16, 32):
 # each also pay `a`. The third price is at saturation: 64 requests of W2's
 # shape (ShareGPT lengths, prompts clipped to 256 tokens, outputs divided by 4)
 # all at once. A fixed cap makes the prompts trickle in beside many decodes,
-# in many more steps, each paying `a`; the share per decode lets a full
-# server's steps take more prompt tokens.
+# in many more steps, each paying `a`; the share per sequence held lets a
+# full server's steps take more prompt tokens, and a burst of requests drain
+# into the batch in a few steps (a share per *decode* only held 63 waiting
+# requests to 12 tokens a step behind the first one to decode, on a real
+# server: ~5 s of short steps).
 
 # %%
 w2_like = make_requests("sharegpt", 64, rate=float("inf"), max_prompt=256,
                         output_div=4, max_output=128)
 
 
-def saturation(cap: int | None, per_decode: int) -> tuple[float, int]:
+def saturation(cap: int | None, per_seq: int) -> tuple[float, int]:
     """Seconds and steps to serve ``w2_like`` on the a + b x tokens clock."""
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048,
                           block_size=16, num_blocks=4096, max_model_len=4096,
                           max_prefill_tokens_while_decoding=cap,
-                          prefill_tokens_per_decode=per_decode)
+                          prefill_tokens_per_seq=per_seq)
     eng = SimulatedEngine(
         cfg, lambda plan: A_MS + B_MS * plan.num_batched_tokens, token=5)
     for k, r in enumerate(w2_like):
@@ -299,27 +306,31 @@ def saturation(cap: int | None, per_decode: int) -> tuple[float, int]:
     return eng.now / 1000, eng.stats.num_steps
 
 
-sat = {(cap, r): saturation(cap, r) for cap, r in ((None, 0), (8, 0), (8, 4))}
-for (cap, per_decode), (t, n) in sat.items():
-    name = "off" if cap is None else f"{cap}+{per_decode}"
+sat = {(cap, r): saturation(cap, r) for cap, r in ((None, 0), (4, 0), (4, 4))}
+for (cap, per_seq), (t, n) in sat.items():
+    name = "off" if cap is None else f"{cap}+{per_seq}"
     print(f"saturation, cap {name:>4}: {n} steps, {t:5.1f} s, "
           f"throughput {sat[None, 0][0] / t:.2f}x the uncapped")
 
 # %% [markdown]
 # `bench/stall.py` measures the three on the real engine. Same CPU, one torch
 # thread, CPU seconds, three rounds alternating (`python bench/stall.py --caps
-# 0,8+4,16+4 --threads 1 --clock cpu`; the host was shared, so the figures are
-# provisional, and the script is there to rerun, `--quick` for one round):
+# 0,4+4,12+4 --threads 1 --clock cpu --saturation W2`, a quiet host,
+# `bench/results/stall/caps-0-4+4-12+4-threads1-cpuclock-s23.txt`; the script
+# is there to rerun, `--quick` for one round):
 #
 # | cap | largest gap / median | long prompt's TTFT | W2, tokens/s |
 # |---|---|---|---|
-# | off | 326-340x (6.8-7.0 s) | 6.8-7.0 s | 161.6-162.6 |
-# | 8 + 4 (serve's) | 3.2-3.7x (74-81 ms) | 9.1-9.3 s | 160.4-161.3 (0.99x) |
-# | 16 + 4 | 5.3-5.9x (109-131 ms) | 8.1-8.6 s | 158.6-160.6 (0.98x) |
+# | off | 241-268x (5.7-5.9 s) | 5.7-5.9 s | 156.0-164.4 |
+# | 4 + 4 (serve's) | 3.0-3.5x (76-79 ms) | 9.0-9.5 s | 160.0-160.9 (0.99x) |
+# | 12 + 4 | 3.9-4.7x (98-113 ms) | 7.4-8.1 s | 158.6-163.4 (0.99x) |
 #
-# The real chunks late in the prompt cost more than the straight line says (68
-# ms a step with 8 + 4, against the model's 62): their tokens attend to up to
-# 2,000 keys. That is why the default sits below the line's 19 + 4.
+# The real chunks late in the prompt cost more than the straight line says (67
+# ms a step with 4 + 4, against the model's 62): their tokens attend to up to
+# 2,000 keys. That is why the default sits below the line's 19 + 4, and in
+# bfloat16, whose one-row step is 3x as fast and whose chunks are not, 4 + 4
+# is at the bar's edge (4.6-5.5x on two threads; bench/RESULTS.md, twenty-third
+# session).
 #
 # Offline (`LLM.generate`, `minicb generate`) nobody watches a stream, and the
 # cap is only a price: a long prompt's steps get shorter and each pays `a`
@@ -327,7 +338,7 @@ for (cap, per_decode), (t, n) in sat.items():
 # in float32 the cap cost long prompts 0.97x (35.3 against 36.3 tokens/s), in
 # bfloat16 on two threads, where `a` weighs more against `b`, 0.75x. So
 # `LLM()` has no cap unless given one; `minicb serve`, whose clients watch
-# their streams, sets 8 + 4.
+# their streams, sets 4 + 4.
 
 # %%
 EXERCISES = [

@@ -153,10 +153,10 @@ def test_the_stall_free_cap_is_a_positive_count_and_zero_turns_it_off():
     assert type(c.max_prefill_tokens_while_decoding) is int
     with pytest.raises(InvalidArgument, match="max_prefill_tokens_while_decoding"):
         SchedulerConfig(max_prefill_tokens_while_decoding=-1)
-    assert SchedulerConfig(prefill_tokens_per_decode=np.int32(4)).prefill_tokens_per_decode == 4
+    assert SchedulerConfig(prefill_tokens_per_seq=np.int32(4)).prefill_tokens_per_seq == 4
     for bad in (-1, 1.5, None):
-        with pytest.raises(InvalidArgument, match="prefill_tokens_per_decode"):
-            SchedulerConfig(prefill_tokens_per_decode=bad)
+        with pytest.raises(InvalidArgument, match="prefill_tokens_per_seq"):
+            SchedulerConfig(prefill_tokens_per_seq=bad)
 
 
 @pytest.mark.parametrize("name, good, bad", [

@@ -69,16 +69,20 @@ def test_stall_free_cap_is_shared_by_ongoing_and_new_prompts():
     assert p == ChunkPlan((1,), (4, 4), (2, 0))
 
 
-def test_stall_free_cap_grows_with_the_decodes():
-    # 32 + 4 per decode: beside one decode 36 prompt tokens, beside ten 72 (the planner docstring's rule)
+def test_stall_free_cap_grows_with_the_sequences_held():
+    # 32 + 4 a sequence held (the planner docstring's rule): one decode and a long prompt are two
+    # sequences, 40 prompt tokens; ten decodes, a prefill and a long prompt twelve, 80
     kw = dict(max_num_batched_tokens=2048, max_num_seqs=256, max_prefill_tokens_while_decoding=32,
-              prefill_tokens_per_decode=4)
-    assert plan_chunks(1, [], [2000], **kw) == ChunkPlan((1,), (), (36,))
-    assert plan_chunks(10, [50], [2000], **kw) == ChunkPlan((1,) * 10, (50,), (22,))
+              prefill_tokens_per_seq=4)
+    assert plan_chunks(1, [], [2000], **kw) == ChunkPlan((1,), (), (40,))
+    assert plan_chunks(10, [50], [2000], **kw) == ChunkPlan((1,) * 10, (50,), (30,))
     assert plan_chunks(0, [], [2000], **kw) == ChunkPlan((), (), (2000,))      # no decode: no cap
-    # without a base cap the per-decode part alone does nothing (the cap is off)
+    # a burst: one decode and 63 prompts of 100 tokens waiting: 32 + 4 x 64 = 288 tokens, not 36
+    burst = plan_chunks(1, [], [100] * 63, **kw)
+    assert burst.new[:4] == (100, 100, 88, 0) and sum(burst.new) == 288
+    # without a base cap the share per sequence alone does nothing (the cap is off)
     assert plan_chunks(1, [], [2000], max_num_batched_tokens=2048, max_num_seqs=8,
-                       prefill_tokens_per_decode=4).new == (2000,)
+                       prefill_tokens_per_seq=4).new == (2000,)
 
 
 def test_stall_free_cap_larger_than_what_is_left_changes_nothing():
@@ -154,8 +158,8 @@ def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget,
     cap = None if cap is None else min(cap, budget)
     p = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                     chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
-                    prefill_tokens_per_decode=per_decode)
-    stall = None if stall is None else stall + per_decode * decodes
+                    prefill_tokens_per_seq=per_decode)
+    stall = None if stall is None else stall + per_decode * (decodes + len(prefills) + len(new))
     wants = [1] * decodes + prefills + new
     got = list(p.decodes + p.prefills + p.new)
     limit = cap or budget
@@ -207,11 +211,11 @@ def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new,
         sched.add(Sequence(f"n{i}", [11] * n, params))
     sched.config = dataclasses.replace(base, max_num_batched_tokens=budget, long_prefill_chunk=cap,
                                        max_prefill_tokens_while_decoding=stall,
-                                       prefill_tokens_per_decode=per_decode)
+                                       prefill_tokens_per_seq=per_decode)
     got = {s.request_id: s.num_tokens for s in sched.schedule(1.0).seqs}
     rule = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget,
                        max_num_seqs=base.max_num_seqs, chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
-                       prefill_tokens_per_decode=per_decode)
+                       prefill_tokens_per_seq=per_decode)
     want = ({f"d{i}": g for i, g in enumerate(rule.decodes)}
             | {f"p{i}": g for i, g in enumerate(rule.prefills)}
             | {f"n{i}": g for i, g in enumerate(rule.new)})

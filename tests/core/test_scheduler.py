@@ -145,16 +145,32 @@ def test_stall_free_caps_prompt_tokens_only_while_a_decode_runs():
                       [("L", 64)], [("L", 12)], [("L", 1)]]
 
 
-def test_stall_free_cap_grows_by_its_share_per_decode():
-    # cap 2 + 3 per decode: beside three decodes a 30-token prompt gets 2 + 3 x 3 = 11 tokens a step
+def test_stall_free_cap_grows_by_its_share_per_sequence_held():
+    # cap 2 + 3 a sequence: three decodes and a 30-token prompt are four sequences held, so the prompt
+    # gets 2 + 3 x 4 = 14 tokens a step beside the decodes
     sched = Scheduler(cfg(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
-                          prefill_tokens_per_decode=3, num_blocks=64))
+                          prefill_tokens_per_seq=3, num_blocks=64))
     for r in ("d1", "d2", "d3"):
         sched.add(seq(r, 2, 10))
     step(sched)
     sched.add(seq("p", 30, 2, first=4))
     grants = [[s.num_tokens for s in step(sched)[0].seqs] for _ in range(3)]
-    assert grants == [[1, 1, 1, 11], [1, 1, 1, 11], [1, 1, 1, 8]]
+    assert grants == [[1, 1, 1, 14], [1, 1, 1, 14], [1, 1, 1, 2]]
+
+
+def test_stall_free_cap_counts_the_waiting_queue():
+    # One decode and six 10-token prompts waiting (slots for all): cap 2 + 3 a sequence held gives
+    # 2 + 3 x 7 = 23 prompt tokens, not the 2 + 3 x 1 = 5 of a share per decode alone; the next step
+    # w0 and w1 decode too, and the seven sequences held give the prompts 23 again
+    sched = Scheduler(cfg(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+                          prefill_tokens_per_seq=3, num_blocks=64))
+    sched.add(seq("d", 2, 10))
+    step(sched)
+    for i in range(6):
+        sched.add(seq(f"w{i}", 10, 2, first=11 + 10 * i))
+    grants = [[(s.request_id, s.num_tokens) for s in step(sched)[0].seqs] for _ in range(2)]
+    assert grants == [[("d", 1), ("w0", 10), ("w1", 10), ("w2", 3)],
+                      [("d", 1), ("w0", 1), ("w1", 1), ("w2", 7), ("w3", 10), ("w4", 6)]]
 
 
 def test_stall_free_cap_counts_admissions_and_ongoing_prefills_together():

@@ -384,7 +384,7 @@ def scheduler_configs(draw, policy: str, preemption_mode: str):
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
         long_prefill_chunk=draw(st.one_of(st.none(), st.integers(1, budget))),
         max_prefill_tokens_while_decoding=draw(st.one_of(st.none(), st.integers(1, budget + 2))),
-        prefill_tokens_per_decode=draw(st.integers(0, 3)),
+        prefill_tokens_per_seq=draw(st.integers(0, 3)),
         num_blocks=max(max_num_seqs, per_request + draw(st.integers(0, per_request // 2))),
         num_host_blocks=draw(st.sampled_from(hosts)), max_model_len=MAX_MODEL_LEN,
         policy=policy, preemption_mode=preemption_mode,
@@ -465,11 +465,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def step(self):
         decodes = {r for r, q in self.sched.running.items() if q.num_uncomputed_tokens == 1}
+        held = len(self.sched.running) + len(self.sched.swapped) + len(self.sched.waiting)
         plan = self.sched.schedule(now=1.0)
         check_plan(self.sched, plan)
         c = self.config
         if decodes and c.max_prefill_tokens_while_decoding and c.policy == "continuous":   # stall-free
-            cap = c.max_prefill_tokens_while_decoding + c.prefill_tokens_per_decode * len(decodes)
+            cap = c.max_prefill_tokens_while_decoding + c.prefill_tokens_per_seq * held
             assert sum(s.num_tokens for s in plan.seqs if s.request_id not in decodes) <= cap, plan
         self.copies = getattr(self, "copies", 0) + len(plan.copy_blocks)
         self._end(self.sched.update(plan, self.model.run(plan), now=1.0))

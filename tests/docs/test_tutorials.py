@@ -555,22 +555,29 @@ def test_06_stall_free_section():
     alone = [p.num_batched_tokens for p in d.plans if {s.request_id for s in p.seqs} == {"r2"}]
     assert alone[0] == c["BUDGET"]
     # the cost-model replay, derived by hand: a decode step is a + b; with the cap off the step that
-    # carries the 2,000-token prompt is a + 2001 b; with cap C + 4 per decode, beside the one stream every
-    # such step carries k = C + 4 prompt tokens, a + (1 + k) b, and the prompt takes ceil(2000 / k) of
-    # them, the last with the remainder
+    # carries the 2,000-token prompt is a + 2001 b; with cap C + 4 a sequence held, beside the one stream
+    # (two sequences held: the stream and the prompt) every such step carries k = C + 8 prompt tokens,
+    # a + (1 + k) b, and the prompt takes ceil(2000 / k) of them, the last with the remainder
     a, b = c["A_MS"], c["B_MS"]
     rows = {m[0]: m[1:] for m in re.findall(
         r"^cap +([\w+]+): stream gap median +(\d+) ms, largest +(\d+) ms \( *([\d.]+)x\); "
         r"TTFT +([\d.]+) s$",
         text, re.M)}
-    assert set(rows) == {"off", "8+4", "16+4", "32+4"}
+    assert set(rows) == {"off", "4+4", "12+4", "28+4"}
     for name, (med, worst, ratio, ttft) in rows.items():
-        k = 2000 if name == "off" else int(name.split("+")[0]) + 4
+        k = 2000 if name == "off" else int(name.split("+")[0]) + 8
         n, last = -(-2000 // k), 2000 - (-(-2000 // k) - 1) * k
         assert int(med) == round(a + b) and int(worst) == round(a + (1 + k) * b)
         assert float(ratio) == round((a + (1 + k) * b) / (a + b), 1)
         # load-independent: the chapter's TTFT is the cost model's replay (fixed a and b), not a clock
         assert float(ttft) == round(((n - 1) * (a + (1 + k) * b) + a + (1 + last) * b) / 1000, 1)
+    # at saturation a fixed cap trickles the prompts in over many more steps; the share per sequence
+    # held brings a burst in nearly as fast as no cap
+    sat = {m[0]: (int(m[1]), float(m[2])) for m in re.findall(
+        r"^saturation, cap +([\w+]+): (\d+) steps, +([\d.]+) s", text, re.M)}
+    assert set(sat) == {"off", "4+0", "4+4"}
+    assert sat["4+0"][0] > 2 * sat["4+4"][0] and sat["4+4"][0] >= sat["off"][0]
+    assert sat["off"][1] <= sat["4+4"][1] < sat["4+0"][1]
 
 
 def check_06_budget_4(answer, text):

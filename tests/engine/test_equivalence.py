@@ -85,7 +85,7 @@ def test_forced_preemption_is_exact(policy, mode):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_stall_free_schedule_is_exact(mode):
     """Long prompts arriving beside decodes, the stall-free cap small (3 prompt tokens beside decodes, or
-    2 + 1 per decode), a pool small enough to preempt: the tokens are the padded baseline's, and the cap
+    2 + 1 a sequence held), a pool small enough to preempt: the tokens are the padded baseline's, and the cap
     did change the schedule (more steps than the same run without it)."""
     import torch
 
@@ -100,7 +100,7 @@ def test_stall_free_schedule_is_exact(mode):
         cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_blocks=40,
                               num_host_blocks=30 if mode == "swap" else 0, preemption_mode=mode,
                               max_prefill_tokens_while_decoding=stall,
-                              prefill_tokens_per_decode=per_decode)
+                              prefill_tokens_per_seq=per_decode)
         outs, eng = run_engine(model, cfg, prompts, params, arrivals)
         assert [o.token_ids for o in outs] == expected, stall
         steps[stall, per_decode] = eng.scheduler.stats.num_steps

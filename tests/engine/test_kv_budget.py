@@ -44,13 +44,13 @@ def test_num_blocks():
 def test_llm_defaults():
     model = tiny_model()
     cfg = LLM(model).engine.config
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_tokens_per_decode) == (256, 2048, 4)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_tokens_per_seq) == (256, 2048, 4)
     assert tuple(FAST_DEFAULTS.values()) == (256, 2048, 4)
-    # stall-free batching: offline, no cap by default (serve sets one); a cap given gets 4 per decode;
+    # stall-free batching: offline, no cap by default (serve sets one); a cap given gets 4 per sequence held;
     # 0 is no cap too; the padded policies have none
     assert cfg.max_prefill_tokens_while_decoding is None
     capped = LLM(model, max_prefill_tokens_while_decoding=8).engine.config
-    assert (capped.max_prefill_tokens_while_decoding, capped.prefill_tokens_per_decode) == (8, 4)
+    assert (capped.max_prefill_tokens_while_decoding, capped.prefill_tokens_per_seq) == (8, 4)
     off = LLM(model, max_prefill_tokens_while_decoding=0).engine.config
     assert off.max_prefill_tokens_while_decoding is None
     assert LLM(model, policy="dynamic").engine.config.max_prefill_tokens_while_decoding is None

@@ -196,8 +196,9 @@ def test_no_prefix_caching_flag_reaches_the_engine_and_changes_no_output(tiny_gg
 
 def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf, capsys, monkeypatch):
     """``--max-prefill-tokens-while-decoding``: generate's unset is LLM()'s default (no cap: offline,
-    throughput); 0, no cap; N, N (+ 4 per decode). ``serve`` hands it to the same ``LLM()`` (recorded
-    here, then stopped before the server); unset, serve's own cap (8 + 4 per decode) for continuous."""
+    throughput); 0, no cap; N, N (+ 4 per sequence held). ``serve`` hands it to the same ``LLM()``
+    (recorded here, then stopped before the server); unset, serve's own cap (4 + 4 per sequence held)
+    for continuous."""
     import minicb.entrypoints.llm
     from minicb.core.errors import MinicbError
 
@@ -214,7 +215,7 @@ def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf,
         rc, _, err = run_main(["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", *extra],
                               capsys)
         assert rc == 0, err
-    got = [(llm.engine.config.max_prefill_tokens_while_decoding, llm.engine.config.prefill_tokens_per_decode)
+    got = [(llm.engine.config.max_prefill_tokens_while_decoding, llm.engine.config.prefill_tokens_per_seq)
            for llm in built]
     assert got == [(None, 4), (None, 4), (3, 4)]
 
@@ -227,19 +228,19 @@ def test_the_stall_free_flag_reaches_the_engine_of_generate_and_serve(tiny_gguf,
     for extra in ([flag, "5"], [], ["--policy", "static"]):
         rc, _, err = run_main(["serve", "--port", "0", "--model", str(tiny_gguf), *extra], capsys)
         assert rc == EXIT_USAGE and "stopped before loading" in err
-    assert [a["max_prefill_tokens_while_decoding"] for a in asked] == [5, 8, None]
+    assert [a["max_prefill_tokens_while_decoding"] for a in asked] == [5, 4, None]
 
 
 def test_the_stall_free_flags_help_states_the_defaults_the_code_has(capsys):
     """The help is written torch-free (the CLI must not import ``llm.py`` to print it), so its numbers are
-    literals: they must be serve's cap and ``LLM()``'s per-decode share as the code has them."""
+    literals: they must be serve's cap and ``LLM()``'s share per sequence held as the code has them."""
     from minicb.entrypoints.llm import FAST_DEFAULTS, SERVE_STALL_CAP
 
     for command in ("generate", "serve"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert f"(plus {FAST_DEFAULTS['prefill_tokens_per_decode']} per decode)" in text
+        assert f"(plus {FAST_DEFAULTS['prefill_tokens_per_seq']} per sequence held)" in text
         assert f"(default: serve {SERVE_STALL_CAP} for continuous" in text
 
 

@@ -6,9 +6,10 @@
 * ``max_num_batched_tokens``: the token budget of one step (continuous policy);
 * ``long_prefill_chunk``: the most prompt tokens one sequence may take of that budget in a step
   (``None``: the whole budget);
-* ``max_prefill_tokens_while_decoding``, ``prefill_tokens_per_decode``: stall-free batching (continuous
-  policy, ``planner``): in a step that runs ``n`` decodes, the prompt tokens of all sequences together
-  stay within ``max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode``, so that the step, and
+* ``max_prefill_tokens_while_decoding``, ``prefill_tokens_per_seq``: stall-free batching (continuous
+  policy, ``planner``): in a step that runs decodes, the prompt tokens of all sequences together stay
+  within ``max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq``, ``N`` the sequences the
+  scheduler holds (running, swapped, waiting), so that the step, and
   the running streams' next tokens, are not held up by a long prompt; a step without decodes still gives
   prompts the whole budget (``None`` or ``0``: no cap, ``LLM()``'s default; ``minicb serve``'s is measured);
 * ``block_size`` / ``num_blocks``: the paged KV pool, ``num_blocks * block_size`` token slots;
@@ -110,7 +111,7 @@ TINY_MODEL = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, n
 
 _INT_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_chunk", "block_size", "num_blocks",
                "num_host_blocks", "max_model_len", "priority_aging", "max_n", "max_logprob_entries",
-               "max_prefill_tokens_while_decoding", "prefill_tokens_per_decode")
+               "max_prefill_tokens_while_decoding", "prefill_tokens_per_seq")
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,7 +122,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     long_prefill_chunk: int | None = None
     max_prefill_tokens_while_decoding: int | None = None   # stall-free cap (None or 0: none) ...
-    prefill_tokens_per_decode: int = 0                      # ... raised by this much per decode
+    prefill_tokens_per_seq: int = 0                         # ... raised by this much per sequence held
     block_size: int = 16
     num_blocks: int = 1024
     num_host_blocks: int = 0
@@ -148,7 +149,7 @@ class SchedulerConfig:
         check_int("priority_aging", self.priority_aging, lo=0)
         check_int("max_n", self.max_n, lo=1)
         check_int("max_logprob_entries", self.max_logprob_entries, lo=0)
-        check_int("prefill_tokens_per_decode", self.prefill_tokens_per_decode, lo=0)
+        check_int("prefill_tokens_per_seq", self.prefill_tokens_per_seq, lo=0)
         if self.long_prefill_chunk is not None:
             check_int("long_prefill_chunk", self.long_prefill_chunk, lo=1, hi=self.max_num_batched_tokens)
         if self.max_prefill_tokens_while_decoding is not None:     # 0 is "no cap" too: stored as None

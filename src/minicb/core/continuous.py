@@ -12,13 +12,14 @@
 
 Each step is given a token budget (``max_num_batched_tokens``, ``planner.TokenBudget``): a sequence
 gets ``budget.chunk(its uncomputed tokens)`` tokens, so a long prompt is prefilled in chunks over
-several steps while the decodes keep running. **Stall-free**: once the ``n`` decodes have their
-tokens, if there are any, everything after them (ongoing prefills, swapped-in and new prompts) shares
-at most ``max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode`` tokens, so that the step,
-which the decodes wait for, stays short; with no decode running, prompts get the whole budget
-(``planner``'s docstring explains the two numbers)::
+several steps while the decodes keep running. **Stall-free**: once the decodes have their tokens,
+if there are any, everything after them (ongoing prefills, swapped-in and new prompts) shares at most
+``max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq`` tokens, ``N`` the sequences the
+scheduler holds (running, swapped and waiting), so that the step, which the decodes wait for, stays
+short; with no decode running, prompts get the whole budget (``planner``'s docstring explains the
+numbers)::
 
-    8 + 4 per decode, budget 2048:    A decode (1)   B prompt[0:12]      13 tokens: A's next token soon
+    4 + 4 a sequence, budget 2048:    A decode (1)   B prompt[0:12]      N = 2: 4 + 8, A's next token soon
                           A ends:     B prompt[12:2000]                   no decode: the whole budget
 
 Running before swapped (as in vLLM v0) means a step never both swaps a sequence in and out, and a
@@ -115,8 +116,8 @@ class ContinuousPolicy(Policy):
             self._grant(seq, work, budget)
         c = self.sched.config
         if decodes and c.max_prefill_tokens_while_decoding:   # stall-free: a cap on all prompts that follow
-            per_decode = c.prefill_tokens_per_decode * len(decodes)   # (here, and in 2. and 3.)
-            budget.prefill_left = c.max_prefill_tokens_while_decoding + per_decode
+            held = len(self.running) + len(self.swapped) + len(self.waiting)   # (here, and in 2. and 3.)
+            budget.prefill_left = c.max_prefill_tokens_while_decoding + c.prefill_tokens_per_seq * held
         for seq in prefills:
             self._grant(seq, work, budget)
 

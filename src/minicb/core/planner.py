@@ -19,31 +19,40 @@ reaches a sequence's last token samples.
 **Stall-free batching** (Sarathi-Serve's point). Decodes first is not enough: the decodes get their
 tokens, but the step that carries them also carries the prompt chunks that fill the rest of the budget,
 and a running stream waits for the whole step: one 2,000-token chunk beside a decode makes that
-decode's next token seconds late on a CPU. So a step *with* ``n`` decodes gives the prompts after them
+decode's next token seconds late on a CPU. So a step *with* decodes gives the prompts after them
 (those of 2 and 3 above, together) at most::
 
-    max_prefill_tokens_while_decoding + n * prefill_tokens_per_decode        tokens
+    max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq        tokens
 
-and a step without decodes gives prompts the whole budget, so a lone long prompt is not slowed down.
-The two numbers come from a cost model. A step's time is close to ``a + b x tokens`` (``a``: what
-every step pays, reading the weights and the Python around the forward; ``b``: each token's share;
-``bench/stall.py`` fits both). ``n`` decodes alone take ``a + b n``; with ``p`` prompt tokens the step
-takes ``a + b (n + p)``, at most ``k`` times as long while ``p <= (k - 1) (a / b + n)``. So the first
-number is ``(k - 1) a / b`` and the second ``k - 1``: the step stays within ``k`` times the step the
-decodes would have had alone, whether one stream runs or a hundred (a fixed cap would make a full
-server take many more steps to bring its prompts in, each paying ``a``)::
+``N`` the sequences the scheduler holds (running, swapped and waiting), and a step without decodes
+gives prompts the whole budget, so a lone long prompt is not slowed down. The numbers come from a
+cost model. A step's time is close to ``a + b x tokens`` (``a``: what every step pays, reading the
+weights and the Python around the forward; ``b``: each token's share; ``bench/stall.py`` fits both).
+Every sequence held will soon decode beside the others (the waiting ones once their prompts are in),
+so ``a + b N`` is the step the running streams are heading for; with ``p`` prompt tokens a step of
+``n <= N`` decodes takes ``a + b (n + p)``, at most ``k`` times that while ``p <= (k - 1) (a / b + N)``.
+So the first number is about ``(k - 1) a / b`` and the second ``k - 1``::
 
-    budget 2048, 8 + 4 per decode, one stream decoding and a new 2,000-token prompt:
+    budget 2048, 4 + 4 a sequence, one stream decoding and a new 2,000-token prompt (N = 2):
         decode  prompt[0:12]                 (1 + 12: the step stays short, the stream flows)
         decode  prompt[12:24]                ... and so on while the stream runs; once it has ended:
         prompt[24:2000]                      (no decode: the whole budget again)
 
-The price is the long prompt's time to first token (its prompt is spread over more, shorter steps, each
-paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a schedule
-depends on the configuration only, never on a clock. ``minicb serve``'s default, 8 + 4, was measured
-(``bench/stall.py``; ``LLM()`` offline has no cap): below the straight line's ``(k - 1) a / b`` for
-``k = 5``, because a chunk late in a long prompt costs more than ``b`` a token (its tokens attend to all
-the keys before them).
+    one stream decoding and 63 new requests of ~100 tokens arriving at once (N = 64):
+        decode  prompts: 260 tokens          (4 + 4 x 64: the queue drains in a few steps)
+
+Counting the waiting sequences, not only the decodes, is what keeps a server that is filling up
+efficient: with ``n`` decodes alone in the formula, the first request of a burst to start decoding
+held the other 63 to 12 prompt tokens a step, and the server took ~5 s of 20 ms steps to bring them
+in (``minicb serve`` at saturation, bench/RESULTS.md, twenty-third session). One stream and one long
+prompt get what they got before (4 + 4 x 2 = 8 + 4 x 1).
+
+The price is the long prompt's time to first token (its prompt is spread over more, shorter steps,
+each paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a
+schedule depends on the configuration and the queues only, never on a clock. ``minicb serve``'s
+default, 4 + 4, was measured (``bench/stall.py``; ``LLM()`` offline has no cap): below the straight
+line's ``(k - 1) a / b`` for ``k = 5``, because a chunk late in a long prompt costs more than ``b`` a
+token (its tokens attend to all the keys before them).
 
 ``TokenBudget`` is the arithmetic, used step by step by the scheduler (which interleaves it with block
 allocation and preemption). The tests state the same rule as one pure function of plain numbers
@@ -51,7 +60,7 @@ allocation and preemption). The tests state the same rule as one pure function o
 
 Invariants: the tokens granted in a step sum to at most ``max_num_batched_tokens``; at most
 ``max_num_seqs`` sequences get tokens; every grant is at least 1 and at most ``chunk_cap``; in a step
-with ``n`` decodes, the grants after them sum to at most the stall-free cap above.
+with decodes, the grants after them sum to at most the stall-free cap above.
 This module imports no torch.
 """
 

@@ -147,8 +147,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of a step (default 2048)")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None, metavar="N",
                    help="stall-free batching: a step that runs decodes computes at most N prompt tokens "
-                        "(plus 4 per decode), so a long prompt does not hold up the running streams "
-                        "(default: serve 8 for continuous, measured on a CPU; generate none, for "
+                        "(plus 4 per sequence held), so a long prompt does not hold up the running "
+                        "streams (default: serve 4 for continuous, measured on a CPU; generate none, for "
                         "throughput; 0 = no cap: the whole step budget)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=None,

@@ -44,12 +44,13 @@ __all__ = ["LLM", "RequestOutput", "cpu_fast_paths"]
 # against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults"). No stall-free cap: offline,
 # nobody watches a stream, and the cap costs throughput where prompts are long (LP 0.75x in bfloat16 on
 # two threads: ``python bench/stall.py --caps 0,8+4 --dtype bfloat16 --saturation LP``, bench/RESULTS.md
-# "the whole machine"). ``prefill_tokens_per_decode`` only acts with a cap.
-FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "prefill_tokens_per_decode": 4}
-# ``minicb serve``'s stall-free cap (docs/design.md's "no decode starvation"): a step that runs n decodes
-# takes at most 8 + 4 n prompt tokens, so that a long prompt does not freeze the streams (minicb.core.planner;
-# bench/stall.py measured both: bench/RESULTS.md, "stall-free batching").
-SERVE_STALL_CAP = 8
+# "the whole machine"). ``prefill_tokens_per_seq`` only acts with a cap.
+FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "prefill_tokens_per_seq": 4}
+# ``minicb serve``'s stall-free cap (docs/design.md's "no decode starvation"): a step that runs decodes
+# takes at most 4 + 4 N prompt tokens, N the sequences held (running, swapped, waiting), so that a long
+# prompt does not freeze the streams (minicb.core.planner; bench/stall.py measured both: bench/RESULTS.md,
+# "stall-free batching"; one stream beside one long prompt gets 4 + 4 x 2, the 8 + 4 x 1 measured there).
+SERVE_STALL_CAP = 4
 _log = logging.getLogger("minicb")
 
 
