@@ -36,7 +36,9 @@ idle vLLM's heartbeats took ~2% of a core in ``peer_vllm.py``. No prefix cache h
 the first token of every prompt, so no prompt repeats across rates (nor within a workload), and no
 server's cache needs emptying (minicb serve has no route for it; vLLM's POST /reset_prefix_cache needs
 ``VLLM_SERVER_DEV_MODE=1``). Each turn also reads the CPU seconds of the server's process tree
-(``/proc``), so tokens per CPU second sit beside tokens per wall second.
+(``/proc``), so tokens per CPU second sit beside tokens per wall second, and the client's own (this
+process's: the ``openai`` client parsing every streamed chunk, about 1 CPU second a W2 turn at
+saturation, taken from the same two vCPUs the server computes on).
 
 The load: W2's 64 requests (``bench/workloads.py``: ShareGPT lengths, at most 256 prompt tokens, 1-128
 output tokens), or ``--workload LP``'s 48 long prompts, EOS ignored, sent as streaming
@@ -292,12 +294,13 @@ def main() -> None:
                     cpu, client = cpu_seconds_of_tree(s.proc.pid) - cpu0, time.process_time() - client0
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
-                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu, "client_cpu_s": client,
-                       "load_avg": os.getloadavg()[0]}
+                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu,
+                       "client_cpu_s": client, "load_avg": os.getloadavg()[0]}
                 row["tok_per_cpu_s"] = row["tokens"] / cpu if cpu else float("nan")
                 rows.append(row)
                 print(f"  {s.name:<9} rate {label:>4}: {row['throughput']:6.1f} tok/s "
-                      f"({row['seconds']:.1f} s, {cpu:.1f} CPU s, the client {client:.1f}), TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
+                      f"({row['seconds']:.1f} s, {cpu:.1f} CPU s, the client {client:.1f}), "
+                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"ITL p50 {row['itl_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()
