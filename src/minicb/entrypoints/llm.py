@@ -42,9 +42,10 @@ __all__ = ["LLM", "RequestOutput", "cpu_fast_paths"]
 # LLM()'s scheduler defaults where the caller gives none (SchedulerConfig's own stay small, for tests):
 # as many slots as vLLM's offline default and a 2,048-token step; bench/sweep_config.py measured them
 # against other settings on W1 and W2 (bench/RESULTS.md, "Fast defaults"). No stall-free cap: offline,
-# nobody watches a stream, and the cap costs throughput where prompts are long (LP 0.75x in bfloat16 on
-# two threads: ``python bench/stall.py --caps 0,8+4 --dtype bfloat16 --saturation LP``, bench/RESULTS.md
-# "the whole machine"). ``prefill_tokens_per_seq`` only acts with a cap.
+# nobody watches a stream, and the cap is only a price: 0.99x on W2 and 0.98x on long prompts in bfloat16
+# on two threads (``python bench/stall.py --caps 0,4+4 --dtype bfloat16 --rounds 2 --saturation W2,LP``,
+# bench/RESULTS.md, twenty-third session; 0.75x on LP with the share per decode it had before).
+# ``prefill_tokens_per_seq`` only acts with a cap.
 FAST_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "prefill_tokens_per_seq": 4}
 # ``minicb serve``'s stall-free cap (docs/design.md's "no decode starvation"): a step that runs decodes
 # takes at most 4 + 4 N prompt tokens, N the sequences held (running, swapped, waiting), so that a long
