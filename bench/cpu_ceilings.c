@@ -4,6 +4,9 @@
  *   fma_seconds(n)     n rounds of 12 independent multiply-adds in registers, of the widest FMA the
  *                      build has (fma_lanes(): 16 float32 with AVX-512, 8 with AVX2), no memory at
  *                      all: 24 * lanes * n FLOPs. The skinny products can at best reach this.
+ *   dot_bf16_seconds(n) the same with vdpbf16ps (AVX-512 BF16), what the bfloat16 products use: each
+ *                      multiplies 32 pairs of bfloat16 and adds them into 16 float32, 64 FLOPs, so
+ *                      n rounds are 12 * 64 * n FLOPs (-1 where the build has no AVX-512 BF16).
  *   read_gbps(...)     reading `chunks` chunks of `chunk` bytes from a buffer of `size` bytes, at
  *                      random chunk-aligned places (random = 1) or one after another (0), summing
  *                      every 64-byte line; with `ahead` > 0 each line of the chunk `ahead` chunks on
@@ -43,6 +46,24 @@ double fma_seconds(int64_t n) {
                      ZERO(8) ZERO(9) ZERO(10) ZERO(11)
                      "1:\n" FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7) FMA(8) FMA(9) FMA(10)
                      FMA(11) "dec %0\n jnz 1b\n"
+                     : "+r"(n) : : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
+                       "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+    return now() - t0;
+#else
+    (void)n;
+    return -1.0;
+#endif
+}
+
+/* Seconds taken by n rounds of 12 independent vdpbf16ps (-1 where the build has none). */
+double dot_bf16_seconds(int64_t n) {
+#if defined(__AVX512BF16__)
+#define DOT(i) "vdpbf16ps %%zmm12, %%zmm13, %%zmm" #i "\n"
+    const double t0 = now();
+    __asm__ volatile(ZERO(12) ZERO(13) ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)
+                     ZERO(8) ZERO(9) ZERO(10) ZERO(11)
+                     "1:\n" DOT(0) DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) DOT(8) DOT(9) DOT(10)
+                     DOT(11) "dec %0\n jnz 1b\n"
                      : "+r"(n) : : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
                        "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc");
     return now() - t0;

@@ -1,5 +1,5 @@
-"""The two ceilings of a float32 step on one core: the core's multiply-add peak and what it reads from
-memory, measured bare, beside what minicb's kernels reach.
+"""The two ceilings of a step on one core: the core's multiply-add peak (float32, and bfloat16 where the
+CPU has AVX-512 BF16) and what it reads from memory, measured bare, beside what minicb's kernels reach.
 
     python bench/cpu_ceilings.py            # one thread, best of 5 repeats each, about 20 s
     python bench/cpu_ceilings.py --repeats 9
@@ -10,6 +10,8 @@ Prints ``lscpu``'s model and flags first, then:
   (``cpu_ceilings.c``, built like minicb's kernels with ``-march=native``), GFLOP/s. Beside it, the
   float32 skinny product (``minicb.fastpaths.skinny_gemm``) on SmolLM2's q/k/v shape, 256 rows, its
   weights in the caches: how close the products minicb spends most of a float32 step in come to it.
+* **vdpbf16ps peak** (CPUs with AVX-512 BF16): the same with the bfloat16 pair dot product the bfloat16
+  products are made of (64 FLOPs an instruction), beside the bfloat16 skinny product on the same shape.
 * **Reading memory**: GB/s of reading a 2 GiB buffer in chunks, one after another (1 MiB chunks) and at
   random places (12 KiB chunks: one 16-token block of one layer's float32 keys in SmolLM2's cache),
   the latter with and without asking for the chunk 4 ahead (``prefetcht1``) while reading this one. A
@@ -42,6 +44,7 @@ def probe() -> ctypes.CDLL:
     lib = ckernels.open_library(ckernels.build(HERE / "cpu_ceilings.c"), "bench/cpu_ceilings.c")
     lib.fma_seconds.argtypes, lib.fma_seconds.restype = [ctypes.c_int64], ctypes.c_double
     lib.fma_lanes.restype = ctypes.c_int
+    lib.dot_bf16_seconds.argtypes, lib.dot_bf16_seconds.restype = [ctypes.c_int64], ctypes.c_double
     lib.read_gbps.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                               ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_double)]
     lib.read_gbps.restype = ctypes.c_double
@@ -53,6 +56,14 @@ def fma_peak(lib: ctypes.CDLL, repeats: int) -> float:
     if lanes == 0:
         return float("nan")
     return max(24 * lanes * n / lib.fma_seconds(n) for _ in range(repeats)) / 1e9
+
+
+def dot_bf16_peak(lib: ctypes.CDLL, repeats: int) -> float:
+    """GFLOP/s of 12 chains of vdpbf16ps (64 FLOPs each), or nan where the build has none."""
+    n = 20_000_000
+    if lib.dot_bf16_seconds(1) < 0:
+        return float("nan")
+    return max(12 * 64 * n / lib.dot_bf16_seconds(n) for _ in range(repeats)) / 1e9
 
 
 def skinny_rate(repeats: int, rows: int = 256, in_f: int = 576, out_f: int = 960,
@@ -91,6 +102,12 @@ def main() -> None:
     rate = skinny_rate(repeats)
     print(f"skinny float32 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "
           f"({rate / peak:.0%} of the peak)")
+    dot = dot_bf16_peak(lib, repeats)
+    if dot == dot:                                    # not nan: the CPU has AVX-512 BF16
+        print(f"vdpbf16ps peak (512-bit vectors, 12 chains): {dot:6.1f} GFLOP/s bfloat16")
+        rate = skinny_rate(repeats, dtype=torch.bfloat16)
+        print(f"skinny bfloat16 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "
+              f"({rate / dot:.0%} of the peak)")
     buf = torch.ones(2 << 30, dtype=torch.uint8)     # 2 GiB: far more than any cache
     for label, chunk, random, ahead in (("1 MiB chunks, one after another", 1 << 20, False, 0),
                                         ("12 KiB chunks at random, no prefetch", 12 << 10, True, 0),

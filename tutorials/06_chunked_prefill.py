@@ -280,9 +280,8 @@ for cap in (None, 4, 12, 28):
 # all at once. A fixed cap makes the prompts trickle in beside many decodes,
 # in many more steps, each paying `a`; the share per sequence held lets a
 # full server's steps take more prompt tokens, and a burst of requests drain
-# into the batch in a few steps (a share per *decode* only held 63 waiting
-# requests to 12 tokens a step behind the first one to decode, on a real
-# server: ~5 s of short steps).
+# into the batch in a few steps (a share per *decode* only, 8 + 4 n, held 63
+# waiting requests to 12 tokens a step behind the first one to decode).
 
 # %%
 w2_like = make_requests("sharegpt", 64, rate=float("inf"), max_prompt=256,

@@ -33,19 +33,19 @@ so ``a + b N`` is the step the running streams are heading for; with ``p`` promp
 ``n <= N`` decodes takes ``a + b (n + p)``, at most ``k`` times that while ``p <= (k - 1) (a / b + N)``.
 So the first number is about ``(k - 1) a / b`` and the second ``k - 1``::
 
-    budget 2048, 4 + 4 a sequence, one stream decoding and a new 2,000-token prompt (N = 2):
+    budget 2048, 4 + 4 a sequence; a stream and a new 2,000-token prompt (N = 2):
         decode  prompt[0:12]                 (1 + 12: the step stays short, the stream flows)
         decode  prompt[12:24]                ... and so on while the stream runs; once it has ended:
         prompt[24:2000]                      (no decode: the whole budget again)
 
-    one stream decoding and 63 new requests of ~100 tokens arriving at once (N = 64):
-        decode  prompts: 260 tokens          (4 + 4 x 64: the queue drains in a few steps)
+    a stream and 63 new requests of ~100 tokens, arrived at once (N = 64):
+        decode  prompts: 260 tokens          (4 + 4 x 64: in within a few steps)
 
 Counting the waiting sequences, not only the decodes, is what keeps a server that is filling up
-efficient: with ``n`` decodes alone in the formula, the first request of a burst to start decoding
-held the other 63 to 12 prompt tokens a step, and the server took ~5 s of 20 ms steps to bring them
-in (``minicb serve`` at saturation, bench/RESULTS.md, twenty-third session). One stream and one long
-prompt get what they got before (4 + 4 x 2 = 8 + 4 x 1).
+efficient: with ``n`` decodes alone in the formula (8 + 4 n until the twenty-third session), the
+first request of a burst to start decoding held the other 63 to 12 prompt tokens a step, short steps
+that each paid ``a`` (bench/RESULTS.md, twenty-third session). One stream and one long prompt get
+what they got before (4 + 4 x 2 = 8 + 4 x 1).
 
 The price is the long prompt's time to first token (its prompt is spread over more, shorter steps,
 each paying ``a``) and, at saturation, a few more steps. The numbers are plain token counts, so a
