@@ -10,9 +10,9 @@
 Every engine is built as ``minicb serve`` builds its own (``LLM()`` with serve's defaults: SmolLM2 in
 float32 unless ``--dtype``, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, the KV pool from memory,
 prefix caching on, the CPU fast paths); only the stall-free cap differs: ``C+R`` is
-``max_prefill_tokens_while_decoding=C, prefill_tokens_per_seq=R`` (a step with ``n`` decodes takes at
-most ``C + R n`` prompt tokens; ``C`` alone keeps ``LLM()``'s ``R``; 0: no cap, ``LLM()``'s own default
-and the behaviour before issue 47). The engine is stepped in this process, as the server's engine thread
+``max_prefill_tokens_while_decoding=C, prefill_tokens_per_seq=R`` (a step with decodes takes at most
+``C + R N`` prompt tokens, ``N`` the sequences held; ``C`` alone keeps ``LLM()``'s ``R``; 0: no cap,
+``LLM()``'s own default and the behaviour before issue 47). The engine is stepped in this process, as the server's engine thread
 steps it, and a token's time is when ``step()`` hands it out (the server then only sends it).
 
 **The stall.** A stream (a 32-token prompt, 640 tokens, EOS ignored) decodes; once it has 16 tokens, a
@@ -127,10 +127,10 @@ def cpu_kind() -> str:
 
 
 def parse_cap(text: str) -> dict:
-    """``"32+4"``: the two ``LLM()`` arguments; ``"32"`` keeps ``LLM()``'s per-decode share; ``"0"``: off."""
+    """``"32+4"``: the two ``LLM()`` arguments; ``"32"`` keeps ``LLM()``'s share a sequence; ``"0"``: off."""
     c, _, r = text.partition("+")
-    per_decode = {"prefill_tokens_per_seq": int(r)} if r else {}
-    return {"max_prefill_tokens_while_decoding": int(c), **per_decode}
+    per_seq = {"prefill_tokens_per_seq": int(r)} if r else {}
+    return {"max_prefill_tokens_while_decoding": int(c), **per_seq}
 
 
 def label(cap: str) -> str:

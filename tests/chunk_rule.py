@@ -37,12 +37,13 @@ def plan_chunks(decodes: int, prefills: Sequence[int], new: Sequence[int], *,
     ``new`` prompts given as their uncomputed token counts. New prompts are taken in queue order and
     stop at the first one that gets nothing (no overtaking). With decodes, the prefills and new prompts
     together get at most ``max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq`` tokens,
-    ``N`` every sequence given, ``decodes + len(prefills) + len(new)`` (stall-free; None: no cap)."""
+    ``N`` every sequence given, ``decodes + len(prefills) + len(new)``, at most ``max_num_seqs``
+    (stall-free; None: no cap)."""
     check_int("decodes", decodes, lo=0)
     budget = TokenBudget(max_num_batched_tokens, max_num_seqs, chunk_cap or max_num_batched_tokens)
     got_decodes = tuple(_grant(budget, 1) for _ in range(decodes))
     if decodes and max_prefill_tokens_while_decoding:
-        held = decodes + len(prefills) + len(new)
+        held = min(decodes + len(prefills) + len(new), max_num_seqs)
         budget.prefill_left = max_prefill_tokens_while_decoding + held * prefill_tokens_per_seq
     got_prefills = tuple(_grant(budget, check_int("prefills[i]", n, lo=2)) for n in prefills)
     got_new: list[int] = []

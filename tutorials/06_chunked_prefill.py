@@ -193,8 +193,8 @@ print("chunked and unchunked runs give identical tokens: "
 # prompt tokens (`--stall-cap` here; all prompts together: ongoing, swapped in
 # and new), and a step without decodes gives prompts the whole budget again.
 # (`prefill_tokens_per_seq` raises the cap by so many tokens per sequence the
-# scheduler holds, running or waiting; below it is 0, so the cap is the same
-# in every step.)
+# scheduler holds, running, swapped or waiting, up to `max_num_seqs`; below
+# it is 0, so the cap is the same in every step.)
 
 # %%
 cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET,
@@ -280,7 +280,7 @@ for cap in (None, 4, 12, 28):
 # all at once. A fixed cap makes the prompts trickle in beside many decodes,
 # in many more steps, each paying `a`; the share per sequence held lets a
 # full server's steps take more prompt tokens, and a burst of requests drain
-# into the batch in a few steps (a share per *decode* only, 8 + 4 n, held 63
+# into the batch in far fewer steps (a share per *decode* only, 8 + 4 n, held 63
 # waiting requests to 12 tokens a step behind the first one to decode).
 
 # %%

@@ -151,15 +151,16 @@ def test_token_budget_stall_free_allowance_is_spent_and_not_refunded():
     max_num_seqs=st.integers(1, 12),
     cap=st.one_of(st.none(), st.integers(1, 64)),
     stall=st.one_of(st.none(), st.integers(1, 80)),
-    per_decode=st.integers(0, 5),
+    per_seq=st.integers(0, 5),
 )
 def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget, max_num_seqs, cap, stall,
-                                                 per_decode):
+                                                 per_seq):
     cap = None if cap is None else min(cap, budget)
     p = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                     chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
-                    prefill_tokens_per_seq=per_decode)
-    stall = None if stall is None else stall + per_decode * (decodes + len(prefills) + len(new))
+                    prefill_tokens_per_seq=per_seq)
+    held = min(decodes + len(prefills) + len(new), max_num_seqs)
+    stall = None if stall is None else stall + per_seq * held
     wants = [1] * decodes + prefills + new
     got = list(p.decodes + p.prefills + p.new)
     limit = cap or budget
@@ -180,9 +181,9 @@ def test_plan_respects_every_limit_and_is_greedy(decodes, prefills, new, budget,
 @given(decodes=st.integers(0, 4), prefills=st.lists(st.integers(2, 30), max_size=3),
        new=st.lists(st.integers(1, 30), max_size=4), budget=st.integers(1, 40),
        cap=st.one_of(st.none(), st.integers(1, 40)), stall=st.one_of(st.none(), st.integers(1, 40)),
-       per_decode=st.integers(0, 3))
+       per_seq=st.integers(0, 3))
 def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new, budget, cap, stall,
-                                                         per_decode):
+                                                         per_seq):
     """Build a scheduler state with ``decodes`` decoding sequences and ``prefills`` half-fed prompts,
     queue ``new`` prompts, and compare one ``schedule()`` with ``plan_chunks`` (slots and blocks
     plentiful, so neither admission limits nor preemption interfere)."""
@@ -211,11 +212,11 @@ def test_the_scheduler_grants_exactly_what_the_rule_says(decodes, prefills, new,
         sched.add(Sequence(f"n{i}", [11] * n, params))
     sched.config = dataclasses.replace(base, max_num_batched_tokens=budget, long_prefill_chunk=cap,
                                        max_prefill_tokens_while_decoding=stall,
-                                       prefill_tokens_per_seq=per_decode)
+                                       prefill_tokens_per_seq=per_seq)
     got = {s.request_id: s.num_tokens for s in sched.schedule(1.0).seqs}
     rule = plan_chunks(decodes, prefills, new, max_num_batched_tokens=budget,
                        max_num_seqs=base.max_num_seqs, chunk_cap=cap, max_prefill_tokens_while_decoding=stall,
-                       prefill_tokens_per_seq=per_decode)
+                       prefill_tokens_per_seq=per_seq)
     want = ({f"d{i}": g for i, g in enumerate(rule.decodes)}
             | {f"p{i}": g for i, g in enumerate(rule.prefills)}
             | {f"n{i}": g for i, g in enumerate(rule.new)})

@@ -173,6 +173,18 @@ def test_stall_free_cap_counts_the_waiting_queue():
                       [("d", 1), ("w0", 1), ("w1", 1), ("w2", 7), ("w3", 10), ("w4", 6)]]
 
 
+def test_stall_free_cap_counts_no_more_sequences_than_run_together():
+    # Four slots, one decode and ten 10-token prompts waiting: eleven sequences held, but at most four
+    # decode together, so the cap is 2 + 3 x 4 = 14 (not 2 + 3 x 11 = 35): w0 10, w1 the 4 left
+    sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+                          prefill_tokens_per_seq=3, num_blocks=64))
+    sched.add(seq("d", 2, 10))
+    step(sched)
+    for i in range(10):
+        sched.add(seq(f"w{i}", 10, 2, first=11 + 10 * i))
+    assert [(s.request_id, s.num_tokens) for s in step(sched)[0].seqs] == [("d", 1), ("w0", 10), ("w1", 4)]
+
+
 def test_stall_free_cap_counts_admissions_and_ongoing_prefills_together():
     # Two decodes run, prompt a (20 tokens) is being fed 4 tokens at a time (long_prefill_chunk), and
     # b, c wait. Cap 6 beside the decodes: a takes 4, b is admitted with the 2 left, c waits behind it.

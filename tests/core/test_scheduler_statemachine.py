@@ -465,7 +465,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def step(self):
         decodes = {r for r, q in self.sched.running.items() if q.num_uncomputed_tokens == 1}
-        held = len(self.sched.running) + len(self.sched.swapped) + len(self.sched.waiting)
+        held = min(len(self.sched.running) + len(self.sched.swapped) + len(self.sched.waiting),
+                   self.config.max_num_seqs)
         plan = self.sched.schedule(now=1.0)
         check_plan(self.sched, plan)
         c = self.config

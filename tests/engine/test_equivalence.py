@@ -96,14 +96,14 @@ def test_stall_free_schedule_is_exact(mode):
     model = tiny_model()
     expected = baseline_tokens(model, prompts, params, None)
     steps = {}
-    for stall, per_decode in ((None, 0), (3, 0), (2, 1)):
+    for stall, per_seq in ((None, 0), (3, 0), (2, 1)):
         cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_blocks=40,
                               num_host_blocks=30 if mode == "swap" else 0, preemption_mode=mode,
                               max_prefill_tokens_while_decoding=stall,
-                              prefill_tokens_per_seq=per_decode)
+                              prefill_tokens_per_seq=per_seq)
         outs, eng = run_engine(model, cfg, prompts, params, arrivals)
         assert [o.token_ids for o in outs] == expected, stall
-        steps[stall, per_decode] = eng.scheduler.stats.num_steps
+        steps[stall, per_seq] = eng.scheduler.stats.num_steps
         if stall:
             assert eng.scheduler.stats.num_preemptions > 0      # the pool was tight
     # the prompts took more, shorter steps beside the decodes

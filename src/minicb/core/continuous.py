@@ -15,9 +15,9 @@ gets ``budget.chunk(its uncomputed tokens)`` tokens, so a long prompt is prefill
 several steps while the decodes keep running. **Stall-free**: once the decodes have their tokens,
 if there are any, everything after them (ongoing prefills, swapped-in and new prompts) shares at most
 ``max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq`` tokens, ``N`` the sequences the
-scheduler holds (running, swapped and waiting), so that the step, which the decodes wait for, stays
-short; with no decode running, prompts get the whole budget (``planner``'s docstring explains the
-numbers)::
+scheduler holds (running, swapped and waiting; at most ``max_num_seqs``), so that the step, which the
+decodes wait for, stays short; with no decode running, prompts get the whole budget (``planner``'s
+docstring explains the numbers)::
 
     4 + 4 a sequence, budget 2048:    A decode (1)   B prompt[0:12]      N = 2: 4 + 8, A's next token soon
                           A ends:     B prompt[12:2000]                   no decode: the whole budget
@@ -117,6 +117,7 @@ class ContinuousPolicy(Policy):
         c = self.sched.config
         if decodes and c.max_prefill_tokens_while_decoding:   # stall-free: a cap on all prompts that follow
             held = len(self.running) + len(self.swapped) + len(self.waiting)   # (here, and in 2. and 3.)
+            held = min(held, c.max_num_seqs)                  # no more than the slots decode together
             budget.prefill_left = c.max_prefill_tokens_while_decoding + c.prefill_tokens_per_seq * held
         for seq in prefills:
             self._grant(seq, work, budget)

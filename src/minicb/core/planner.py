@@ -24,14 +24,17 @@ decode's next token seconds late on a CPU. So a step *with* decodes gives the pr
 
     max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq        tokens
 
-``N`` the sequences the scheduler holds (running, swapped and waiting), and a step without decodes
+``N`` the sequences the scheduler holds (running, swapped and waiting; at most ``max_num_seqs``, the
+most that decode together; a fork's children count once they are queued), and a step without decodes
 gives prompts the whole budget, so a lone long prompt is not slowed down. The numbers come from a
 cost model. A step's time is close to ``a + b x tokens`` (``a``: what every step pays, reading the
 weights and the Python around the forward; ``b``: each token's share; ``bench/stall.py`` fits both).
 Every sequence held will soon decode beside the others (the waiting ones once their prompts are in),
 so ``a + b N`` is the step the running streams are heading for; with ``p`` prompt tokens a step of
 ``n <= N`` decodes takes ``a + b (n + p)``, at most ``k`` times that while ``p <= (k - 1) (a / b + N)``.
-So the first number is about ``(k - 1) a / b`` and the second ``k - 1``::
+So the first number is about ``(k - 1) a / b`` and the second ``k - 1``. The bound is on the step the
+held sequences will have together, not on the step a stream has now: with many requests waiting, a
+running stream's gap grows towards ``k`` times a full batch's step, which it would soon have anyway::
 
     budget 2048, 4 + 4 a sequence; a stream and a new 2,000-token prompt (N = 2):
         decode  prompt[0:12]                 (1 + 12: the step stays short, the stream flows)
@@ -39,7 +42,7 @@ So the first number is about ``(k - 1) a / b`` and the second ``k - 1``::
         prompt[24:2000]                      (no decode: the whole budget again)
 
     a stream and 63 new requests of ~100 tokens, arrived at once (N = 64):
-        decode  prompts: 260 tokens          (4 + 4 x 64: in within a few steps)
+        decode  prompts: 260 tokens          (4 + 4 x 64, a step while the burst waits)
 
 Counting the waiting sequences, not only the decodes, is what keeps a server that is filling up
 efficient: with ``n`` decodes alone in the formula (8 + 4 n until the twenty-third session), the
