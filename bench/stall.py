@@ -12,8 +12,9 @@ float32 unless ``--dtype``, ``FAST_DEFAULTS``' 256 slots and 2,048-token step, t
 prefix caching on, the CPU fast paths); only the stall-free cap differs: ``C+R`` is
 ``max_prefill_tokens_while_decoding=C, prefill_tokens_per_seq=R`` (a step with decodes takes at most
 ``C + R N`` prompt tokens, ``N`` the sequences held; ``C`` alone keeps ``LLM()``'s ``R``; 0: no cap,
-``LLM()``'s own default and the behaviour before issue 47). The engine is stepped in this process, as the server's engine thread
-steps it, and a token's time is when ``step()`` hands it out (the server then only sends it).
+``LLM()``'s own default and the behaviour before issue 47). The engine is stepped in this process, as
+the server's engine thread steps it, and a token's time is when ``step()`` hands it out (the server
+then only sends it).
 
 **The stall.** A stream (a 32-token prompt, 640 tokens, EOS ignored) decodes; once it has 16 tokens, a
 2,000-token prompt arrives (random ids, new each round: no prefix hit) asking for 16 tokens. Printed per
