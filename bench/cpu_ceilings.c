@@ -38,16 +38,20 @@ static double now(void) {
 #define LANES 8
 #endif
 
+/* n rounds of 12 independent OP(i) on registers 0-11 (12 and 13 the operands, zeroed first) */
+#define TWELVE_CHAINS(OP, n)                                                                           \
+    __asm__ volatile(ZERO(12) ZERO(13) ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7) \
+                     ZERO(8) ZERO(9) ZERO(10) ZERO(11)                                                 \
+                     "1:\n" OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)  \
+                     "dec %0\n jnz 1b\n"                                                               \
+                     : "+r"(n) : : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",     \
+                       "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc")
+
 /* Seconds taken by n rounds of 12 independent multiply-adds (-1 where the build has no FMA). */
 double fma_seconds(int64_t n) {
 #if defined(LANES)
     const double t0 = now();
-    __asm__ volatile(ZERO(12) ZERO(13) ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)
-                     ZERO(8) ZERO(9) ZERO(10) ZERO(11)
-                     "1:\n" FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7) FMA(8) FMA(9) FMA(10)
-                     FMA(11) "dec %0\n jnz 1b\n"
-                     : "+r"(n) : : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-                       "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+    TWELVE_CHAINS(FMA, n);
     return now() - t0;
 #else
     (void)n;
@@ -60,12 +64,7 @@ double dot_bf16_seconds(int64_t n) {
 #if defined(__AVX512BF16__)
 #define DOT(i) "vdpbf16ps %%zmm12, %%zmm13, %%zmm" #i "\n"
     const double t0 = now();
-    __asm__ volatile(ZERO(12) ZERO(13) ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)
-                     ZERO(8) ZERO(9) ZERO(10) ZERO(11)
-                     "1:\n" DOT(0) DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) DOT(8) DOT(9) DOT(10)
-                     DOT(11) "dec %0\n jnz 1b\n"
-                     : "+r"(n) : : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-                       "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+    TWELVE_CHAINS(DOT, n);
     return now() - t0;
 #else
     (void)n;

@@ -158,30 +158,31 @@ def test_stall_free_cap_grows_by_its_share_per_sequence_held():
     assert grants == [[1, 1, 1, 14], [1, 1, 1, 14], [1, 1, 1, 2]]
 
 
-def test_stall_free_cap_counts_the_waiting_queue():
-    # One decode and six 10-token prompts waiting (slots for all): cap 2 + 3 a sequence held gives
-    # 2 + 3 x 7 = 23 prompt tokens, not the 2 + 3 x 1 = 5 of a share per decode alone; the next step
-    # w0 and w1 decode too, and the seven sequences held give the prompts 23 again
-    sched = Scheduler(cfg(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+def _one_decode_then_queued(slots: int, waiting: int) -> Scheduler:
+    """Cap 2 + 3 a sequence held; one sequence decoding, then ``waiting`` 10-token prompts queued."""
+    sched = Scheduler(cfg(max_num_seqs=slots, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
                           prefill_tokens_per_seq=3, num_blocks=64))
     sched.add(seq("d", 2, 10))
     step(sched)
-    for i in range(6):
+    for i in range(waiting):
         sched.add(seq(f"w{i}", 10, 2, first=11 + 10 * i))
+    return sched
+
+
+def test_stall_free_cap_counts_the_waiting_queue():
+    # One decode and six prompts waiting (slots for all): 2 + 3 x 7 = 23 prompt tokens, not the
+    # 2 + 3 x 1 = 5 of a share per decode alone; the next step w0 and w1 decode too, and the seven
+    # sequences held give the prompts 23 again
+    sched = _one_decode_then_queued(slots=8, waiting=6)
     grants = [[(s.request_id, s.num_tokens) for s in step(sched)[0].seqs] for _ in range(2)]
     assert grants == [[("d", 1), ("w0", 10), ("w1", 10), ("w2", 3)],
                       [("d", 1), ("w0", 1), ("w1", 1), ("w2", 7), ("w3", 10), ("w4", 6)]]
 
 
 def test_stall_free_cap_counts_no_more_sequences_than_run_together():
-    # Four slots, one decode and ten 10-token prompts waiting: eleven sequences held, but at most four
-    # decode together, so the cap is 2 + 3 x 4 = 14 (not 2 + 3 x 11 = 35): w0 10, w1 the 4 left
-    sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
-                          prefill_tokens_per_seq=3, num_blocks=64))
-    sched.add(seq("d", 2, 10))
-    step(sched)
-    for i in range(10):
-        sched.add(seq(f"w{i}", 10, 2, first=11 + 10 * i))
+    # Four slots, one decode and ten prompts waiting: eleven sequences held, but at most four decode
+    # together, so the cap is 2 + 3 x 4 = 14 (not 2 + 3 x 11 = 35): w0 10, w1 the 4 left
+    sched = _one_decode_then_queued(slots=4, waiting=10)
     assert [(s.request_id, s.num_tokens) for s in step(sched)[0].seqs] == [("d", 1), ("w0", 10), ("w1", 4)]
 
 
