@@ -10,6 +10,7 @@ run alone (``alone``) checks the whole bookkeeping at the scheduler level, with 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -177,6 +178,25 @@ def test_stall_free_cap_counts_the_waiting_queue():
     grants = [[(s.request_id, s.num_tokens) for s in step(sched)[0].seqs] for _ in range(2)]
     assert grants == [[("d", 1), ("w0", 10), ("w1", 10), ("w2", 3)],
                       [("d", 1), ("w0", 1), ("w1", 1), ("w2", 7), ("w3", 10), ("w4", 6)]]
+
+
+def test_stall_free_cap_counts_a_swapped_sequence():
+    # d1 and b decode, p (40 tokens) is prefilling; b is swapped out (as a swap preemption would):
+    # three sequences held, so p gets 2 + 3 x 3 = 11 tokens beside d1 (8 without b, 5 per decode alone),
+    # and b, which would come back as a decode, finds the cap spent and stays swapped
+    sched = Scheduler(cfg(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=2,
+                          prefill_tokens_per_seq=3, num_blocks=64, num_host_blocks=16,
+                          preemption_mode="swap", long_prefill_chunk=4))
+    sched.add(seq("d1", 2, 10))
+    sched.add(seq("b", 2, 10, first=3))
+    sched.add(seq("p", 40, 2, first=5))
+    step(sched)                            # d1, b: their prompts; p: its first 4 tokens (the chunk cap)
+    sched.config = dataclasses.replace(sched.config, long_prefill_chunk=None)
+    sched.preempt(sched.get("b"))
+    assert [q.request_id for q in sched.swapped] == ["b"]
+    plan, _ = step(sched)
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("d1", 1), ("p", 11)]
+    assert not plan.swap_in and [q.request_id for q in sched.swapped] == ["b"]
 
 
 def test_stall_free_cap_counts_no_more_sequences_than_run_together():
