@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import pathlib
 import sys
 import time
@@ -103,7 +104,7 @@ def main() -> None:
     print(f"skinny float32 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "
           f"({rate / peak:.0%} of the peak)")
     dot = dot_bf16_peak(lib, repeats)
-    if dot == dot:                                    # not nan: the CPU has AVX-512 BF16
+    if not math.isnan(dot):                           # the CPU has AVX-512 BF16
         print(f"vdpbf16ps peak (512-bit vectors, 12 chains): {dot:6.1f} GFLOP/s bfloat16")
         rate = skinny_rate(repeats, dtype=torch.bfloat16)
         print(f"skinny bfloat16 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "

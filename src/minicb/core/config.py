@@ -9,7 +9,7 @@
 * ``max_prefill_tokens_while_decoding``, ``prefill_tokens_per_seq``: stall-free batching (continuous
   policy, ``planner``): in a step that runs decodes, the prompt tokens of all sequences together stay
   within ``max_prefill_tokens_while_decoding + N * prefill_tokens_per_seq``, ``N`` the sequences the
-  scheduler holds (running, swapped, waiting), so that the step, and
+  scheduler holds (running, swapped, waiting; at most ``max_num_seqs``), so that the step, and
   the running streams' next tokens, are not held up by a long prompt; a step without decodes still gives
   prompts the whole budget (``None`` or ``0``: no cap, ``LLM()``'s default; ``minicb serve``'s is measured);
 * ``block_size`` / ``num_blocks``: the paged KV pool, ``num_blocks * block_size`` token slots;
