@@ -4,6 +4,7 @@ r"""Served side by side: ``minicb serve`` and vLLM's CPU build's OpenAI server u
     python bench/serve_peers.py --one-core               # every server on core 0, the client on core 1
     python bench/serve_peers.py --workload LP --rates 0.25,sat --vllm all      # long prompts, fewer turns
     python bench/serve_peers.py --skip-vllm --rates sat  # minicb alone (no vLLM venv needed)
+    python bench/serve_peers.py --vllm all --clients openai,lean   # each turn with both clients
     python bench/serve_peers.py --skip-vllm --rates sat,sat,sat,sat \
         --minicb-also 'min64=CC="cc -DTEAM_SPIN_MIN=64"'  # beside a variant of itself, 4 turns
 
@@ -46,6 +47,14 @@ output tokens), or ``--workload LP``'s 48 long prompts, EOS ignored, sent as str
 Per server and rate: output tokens/s (first request sent to last token received), TTFT and ITL median
 and P99, the median request's time per output token after its first (TPOT, as vLLM counts it)
 (``bench/serve.py``'s client and summary), CPU seconds. The header names the CPU before any figure.
+
+The client. The ``openai`` SDK builds a pydantic object of every streamed chunk: about 1 CPU second of
+a W2 saturation turn, taken from the two vCPUs the server computes on, where a deployment's clients
+run on other machines. ``--clients openai,lean`` runs each turn a second time with ``serve.py``'s lean
+client (the same requests, the stream read as bare ``data:`` lines and ``json.loads``, as ``vllm bench
+serve`` reads it: about half the CPU), on fresh prompts (no prefix-cache hit between the two); rows are
+then named ``server/client``. ``tests/measure/test_bench_helpers.py`` checks that both clients record
+the same stream.
 """
 
 from __future__ import annotations
@@ -245,6 +254,9 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true", help="minicb alone")
     ap.add_argument("--hf-dir", default="/tmp/serve_peers_hf", help="the exported model vLLM reads")
     ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--clients", default="openai",
+                    help="openai (the SDK), lean (bare SSE lines: serve.py's _one_lean), or both, each "
+                         "in every turn of every server; with more than one a row is named server/client")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so that the servers are closed below
@@ -280,32 +292,37 @@ def main() -> None:
                 run_load(s.url, s.model, [[5, 6, 7, 8]], [4], [0.0])        # warm up
         rows = []
         rates = args.rates.split(",")
+        clients = args.clients.split(",")
+        names = [s.name + (f"/{c}" if len(clients) > 1 else "") for s in servers for c in clients]
         for k, rate in enumerate(rates):
             turn = rates[:k].count(rate)                          # a repeated rate's turns: sat, sat#2, ...
             label = f"{rate}#{turn + 1}" if turn else rate
-            prompts = [[100 + k] + p[1:] for p in wl.prompts]     # no prefix-cache hits across rates
-            arrivals = poisson_arrivals(len(prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
-            for s in servers if k % 2 == 0 else servers[::-1]:
+            arrivals = poisson_arrivals(len(wl.prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
+            runs = [(s, c) for s in servers for c in clients]
+            for s, client_kind in runs if k % 2 == 0 else runs[::-1]:
                 for other in servers:
                     wait_until_idle(other.proc.pid)
+                # no prefix-cache hits across rates, nor between a server's clients in one turn
+                prompts = [[100 + k * len(clients) + clients.index(client_kind)] + p[1:] for p in wl.prompts]
                 with others_paused(s, servers):
                     cpu0, client0 = cpu_seconds_of_tree(s.proc.pid), time.process_time()
-                    recs = run_load(s.url, s.model, prompts, wl.output_lens, arrivals)
+                    recs = run_load(s.url, s.model, prompts, wl.output_lens, arrivals, client_kind)
                     cpu, client = cpu_seconds_of_tree(s.proc.pid) - cpu0, time.process_time() - client0
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
-                row = {"system": s.name, "rate": label, **summarize(recs), "cpu_s": cpu,
+                name = s.name + (f"/{client_kind}" if len(clients) > 1 else "")
+                row = {"system": name, "client": client_kind, "rate": label, **summarize(recs), "cpu_s": cpu,
                        "client_cpu_s": client, "load_avg": os.getloadavg()[0]}
                 row["tok_per_cpu_s"] = row["tokens"] / cpu if cpu else float("nan")
                 rows.append(row)
-                print(f"  {s.name:<9} rate {label:>4}: {row['throughput']:6.1f} tok/s "
+                print(f"  {name:<9} rate {label:>4}: {row['throughput']:6.1f} tok/s "
                       f"({row['seconds']:.1f} s, {cpu:.1f} CPU s, the client {client:.1f}), "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, "
                       f"ITL p50 {row['itl_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.0f} ms, "
                       f"{row['failed']} failed, load {row['load_avg']:.1f}", flush=True)
         print()
-        print(table(rows, [s.name for s in servers]))
-        for line in turn_medians(rows, rates, [s.name for s in servers]):
+        print(table(rows, names))
+        for line in turn_medians(rows, rates, names):
             print(line)
         if args.out:
             pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -353,3 +353,50 @@ def test_decode_floor_counts_the_keys_and_values_a_step_reads():
     weights = 2 * (30 * 576 * (576 + 2 * 192 + 576 + 3 * 1536) + 49152 * 576)
     assert round(weights / 1e6) == 269
     assert round(100 * decode_floor.kv_bytes(model, 5, 1000 + 2 + 20 // 2) / weights) == 43
+
+
+def test_serve_clients_record_the_same_stream():
+    """bench/serve.py's two clients (the openai SDK and the lean one that reads bare ``data:`` lines)
+    record the same chunks, tokens and errors from one SSE server: a stream of three text chunks, an
+    empty one (a held-back UTF-8 fragment), the usage chunk; and a 400 is an error, not a stream."""
+    import http.server
+    import json as _json
+    import threading
+
+    (serve,) = bench_modules("serve")
+    chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "", "b", "c")]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body["max_tokens"] > 100:
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"error": {"message": "too many", "type": "invalid_request_error"}}')
+                return
+            assert body["stream"] and body["prompt"] == [1, 2] and body["ignore_eos"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for c in chunks:
+                c = {"id": "x", "object": "text_completion", "created": 0, "model": "m", **c}
+                self.wfile.write(f"data: {_json.dumps(c)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        seen = {}
+        for client in ("openai", "lean"):
+            recs = serve.run_load(url, "m", [[1, 2], [1, 2]], [3, 500], [0.0, 0.0], client)
+            seen[client] = [(len(r.chunk_times), r.tokens, r.error is None) for r in recs]
+            assert all(r.sent > 0 for r in recs)
+    finally:
+        srv.shutdown()
+    assert seen["openai"] == seen["lean"] == [(3, 3, True), (0, 0, False)]
