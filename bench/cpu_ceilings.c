@@ -7,6 +7,8 @@
  *   dot_bf16_seconds(n) the same with vdpbf16ps (AVX-512 BF16), what the bfloat16 products use: each
  *                      multiplies 32 pairs of bfloat16 and adds them into 16 float32, 64 FLOPs, so
  *                      n rounds are 12 * 64 * n FLOPs (-1 where the build has no AVX-512 BF16).
+ *   dot_u8s8_seconds(n) the same with vpdpbusd (AVX-512 VNNI): 64 byte products an instruction,
+ *                      128 integer ops, so n rounds are 12 * 128 * n ops (-1 without AVX-512 VNNI).
  *   read_gbps(...)     reading `chunks` chunks of `chunk` bytes from a buffer of `size` bytes, at
  *                      random chunk-aligned places (random = 1) or one after another (0), summing
  *                      every 64-byte line; with `ahead` > 0 each line of the chunk `ahead` chunks on
@@ -65,6 +67,22 @@ double dot_bf16_seconds(int64_t n) {
 #define DOT(i) "vdpbf16ps %%zmm12, %%zmm13, %%zmm" #i "\n"
     const double t0 = now();
     TWELVE_CHAINS(DOT, n);
+    return now() - t0;
+#else
+    (void)n;
+    return -1.0;
+#endif
+}
+
+/* Seconds taken by n rounds of 12 independent vpdpbusd (-1 where the build has no AVX-512 VNNI): each
+ * multiplies 64 unsigned by 64 signed bytes and adds them by fours into 16 int32, 128 integer ops; an
+ * int8 product path (activations quantized to bytes, as llama.cpp's Q8 x Q4 dot products) would be
+ * made of these. */
+double dot_u8s8_seconds(int64_t n) {
+#if defined(__AVX512VNNI__)
+#define DOT8(i) "vpdpbusd %%zmm12, %%zmm13, %%zmm" #i "\n"
+    const double t0 = now();
+    TWELVE_CHAINS(DOT8, n);
     return now() - t0;
 #else
     (void)n;

@@ -12,6 +12,9 @@ Prints ``lscpu``'s model and flags first, then:
   weights in the caches: how close the products minicb spends most of a float32 step in come to it.
 * **vdpbf16ps peak** (CPUs with AVX-512 BF16): the same with the bfloat16 pair dot product the bfloat16
   products are made of (64 FLOPs an instruction), beside the bfloat16 skinny product on the same shape.
+* **vpdpbusd peak** (CPUs with AVX-512 VNNI, beside the bfloat16 line): the int8 byte dot product (64
+  byte products, 128 ops an instruction) an int8 product path would be made of, and its ratio to the
+  vdpbf16ps peak: the most such a path could gain on products that already run at that peak.
 * **Reading memory**: GB/s of reading a 2 GiB buffer in chunks, one after another (1 MiB chunks) and at
   random places (12 KiB chunks: one 16-token block of one layer's float32 keys in SmolLM2's cache),
   the latter with and without asking for the chunk 4 ahead (``prefetcht1``) while reading this one. A
@@ -46,6 +49,7 @@ def probe() -> ctypes.CDLL:
     lib.fma_seconds.argtypes, lib.fma_seconds.restype = [ctypes.c_int64], ctypes.c_double
     lib.fma_lanes.restype = ctypes.c_int
     lib.dot_bf16_seconds.argtypes, lib.dot_bf16_seconds.restype = [ctypes.c_int64], ctypes.c_double
+    lib.dot_u8s8_seconds.argtypes, lib.dot_u8s8_seconds.restype = [ctypes.c_int64], ctypes.c_double
     lib.read_gbps.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                               ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_double)]
     lib.read_gbps.restype = ctypes.c_double
@@ -65,6 +69,14 @@ def dot_bf16_peak(lib: ctypes.CDLL, repeats: int) -> float:
     if lib.dot_bf16_seconds(1) < 0:
         return float("nan")
     return max(12 * 64 * n / lib.dot_bf16_seconds(n) for _ in range(repeats)) / 1e9
+
+
+def dot_u8s8_peak(lib: ctypes.CDLL, repeats: int) -> float:
+    """Giga integer ops/s of 12 chains of vpdpbusd (128 ops each), or nan where the build has none."""
+    n = 20_000_000
+    if lib.dot_u8s8_seconds(1) < 0:
+        return float("nan")
+    return max(12 * 128 * n / lib.dot_u8s8_seconds(n) for _ in range(repeats)) / 1e9
 
 
 def skinny_rate(repeats: int, rows: int = 256, in_f: int = 576, out_f: int = 960,
@@ -109,6 +121,10 @@ def main() -> None:
         rate = skinny_rate(repeats, dtype=torch.bfloat16)
         print(f"skinny bfloat16 product [256, 576] x [576, 960], weights cached: {rate:6.1f} GFLOP/s "
               f"({rate / dot:.0%} of the peak)")
+        int8 = dot_u8s8_peak(lib, repeats)
+        if not math.isnan(int8):                      # and AVX-512 VNNI: what an int8 path could reach
+            print(f"vpdpbusd peak (512-bit vectors, 12 chains): {int8:6.1f} Gop/s int8 "
+                  f"({int8 / dot:.2f}x the vdpbf16ps peak)")
     buf = torch.ones(2 << 30, dtype=torch.uint8)     # 2 GiB: far more than any cache
     for label, chunk, random, ahead in (("1 MiB chunks, one after another", 1 << 20, False, 0),
                                         ("12 KiB chunks at random, no prefetch", 12 << 10, True, 0),

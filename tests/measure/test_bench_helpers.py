@@ -400,3 +400,16 @@ def test_serve_clients_record_the_same_stream():
     finally:
         srv.shutdown()
     assert seen["openai"] == seen["lean"] == [(3, 3, True), (0, 0, False)]
+
+
+def test_cpu_ceilings_probes_run_where_the_cpu_has_their_instructions():
+    """bench/cpu_ceilings.c: each register probe runs (a positive time) exactly where the CPU has its
+    instruction set, and says -1 where the build lacks it (the script then prints no such line)."""
+    (ceilings,) = bench_modules("cpu_ceilings")
+    flags = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+    lib = ceilings.probe()
+    for fn, flag in ((lib.fma_seconds, "fma"), (lib.dot_bf16_seconds, "avx512_bf16"),
+                     (lib.dot_u8s8_seconds, "avx512_vnni")):
+        t = fn(1000)
+        assert (t > 0) if flag in flags else (t == -1.0), (fn.__name__, t)
+    assert lib.fma_lanes() == (16 if "avx512f" in flags else 8 if "fma" in flags else 0)
