@@ -8,8 +8,9 @@
 Every request of W2 (``bench/workloads.py``: 64 requests, ShareGPT lengths, random-id prompts of at
 most 256 tokens, 1-128 output tokens, EOS ignored) is sent at its arrival time, drawn from a Poisson
 process of the given rate (seeded), as a streaming ``/v1/completions`` call with its token ids, through
-the official ``openai`` client (asyncio, one connection per request in flight). Measured on the client
-side, as the benchmark table does on the server side:
+the official ``openai`` client (asyncio, one connection per request in flight; ``run_load(...,
+client="lean")``: the same requests read as bare SSE lines, ``bench/serve_peers.py --clients``).
+Measured on the client side, as the benchmark table does on the server side:
 
 * throughput: output tokens (``usage``) / (last token received - first request sent);
 * TTFT: request sent -> first chunk with text; ITL: gaps between consecutive text chunks of a request
@@ -88,8 +89,9 @@ async def _one(c, model: str, prompt: list[int], max_tokens: int, rec: Record, t
 
 async def _one_lean(c, model: str, prompt: list[int], max_tokens: int, rec: Record, t0: float) -> None:
     """``_one`` without the SDK: the same request, its stream read as bare ``data:`` lines (json.loads
-    each), as ``vllm bench serve``'s aiohttp client does. About a tenth of the SDK's CPU a chunk: the
-    stand-in for a client on another machine, which takes none of the server's."""
+    each), as ``vllm bench serve``'s aiohttp client does. About half the SDK's CPU (0.5 against 1.0 CPU
+    s a W2 saturation turn, bench/RESULTS.md): nearer a client on another machine, which takes none of
+    the server's CPU."""
     await asyncio.sleep(max(0.0, t0 + rec.arrival - time.perf_counter()))
     rec.sent = time.perf_counter()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
