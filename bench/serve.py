@@ -105,6 +105,8 @@ async def _one_lean(c, model: str, prompt: list[int], max_tokens: int, rec: Reco
                     continue
                 now = time.perf_counter()
                 chunk = json.loads(line[6:])
+                if "error" in chunk:          # an error mid-stream ends the request, as the SDK raises it
+                    raise RuntimeError(f"error in the stream: {chunk['error']}")
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     rec.chunk_times.append(now)
                 if chunk.get("usage"):

@@ -52,9 +52,10 @@ The client. The ``openai`` SDK builds a pydantic object of every streamed chunk:
 a W2 saturation turn, taken from the two vCPUs the server computes on, where a deployment's clients
 run on other machines. ``--clients openai,lean`` runs each turn a second time with ``serve.py``'s lean
 client (the same requests, the stream read as bare ``data:`` lines and ``json.loads``, as ``vllm bench
-serve`` reads it: about half the CPU), on fresh prompts (no prefix-cache hit between the two); rows are
-then named ``server/client``. ``tests/measure/test_bench_helpers.py`` checks that both clients record
-the same stream.
+serve`` reads it: about half the CPU at saturation), on fresh prompts (no prefix-cache hit between
+the two); rows are then named ``server/client`` and each client's medians are against the first
+server's through the same client. ``tests/measure/test_bench_helpers.py`` checks that both clients
+send the same body and record the same stream.
 """
 
 from __future__ import annotations
@@ -186,13 +187,18 @@ def start_minicb(args, name: str = "minicb", spec: str = "") -> Server:
 
 def turn_medians(rows: list[dict], rates: list[str], names: list[str]) -> list[str]:
     """For each rate given more than once (``sat,sat,sat``: turns labelled sat, sat#2, ...), a line with
-    each server's median tok/s over those turns and its ratio to the first server's."""
+    each server's median tok/s over those turns and its ratio to the first server's through the same
+    client (names ``server/client`` with ``--clients``: each client's rows against its own)."""
     lines = []
     for rate in dict.fromkeys(r for r in rates if rates.count(r) > 1):
         med = {n: statistics.median(r["throughput"] for r in rows
                                     if r["system"] == n and r["rate"].split("#")[0] == rate) for n in names}
+        first = {}                                   # client (or "") -> the first server's name with it
+        for n in names:
+            first.setdefault(n.partition("/")[2], n)
         lines.append(f"{rate}, median tok/s of {rates.count(rate)} turns: "
-                     + ", ".join(f"{n} {v:.1f} ({v / med[names[0]]:.2f}x)" for n, v in med.items()))
+                     + ", ".join(f"{n} {v:.1f} ({v / med[first[n.partition('/')[2]]]:.2f}x)"
+                                 for n, v in med.items()))
     return lines
 
 
@@ -259,6 +265,9 @@ def main() -> None:
                          "in every turn of every server; with more than one a row is named server/client")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    if set(args.clients.split(",")) - {"openai", "lean"} or len(set(args.clients.split(","))) != len(
+            args.clients.split(",")):
+        ap.error(f"--clients takes openai and/or lean, each once; got {args.clients!r}")
     # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so that the servers are closed below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wl = WORKLOADS[args.workload](*([args.num_requests] if args.num_requests else []))

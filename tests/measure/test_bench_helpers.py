@@ -222,6 +222,14 @@ def test_serve_peers_variant_spec_and_the_medians_of_repeated_turns():
     # medians of the sat turns only: a 200 (100, 200, 300), b 240 (90, 240, 330); rate 1 ran once: no line
     assert sp.turn_medians(rows, ["sat", "1", "sat", "sat"], ["a", "b"]) == \
         ["sat, median tok/s of 3 turns: a 200.0 (1.00x), b 240.0 (1.20x)"]
+    # with --clients: each server/client against the first server through the same client
+    rows = [{"system": n, "rate": label, "throughput": t} for n, label, t in [
+        (f"{server}/{client}", label, t) for label in ("sat", "sat#2")
+        for server, client, t in (("a", "openai", 100.0), ("a", "lean", 200.0), ("b", "openai", 150.0),
+                                  ("b", "lean", 220.0))]]
+    assert sp.turn_medians(rows, ["sat", "sat"], ["a/openai", "a/lean", "b/openai", "b/lean"]) == \
+        ["sat, median tok/s of 2 turns: a/openai 100.0 (1.00x), a/lean 200.0 (1.00x), "
+         "b/openai 150.0 (1.50x), b/lean 220.0 (1.10x)"]
 
 
 def test_long_prompt_workload_is_48_arxiv_requests_scaled_by_a_quarter():
@@ -357,8 +365,9 @@ def test_decode_floor_counts_the_keys_and_values_a_step_reads():
 
 def test_serve_clients_record_the_same_stream():
     """bench/serve.py's two clients (the openai SDK and the lean one that reads bare ``data:`` lines)
-    record the same chunks, tokens and errors from one SSE server: a stream of three text chunks, an
-    empty one (a held-back UTF-8 fragment), the usage chunk; and a 400 is an error, not a stream."""
+    send the same body and record the same chunks, tokens and errors from one SSE server: a stream of
+    three text chunks, an empty one (a held-back UTF-8 fragment), the usage chunk; a 400 is an error,
+    not a stream; and an error object after a token ends the request as failed."""
     import http.server
     import json as _json
     import threading
@@ -377,12 +386,18 @@ def test_serve_clients_record_the_same_stream():
                 self.wfile.write(b'{"error": {"message": "too many", "type": "invalid_request_error"}}')
                 return
             assert body["stream"] and body["prompt"] == [1, 2] and body["ignore_eos"]
+            assert body["temperature"] == 0 and body["stream_options"] == {"include_usage": True}
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for c in chunks:
-                c = {"id": "x", "object": "text_completion", "created": 0, "model": "m", **c}
+            failed = {"error": {"message": "the step failed", "type": "internal_error", "code": 500}}
+            # max_tokens 7: a step failed mid-stream, after one token
+            for c in chunks[:1] + [failed] if body["max_tokens"] == 7 else chunks:
+                if "error" not in c:
+                    c = {"id": "x", "object": "text_completion", "created": 0, "model": "m", **c}
                 self.wfile.write(f"data: {_json.dumps(c)}\n\n".encode())
+                if "error" in c:
+                    return
             self.wfile.write(b"data: [DONE]\n\n")
 
         def log_message(self, *args):
@@ -394,19 +409,28 @@ def test_serve_clients_record_the_same_stream():
     try:
         seen = {}
         for client in ("openai", "lean"):
-            recs = serve.run_load(url, "m", [[1, 2], [1, 2]], [3, 500], [0.0, 0.0], client)
+            recs = serve.run_load(url, "m", [[1, 2], [1, 2], [1, 2]], [3, 500, 7], [0.0, 0.0, 0.0], client)
             seen[client] = [(len(r.chunk_times), r.tokens, r.error is None) for r in recs]
             assert all(r.sent > 0 for r in recs)
     finally:
         srv.shutdown()
-    assert seen["openai"] == seen["lean"] == [(3, 3, True), (0, 0, False)]
+    assert seen["openai"] == seen["lean"] == [(3, 3, True), (0, 0, False), (1, 0, False)]
 
 
 def test_cpu_ceilings_probes_run_where_the_cpu_has_their_instructions():
     """bench/cpu_ceilings.c: each register probe runs (a positive time) exactly where the CPU has its
     instruction set, and says -1 where the build lacks it (the script then prints no such line)."""
+    from minicb.fastpaths import ckernels
+    from preconditions import unavailable
+
     (ceilings,) = bench_modules("cpu_ceilings")
-    flags = set(next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split())
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        unavailable("no /proc/cpuinfo flags line here (Linux x86 only)")
+    if ckernels.why_not(ceilings.probe):
+        unavailable(f"bench/cpu_ceilings.c is not built here: {ckernels.why_not(ceilings.probe)}")
     lib = ceilings.probe()
     for fn, flag in ((lib.fma_seconds, "fma"), (lib.dot_bf16_seconds, "avx512_bf16"),
                      (lib.dot_u8s8_seconds, "avx512_vnni")):
