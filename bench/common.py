@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import platform
 import statistics
@@ -62,6 +63,17 @@ def cpu_header() -> str:
 
     flags = " ".join(cpu_flags()) or "none of avx2/avx512/bf16/amx"
     return f"CPU: {cpu_model()}; flags: {flags}; oneDNN bfloat16 matmul native: {fast_bf16_matmul()}"
+
+
+def one_thread_repeats(doc: str, what: str = "measurements") -> int:
+    """The ``--repeats`` of a one-thread measurement script (``cpu_ceilings.py``, ``int8_product.py``):
+    parses it, keeps torch on one thread and prints the machine line the figures below it belong to."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help=f"best of this many {what} each")
+    repeats = ap.parse_args().repeats
+    torch.set_num_threads(1)
+    print(f"machine: {machine_description()}; one thread, best of {repeats}")
+    return repeats
 
 
 def machine_description() -> str:

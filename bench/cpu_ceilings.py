@@ -27,7 +27,6 @@ neighbours (the other hyperthread of the core, other tenants' memory traffic).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import math
 import pathlib
@@ -37,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+from common import one_thread_repeats  # noqa: E402
 
 from minicb.fastpaths import ckernels, skinny_gemm  # noqa: E402
 
@@ -103,11 +102,7 @@ def read_rate(lib: ctypes.CDLL, buf: torch.Tensor, chunk: int, random: bool, ahe
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5, help="best of this many measurements each")
-    repeats = ap.parse_args().repeats
-    torch.set_num_threads(1)
-    print(f"machine: {machine_description()}; one thread, best of {repeats}")
+    repeats = one_thread_repeats(__doc__)
     lib = probe()
     peak = fma_peak(lib, repeats)
     lanes = lib.fma_lanes()

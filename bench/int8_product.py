@@ -19,7 +19,6 @@ uses this kernel.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import pathlib
 import sys
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import machine_description  # noqa: E402
+from common import one_thread_repeats  # noqa: E402
 from cpu_ceilings import skinny_rate  # noqa: E402
 
 from minicb.fastpaths import ckernels  # noqa: E402
@@ -84,11 +83,7 @@ def run(lib: ctypes.CDLL, o: dict, rows: int, out_f: int, repeats: int = 0) -> t
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=5, help="best of this many timings each")
-    repeats = ap.parse_args().repeats
-    torch.set_num_threads(1)
-    print(f"machine: {machine_description()}; one thread, best of {repeats}")
+    repeats = one_thread_repeats(__doc__, "timings")
     lib, in_f, out_f = load(), 576, 960
     for rows in (64, 256):
         o = operands(rows, in_f, out_f)

@@ -265,8 +265,8 @@ def main() -> None:
                          "in every turn of every server; with more than one a row is named server/client")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    if set(args.clients.split(",")) - {"openai", "lean"} or len(set(args.clients.split(","))) != len(
-            args.clients.split(",")):
+    clients = args.clients.split(",")
+    if set(clients) - {"openai", "lean"} or len(set(clients)) != len(clients):
         ap.error(f"--clients takes openai and/or lean, each once; got {args.clients!r}")
     # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so that the servers are closed below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -301,14 +301,14 @@ def main() -> None:
                 run_load(s.url, s.model, [[5, 6, 7, 8]], [4], [0.0])        # warm up
         rows = []
         rates = args.rates.split(",")
-        clients = args.clients.split(",")
-        names = [s.name + (f"/{c}" if len(clients) > 1 else "") for s in servers for c in clients]
+        # a turn: each server through each client, a row named server/client when there are several
+        runs = [(s, c, s.name + (f"/{c}" if len(clients) > 1 else "")) for s in servers for c in clients]
+        names = [name for *_, name in runs]
         for k, rate in enumerate(rates):
             turn = rates[:k].count(rate)                          # a repeated rate's turns: sat, sat#2, ...
             label = f"{rate}#{turn + 1}" if turn else rate
             arrivals = poisson_arrivals(len(wl.prompts), 0.0 if rate == "sat" else float(rate), args.seed + k)
-            runs = [(s, c) for s in servers for c in clients]
-            for s, client_kind in runs if k % 2 == 0 else runs[::-1]:
+            for s, client_kind, name in runs if k % 2 == 0 else runs[::-1]:
                 for other in servers:
                     wait_until_idle(other.proc.pid)
                 # no prefix-cache hits across rates, nor between a server's clients in one turn
@@ -319,7 +319,6 @@ def main() -> None:
                     cpu, client = cpu_seconds_of_tree(s.proc.pid) - cpu0, time.process_time() - client0
                 for r in recs:                      # a server that sends no usage: count its chunks
                     r.tokens = r.tokens or len(r.chunk_times)
-                name = s.name + (f"/{client_kind}" if len(clients) > 1 else "")
                 row = {"system": name, "client": client_kind, "rate": label, **summarize(recs), "cpu_s": cpu,
                        "client_cpu_s": client, "load_avg": os.getloadavg()[0]}
                 row["tok_per_cpu_s"] = row["tokens"] / cpu if cpu else float("nan")
