@@ -3,12 +3,15 @@
     python bench/agreement.py                      # float32 + bfloat16, reference and fast modes
     python bench/agreement.py --dtypes bfloat16 --modes fast --new-tokens 64
     python bench/agreement.py --modes fast --linear auto,mkl   # each linear path (MINICB_LINEAR)
+    python bench/agreement.py --dtypes bfloat16 --modes fast,int8   # MINICB_INT8_PRODUCTS=1 beside
 
 The 16 SmolLM2 check prompts (``minicb.measure.workloads.SMOLLM2_PROMPTS``, chat template applied) are
 generated greedily, 32 new tokens each, by the engine with its defaults (continuous batching, chunked
 prefill, paged KV) in each dtype and mode (``reference``: ``LLM(fast_paths=False)``, the model as
 ``minicb/model`` reads; ``fast``: the CPU fast paths ``LLM()`` installs, bfloat16 linears in float32
-where the CPU has no bfloat16 matmul), and compared with the reference mode in float64, the one the
+where the CPU has no bfloat16 matmul; ``int8``: the fast paths with ``MINICB_INT8_PRODUCTS=1``, the
+layers' products on int8-rounded activations and the GGUF's Q4_1 blocks, bfloat16 only), and compared
+with the reference mode in float64, the one the
 test suite holds exact (and equal to the fast mode in float64: tests/model/test_reference_mode.py).
 For every output that differs the
 script prints where it first diverges and the float64 logit margin there: the gap between the two
@@ -36,6 +39,7 @@ from gpu_check import first_divergence_margin  # noqa: E402
 from minicb.core.sampling_params import SamplingParams  # noqa: E402
 from minicb.entrypoints.llm import LLM, cpu_fast_paths  # noqa: E402
 from minicb.fastpaths.cpu_linear import linear_path  # noqa: E402
+from minicb.fastpaths.settings import Settings  # noqa: E402
 from minicb.measure.workloads import SMOLLM2_PROMPTS, smollm2_prompt_ids  # noqa: E402
 from minicb.model.llama import DTYPES, LlamaForCausalLM  # noqa: E402
 from minicb.model.weights.loader import load_model  # noqa: E402
@@ -50,7 +54,8 @@ def generate(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--modes", default="reference,fast", help="reference (fast_paths=False) and/or fast")
+    ap.add_argument("--modes", default="reference,fast",
+                    help="reference (fast_paths=False), fast, int8 (bfloat16: MINICB_INT8_PRODUCTS=1)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--linear", default="auto", help="linear paths to compare (cpu_linear.PATHS or auto)")
@@ -71,10 +76,20 @@ def main() -> None:
         for path in args.linear.split(","):
             os.environ["MINICB_LINEAR"] = path
             for mode in args.modes.split(","):
+                if mode == "int8" and dname != "bfloat16":
+                    continue
                 model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, DTYPES[dname])
                 if mode == "fast":
                     cpu_fast_paths(model, "cpu")   # what LLM() does for a model it loads itself
-                got = generate(model, prompts, args.new_tokens, mode)
+                elif mode == "int8":               # as LLM() does with MINICB_INT8_PRODUCTS=1: the blocks too
+                    bf16 = load_model(None, dtype=torch.bfloat16)
+                    model = LlamaForCausalLM.from_state_dict(bf16.config, bf16.state_dict, torch.bfloat16)
+                    settings = Settings.from_env({**os.environ, "MINICB_INT8_PRODUCTS": "1"})
+                    if "int8-products" not in cpu_fast_paths(model, "cpu", settings, bf16.gguf_blocks):
+                        print(f"int8: not used here ({model.layer_stack.int8_why})")
+                        continue
+                runs = "reference" if mode == "reference" else "fast"       # int8: on the fast paths
+                got = generate(model, prompts, args.new_tokens, runs)
                 same = sum(a == b for a, b in zip(got, ref))
                 margins = [m for p, a, b in zip(prompts, ref, got)
                            if (m := first_divergence_margin(model64, p, a, b)) is not None]

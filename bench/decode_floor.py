@@ -139,7 +139,7 @@ def weight_bytes(model: LlamaForCausalLM, rows: int = 1) -> int:
     if rows <= getattr(stack, "block_rows", 0):      # the GGUF's blocks, as stored (skinny_gemm.pack_blocks)
         lm = model.lm_head
         head = lm.block_panels if rows <= lm.block_rows else lm.weight_panels
-        return sum(t.nbytes for ts in stack.block_tensors for t in ts[1:3] + ts[4:]) + head.nbytes
+        return sum(t.nbytes for ts in stack.products["blocks"][0] for t in ts[1:3] + ts[4:]) + head.nbytes
     native = model.dtype == torch.bfloat16 and (cl.linear_path(model) in ("torch", "onednn-bf16")
                                                  or rows <= cl.skinny_rows_of(model))
     return params * (2 if native else 4)        # the other paths multiply float32 copies

@@ -3,6 +3,7 @@
     python bench/peer_vllm.py             # the lead's run: whole machine, W2 + LP, bfloat16, 3 rounds
     python bench/peer_vllm.py --one-core  # both engines pinned to one core (the earlier sessions' figures)
     python bench/peer_vllm.py --workloads W1 --repeats 1 --vllm all         # a quick check
+    python bench/peer_vllm.py --vllm all --minicb-also int8=MINICB_INT8_PRODUCTS=1   # + a variant
 
 The first command takes about 15 minutes on a quiet 2-vCPU Zen 4 EPYC: two vLLM starts of 1-5
 minutes each, then 3 rounds of about 3.5 minutes (W2 and LP on three engines); ``--repeats 1`` about 8.
@@ -56,6 +57,7 @@ import glob
 import json
 import os
 import pathlib
+import shlex
 import signal
 import statistics
 import subprocess
@@ -291,8 +293,8 @@ def run_minicb(llm, wl) -> dict:
             "first_tokens": [o.token_ids[:8] for o in outs]}
 
 
-def timed(eng: str, wl, llm, children: dict[str, VllmChild], profile: bool = False) -> dict:
-    """Workload ``wl`` on engine ``eng`` (``"minicb"``: ``llm``; else the vLLM child of that name), once
+def timed(eng: str, wl, llms: dict, children: dict[str, VllmChild], profile: bool = False) -> dict:
+    """Workload ``wl`` on engine ``eng`` (an ``LLM`` of ``llms``, else the vLLM child of that name), once
     every vLLM tree is idle, with every *other* vLLM tree stopped; the result has ``others_cpu_seconds``
     too: what the rest (this process, when a vLLM child runs) took meanwhile."""
     for c in children.values():
@@ -302,10 +304,11 @@ def timed(eng: str, wl, llm, children: dict[str, VllmChild], profile: bool = Fal
         c.pause(True)
     try:
         before = sum(cpu_seconds_of_tree(c.proc.pid) for c in others) + time.process_time()
-        r = run_minicb(llm, wl) if eng == "minicb" else children[eng].run(wl.prompts, wl.output_lens, profile)
+        r = (run_minicb(llms[eng], wl) if eng in llms
+             else children[eng].run(wl.prompts, wl.output_lens, profile))
         # read before the resume (/proc's clock ticks: 10 ms steps); minicb's own run counts its own
         after = sum(cpu_seconds_of_tree(c.proc.pid) for c in others) + time.process_time()
-        r["others_cpu_seconds"] = after - before - (r["cpu_seconds"] if eng == "minicb" else 0.0)
+        r["others_cpu_seconds"] = after - before - (r["cpu_seconds"] if eng in llms else 0.0)
     finally:
         for c in others:
             c.pause(False)
@@ -330,8 +333,19 @@ def rounds(args, dtype: str, wls: list, placements: dict, model_dir, out: pathli
                                       args.max_model_len, out / f"{eng}-{dtype}.log", profile)
             children[eng].pause(True)           # the next one starts on a quiet machine
             print(f"[{dtype}] {eng} ready after {children[eng].info['startup_s']:.0f} s", flush=True)
-        llm = None if args.skip_minicb else LLM(dtype=dtype, **parse_overrides(args.minicb))
-        if llm is not None:
+        llms = {} if args.skip_minicb else {"minicb": LLM(dtype=dtype, **parse_overrides(args.minicb))}
+        for spec in [] if args.skip_minicb else args.minicb_also:     # NAME=VAR=VALUE ...: read at load
+            name, *assignments = shlex.split(spec)
+            env = dict(a.split("=", 1) for a in [name.split("=", 1)[1], *assignments])
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                llms["minicb-" + name.split("=", 1)[0]] = LLM(dtype=dtype, **parse_overrides(args.minicb))
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        if llms:
+            llm = llms["minicb"]
             cfg = llm.engine.config
             print(f"[{dtype}] minicb: {torch.get_num_threads()} torch threads, attn_backend="
                   f"{llm.engine.runner.backend.name} max_num_seqs={cfg.max_num_seqs} "
@@ -340,22 +354,22 @@ def rounds(args, dtype: str, wls: list, placements: dict, model_dir, out: pathli
         for c in children.values():
             c.pause(False)
         # minicb between the two vLLM placements; every other round in the reverse order
-        engines = list(children)[:1] + ["minicb"] * (llm is not None) + list(children)[1:]
+        engines = list(children)[:1] + list(llms) + list(children)[1:]
         for eng in engines:         # first-call costs (allocator, kernel build) out of the way
-            timed(eng, w1(num=2, new_tokens=4), llm, children)
+            timed(eng, w1(num=2, new_tokens=4), llms, children)
         runs: dict[str, list[dict]] = {f"{wl.name}/{eng}": [] for wl in wls for eng in engines}
         for rnd in range(args.repeats):
             profile = bool(args.profile_vllm) and rnd == args.repeats - 1
             for wl in wls:
                 for eng in engines if rnd % 2 == 0 else engines[::-1]:
-                    r = timed(eng, wl, llm, children, profile)
+                    r = timed(eng, wl, llms, children, profile)
                     assert r["tokens"] == wl.num_output_tokens, (eng, r["tokens"], wl.num_output_tokens)
                     runs[f"{wl.name}/{eng}"].append(r)
-                    print(f"  [{dtype}] round {rnd + 1} {wl.name:<3}{eng:<9}"
+                    print(f"  [{dtype}] round {rnd + 1} {wl.name:<3}{eng:<12}"
                           f"{r['tokens'] / r['seconds']:7.1f} tokens/s ({r['seconds']:.1f} s, "
                           f"{r['cpu_seconds']:.1f} CPU s; the others meanwhile {r['others_cpu_seconds']:.2f} "
                           "CPU s)", flush=True)
-        if llm is not None:
+        for llm in llms.values():
             llm.shutdown()
         return runs
     finally:
@@ -391,11 +405,16 @@ def report(results: dict, wls: list) -> None:
                 wall, cpu = summary(runs, "seconds")[0], summary(runs, "cpu_seconds")[0]
                 line = (f"{wl.name:<9}{dtype:<10}{eng:<10}{tps:>8.1f}{lo:>9.1f} - {hi:<5.1f}{wall:>8.1f}"
                         f"{cpu:>7.1f}{cpu / wall:>6.2f}{summary(runs, 'tok/cpu')[0]:>10.1f}")
-                if mine and eng != "minicb":
+                if mine and not eng.startswith("minicb"):
                     same = sum(a == b for a, b in zip(mine[0]["first_tokens"], runs[0]["first_tokens"]))
                     line += (f"   {summary(mine, 'tok/s')[0] / tps:.2f}x, "
                              f"{summary(mine, 'tok/cpu')[0] / summary(runs, 'tok/cpu')[0]:.2f}x"
                              f"  (first 8 tokens identical in {same}/{len(wl.prompts)})")
+                if eng.startswith("minicb-"):       # a variant: its own ratios to each vLLM placement
+                    line += "   " + ", ".join(
+                        f"{summary(runs, 'tok/s')[0] / summary(v, 'tok/s')[0]:.2f}x, "
+                        f"{summary(runs, 'tok/cpu')[0] / summary(v, 'tok/cpu')[0]:.2f}x vs {k.split('/')[1]}"
+                        for k, v in by.items() if k.startswith(wl.name + "/") and "minicb" not in k)
                 print(line)
 
 
@@ -414,6 +433,9 @@ def main() -> None:
     ap.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--minicb", default="", help="LLM() keyword overrides for minicb, k=v,k=v")
+    ap.add_argument("--minicb-also", action="append", default=[], metavar="NAME=VAR=VALUE ...",
+                    help="one more minicb LLM, engine minicb-NAME, loaded with these environment variables "
+                         "(MINICB_* settings, read at load) and run in every round (repeatable)")
     ap.add_argument("--skip-vllm", action="store_true", help="minicb only (no vLLM venv needed)")
     ap.add_argument("--skip-minicb", action="store_true", help="vLLM only")
     ap.add_argument("--out", default=str(HERE / "out"), help="export and log folder (default bench/out)")

@@ -232,7 +232,8 @@ def test_steps_of_few_rows_read_the_ggufs_blocks_and_give_the_same_bits(tmp_path
     rows, tables = checked_runs(monkeypatch, model), []
     table = layer_stack.LayerStack._layer_table
     monkeypatch.setattr(layer_stack.LayerStack, "_layer_table",
-                        lambda self, kv, blocks=False: tables.append(blocks) or table(self, kv, blocks))
+                        lambda self, kv, products="bf16": tables.append(products == "blocks")
+                        or table(self, kv, products))
     llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
               num_blocks=64)
     llm.generate(random_prompts(5, 3, 30, loaded.config.vocab_size, seed=7),

@@ -14,6 +14,7 @@ two to the same greedy tokens in float64::
     cpu_fused.py    RMSNorm (+ residual), rotary embedding, SiLU * up, argmax as C loops (csrc/fused_ops.c)
     cpu_linear.py   every linear layer packed once for oneDNN (or MKL), chosen at load
     skinny_gemm.py  products of few rows reading each weight once (csrc/skinny_gemm.c)
+    int8_gemm.py    opt-in: products on int8-rounded activations x a GGUF's Q4_1 blocks (csrc/int8_gemm.c)
     layer_stack.py  a step of decode rows through every layer in one C call (csrc/layer_stack.c)
     host_memory.py  the skinny kernel's weight copies on 2 MiB pages
     ckernels.py     compiling the C sources with the machine's compiler on first use, cached

@@ -18,6 +18,8 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
 5. for a bfloat16 model read from a GGUF's Q4_1 / Q8_0 weights (``LoadedModel.gguf_blocks``), steps
    of one row multiply from those blocks as stored, 3/8 (Q4_1) or 9/16 (Q8_0) of the bfloat16 bytes,
    with the same bits (``skinny_gemm.pack_blocks``; ``MINICB_BLOCK_ROWS`` pins how many rows, 0: never).
+   With ``MINICB_INT8_PRODUCTS=1`` (Q4_1 only, AVX-512 VNNI), every step of the layer stack multiplies
+   int8-rounded activations by those blocks instead: other numbers, faster (``int8_gemm``).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
@@ -78,6 +80,8 @@ def cpu_fast_paths(model, device, settings: Settings | None = None,
             applied.append("layer-stack")
             if model.layer_stack.block_rows:
                 applied.append(f"gguf-blocks-{model.layer_stack.block_rows}-rows")
+            if model.layer_stack.int8:
+                applied.append("int8-products")
         else:
             _log.info("minicb: decoder layers called one by one: %s", why_not)
     if model.dtype in cpu_fused.DTYPES:               # float64 has one GEMM: nothing was chosen
@@ -86,6 +90,11 @@ def cpu_fast_paths(model, device, settings: Settings | None = None,
                   f"; no skinny kernel ({rows_why})" if rows_why else "")
         blocks = getattr(getattr(model, "layer_stack", None), "block_rows", 0)
         skinny += f", up to {blocks} from the GGUF's blocks as stored" if blocks else ""
+        stack = getattr(model, "layer_stack", None)
+        if settings.int8_products == "1":        # asked for: say whether it is used, and why not
+            skinny += ("; the layers' products on int8 activations (MINICB_INT8_PRODUCTS=1)"
+                       if stack and stack.int8 else
+                       f"; no int8 products: {getattr(stack, 'int8_why', 'no layer stack')}")
         _load_log.info("minicb: %s linear layers on %s: %s%s", str(model.dtype).removeprefix("torch."),
                        path, why, skinny)
     return linears + applied

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minicb.fastpaths import ckernels, cpu_fused, cpu_linear, skinny_gemm
+from minicb.fastpaths import ckernels, cpu_fused, cpu_linear, int8_gemm, skinny_gemm
 from minicb.fastpaths.settings import Settings
 from minicb.model.llama import LlamaForCausalLM
 
@@ -130,53 +130,83 @@ class LayerStack:
                         for layer in layers]
         self.final = model.model.norm.weight
         self.cfg, self.dtype = cfg, dtype
-        self._tables: dict[bool, tuple] = {}     # blocks or not: (the addresses it was made from, the table)
+        # which products a step can run: the bfloat16 panels; _add_blocks adds "blocks" and "int8"
+        self.products: dict[str, tuple[list, _Kernels]] = {"bf16": (self.tensors, self.kernels)}
+        self._tables: dict[str, tuple] = {}      # by products: (the addresses it was made from, the table)
         self.block_rows, self.block_why = self._add_blocks(model, gguf_blocks or {}, settings)
+
+    def _checked_blocks(self, blocks: dict) -> list[list[np.ndarray]] | str:
+        """Per layer, the GGUF blocks of its four products (q, k, v and gate, up stacked as the packed
+        weights are), each checked to stand for exactly the bfloat16 weight its panels hold
+        (``skinny_gemm.panels_of_blocks``); else why not."""
+        cfg = self.cfg
+        qdim, kvdim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shapes = ((qdim + 2 * kvdim, cfg.hidden_size), (cfg.hidden_size, qdim),
+                  (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size))
+        layers = []
+        for i, ts in enumerate(self.tensors):
+            pre = f"model.layers.{i}."
+            names = ([f"{pre}self_attn.{n}_proj.weight" for n in "qkv"], [f"{pre}self_attn.o_proj.weight"],
+                     [f"{pre}mlp.{n}_proj.weight" for n in ("gate", "up")], [f"{pre}mlp.down_proj.weight"])
+            layer = []
+            for group, panels, (out_f, in_f) in zip(names, ts[1:3] + ts[4:], shapes):
+                if not all(n in blocks for n in group) or len({blocks[n].shape[1:] for n in group}) != 1:
+                    return f"{group[0]} has no blocks of one kind"
+                stacked = np.concatenate([blocks[n] for n in group])
+                if skinny_gemm.panels_of_blocks(stacked, panels, out_f, in_f) is None:
+                    return f"{group[0]}'s blocks are not its bfloat16 weights"
+                layer.append(stacked)
+            layers.append(layer)
+        if len({b.shape[2] for layer in layers for b in layer}) != 1:
+            return "the layers' blocks are of more than one kind"
+        return layers
+
+    def _with_products(self, packed: list[list[torch.Tensor]], skinny_part) -> tuple[list, _Kernels]:
+        """The layers' tensors with ``packed`` products in place of the bfloat16 panels, and the
+        kernels with ``skinny_part`` (a ``_part`` entry of the same signature) as the product."""
+        tensors = [(ts[0], p[0], p[1], ts[3], p[2], p[3]) for ts, p in zip(self.tensors, packed)]
+        others = (getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:])
+        return tensors, _Kernels(_address(skinny_part), *others)
 
     def _add_blocks(self, model: LlamaForCausalLM, blocks: dict, settings: Settings | None
                     ) -> tuple[int, str]:
         """Panels of the GGUF's blocks (``skinny_gemm.pack_blocks``) for every layer's products and the
         LM head, for steps of up to ``block_rows`` rows; ``(0, why not)`` unless every product has
-        blocks that stand for exactly the bfloat16 weights its panels hold, checked here weight by
-        weight (``skinny_gemm.panels_of_blocks``)."""
+        blocks that stand for exactly the bfloat16 weights its panels hold (``_checked_blocks``). With
+        ``MINICB_INT8_PRODUCTS=1`` and Q4_1 blocks, every step's products on int8 activations instead
+        (``int8_gemm``; ``self.int8``)."""
+        self.int8, self.int8_why = False, "no GGUF blocks"
         if self.dtype != torch.bfloat16 or not blocks:
             return 0, "no GGUF blocks"
         rows, why = skinny_gemm.choose_block_rows(settings)
+        int8, self.int8_why = int8_gemm.choose(settings)
+        if not rows and not int8:
+            return 0, why
+        checked = self._checked_blocks(blocks)
+        if isinstance(checked, str):
+            self.int8_why = checked
+            return 0, checked
+        if int8 and checked[0][0].shape[2] != int8_gemm.Q4_1_BYTES:
+            self.int8_why = "the layers' blocks are not Q4_1"
+        elif int8:
+            self.int8 = True
+            packed = [[int8_gemm.pack(b) for b in layer] for layer in checked]
+            self.products["int8"] = self._with_products(packed, int8_gemm.load().minicb_int8_q4_part)
+        lm = self.lm_head = model.lm_head
+        self._blocks_of = self._panels()
         if not rows:
             return 0, why
-        cfg = self.cfg
-        qdim, kvdim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shapes = ((qdim + 2 * kvdim, cfg.hidden_size), (cfg.hidden_size, qdim),
-                  (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size))
-        tensors = []
-        for i, ts in enumerate(self.tensors):
-            pre = f"model.layers.{i}."
-            names = ([f"{pre}self_attn.{n}_proj.weight" for n in "qkv"], [f"{pre}self_attn.o_proj.weight"],
-                     [f"{pre}mlp.{n}_proj.weight" for n in ("gate", "up")], [f"{pre}mlp.down_proj.weight"])
-            packed = []
-            for group, panels, (out_f, in_f) in zip(names, ts[1:3] + ts[4:], shapes):
-                if not all(n in blocks for n in group) or len({blocks[n].shape[1:] for n in group}) != 1:
-                    return 0, f"{group[0]} has no blocks of one kind"
-                stacked = np.concatenate([blocks[n] for n in group])
-                packed.append(skinny_gemm.panels_of_blocks(stacked, panels, out_f, in_f))
-                if packed[-1] is None:
-                    return 0, f"{group[0]}'s blocks are not its bfloat16 weights"
-            tensors.append((ts[0], packed[0], packed[1], ts[3], packed[2], packed[3]))
-        kinds = {t.shape[2] for ts in tensors for t in (ts[1], ts[2], ts[4], ts[5])}
-        if len(kinds) != 1:
-            return 0, "the layers' blocks are of more than one kind"
-        name = skinny_gemm.BLOCK_KERNELS[kinds.pop()]
-        self.block_tensors = tensors
-        self.block_kernels = _Kernels(_address(getattr(skinny_gemm.load(), name + "_part")),
-                                      *(getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:]))
+        if not self.int8:                         # (int8 products take every step the stack runs)
+            kernel = skinny_gemm.BLOCK_KINDS[checked[0][0].shape[2]][1]
+            self.products["blocks"] = self._with_products(
+                [[skinny_gemm.pack_blocks(b) for b in layer] for layer in checked],
+                getattr(skinny_gemm.load(), kernel + "_part"))
         head = "lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"
-        lm = self.lm_head = model.lm_head
         if isinstance(lm, cpu_linear.PackedLinear) and lm.skinny_rows and head in blocks:
             panels = skinny_gemm.panels_of_blocks(blocks[head], lm.weight_panels, lm.out_features,
                                                   lm.in_features)
             if panels is not None:                # no more rows than its own skinny panels take
                 lm.read_blocks(panels, min(rows, lm.skinny_rows))
-        self._blocks_of = self._panels()
         return rows, why
 
     def _panels(self) -> tuple[int, ...]:
@@ -195,18 +225,18 @@ class LayerStack:
                 and (isinstance(groups[0], _DecodeRows) and groups[0].tokens is None
                      or isinstance(groups[0], _PromptTiles) and groups[0].whole))
 
-    def _layer_table(self, kv_cache, blocks: bool = False) -> ctypes.Array:
+    def _layer_table(self, kv_cache, products: str = "bf16") -> ctypes.Array:
         """The layers' addresses for ``layer_stack.c`` (made again when a weight or the cache moved);
-        ``blocks``: with the products' panels of the GGUF's blocks."""
-        tensors = self.block_tensors if blocks else self.tensors
+        ``products``: ``bf16`` (the bfloat16 panels), ``blocks`` (the GGUF's blocks) or ``int8``."""
+        tensors = self.products[products][0]
         key = (kv_cache.data.data_ptr(), *(t.data_ptr() for ts in tensors for t in ts))
-        if blocks not in self._tables or self._tables[blocks][0] != key:
+        if products not in self._tables or self._tables[products][0] != key:
             table = (_Layer * len(tensors))()
             for i, ts in enumerate(tensors):
                 kc, vc = kv_cache.layer(i)
                 table[i] = _Layer(*(t.data_ptr() for t in ts), kc.data_ptr(), vc.data_ptr())
-            self._tables[blocks] = (key, table)
-        return self._tables[blocks][1]
+            self._tables[products] = (key, table)
+        return self._tables[products][1]
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend, state) -> torch.Tensor:
         """Every layer on ``x [rows, hidden]`` (updated in place), then the final norm: what the layers
@@ -245,14 +275,15 @@ class LayerStack:
                      cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
         bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         gguf = rows <= self.block_rows        # few rows: the products read the GGUF's blocks (same bits)
-        if gguf and self._panels() != self._blocks_of:      # a weight replaced: the blocks are stale
-            self.block_rows, gguf = 0, False
-            self.block_why = "a weight was replaced after the blocks were packed"
+        if (gguf or self.int8) and self._panels() != self._blocks_of:   # a weight replaced: stale blocks
+            self.block_rows, gguf, self.int8 = 0, False, False
+            self.block_why = self.int8_why = "a weight was replaced after the blocks were packed"
             if isinstance(self.lm_head, cpu_linear.PackedLinear):
                 self.lm_head.read_blocks(None, 0)
+        products = "int8" if self.int8 else "blocks" if gguf else "bf16"
         failed = self.lib.minicb_layer_stack(
-            ctypes.byref(self.block_kernels if gguf else self.kernels),
-            self._layer_table(backend.kv_cache, gguf),
+            ctypes.byref(self.products[products][1]),
+            self._layer_table(backend.kv_cache, products),
             len(self.tensors),
             self.final.data_ptr(),
             ctypes.byref(dims), ctypes.byref(bufs), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

@@ -25,6 +25,8 @@ SWITCHES: tuple[tuple[str, str, str, str], ...] = (
      "steps of up to N rows go to the skinny kernel (0: off; unset: chosen for the CPU)"),
     ("MINICB_BLOCK_ROWS", "block_rows", "",
      "steps of up to N rows read a bfloat16 model's GGUF blocks as stored (0: off; unset: by CPU)"),
+    ("MINICB_INT8_PRODUCTS", "int8_products", "",
+     "1: a Q4_1 GGUF's layers multiply int8-rounded activations (other numbers; needs AVX-512 VNNI)"),
     ("MINICB_FUSED_OPS", "fused_ops", "1", "0: the reference RMSNorm, rotary embedding and SiLU"),
     ("MINICB_LAYER_STACK", "layer_stack", "1", "0: decoder layers called one by one, never in one C call"),
     ("MINICB_HUGE_PAGES", "huge_pages", "1", "0: the skinny kernel's weight copies on plain pages"),
@@ -45,6 +47,7 @@ class Settings:
     linear: str = "auto"
     skinny_rows: str = ""
     block_rows: str = ""
+    int8_products: str = ""
     fused_ops: bool = True
     layer_stack: bool = True
     huge_pages: bool = True

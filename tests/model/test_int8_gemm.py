@@ -1,0 +1,171 @@
+"""``int8_gemm``: products on int8-rounded activations and a GGUF's Q4_1 blocks, and the layer stack on them.
+
+The kernel is checked against ``int8_gemm.reference`` (the same arithmetic in float64, from the blocks
+and activations directly, not from the packed layout), every build and thread count against each
+other bit for bit; the stack's steps with ``MINICB_INT8_PRODUCTS=1`` against the layers' own calls
+with each product replaced by ``int8_gemm.matmul``, bit for bit; and what the model's tokens come to
+beside the bfloat16 products is a measured figure, not asserted (bench/int8_product.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minicb.fastpaths import int8_gemm
+from minicb.fastpaths.settings import Settings
+from preconditions import unavailable
+
+SHAPES = [(1, 576, 960), (5, 64, 100), (7, 1536, 576), (300, 96, 130)]   # rows, in, out (300: two chunks)
+
+
+@pytest.fixture(autouse=True)
+def built():
+    if int8_gemm.ckernels.why_not(int8_gemm.load):
+        unavailable("no C compiler here: the int8 kernel is not built")
+
+
+@pytest.mark.parametrize("rows,in_f,out_f", SHAPES)
+def test_the_product_is_the_block_sums_of_the_rounded_activations(rows, in_f, out_f):
+    """Each output is the float64 sum of d s (q . p) + m s sum(p) over its blocks, to one bfloat16
+    rounding (and float32's of the terms, where they cancel); a zero block (its max 0) adds nothing
+    and a zero row gives zeros, not NaN."""
+    blocks, x = int8_gemm.random_q4_1(out_f, in_f), torch.randn(rows, in_f).to(torch.bfloat16)
+    x[0, :32] = 0                                          # a block of zeros: s = 0
+    y = int8_gemm.matmul(x, int8_gemm.pack(blocks), in_f, out_f).double()
+    want = int8_gemm.reference(x, blocks)
+    assert y.shape == (rows, out_f) and torch.isfinite(y).all()
+    # one bfloat16 rounding of the output, and float32's of the terms where they cancel
+    bound = want.abs() * 2.0 ** -8 + int8_gemm.reference(x, blocks, magnitudes=True) * 2.0 ** -18
+    assert ((y - want).abs() <= bound).all(), ((y - want).abs() / bound).max()
+    assert want.abs().min() > 0 or rows == 1                # the bound is not vacuous: outputs away from 0
+    zero = int8_gemm.matmul(torch.zeros(1, in_f, dtype=torch.bfloat16), int8_gemm.pack(blocks), in_f, out_f)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_the_rounding_is_the_activations_own_not_the_weights():
+    """Against the product of the blocks' exact weights (d q + m) and the unrounded activations, the
+    int8 product differs by what rounding x costs (the reference's float64 sums of the rounded x are
+    that far off too) and then by its bfloat16 output alone."""
+    blocks, x = int8_gemm.random_q4_1(256, 576, seed=3), torch.randn(16, 576).to(torch.bfloat16)
+    b = torch.from_numpy(blocks)
+    d, m = (b[..., k:k + 2].contiguous().view(torch.float16).double() for k in (0, 2))
+    w = (torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=2).double() * d + m).flatten(1)
+    exact = x.double() @ w.T
+    y = int8_gemm.matmul(x, int8_gemm.pack(blocks), 576, 256).double()
+    want = int8_gemm.reference(x, blocks)
+    rel = float((want - exact).norm() / exact.norm())       # what rounding x to 8 bits a block costs
+    assert 1e-3 < rel < 2e-2, rel
+    assert float((y - exact).norm() / exact.norm()) > rel / 2   # the kernel's difference is that one,
+    assert float((y - want).norm() / exact.norm()) < 2.0 ** -8  # and then only its bfloat16 output
+
+
+def test_every_build_and_thread_count_gives_the_same_bits():
+    """The plain C loop (``-mno-avx512f``: what a CPU without AVX-512 VNNI builds) and 1 to 3 threads."""
+    plain = int8_gemm.load(("-mno-avx512f",))
+    assert int8_gemm.path(plain) == 0
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), ":").split(":")[1].split())
+    assert int8_gemm.path() == (2 if {"avx512_vnni", "avx512bw"} <= flags else 0)
+    for rows, in_f, out_f in [(9, 576, 3072), (64, 1536, 576)]:      # big enough to split over threads
+        blocks, x = int8_gemm.random_q4_1(out_f, in_f, seed=rows), torch.randn(rows, in_f).to(torch.bfloat16)
+        packed = int8_gemm.pack(blocks)
+        want = int8_gemm.matmul(x, packed, in_f, out_f, lib=plain)
+        before = torch.get_num_threads()
+        try:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(int8_gemm.matmul(x, packed, in_f, out_f), want), n
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_bad_operands_and_settings_are_refused():
+    blocks = int8_gemm.random_q4_1(64, 64)
+    packed = int8_gemm.pack(blocks)
+    with pytest.raises(ValueError, match="Q4_1 blocks"):
+        int8_gemm.pack(np.zeros((64, 2, 34), np.uint8))                       # Q8_0
+    for x, in_f in [(torch.randn(2, 64), 64), (torch.randn(2, 32).to(torch.bfloat16), 32),
+                    (torch.randn(2, 48).to(torch.bfloat16), 48)]:
+        with pytest.raises(ValueError, match="do not fit"):
+            int8_gemm.matmul(x, packed, in_f, 64)
+    with pytest.raises(ValueError, match="MINICB_INT8_PRODUCTS must be 1"):
+        int8_gemm.choose(Settings.from_env({"MINICB_INT8_PRODUCTS": "yes"}))
+    assert int8_gemm.choose(Settings.from_env({})) == (False, "MINICB_INT8_PRODUCTS is not 1")
+    on, why = int8_gemm.choose(Settings.from_env({"MINICB_INT8_PRODUCTS": "1"}))
+    assert on == (int8_gemm.path() == 2)
+    assert why == "MINICB_INT8_PRODUCTS=1" if on else "no AVX-512 VNNI" in why
+
+
+def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch):
+    """A bfloat16 model from a Q4_1 GGUF with ``MINICB_INT8_PRODUCTS=1``: every stacked step's products
+    read the int8 panels, and each step equals the layers' own calls with every product replaced by
+    ``int8_gemm.matmul`` on the same panels, bit for bit; the tokens are the same on 1 and 2 threads.
+    A weight replaced after loading turns the int8 products off. Without AVX-512 VNNI: off, saying
+    why."""
+    from gguf import GGMLQuantizationType as T
+    from test_layer_stack import checked_runs
+    from test_loader import tiny_hf_model, write_tiny_gguf
+
+    from helpers import random_prompts
+    from minicb.core.sampling_params import SamplingParams
+    from minicb.entrypoints.llm import LLM, cpu_fast_paths
+    from minicb.fastpaths import layer_stack
+    from minicb.model.llama import LlamaForCausalLM
+    from minicb.model.weights.loader import load_model
+
+    def build():
+        for var, value in {"MINICB_SKINNY_ROWS": "4096", "MINICB_LINEAR": "onednn-f32",
+                           "MINICB_INT8_PRODUCTS": "1"}.items():
+            monkeypatch.setenv(var, value)
+        model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.bfloat16)
+        return model, cpu_fast_paths(model, "cpu", gguf_blocks=loaded.gguf_blocks)
+
+    path = write_tiny_gguf(tmp_path / "q4.gguf", tiny_hf_model(tie=True),
+                           types=lambda name: T.Q8_0 if "embed" in name else T.Q4_1)
+    loaded = load_model(path, dtype=torch.bfloat16)
+    model, applied = build()
+    stack = model.layer_stack
+    if int8_gemm.path() != 2:
+        assert "int8-products" not in applied and not stack.int8 and "no AVX-512 VNNI" in stack.int8_why
+        return
+    assert "int8-products" in applied and stack.int8 and "blocks" not in stack.products
+    cfg = loaded.config
+    hidden, qdim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    shapes = [(hidden, qdim + 2 * cfg.num_key_value_heads * cfg.head_dim), (qdim, hidden),
+              (hidden, 2 * cfg.intermediate_size), (cfg.intermediate_size, hidden)]     # (in, out)
+    for i, layer in enumerate(model.model.layers):            # the layers' products: int8_gemm.matmul
+        tensors = stack.products["int8"][0][i]
+        modules = [layer.self_attn.qkv_packed, layer.self_attn.o_proj, layer.mlp.gate_up_packed,
+                   layer.mlp.down_proj]
+        for module, packed, (in_f, out_f) in zip(modules, tensors[1:3] + tensors[4:], shapes):
+            monkeypatch.setattr(module, "forward", lambda x, p=packed, i_=in_f, o_=out_f:
+                                int8_gemm.matmul(x, p, i_, o_))
+    rows, tables = checked_runs(monkeypatch, model), []
+    table = layer_stack.LayerStack._layer_table
+    monkeypatch.setattr(layer_stack.LayerStack, "_layer_table",
+                        lambda self, kv, products="bf16": tables.append(products)
+                        or table(self, kv, products))
+    prompts = random_prompts(5, 3, 30, cfg.vocab_size, seed=7)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
+    llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
+              num_blocks=64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [o.token_ids for o in llm.generate(prompts, params)]
+        torch.set_num_threads(2)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == one
+    finally:
+        torch.set_num_threads(before)
+    assert set(tables) == {"int8"} and {1, 5} <= set(rows), (set(tables), set(rows))
+
+    monkeypatch.undo()                 # a fresh model, its layers' own products, the stack unchecked
+    model, _ = build()
+    llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
+              num_blocks=64)
+    panels = model.model.layers[1].mlp.down_proj.weight_panels
+    panels.data = panels.data.clone()                        # a weight replaced after loading
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert not model.layer_stack.int8
+    assert model.layer_stack.int8_why == "a weight was replaced after the blocks were packed"
