@@ -153,7 +153,10 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = [o.token_ids for o in llm.generate(prompts, params)]
+        outs = llm.generate(prompts, params)
+        assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(sp.max_tokens, "length")
+                                                                      for sp in params]
+        one = [o.token_ids for o in outs]
         torch.set_num_threads(2)
         assert [o.token_ids for o in llm.generate(prompts, params)] == one
     finally:

@@ -45,9 +45,16 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.minicb_int8_q4.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.minicb_int8_q4.restype = ctypes.c_int
     lib.minicb_int8_q4_part.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.minicb_int8_q4_part.restype = None
+    lib.minicb_int8_q4_part.restype = None          # from rows rounded by minicb_int8_quantize
+    lib.minicb_int8_quantize.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.minicb_int8_quantize.restype = None
     lib.minicb_int8_path.argtypes, lib.minicb_int8_path.restype = [], ctypes.c_int
     return lib
+
+
+def row_bytes(in_features: int) -> int:
+    """Bytes of one row rounded for the kernel: ``in`` int8, then two float32 per block (QROW)."""
+    return in_features + 8 * (in_features // BLOCK)
 
 
 def pack(blocks: np.ndarray) -> torch.Tensor:

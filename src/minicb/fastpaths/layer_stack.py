@@ -50,7 +50,8 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("skinny", "norm", "add_norm", "rope", "silu", "decode", "prompt")]
+    _fields_ = [(n, _ptr) for n in ("skinny", "norm", "add_norm", "rope", "silu", "decode", "prompt",
+                                    "quantize")]
 
 
 class _Layer(ctypes.Structure):
@@ -60,7 +61,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("rows", "hidden", "q_heads", "kv_heads", "head_dim", "inter", "elem",
-                                    "max_blocks", "block_size", "max_context")] + [
+                                    "max_blocks", "block_size", "max_context", "qstride")] + [
         ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("nthreads", ctypes.c_int)]
 
 
@@ -70,7 +71,7 @@ class _Prompts(ctypes.Structure):
 
 
 class _Buffers(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("x", "h", "qkv", "q", "attn", "a", "gu", "act")]
+    _fields_ = [(n, _ptr) for n in ("x", "h", "qkv", "q", "attn", "a", "gu", "act", "xq")]
 
 
 @functools.cache
@@ -161,12 +162,14 @@ class LayerStack:
             return "the layers' blocks are of more than one kind"
         return layers
 
-    def _with_products(self, packed: list[list[torch.Tensor]], skinny_part) -> tuple[list, _Kernels]:
+    def _with_products(self, packed: list[list[torch.Tensor]], skinny_part, quantize=None
+                       ) -> tuple[list, _Kernels]:
         """The layers' tensors with ``packed`` products in place of the bfloat16 panels, and the
-        kernels with ``skinny_part`` (a ``_part`` entry of the same signature) as the product."""
+        kernels with ``skinny_part`` (a ``_part`` entry of the same signature) as the product;
+        ``quantize``: what rounds its input rows first (``int8_gemm.c``)."""
         tensors = [(ts[0], p[0], p[1], ts[3], p[2], p[3]) for ts, p in zip(self.tensors, packed)]
-        others = (getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:])
-        return tensors, _Kernels(_address(skinny_part), *others)
+        others = (getattr(self.kernels, n) for n, _ in _Kernels._fields_[1:-1])
+        return tensors, _Kernels(_address(skinny_part), *others, quantize and _address(quantize))
 
     def _add_blocks(self, model: LlamaForCausalLM, blocks: dict, settings: Settings | None
                     ) -> tuple[int, str]:
@@ -191,7 +194,9 @@ class LayerStack:
         elif int8:
             self.int8 = True
             packed = [[int8_gemm.pack(b) for b in layer] for layer in checked]
-            self.products["int8"] = self._with_products(packed, int8_gemm.load().minicb_int8_q4_part)
+            lib = int8_gemm.load()
+            self.products["int8"] = self._with_products(packed, lib.minicb_int8_q4_part,
+                                                        lib.minicb_int8_quantize)
         lm = self.lm_head = model.lm_head
         self._blocks_of = self._panels()
         if not rows:
@@ -270,10 +275,6 @@ class LayerStack:
             raise ValueError(f"layer_stack: slot_mapping {slots.dtype} {tuple(slots.shape)} or cos "
                              f"{tuple(cos.shape)} does not match {rows} rows")
         tables = (g if dec is None else dec).block_tables
-        dims = _Dims(rows, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, d, inter,
-                     x.element_size(), tables.shape[1], bs, 0 if dec is None else dec.max_context,
-                     cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
-        bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)))
         gguf = rows <= self.block_rows        # few rows: the products read the GGUF's blocks (same bits)
         if (gguf or self.int8) and self._panels() != self._blocks_of:   # a weight replaced: stale blocks
             self.block_rows, gguf, self.int8 = 0, False, False
@@ -281,6 +282,14 @@ class LayerStack:
             if isinstance(self.lm_head, cpu_linear.PackedLinear):
                 self.lm_head.read_blocks(None, 0)
         products = "int8" if self.int8 else "blocks" if gguf else "bf16"
+        # int8: a product's input rows rounded once, in rows of qstride 2-byte units (int8_gemm.c)
+        qstride = int8_gemm.row_bytes(max(hidden, qdim, inter)) // 2 if products == "int8" else 0
+        xq = torch.empty(rows * qstride * 2, dtype=torch.uint8) if qstride else None
+        dims = _Dims(rows, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, d, inter,
+                     x.element_size(), tables.shape[1], bs, 0 if dec is None else dec.max_context, qstride,
+                     cfg.rms_norm_eps, d ** -0.5, torch.get_num_threads())
+        bufs = _Buffers(*(t.data_ptr() for t in (x, h, qkv, q, attn, a, gu, act)),
+                        None if xq is None else xq.data_ptr())
         failed = self.lib.minicb_layer_stack(
             ctypes.byref(self.products[products][1]),
             self._layer_table(backend.kv_cache, products),

@@ -26,9 +26,14 @@
  * two vectors of bytes vpdpbusd multiplies by 4 broadcast activation bytes: 0.625 bytes a weight,
  * a third of bfloat16's, which also makes steps of few rows (memory-bound) faster.
  *
- * Activations (quantize_rows): per row and block, p [32] int8, s and s * sum(p) as float32, in a
- * scratch buffer of the calling thread, made again by every call (each share of the panels rounds
- * its rows itself: a few percent of the product).
+ * Activations (minicb_int8_quantize): each row rounded once, laid out as one run of bytes,
+ *
+ *     p [in] int8, then s [in / 32] and s * sum(p) [in / 32] float32       (1.25 in bytes a row)
+ *
+ * which the layer stack makes in the part before each product (the norm, the SiLU, a part of its
+ * own after the attention), so that the product's items, shares of its panels, all read one rounding
+ * of each row: rounding inside every item (tried first) took 13% of the products' time on W2.
+ * minicb_int8_q4 (int8_gemm.py's matmul) rounds into a scratch buffer of its own first.
  *
  * Numerics: every build gives the same bits: the integer sums are exact, the rounding of x is
  * x * (127 / max) to nearest even, and each block adds (float)isum * (d * s) and then m * (s sum p)
@@ -52,7 +57,6 @@
 #define QB 32           /* inputs per block */
 #define BLOCK_BYTES 1280 /* one panel's block: 1,024 bytes of nibbles, then d and m (64 float16 each) */
 #define RB 3            /* rows per pass: 3 x 4 integer sums and 3 x 4 float sums in 32 registers */
-#define CHUNK 256       /* rows rounded at once (the scratch: 256 x in bytes) */
 
 /* float16 -> float32 (the plain C loop; the AVX-512 loop converts with vcvtph2ps) */
 static inline float half_to_float(uint16_t h) {
@@ -64,29 +68,21 @@ static inline float half_to_float(uint16_t h) {
     return v;
 }
 
-/* the calling thread's scratch: rounded rows [rows][in] int8, then s and s * sum(p) per row and block */
-static _Thread_local struct {
-    char *p;
-    size_t size;
-} scratch;
+/* bytes of a rounded row of `in` inputs: p, then s and s * sum(p) per block */
+#define QROW(in) ((in) + 8 * ((in) / QB))
 
-static char *scratch_of(size_t size) {
-    if (size > scratch.size) {
-        free(scratch.p);
-        scratch.p = malloc(size);
-        scratch.size = scratch.p ? size : 0;
-    }
-    return scratch.p;
-}
-
-/* rows of bfloat16 x (row stride xstride, `in` a multiple of 32) rounded per block of 32 inputs */
-static void quantize_rows(const uint16_t *x, int64_t xstride, int64_t rows, int64_t in, int8_t *xq,
-                          float *xs, float *xm) {
+/* rows of bfloat16 x (row stride xstride, `in` a multiple of 32) rounded per block of 32 inputs, into
+ * rows of `qstride` pairs of bytes at xq (qstride counts 2-byte units, as the layer stack counts its
+ * bfloat16 buffers; at least QROW(in) / 2) */
+void minicb_int8_quantize(const uint16_t *x, int64_t xstride, int64_t rows, int64_t in, char *xq,
+                          int64_t qstride) {
     const int64_t nb = in / QB;
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < nb; ++b) {
             const uint16_t *xb = x + r * xstride + b * QB;
-            int8_t *p = xq + r * in + b * QB;
+            char *row = xq + r * 2 * qstride;
+            int8_t *p = (int8_t *)row + b * QB;
+            float *xs = (float *)(row + in), *xm = xs + nb;
 #if defined(INT8_VNNI)
             const __m512 lo = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
@@ -111,15 +107,17 @@ static void quantize_rows(const uint16_t *x, int64_t xstride, int64_t rows, int6
             }
 #endif
             const float s = amax / 127.0f;
-            xs[r * nb + b] = s;
-            xm[r * nb + b] = s * (float)sum;
+            xs[b] = s;
+            xm[b] = s * (float)sum;
         }
 }
 
-/* acc[r][j] for nr <= RB rows (rounded: xq, xs, xm at row 0 of them) and one panel `p` */
-static void panel(const int8_t *xq, const float *xs, const float *xm, int64_t in, const uint8_t *p, int nr,
-                  float acc[RB][TW]) {
+/* acc[r][j] for nr <= RB rounded rows (from xq, `qbytes` bytes apart) and one panel `p` */
+static void panel(const char *xq, int64_t qbytes, int64_t in, const uint8_t *p, int nr, float acc[RB][TW]) {
     const int64_t nb = in / QB;
+#define XQ(r) ((const int8_t *)(xq + (r) * qbytes))                     /* row r's p */
+#define XS(r, b) (((const float *)(xq + (r) * qbytes + in))[b])        /* its s of block b */
+#define XM(r, b) (((const float *)(xq + (r) * qbytes + in))[nb + (b)]) /* its s * sum(p) */
 #if defined(INT8_VNNI)
 #define PANEL_INT8(NR)                                                                                 \
     {                                                                                                  \
@@ -138,7 +136,7 @@ static void panel(const int8_t *xq, const float *xs, const float *xm, int64_t in
                     const __m512i w0 = _mm512_and_si512(raw, low);                                     \
                     const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);               \
                     for (int r = 0; r < NR; ++r) {                                                     \
-                        const int8_t *xr = xq + r * in + b * QB + 8 * gp;                              \
+                        const int8_t *xr = XQ(r) + b * QB + 8 * gp;                                    \
                         int32_t x0, x1;                                                                \
                         memcpy(&x0, xr, 4);                                                            \
                         memcpy(&x1, xr + 4, 4);                                                        \
@@ -151,9 +149,9 @@ static void panel(const int8_t *xq, const float *xs, const float *xm, int64_t in
                 const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dm + v));                          \
                 const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 4 + v));                      \
                 for (int r = 0; r < NR; ++r) {                                                         \
-                    const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xs[r * nb + b]));                \
+                    const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(XS(r, b)));                      \
                     a[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), ds, a[r][v]);            \
-                    a[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(xm[r * nb + b]), a[r][v]);             \
+                    a[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(XM(r, b)), a[r][v]);                   \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
@@ -173,7 +171,7 @@ static void panel(const int8_t *xq, const float *xs, const float *xm, int64_t in
         const uint8_t *blk = p + b * BLOCK_BYTES;
         const uint16_t *dm = (const uint16_t *)(blk + 1024);
         for (int r = 0; r < nr; ++r) {
-            const int8_t *xr = xq + r * in + b * QB;
+            const int8_t *xr = XQ(r) + b * QB;
             for (int j = 0; j < TW; ++j) {
                 const int v = j / 16, o = j % 16;
                 int32_t isum = 0;
@@ -182,9 +180,9 @@ static void panel(const int8_t *xq, const float *xs, const float *xm, int64_t in
                         const uint8_t byte = blk[256 * gp + 64 * v + 4 * o + t];
                         isum += (byte & 15) * xr[8 * gp + t] + (byte >> 4) * xr[8 * gp + 4 + t];
                     }
-                const float ds = half_to_float(dm[j]) * xs[r * nb + b];
+                const float ds = half_to_float(dm[j]) * XS(r, b);
                 acc[r][j] = fmaf((float)isum, ds, acc[r][j]);
-                acc[r][j] = fmaf(half_to_float(dm[TW + j]), xm[r * nb + b], acc[r][j]);
+                acc[r][j] = fmaf(half_to_float(dm[TW + j]), XM(r, b), acc[r][j]);
             }
         }
     }
@@ -197,60 +195,45 @@ static inline void share(int64_t panels, int part, int parts, int64_t *p0, int64
     *p1 = panels * (part + 1) / parts;
 }
 
-/* y [rows, out] (bfloat16, row stride ystride) from bfloat16 x [rows, in] and the packed blocks: the
- * outputs of part `part` of `parts` (the signature of skinny_gemm.c's _part entries, which
- * layer_stack.c calls from its threads). Where the scratch cannot be allocated, its outputs are NaN. */
-void minicb_int8_q4_part(const uint16_t *x, int64_t xstride, const uint8_t *packed, uint16_t *y,
-                         int64_t ystride, int64_t rows, int64_t in, int64_t out, int part, int parts) {
-    const int64_t panels = (out + TW - 1) / TW, nb = in / QB, panel_bytes = nb * BLOCK_BYTES;
+/* y [rows, out] (bfloat16, row stride ystride) from rounded rows xq (minicb_int8_quantize, `qstride`
+ * 2-byte units apart) and the packed blocks: the outputs of part `part` of `parts` (the signature of
+ * skinny_gemm.c's _part entries, which layer_stack.c calls from its threads) */
+void minicb_int8_q4_part(const char *xq, int64_t qstride, const uint8_t *packed, uint16_t *y, int64_t ystride,
+                         int64_t rows, int64_t in, int64_t out, int part, int parts) {
+    const int64_t panels = (out + TW - 1) / TW, panel_bytes = in / QB * BLOCK_BYTES, qbytes = 2 * qstride;
     int64_t p0, p1;
     share(panels, part, parts, &p0, &p1);
-    if (p0 == p1) return;
-    const int64_t chunk = rows < CHUNK ? rows : CHUNK;
-    char *buf = scratch_of((size_t)(chunk * in + 2 * chunk * nb * (int64_t)sizeof(float)));
-    if (!buf) {             /* no scratch: this part's outputs are NaN, never an old buffer's values */
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = p0 * TW; j < (p1 * TW < out ? p1 * TW : out); ++j) y[r * ystride + j] = 0x7fc0;
-        return;
-    }
-    int8_t *xq = (int8_t *)buf;
-    float *xs = (float *)(buf + chunk * in), *xm = xs + chunk * nb;
-    for (int64_t c0 = 0; c0 < rows; c0 += CHUNK) {
-        const int64_t crows = rows - c0 < CHUNK ? rows - c0 : CHUNK;
-        quantize_rows(x + c0 * xstride, xstride, crows, in, xq, xs, xm);
-        for (int64_t pn = p0; pn < p1; ++pn) {
-            const int64_t o0 = pn * TW, no = out - o0 < TW ? out - o0 : TW;
-            for (int64_t r0 = 0; r0 < crows; r0 += RB) {
-                float acc[RB][TW];
-                const int nr = (int)(crows - r0 < RB ? crows - r0 : RB);
-                panel(xq + r0 * in, xs + r0 * nb, xm + r0 * nb, in, packed + pn * panel_bytes, nr, acc);
-                for (int r = 0; r < nr; ++r) {
-                    uint16_t *yr = y + (c0 + r0 + r) * ystride + o0;
-                    for (int64_t j = 0; j < no; ++j) yr[j] = bf16_store(acc[r][j]);
-                }
+    for (int64_t pn = p0; pn < p1; ++pn) {
+        const int64_t o0 = pn * TW, no = out - o0 < TW ? out - o0 : TW;
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            float acc[RB][TW];
+            const int nr = (int)(rows - r0 < RB ? rows - r0 : RB);
+            panel(xq + r0 * qbytes, qbytes, in, packed + pn * panel_bytes, nr, acc);
+            for (int r = 0; r < nr; ++r) {
+                uint16_t *yr = y + (r0 + r) * ystride + o0;
+                for (int64_t j = 0; j < no; ++j) yr[j] = bf16_store(acc[r][j]);
             }
         }
     }
 }
 
-/* the whole product on `nthreads` OpenMP threads (one when it reads under 512 KiB of weights);
- * returns 1 when a thread's scratch could not be allocated, else 0 */
+/* the whole product from bfloat16 x [rows, in]: its rows rounded into a buffer of this call's, then
+ * the panels on `nthreads` OpenMP threads (one when it reads under 512 KiB of weights); returns 1
+ * when the buffer could not be allocated, else 0 */
 int minicb_int8_q4(const uint16_t *x, int64_t xstride, const uint8_t *packed, uint16_t *y, int64_t ystride,
                    int64_t rows, int64_t in, int64_t out, int nthreads) {
     const int64_t panels = (out + TW - 1) / TW, bytes = panels * (in / QB) * BLOCK_BYTES;
     const int parts = nthreads > 1 && bytes >= 524288 ? nthreads : 1;
-    const size_t need = (size_t)((rows < CHUNK ? rows : CHUNK) * (in + 2 * (in / QB) * (int64_t)sizeof(float)));
-    int failed = 0;
-    if (parts == 1) {
-        if (!scratch_of(need)) return 1;
-        minicb_int8_q4_part(x, xstride, packed, y, ystride, rows, in, out, 0, 1);
-        return 0;
-    }
-    _Pragma("omp parallel num_threads(parts) reduction(|:failed)") {
-        if (!scratch_of(need)) failed = 1;
-        else minicb_int8_q4_part(x, xstride, packed, y, ystride, rows, in, out, omp_thread(), omp_threads());
-    }
-    return failed;
+    char *xq = malloc((size_t)(rows * QROW(in)) + 1);
+    if (!xq) return 1;
+    minicb_int8_quantize(x, xstride, rows, in, xq, QROW(in) / 2);
+    if (parts == 1)
+        minicb_int8_q4_part(xq, QROW(in) / 2, packed, y, ystride, rows, in, out, 0, 1);
+    else
+        _Pragma("omp parallel num_threads(parts)")
+        minicb_int8_q4_part(xq, QROW(in) / 2, packed, y, ystride, rows, in, out, omp_thread(), omp_threads());
+    free(xq);
+    return 0;
 }
 
 /* 2: the AVX-512 VNNI loop; 0: plain C (correct everywhere, slow: int8_gemm.py uses it only in tests) */

@@ -85,12 +85,15 @@ typedef int (*decode_fn)(const void *q, const void *k_cache, const void *v_cache
                          const int32_t *context_lens, void *out, int64_t rows, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,
                          double scale, int nthreads);
+typedef void (*quantize_fn)(const void *x, int64_t xstride, int64_t rows, int64_t in, void *xq, int64_t qstride);
 typedef int (*prompt_fn)(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *tiles, int64_t n_tiles, void *out, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int nthreads,
                          int64_t item);
 
-/* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels) */
+/* the kernels, for the model's dtype (skinny: its `_part` entry, one thread's share of the panels).
+ * quantize, where not NULL, rounds a product's input rows first (int8_gemm.c): each part that makes
+ * a product's input rounds its rows into b->xq as well, and the product reads those */
 typedef struct {
     skinny_fn skinny;
     norm_fn norm;
@@ -99,6 +102,7 @@ typedef struct {
     silu_fn silu;
     decode_fn decode;
     prompt_fn prompt;
+    quantize_fn quantize;
 } kernels_t;
 
 /* one layer's weights (panels for the products) and its cache */
@@ -110,15 +114,17 @@ typedef struct {
 typedef struct {
     int64_t rows, hidden, q_heads, kv_heads, head_dim, inter, elem;   /* elem: bytes per value */
     int64_t max_blocks, block_size, max_context;
+    int64_t qstride;        /* b->xq's row stride in 2-byte units (with quantize) */
     double eps, scale;
     int nthreads;
 } dims_t;
 
 /* the step's buffers: x [rows, hidden] (the residual stream, updated in place), h [rows, hidden] (the
  * normed input of the next product; on return the final norm of x), qkv, q [rows, q_heads * 64],
- * attn [rows, q_heads * 64], a [rows, hidden], gu [rows, 2 * inter], act [rows, inter] */
+ * attn [rows, q_heads * 64], a [rows, hidden], gu [rows, 2 * inter], act [rows, inter]; xq [rows,
+ * qstride] the next product's input rounded (with quantize; else NULL) */
 typedef struct {
-    char *x, *h, *qkv, *q, *attn, *a, *gu, *act;
+    char *x, *h, *qkv, *q, *attn, *a, *gu, *act, *xq;
 } buffers_t;
 
 /* a step with prompt chunks (NULL: a step of decode rows): the chunks' tiles for the prompt kernel (its
@@ -189,15 +195,22 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
         const int64_t attn_items = tiles + ((p ? p->n_decodes : all) + per - 1) / per;
         int base = 0, mine = team_take(&q);
         int64_t r0, r1;
-        /* item `item` of a product: share item % parts of the panels, rows [c0, c0 + n): run item / parts */
+        /* item `item` of a product: share item % parts of the panels, rows [c0, c0 + n): run item / parts;
+         * with quantize, of the rows rounded into xq */
 #define PRODUCT(X, XS, W, Y, YS, IN, OUT)                                                                     \
     if (OK) {                                                                                                 \
         const int64_t c0 = item / parts * PRODUCT_ROWS, n = all - c0 < PRODUCT_ROWS ? all - c0 : PRODUCT_ROWS; \
-        f->skinny(AT(X, c0 * (XS)), XS, W, AT(Y, c0 * (YS)), YS, n, IN, OUT, (int)(item % parts), (int)parts); \
+        const int64_t xs = f->quantize ? d->qstride : (XS);                                                   \
+        f->skinny(AT(f->quantize ? b->xq : (X), c0 * xs), xs, W, AT(Y, c0 * (YS)), YS, n, IN, OUT,              \
+                  (int)(item % parts), (int)parts);                                                           \
     }
+        /* rows [r0, r1) of X [rows, IN] rounded into xq, for the next product (with quantize) */
+#define ROUND(X, IN)                                                                                          \
+    if (f->quantize) f->quantize(AT(X, r0 * (IN)), IN, r1 - r0, IN, AT(b->xq, r0 * d->qstride), d->qstride);
         TEAM_PHASE(&q, base, mine, runs, {
             run_of(all, item, runs, &r0, &r1);
             f->norm(AT(b->x, r0 * hidden), layers[0].input_norm, AT(b->h, r0 * hidden), r1 - r0, hidden, d->eps, 1);
+            ROUND(b->h, hidden)
         });
         for (int64_t l = 0; l < num_layers; ++l) {
             const layer_t *L = layers + l;
@@ -244,16 +257,23 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 }
                 if (bad) atomic_store_explicit(&failed, 1, memory_order_relaxed);
             });
+            if (f->quantize)       /* the attention's rows are whole only now (a prompt's: every kv head) */
+                TEAM_PHASE(&q, base, mine, runs, if (OK) {
+                    run_of(all, item, runs, &r0, &r1);
+                    ROUND(b->attn, qdim)
+                });
             TEAM_PHASE(&q, base, mine, products, PRODUCT(b->attn, qdim, L->o, b->a, hidden, qdim, hidden));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden), L->post_norm, AT(b->h, r0 * hidden), r1 - r0,
                             hidden, d->eps, 1);
+                ROUND(b->h, hidden)
             });
             TEAM_PHASE(&q, base, mine, products, PRODUCT(b->h, hidden, L->gate_up, b->gu, gu_out, hidden, gu_out));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
                 run_of(all, item, runs, &r0, &r1);
                 f->silu(AT(b->gu, r0 * gu_out), AT(b->act, r0 * d->inter), r1 - r0, d->inter, gu_out, 1);
+                ROUND(b->act, d->inter)
             });
             TEAM_PHASE(&q, base, mine, products, PRODUCT(b->act, d->inter, L->down, b->a, hidden, d->inter, hidden));
             TEAM_PHASE(&q, base, mine, runs, if (OK) {
@@ -261,9 +281,11 @@ int minicb_layer_stack(const kernels_t *f, const layer_t *layers, int64_t num_la
                 f->add_norm(AT(b->x, r0 * hidden), AT(b->a, r0 * hidden),
                             l + 1 < num_layers ? layers[l + 1].input_norm : final_norm, AT(b->h, r0 * hidden), r1 - r0,
                             hidden, d->eps, 1);
+                if (l + 1 < num_layers) ROUND(b->h, hidden)
             });
 #undef OK
 #undef PRODUCT
+#undef ROUND
         }
     }
     return atomic_load(&failed);
