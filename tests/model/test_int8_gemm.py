@@ -61,16 +61,22 @@ def test_the_rounding_is_the_activations_own_not_the_weights():
 
 
 def test_every_build_and_thread_count_gives_the_same_bits():
-    """The plain C loop (``-mno-avx512f``: what a CPU without AVX-512 VNNI builds) and 1 to 3 threads."""
-    plain = int8_gemm.load(("-mno-avx512f",))
-    assert int8_gemm.path(plain) == 0
+    """The plain C loop (``-mno-avx2``: any x86 CPU), the AVX2 loop (``-mno-avx512f``, on a CPU with
+    AVX2: a Zen 2's) and the default build, on 1 to 3 threads."""
     with open("/proc/cpuinfo") as f:
         flags = set(next((line for line in f if line.startswith("flags")), ":").split(":")[1].split())
-    assert int8_gemm.path() == (2 if {"avx512_vnni", "avx512bw"} <= flags else 0)
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    assert int8_gemm.path() == (2 if {"avx512_vnni", "avx512bw"} <= flags else 1 if avx2 else 0)
+    plain = int8_gemm.load(("-mno-avx2",))
+    assert int8_gemm.path(plain) == 0
+    builds = [int8_gemm.load(("-mno-avx512f",))]
+    assert int8_gemm.path(builds[0]) == (1 if avx2 else 0)
     for rows, in_f, out_f in [(9, 576, 3072), (64, 1536, 576)]:      # big enough to split over threads
         blocks, x = int8_gemm.random_q4_1(out_f, in_f, seed=rows), torch.randn(rows, in_f).to(torch.bfloat16)
         packed = int8_gemm.pack(blocks)
         want = int8_gemm.matmul(x, packed, in_f, out_f, lib=plain)
+        for lib in builds:
+            assert torch.equal(int8_gemm.matmul(x, packed, in_f, out_f, lib=lib), want)
         before = torch.get_num_threads()
         try:
             for n in (1, 2, 3):
@@ -93,16 +99,18 @@ def test_bad_operands_and_settings_are_refused():
         int8_gemm.choose(Settings.from_env({"MINICB_INT8_PRODUCTS": "yes"}))
     assert int8_gemm.choose(Settings.from_env({})) == (False, "MINICB_INT8_PRODUCTS is not 1")
     on, why = int8_gemm.choose(Settings.from_env({"MINICB_INT8_PRODUCTS": "1"}))
-    assert on == (int8_gemm.path() == 2)
-    assert why == "MINICB_INT8_PRODUCTS=1" if on else "no AVX-512 VNNI" in why
+    assert on == (int8_gemm.path() >= 1)
+    loop = int8_gemm.PATH_NAMES[int8_gemm.path()]
+    assert why == f"MINICB_INT8_PRODUCTS=1 ({loop})" if on else "nor AVX2" in why
 
 
-def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["default", "avx2"])
+def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch, build):
     """A bfloat16 model from a Q4_1 GGUF with ``MINICB_INT8_PRODUCTS=1``: every stacked step's products
     read the int8 panels, and each step equals the layers' own calls with every product replaced by
     ``int8_gemm.matmul`` on the same panels, bit for bit; the tokens are the same on 1 and 2 threads.
-    A weight replaced after loading turns the int8 products off. Without AVX-512 VNNI: off, saying
-    why."""
+    A weight replaced after loading turns the int8 products off. Without AVX-512 VNNI or AVX2: off,
+    saying why. ``avx2``: the same with the build a CPU without AVX-512 makes (its own loop)."""
     from gguf import GGMLQuantizationType as T
     from test_layer_stack import checked_runs
     from test_loader import tiny_hf_model, write_tiny_gguf
@@ -114,7 +122,10 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch)
     from minicb.model.llama import LlamaForCausalLM
     from minicb.model.weights.loader import load_model
 
-    def build():
+    load = int8_gemm.load
+    monkeypatch.setattr(int8_gemm, "load", lambda flags=(): load(flags or build))
+
+    def build_model():
         for var, value in {"MINICB_SKINNY_ROWS": "4096", "MINICB_LINEAR": "onednn-f32",
                            "MINICB_INT8_PRODUCTS": "1"}.items():
             monkeypatch.setenv(var, value)
@@ -124,12 +135,13 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch)
     path = write_tiny_gguf(tmp_path / "q4.gguf", tiny_hf_model(tie=True),
                            types=lambda name: T.Q8_0 if "embed" in name else T.Q4_1)
     loaded = load_model(path, dtype=torch.bfloat16)
-    model, applied = build()
+    model, applied = build_model()
     stack = model.layer_stack
-    if int8_gemm.path() != 2:
-        assert "int8-products" not in applied and not stack.int8 and "no AVX-512 VNNI" in stack.int8_why
+    if int8_gemm.path() == 0:
+        assert "int8-products" not in applied and not stack.int8 and "nor AVX2" in stack.int8_why
         return
     assert "int8-products" in applied and stack.int8 and "blocks" not in stack.products
+    assert int8_gemm.path() in ((1,) if build else (1, 2))        # the build asked for runs
     cfg = loaded.config
     hidden, qdim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     shapes = [(hidden, qdim + 2 * cfg.num_key_value_heads * cfg.head_dim), (qdim, hidden),
@@ -164,7 +176,8 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch)
     assert set(tables) == {"int8"} and {1, 5} <= set(rows), (set(tables), set(rows))
 
     monkeypatch.undo()                 # a fresh model, its layers' own products, the stack unchecked
-    model, _ = build()
+    monkeypatch.setattr(int8_gemm, "load", lambda flags=(): load(flags or build))
+    model, _ = build_model()
     llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
               num_blocks=64)
     panels = model.model.layers[1].mlp.down_proj.weight_panels

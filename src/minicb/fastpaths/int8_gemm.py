@@ -13,9 +13,9 @@ bench/RESULTS.md), and it is off unless asked for::
 
 Where: every product of the layer stack (``layer_stack.LayerStack``; the LM head stays bfloat16, so
 the sampled distribution is computed from bfloat16 weights), for a bfloat16 model whose layers are
-all Q4_1 in the file, on a CPU with AVX-512 VNNI. Elsewhere the setting says why it is not used and
-nothing changes. The plain C loop (any CPU) gives the same bits and is what the tests compare the
-AVX-512 loop with; it is too slow to serve.
+all Q4_1 in the file, on a CPU with AVX-512 VNNI (``vpdpbusd``) or AVX2 (``vpmaddubsw``, a Zen 2's).
+Elsewhere the setting says why it is not used and nothing changes. The plain C loop (any CPU) gives
+the same bits as both and is what the tests compare them with; it is too slow to serve.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from minicb.fastpaths.settings import Settings
 SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.c"
 PANEL_WIDTH, BLOCK, BLOCK_BYTES = 64, 32, 1280      # TW, QB and BLOCK_BYTES in int8_gemm.c
 Q4_1_BYTES = 20                                     # a GGUF Q4_1 block: d, m (float16), 16 bytes of nibbles
+PATH_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "plain C"}
+# With int8 products the layer stack takes steps of up to this many rows whatever the bfloat16 panels'
+# rows (skinny_gemm.ROWS: 32 on AVX2). Measured with AVX-512 turned off (-mno-avx512f) on the Zen 4 of
+# bench/RESULTS.md, twenty-fifth session: the AVX2 int8 loop 1.3-2.0x the bfloat16 AVX2 loop and
+# 1.15-1.4x the float32 one at 16 to 256 rows; not measured on a Zen 2 itself.
+ROWS = 4096
 
 
 @functools.cache
@@ -132,13 +138,13 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, in_features: int, out_features
 
 
 def path(lib: ctypes.CDLL | None = None) -> int:
-    """2: the build's AVX-512 VNNI loop; 0: plain C."""
+    """2: the build's AVX-512 VNNI loop; 1: its AVX2 loop (``vpmaddubsw``); 0: plain C."""
     return (lib or load()).minicb_int8_path()
 
 
 def choose(settings: Settings | None = None) -> tuple[bool, str]:
     """``(on, why)``: whether a bfloat16 model from a Q4_1 GGUF gets these products
-    (``MINICB_INT8_PRODUCTS=1`` and a CPU with AVX-512 VNNI; the model's own checks are
+    (``MINICB_INT8_PRODUCTS=1`` and a CPU with AVX-512 VNNI or AVX2; the model's own checks are
     ``layer_stack``'s)."""
     env = (settings or Settings.from_env()).int8_products
     if env not in ("", "0", "1"):
@@ -148,6 +154,6 @@ def choose(settings: Settings | None = None) -> tuple[bool, str]:
     reason = ckernels.why_not(load)
     if reason is not None:
         return False, f"MINICB_INT8_PRODUCTS=1, but the int8 kernel is unavailable: {reason}"
-    if path() != 2:
-        return False, "MINICB_INT8_PRODUCTS=1, but this CPU has no AVX-512 VNNI (plain C is too slow)"
-    return True, "MINICB_INT8_PRODUCTS=1"
+    if path() == 0:
+        return False, "MINICB_INT8_PRODUCTS=1, but this CPU has neither AVX-512 VNNI nor AVX2 (too slow)"
+    return True, f"MINICB_INT8_PRODUCTS=1 ({PATH_NAMES[path()]})"

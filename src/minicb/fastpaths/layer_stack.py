@@ -197,6 +197,7 @@ class LayerStack:
             lib = int8_gemm.load()
             self.products["int8"] = self._with_products(packed, lib.minicb_int8_q4_part,
                                                         lib.minicb_int8_quantize)
+            self.skinny_rows = max(self.skinny_rows, int8_gemm.ROWS)   # the int8 panels take any step
         lm = self.lm_head = model.lm_head
         self._blocks_of = self._panels()
         if not rows:

@@ -51,12 +51,19 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define INT8_AVX2 1
 #endif
 
 #define TW 64           /* outputs per panel */
 #define QB 32           /* inputs per block */
 #define BLOCK_BYTES 1280 /* one panel's block: 1,024 bytes of nibbles, then d and m (64 float16 each) */
+#if defined(INT8_AVX2)
+#define RB 4            /* rows per pass: 4 int16 and 4 float sums of 8 outputs, in 16 registers */
+#else
 #define RB 3            /* rows per pass: 3 x 4 integer sums and 3 x 4 float sums in 32 registers */
+#endif
 
 /* float16 -> float32 (the plain C loop; the AVX-512 loop converts with vcvtph2ps) */
 static inline float half_to_float(uint16_t h) {
@@ -164,6 +171,55 @@ static void panel(const char *xq, int64_t qbytes, int64_t in, const uint8_t *p, 
     case 2: PANEL_INT8(2)
     default: PANEL_INT8(3)
     }
+#elif defined(INT8_AVX2)
+    /* No vpdpbusd: vpmaddubsw multiplies 32 unsigned by signed byte pairs and adds each two into an
+     * int16 (at most 2 x 15 x 127 = 3,810), so a block's eight of them (two groups of 4 inputs a pair,
+     * four pairs) add up in int16 without overflow (at most 30,480), and one vpmaddwd by ones makes the
+     * int32 sum of each output's 32 products: 10 instructions for 8 outputs x 32 inputs of a row, where
+     * the bfloat16 AVX2 loop takes 32 multiply-adds. 16 registers: the panel goes 8 outputs (one vector)
+     * at a time, for up to RB rows. */
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+#define UNIT_AVX2(NR)                                                                                  \
+    {                                                                                                  \
+        __m256 a[NR];                                                                                  \
+        for (int r = 0; r < NR; ++r) a[r] = _mm256_setzero_ps();                                       \
+        for (int64_t b = 0; b < nb; ++b) {                                                             \
+            const uint8_t *blk = p + b * BLOCK_BYTES;                                                  \
+            __m256i s16[NR];                                                                           \
+            for (int r = 0; r < NR; ++r) s16[r] = _mm256_setzero_si256();                              \
+            for (int gp = 0; gp < 4; ++gp) {                                                           \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + 256 * gp + off));       \
+                const __m256i w0 = _mm256_and_si256(raw, low);                                         \
+                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);                   \
+                for (int r = 0; r < NR; ++r) {                                                         \
+                    const int8_t *xr = XQ(r) + b * QB + 8 * gp;                                        \
+                    int32_t x0, x1;                                                                    \
+                    memcpy(&x0, xr, 4);                                                                \
+                    memcpy(&x1, xr + 4, 4);                                                            \
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0))); \
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1))); \
+                }                                                                                      \
+            }                                                                                          \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1024 + 16 * u))); \
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 1152 + 16 * u))); \
+            for (int r = 0; r < NR; ++r) {                                                             \
+                const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));               \
+                a[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(XS(r, b))), a[r]);        \
+                a[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(XM(r, b)), a[r]);                             \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc[r] + 8 * u, a[r]);                           \
+        continue;                                                                                      \
+    }
+    for (int u = 0; u < TW / 8; ++u) {         /* outputs 8u.. : vector u / 2 of the layout, half u % 2 */
+        const int64_t off = 64 * (u / 2) + 32 * (u % 2);
+        switch (nr) {
+        case 1: UNIT_AVX2(1)
+        case 2: UNIT_AVX2(2)
+        case 3: UNIT_AVX2(3)
+        default: UNIT_AVX2(4)
+        }
+    }
 #else
     for (int r = 0; r < nr; ++r)
         for (int j = 0; j < TW; ++j) acc[r][j] = 0.0f;
@@ -236,10 +292,13 @@ int minicb_int8_q4(const uint16_t *x, int64_t xstride, const uint8_t *packed, ui
     return 0;
 }
 
-/* 2: the AVX-512 VNNI loop; 0: plain C (correct everywhere, slow: int8_gemm.py uses it only in tests) */
+/* 2: the AVX-512 VNNI loop; 1: the AVX2 loop; 0: plain C (correct everywhere, slow: int8_gemm.py uses
+ * it only in tests) */
 int minicb_int8_path(void) {
 #if defined(INT8_VNNI)
     return 2;
+#elif defined(INT8_AVX2)
+    return 1;
 #else
     return 0;
 #endif
