@@ -65,15 +65,18 @@ def cpu_header() -> str:
     return f"CPU: {cpu_model()}; flags: {flags}; oneDNN bfloat16 matmul native: {fast_bf16_matmul()}"
 
 
-def one_thread_repeats(doc: str, what: str = "measurements") -> int:
+def one_thread_repeats(doc: str, what: str = "measurements", add=None):
     """The ``--repeats`` of a one-thread measurement script (``cpu_ceilings.py``, ``int8_product.py``):
-    parses it, keeps torch on one thread and prints the machine line the figures below it belong to."""
+    parses it, keeps torch on one thread and prints the machine line the figures below it belong to.
+    ``add(parser)`` adds more arguments: then the parsed arguments are returned, not the count."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help=f"best of this many {what} each")
-    repeats = ap.parse_args().repeats
+    if add:
+        add(ap)
+    args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"machine: {machine_description()}; one thread, best of {repeats}")
-    return repeats
+    print(f"machine: {machine_description()}; one thread, best of {args.repeats}")
+    return args if add else args.repeats
 
 
 def machine_description() -> str:

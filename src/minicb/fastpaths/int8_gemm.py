@@ -36,9 +36,9 @@ PANEL_WIDTH, BLOCK, BLOCK_BYTES = 64, 32, 1280      # TW, QB and BLOCK_BYTES in 
 Q4_1_BYTES = 20                                     # a GGUF Q4_1 block: d, m (float16), 16 bytes of nibbles
 PATH_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "plain C"}
 # With int8 products the layer stack takes steps of up to this many rows whatever the bfloat16 panels'
-# rows (skinny_gemm.ROWS: 32 on AVX2). Measured with AVX-512 turned off (-mno-avx512f) on the Zen 4 of
-# bench/RESULTS.md, twenty-fifth session: the AVX2 int8 loop 1.3-2.0x the bfloat16 AVX2 loop and
-# 1.15-1.4x the float32 one at 16 to 256 rows; not measured on a Zen 2 itself.
+# rows (skinny_gemm.ROWS: 32 on AVX2). Measured with AVX-512 turned off on the Zen 4 of bench/RESULTS.md
+# (``python bench/int8_product.py --avx2``, twenty-fifth session): the AVX2 int8 loop 1.34-2.03x the
+# bfloat16 AVX2 loop from 1 to 256 rows; not measured on a Zen 2 itself.
 ROWS = 4096
 
 
