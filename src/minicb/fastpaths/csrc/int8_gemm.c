@@ -65,16 +65,6 @@
 #define RB 3            /* rows per pass: 3 x 4 integer sums and 3 x 4 float sums in 32 registers */
 #endif
 
-/* float16 -> float32 (the plain C loop; the AVX-512 loop converts with vcvtph2ps) */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, f = h & 1023u;
-    uint32_t u = sign | (e == 31 ? 0x7f800000u | f << 13 : (e + 112) << 23 | f << 13);
-    float v;
-    memcpy(&v, &u, sizeof v);
-    if (e == 0) v = (sign ? -1.0f : 1.0f) * (float)f * (1.0f / 16777216.0f);   /* zero, subnormal */
-    return v;
-}
-
 /* bytes of a rounded row of `in` inputs: p, then s and s * sum(p) per block */
 #define QROW(in) ((in) + 8 * ((in) / QB))
 
@@ -236,9 +226,9 @@ static void panel(const char *xq, int64_t qbytes, int64_t in, const uint8_t *p, 
                         const uint8_t byte = blk[256 * gp + 64 * v + 4 * o + t];
                         isum += (byte & 15) * xr[8 * gp + t] + (byte >> 4) * xr[8 * gp + 4 + t];
                     }
-                const float ds = half_to_float(dm[j]) * XS(r, b);
+                const float ds = half_load(dm[j]) * XS(r, b);
                 acc[r][j] = fmaf((float)isum, ds, acc[r][j]);
-                acc[r][j] = fmaf(half_to_float(dm[TW + j]), XM(r, b), acc[r][j]);
+                acc[r][j] = fmaf(half_load(dm[TW + j]), XM(r, b), acc[r][j]);
             }
         }
     }

@@ -467,16 +467,6 @@ static void panel_bf16(const uint16_t *x, int64_t xstride, const uint16_t *p, in
 #define Q4_PANEL(in) ((in) / QBLOCK * (Q4_SCALES + QBLOCK / 2 * Q4_PAIR))
 #define Q8_PANEL(in) ((in) / QBLOCK * (Q8_SCALES + QBLOCK / 2 * Q8_PAIR))
 
-/* A float16 as a float32 (exact; the plain C loop's scales) */
-static inline float half_load(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, f = h & 1023u;
-    uint32_t u = sign | (e == 31 ? 0x7f800000u | f << 13 : (e + 112) << 23 | f << 13);
-    float v;
-    memcpy(&v, &u, sizeof v);
-    if (e == 0) v = (sign ? -1.0f : 1.0f) * (float)f * (1.0f / 16777216.0f);   /* zero, subnormal */
-    return v;
-}
-
 /* word t of vector v of pair j of a block `blk` (q4: Q4_1, else Q8_0), as bfloat16 */
 static inline uint16_t block_word(const uint8_t *blk, int q4, int v, int j, int t) {
     const int second = t >= 16, lane = t - 16 * second;
