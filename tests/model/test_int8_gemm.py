@@ -86,6 +86,29 @@ def test_every_build_and_thread_count_gives_the_same_bits():
             torch.set_num_threads(before)
 
 
+def test_an_inf_or_nan_makes_nan_and_a_tiny_block_zeros_on_every_build():
+    """A block holding an inf or a NaN makes its row's outputs NaN (as bfloat16's products would), not a
+    plausible number; a block whose max is under 127 / FLT_MAX (where 127 / max overflows) counts as
+    zeros; the same bits from the AVX-512, AVX2 and plain C builds, and the reference agrees."""
+    blocks = int8_gemm.random_q4_1(64, 96)
+    packed = int8_gemm.pack(blocks)
+    x = torch.randn(6, 96).to(torch.bfloat16)
+    x[0, 3], x[1, 40], x[2, 64:] = float("nan"), float("inf"), -float("inf")
+    x[3, :32] = 1e-37                                       # 127 / 1e-37 overflows float32
+    x[4, 32:64] = -1e-37
+    builds = [int8_gemm.load(f) for f in ((), ("-mno-avx512f",), ("-mno-avx2",))]
+    ys = [int8_gemm.matmul(x, packed, 96, 64, lib=lib) for lib in builds]
+    want = int8_gemm.reference(x, blocks)
+    for y in ys:
+        assert y[:3].isnan().all() and not y[3:].isnan().any()
+        assert torch.equal(y[3:], ys[0][3:])
+    clean = x[3:].clone()
+    clean[0, :32], clean[1, 32:64] = 0, 0
+    assert torch.equal(ys[0][3:], int8_gemm.matmul(clean, packed, 96, 64))     # tiny blocks: zeros
+    bound = want[3:].abs() * 2.0 ** -8 + int8_gemm.reference(x[3:], blocks, magnitudes=True) * 2.0 ** -18
+    assert want[:3].isnan().all() and ((ys[0][3:].double() - want[3:]).abs() <= bound).all()
+
+
 def test_bad_operands_and_settings_are_refused():
     blocks = int8_gemm.random_q4_1(64, 64)
     packed = int8_gemm.pack(blocks)
@@ -105,11 +128,14 @@ def test_bad_operands_and_settings_are_refused():
 
 
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["default", "avx2"])
-def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch, build):
-    """A bfloat16 model from a Q4_1 GGUF with ``MINICB_INT8_PRODUCTS=1``: every stacked step's products
-    read the int8 panels, and each step equals the layers' own calls with every product replaced by
-    ``int8_gemm.matmul`` on the same panels, bit for bit; the tokens are the same on 1 and 2 threads.
-    A weight replaced after loading turns the int8 products off. Without AVX-512 VNNI or AVX2: off,
+def test_every_step_of_a_sequence_multiplies_int8_rounded_activations(tmp_path, monkeypatch, build):
+    """A bfloat16 model from a Q4_1 GGUF with ``MINICB_INT8_PRODUCTS=1``. Prompts on the prompt kernel,
+    so that prompt steps, mixed steps and steps of more than 256 rows are stacked too: every stacked
+    step reads the int8 panels, and equals the layers' own calls (whose products are then
+    ``int8_gemm.matmul`` on the same panels) bit for bit; the tokens are the same on 1 and 2 threads.
+    Prompts on SDPA, so that prompt steps run the layers: those multiply int8-rounded activations too
+    (no layer product reaches a bfloat16 kernel; the LM head does). A weight replaced after loading
+    turns the int8 products off, in the stack and in the layers. Without AVX-512 VNNI or AVX2: off,
     saying why. ``avx2``: the same with the build a CPU without AVX-512 makes (its own loop)."""
     from gguf import GGMLQuantizationType as T
     from test_layer_stack import checked_runs
@@ -118,50 +144,45 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch,
     from helpers import random_prompts
     from minicb.core.sampling_params import SamplingParams
     from minicb.entrypoints.llm import LLM, cpu_fast_paths
-    from minicb.fastpaths import layer_stack
+    from minicb.fastpaths import layer_stack, skinny_gemm
     from minicb.model.llama import LlamaForCausalLM
     from minicb.model.weights.loader import load_model
 
     load = int8_gemm.load
     monkeypatch.setattr(int8_gemm, "load", lambda flags=(): load(flags or build))
 
-    def build_model():
+    def build_model(prompts_on: str):
         for var, value in {"MINICB_SKINNY_ROWS": "4096", "MINICB_LINEAR": "onednn-f32",
-                           "MINICB_INT8_PRODUCTS": "1"}.items():
+                           "MINICB_INT8_PRODUCTS": "1", "MINICB_PROMPT_ATTENTION": prompts_on}.items():
             monkeypatch.setenv(var, value)
         model = LlamaForCausalLM.from_state_dict(loaded.config, loaded.state_dict, torch.bfloat16)
         return model, cpu_fast_paths(model, "cpu", gguf_blocks=loaded.gguf_blocks)
 
+    def engine(model, budget: int = 32, blocks: int = 64):
+        return LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=budget, block_size=4,
+                   num_blocks=blocks)
+
     path = write_tiny_gguf(tmp_path / "q4.gguf", tiny_hf_model(tie=True),
                            types=lambda name: T.Q8_0 if "embed" in name else T.Q4_1)
     loaded = load_model(path, dtype=torch.bfloat16)
-    model, applied = build_model()
+    model, applied = build_model("kernel")
     stack = model.layer_stack
     if int8_gemm.path() == 0:
         assert "int8-products" not in applied and not stack.int8 and "nor AVX2" in stack.int8_why
         return
     assert "int8-products" in applied and stack.int8 and "blocks" not in stack.products
     assert int8_gemm.path() in ((1,) if build else (1, 2))        # the build asked for runs
-    cfg = loaded.config
-    hidden, qdim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    shapes = [(hidden, qdim + 2 * cfg.num_key_value_heads * cfg.head_dim), (qdim, hidden),
-              (hidden, 2 * cfg.intermediate_size), (cfg.intermediate_size, hidden)]     # (in, out)
-    for i, layer in enumerate(model.model.layers):            # the layers' products: int8_gemm.matmul
-        tensors = stack.products["int8"][0][i]
-        modules = [layer.self_attn.qkv_packed, layer.self_attn.o_proj, layer.mlp.gate_up_packed,
-                   layer.mlp.down_proj]
-        for module, packed, (in_f, out_f) in zip(modules, tensors[1:3] + tensors[4:], shapes):
-            monkeypatch.setattr(module, "forward", lambda x, p=packed, i_=in_f, o_=out_f:
-                                int8_gemm.matmul(x, p, i_, o_))
+    for layer, tensors in zip(model.model.layers, stack.products["int8"][0]):   # one set of panels
+        assert [m.int8_panels for m in layer_stack._products(layer)] == list(tensors[1:3] + tensors[4:])
     rows, tables = checked_runs(monkeypatch, model), []
     table = layer_stack.LayerStack._layer_table
     monkeypatch.setattr(layer_stack.LayerStack, "_layer_table",
                         lambda self, kv, products="bf16": tables.append(products)
                         or table(self, kv, products))
+    cfg = loaded.config
     prompts = random_prompts(5, 3, 30, cfg.vocab_size, seed=7)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
-    llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
-              num_blocks=64)
+    llm = engine(model)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -171,17 +192,29 @@ def test_the_stack_on_int8_products_is_the_layers_on_them(tmp_path, monkeypatch,
         one = [o.token_ids for o in outs]
         torch.set_num_threads(2)
         assert [o.token_ids for o in llm.generate(prompts, params)] == one
+        big = engine(model, budget=512, blocks=160)         # a step of over 256 rows: two runs of rows
+        big.generate(random_prompts(4, 90, 100, cfg.vocab_size, seed=8), SamplingParams(max_tokens=2))
     finally:
         torch.set_num_threads(before)
-    assert set(tables) == {"int8"} and {1, 5} <= set(rows), (set(tables), set(rows))
+    assert set(tables) == {"int8"} and {1, 5} <= set(rows) and max(rows) > 256, (set(tables), set(rows))
+    assert len(set(rows)) > 5                                 # prompt and mixed steps too, stacked
 
-    monkeypatch.undo()                 # a fresh model, its layers' own products, the stack unchecked
+    monkeypatch.undo()                 # a fresh model, prompts on SDPA: its prompt steps not stacked
     monkeypatch.setattr(int8_gemm, "load", lambda flags=(): load(flags or build))
-    model, _ = build_model()
-    llm = LLM(model, dtype=torch.bfloat16, max_num_seqs=5, max_num_batched_tokens=32, block_size=4,
-              num_blocks=64)
+    model, _ = build_model("sdpa")
+    calls = {"int8": 0, "bf16 out": set()}
+    int8_matmul, skinny, blocks = int8_gemm.matmul, skinny_gemm.matmul, skinny_gemm.matmul_blocks
+    monkeypatch.setattr(int8_gemm, "matmul", lambda *a, **k: calls.__setitem__("int8", calls["int8"] + 1)
+                        or int8_matmul(*a, **k))
+    for name, fn in (("matmul", skinny), ("matmul_blocks", blocks)):
+        monkeypatch.setattr(skinny_gemm, name, lambda x, p, i, o, *a, fn=fn, **k: calls["bf16 out"].add(o)
+                            or fn(x, p, i, o, *a, **k))
+    llm = engine(model)
+    llm.generate(prompts, params)
+    assert calls["int8"] > 0 and calls["bf16 out"] == {cfg.vocab_size}, calls      # the LM head only
     panels = model.model.layers[1].mlp.down_proj.weight_panels
     panels.data = panels.data.clone()                        # a weight replaced after loading
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert not model.layer_stack.int8
     assert model.layer_stack.int8_why == "a weight was replaced after the blocks were packed"
+    assert all(m.int8_panels is None for layer in model.model.layers for m in layer_stack._products(layer))

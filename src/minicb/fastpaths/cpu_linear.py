@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minicb.fastpaths import cpu_fused, skinny_gemm
+from minicb.fastpaths import cpu_fused, int8_gemm, skinny_gemm
 from minicb.fastpaths.ckernels import cpu_flags
 from minicb.fastpaths.settings import Settings
 
@@ -180,7 +180,28 @@ def _compute_dtype(weight: torch.Tensor, compute_dtype: torch.dtype) -> torch.dt
     return torch.bfloat16 if weight.dtype == compute_dtype == torch.bfloat16 else torch.float32
 
 
-class PackedLinear(nn.Module):
+class Int8Products:
+    """Mixed into the packed layers: once ``read_int8`` gave them panels of the GGUF's Q4_1 blocks
+    (``int8_gemm.pack``, ``MINICB_INT8_PRODUCTS=1``), every product of theirs is on int8-rounded
+    activations, whatever its rows, so that a sequence's steps get one arithmetic whether the layer
+    stack runs them or the layers do. The panels are dropped (bfloat16 products again) when the
+    layer's own skinny panels were replaced after they were read: they would be the old weight's."""
+
+    int8_panels = None
+
+    def read_int8(self, panels: torch.Tensor | None) -> None:
+        self.int8_panels, self._int8_of = panels, self.weight_panels.data_ptr()
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.int8_panels is None or x.dim() != 2:
+            return None
+        if self.weight_panels.data_ptr() != self._int8_of:        # a weight replaced: stale panels
+            self.int8_panels = None
+            return None
+        return int8_gemm.matmul(x, self.int8_panels, self.in_features, self.out_features)
+
+
+class PackedLinear(Int8Products, nn.Module):
     """An ``nn.Linear`` (no bias) computed by oneDNN from a weight it reordered once (module docstring).
 
     ``weight`` stays the original parameter only with ``keep_weight`` (``pack_linears`` keeps it for
@@ -211,6 +232,8 @@ class PackedLinear(nn.Module):
         self.block_panels, self.block_rows = panels, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._int8(x)) is not None:                   # MINICB_INT8_PRODUCTS=1: other numbers
+            return y
         if 0 < x.shape[0] <= self.block_rows and x.dim() == 2:  # the GGUF's blocks: the same bits
             return skinny_gemm.matmul_blocks(x, self.block_panels, self.in_features, self.out_features)
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
@@ -218,7 +241,7 @@ class PackedLinear(nn.Module):
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)
 
 
-class PackedProjections(nn.Module):
+class PackedProjections(Int8Products, nn.Module):
     """Linear layers that read the same input (q, k, v; gate, up) as ONE packed product: their weights
     stacked ``[sum(sizes), in]``, so one GEMM streams the input once. ``forward`` returns the stacked
     output ``[..., sum(sizes)]``; ``sizes`` says where to split it. It holds no parameter (the layers keep
@@ -240,6 +263,8 @@ class PackedProjections(nn.Module):
         _add_panels(self, stacked, linears[0].weight.dtype, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._int8(x)) is not None:                   # MINICB_INT8_PRODUCTS=1: other numbers
+            return y
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
             return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)
         return _packed_matmul(x, self.weight_packed, self.out_features, self.compute_dtype)

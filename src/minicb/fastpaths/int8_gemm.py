@@ -11,9 +11,11 @@ bench/RESULTS.md), and it is off unless asked for::
 
     MINICB_INT8_PRODUCTS=1 minicb generate "Hi"          # a bfloat16 model loaded from a Q4_1 GGUF
 
-Where: every product of the layer stack (``layer_stack.LayerStack``; the LM head stays bfloat16, so
-the sampled distribution is computed from bfloat16 weights), for a bfloat16 model whose layers are
-all Q4_1 in the file, on a CPU with AVX-512 VNNI (``vpdpbusd``) or AVX2 (``vpmaddubsw``, a Zen 2's).
+Where: every product of the decoder layers, in the steps the layer stack runs (``layer_stack``) and in
+the others (``cpu_linear.Int8Products``), so a sequence gets one arithmetic however it is batched (the
+LM head stays bfloat16: the sampled distribution comes from bfloat16 weights); for a bfloat16 model
+whose layers are all Q4_1 in the file, on a CPU with AVX-512 VNNI (``vpdpbusd``) or AVX2
+(``vpmaddubsw``, a Zen 2's).
 Elsewhere the setting says why it is not used and nothing changes. The plain C loop (any CPU) gives
 the same bits as both and is what the tests compare them with; it is too slow to serve.
 """
@@ -35,11 +37,6 @@ SOURCE = Path(__file__).parent / "csrc" / "int8_gemm.c"
 PANEL_WIDTH, BLOCK, BLOCK_BYTES = 64, 32, 1280      # TW, QB and BLOCK_BYTES in int8_gemm.c
 Q4_1_BYTES = 20                                     # a GGUF Q4_1 block: d, m (float16), 16 bytes of nibbles
 PATH_NAMES = {2: "AVX-512 VNNI", 1: "AVX2", 0: "plain C"}
-# With int8 products the layer stack takes steps of up to this many rows whatever the bfloat16 panels'
-# rows (skinny_gemm.ROWS: 32 on AVX2). Measured with AVX-512 turned off on the Zen 4 of bench/RESULTS.md
-# (``python bench/int8_product.py --avx2``, twenty-fifth session): the AVX2 int8 loop 1.34-2.03x the
-# bfloat16 AVX2 loop from 1 to 256 rows; not measured on a Zen 2 itself.
-ROWS = 4096
 
 
 @functools.cache
@@ -105,13 +102,16 @@ def reference(x: torch.Tensor, blocks: np.ndarray, magnitudes: bool = False) -> 
     d, m = (b[..., k:k + 2].contiguous().view(torch.float16).double()[..., 0] for k in (0, 2))   # [out, nb]
     q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=2).double()                         # [out, nb, 32]
     xb = x.float().reshape(x.shape[0], nb, BLOCK)
-    amax = xb.abs().amax(dim=2, keepdim=True)
+    finite = torch.isfinite(xb).all(dim=2, keepdim=True)
+    amax = torch.where(finite, xb.abs(), 0).amax(dim=2, keepdim=True)
     # 127 / max in one float32 division, as the kernel (torch's ``127.0 / t`` is 127 * (1 / t): two roundings)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    p = torch.round(xb * inv).double()                                     # to nearest even
+    inv = torch.where(torch.isfinite(inv) & finite, inv, 0)     # a max under 127 / FLT_MAX: zeros
+    p = torch.round(torch.where(finite, xb, 0) * inv).double()             # to nearest even
     if magnitudes:
         p, m = p.abs(), m.abs()
-    s = (amax / 127.0).double()[..., 0]                                    # [rows, nb]
+    s = torch.where(inv > 0, amax / 127.0, 0).double()
+    s = torch.where(finite, s, torch.nan)[..., 0]               # [rows, nb]: an inf or NaN makes NaN
     dots = torch.einsum("onk,rnk->ron", q, p)
     return (dots * d * s[:, None] + m * (s * p.sum(dim=2))[:, None]).sum(dim=2)
 

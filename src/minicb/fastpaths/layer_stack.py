@@ -26,6 +26,9 @@ products' panels made from the file's Q4_1 or Q8_0 blocks (``skinny_gemm.pack_bl
 stand for exactly the bfloat16 weights), which steps of up to ``block_rows`` rows (one, by default)
 read with the blocks' kernel, the same bits from 3/8 (Q4_1) or 9/16 (Q8_0) of the bytes. A weight
 replaced after that (its panels' storage changed) turns the blocks off: they would be the old one's.
+With ``MINICB_INT8_PRODUCTS=1`` (Q4_1 blocks) a third table multiplies int8-rounded activations by
+the blocks in every step it takes (``int8_gemm``), and the layers' packed products do the same in the
+steps it does not (``cpu_linear.Int8Products``): one arithmetic for every step of a sequence.
 
 ``install(model)`` switches a model's class to ``StackedLlama``, whose ``hidden`` (the part of
 ``LlamaForCausalLM.forward`` between the embedding and the LM head) tries the stack first and hands
@@ -119,10 +122,8 @@ class LayerStack:
                                 _address(getattr(cpu_paged.load(), cpu_paged.kernel_name(dtype))),
                                 _address(getattr(cpu_paged.load_prompt(),
                                                  cpu_paged.kernel_name(dtype, prompt=True))))
-        layers = model.model.layers
-        self.skinny_rows = min(m.skinny_rows for layer in layers
-                               for m in (layer.self_attn.qkv_packed, layer.self_attn.o_proj,
-                                         layer.mlp.gate_up_packed, layer.mlp.down_proj))
+        layers = self.model_layers = model.model.layers
+        self.skinny_rows = min(m.skinny_rows for layer in layers for m in _products(layer))
         # the tensors, not their addresses: a model moved or reloaded in place gets new ones, which
         # every step reads again (a few microseconds) before it trusts its table
         self.tensors = [(layer.input_layernorm.weight, layer.self_attn.qkv_packed.weight_panels,
@@ -197,7 +198,9 @@ class LayerStack:
             lib = int8_gemm.load()
             self.products["int8"] = self._with_products(packed, lib.minicb_int8_q4_part,
                                                         lib.minicb_int8_quantize)
-            self.skinny_rows = max(self.skinny_rows, int8_gemm.ROWS)   # the int8 panels take any step
+            for layer, panels in zip(model.model.layers, packed):    # the steps the stack does not take
+                for module, p in zip(_products(layer), panels):
+                    module.read_int8(p)
         lm = self.lm_head = model.lm_head
         self._blocks_of = self._panels()
         if not rows:
@@ -278,6 +281,10 @@ class LayerStack:
         tables = (g if dec is None else dec).block_tables
         gguf = rows <= self.block_rows        # few rows: the products read the GGUF's blocks (same bits)
         if (gguf or self.int8) and self._panels() != self._blocks_of:   # a weight replaced: stale blocks
+            if self.int8:
+                for layer in self.model_layers:
+                    for module in _products(layer):
+                        module.read_int8(None)
             self.block_rows, gguf, self.int8 = 0, False, False
             self.block_why = self.int8_why = "a weight was replaced after the blocks were packed"
             if isinstance(self.lm_head, cpu_linear.PackedLinear):
@@ -304,6 +311,11 @@ class LayerStack:
         return h
 
 
+def _products(layer) -> tuple:
+    """A decoder layer's four packed products, in the stack's order: q/k/v, o, gate/up, down."""
+    return layer.self_attn.qkv_packed, layer.self_attn.o_proj, layer.mlp.gate_up_packed, layer.mlp.down_proj
+
+
 def _unstackable(model: LlamaForCausalLM) -> str | None:
     """None when every layer is fused and packed with skinny panels (what ``layer_stack.c`` calls),
     else what is missing."""
@@ -320,8 +332,7 @@ def _unstackable(model: LlamaForCausalLM) -> str | None:
                  isinstance(mlp, cpu_linear.PackedGateUp) and isinstance(mlp, cpu_fused.FusedMLP))
         if not all(parts):
             return f"layer {i} is not fused and packed throughout"
-        products = (attn.qkv_packed, attn.o_proj, mlp.gate_up_packed, mlp.down_proj)
-        if not all(getattr(p, "skinny_rows", 0) > 0 for p in products):
+        if not all(getattr(p, "skinny_rows", 0) > 0 for p in _products(layer)):
             return f"layer {i} has no skinny panels"
         if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {model.model.norm.eps}:
             return f"layer {i}'s norms have another eps"

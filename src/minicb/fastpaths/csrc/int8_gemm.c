@@ -36,11 +36,13 @@
  * minicb_int8_q4 (int8_gemm.py's matmul) rounds into a scratch buffer of its own first.
  *
  * Numerics: every build gives the same bits: the integer sums are exact, the rounding of x is
- * x * (127 / max) to nearest even, and each block adds (float)isum * (d * s) and then m * (s sum p)
+ * p = x * (127 / max) to nearest even (a block holding an inf or a NaN gets s = NaN, so the outputs it
+ * reaches are NaN on every build; one whose max is under 127 / FLT_MAX counts as zeros), and each block adds (float)isum * (d * s) and then m * (s sum p)
  * to its float32 accumulator by fused multiply-adds (fmaf in the plain C loop), blocks in order.
  * Outputs rounded once to bfloat16. Threads split the panels as skinny_gemm.c's do: the same bits on
  * any thread count.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,25 +87,42 @@ void minicb_int8_quantize(const uint16_t *x, int64_t xstride, int64_t rows, int6
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)xb)), 16));
             const __m512 hi = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + 16))), 16));
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-            const __m512i plo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-            const __m512i phi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(plo));
-            _mm_storeu_si128((__m128i *)(p + 16), _mm512_cvtsepi32_epi8(phi));
-            const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(plo, phi));
+            const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi), big = _mm512_set1_ps(FLT_MAX);
+            const int finite = !(_mm512_cmp_ps_mask(alo, big, _CMP_NLE_UQ)        /* inf or NaN: not <= */
+                                 | _mm512_cmp_ps_mask(ahi, big, _CMP_NLE_UQ));
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));   /* finite blocks' only */
+            const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            if (finite && inv <= FLT_MAX) {
+                const __m512 iv = _mm512_set1_ps(inv);
+                const __m512i plo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv));
+                const __m512i phi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
+                _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(plo));
+                _mm_storeu_si128((__m128i *)(p + 16), _mm512_cvtsepi32_epi8(phi));
+                sum = _mm512_reduce_add_epi32(_mm512_add_epi32(plo, phi));
+            } else {
+                memset(p, 0, QB);
+            }
 #else
             float amax = 0.0f;
-            for (int i = 0; i < QB; ++i) amax = fmaxf(amax, fabsf(bf16_load(xb[i])));
+            int finite = 1;
+            for (int i = 0; i < QB; ++i) {
+                const float v = fabsf(bf16_load(xb[i]));
+                finite &= v <= FLT_MAX;            /* false for inf and NaN */
+                amax = v > amax ? v : amax;
+            }
             const float inv = amax > 0 ? 127.0f / amax : 0.0f;
             int sum = 0;
             for (int i = 0; i < QB; ++i) {
-                const float v = nearbyintf(bf16_load(xb[i]) * inv);
-                p[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : v);
+                const float v = finite && inv <= FLT_MAX ? nearbyintf(bf16_load(xb[i]) * inv) : 0.0f;
+                p[i] = (int8_t)v;                  /* |v| <= 127: inv * max rounds to 127 */
                 sum += p[i];
             }
 #endif
-            const float s = amax / 127.0f;
+            /* a block with an inf or a NaN: s is NaN, so every output it reaches is NaN, as bfloat16's
+             * products would make it; a block whose max is under 127 / FLT_MAX (about 2^-121, where
+             * 127 / max overflows) counts as zeros */
+            const float s = !finite ? NAN : inv <= FLT_MAX ? amax / 127.0f : 0.0f;
             xs[b] = s;
             xm[b] = s * (float)sum;
         }
