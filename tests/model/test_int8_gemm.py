@@ -2,9 +2,9 @@
 
 The kernel is checked against ``int8_gemm.reference`` (the same arithmetic in float64, from the blocks
 and activations directly, not from the packed layout), every build and thread count against each
-other bit for bit; the stack's steps with ``MINICB_INT8_PRODUCTS=1`` against the layers' own calls
-with each product replaced by ``int8_gemm.matmul``, bit for bit; and what the model's tokens come to
-beside the bfloat16 products is a measured figure, not asserted (bench/int8_product.py).
+other bit for bit; the stack's steps with ``MINICB_INT8_PRODUCTS=1`` against the layers' own calls,
+whose products then read the same int8 panels, bit for bit; and what the model's tokens come to
+beside the bfloat16 products is a measured figure, not asserted (bench/agreement.py --modes int8).
 """
 from __future__ import annotations
 

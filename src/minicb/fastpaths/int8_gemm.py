@@ -6,8 +6,8 @@ multiplies bytes at twice that rate, so ``int8_gemm.c`` rounds each row's activa
 block of 32 inputs and multiplies them by the file's 4-bit weights (the layout and the arithmetic are
 drawn there). The weights are the file's exactly; the activations lose precision, so this is a
 different model arithmetic from the bfloat16 one, not a faster way to the same sums. What it costs
-in agreement and what it gains in time are measured figures (``python bench/int8_product.py``,
-bench/RESULTS.md), and it is off unless asked for::
+in agreement and what it gains in time are measured figures (``python bench/agreement.py --modes
+fast,int8``, ``python bench/int8_product.py``, bench/RESULTS.md), and it is off unless asked for::
 
     MINICB_INT8_PRODUCTS=1 minicb generate "Hi"          # a bfloat16 model loaded from a Q4_1 GGUF
 

@@ -12,8 +12,8 @@
  *
  * the integer sum exact on vpdpbusd, then per block and 16 outputs a convert, a multiply and two
  * multiply-adds. The weights are the file's exactly (the bfloat16 path rounds d q + m to bfloat16);
- * what changes is x, rounded to 8 bits per 32 inputs: a measured figure (bench/int8_product.py
- * --agreement), not a rounding of the same sum.
+ * what changes is x, rounded to 8 bits per 32 inputs: its effect on the tokens is a measured figure
+ * (python bench/agreement.py --modes fast,int8), not a rounding of the same sum.
  *
  * Layout (int8_gemm.py's pack): panels of 64 outputs; per panel and block of 32 inputs, 1,280 bytes:
  *
