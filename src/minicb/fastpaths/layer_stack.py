@@ -180,6 +180,8 @@ class LayerStack:
         ``MINICB_INT8_PRODUCTS=1`` and Q4_1 blocks, every step's products on int8 activations instead
         (``int8_gemm``; ``self.int8``)."""
         self.int8, self.int8_why = False, "no GGUF blocks"
+        if self.dtype != torch.bfloat16:
+            self.int8_why = f"a {str(self.dtype).removeprefix('torch.')} model (they are for bfloat16)"
         if self.dtype != torch.bfloat16 or not blocks:
             return 0, "no GGUF blocks"
         rows, why = skinny_gemm.choose_block_rows(settings)
