@@ -130,16 +130,19 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5, plain: bool = False) 
 def weight_bytes(model: LlamaForCausalLM, rows: int = 1) -> int:
     """The bytes of linear-layer weight one forward of ``rows`` rows reads, in the dtype each product
     reads them (a step of few enough rows for the skinny kernel reads its panels, in the model's dtype;
-    of one row, in a bfloat16 model from a GGUF, the blocks' panels)."""
+    of one row, in a bfloat16 model from a GGUF, the blocks' panels; with int8 products, theirs)."""
     cfg = model.config
     per_layer = cfg.hidden_size * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
                                    + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size)
     params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size      # the LM head too
     stack = getattr(model, "layer_stack", None)
-    if rows <= getattr(stack, "block_rows", 0):      # the GGUF's blocks, as stored (skinny_gemm.pack_blocks)
+    # the GGUF's blocks, as stored: skinny_gemm.pack_blocks for few rows, int8_gemm.pack for every step
+    few = rows <= getattr(stack, "block_rows", 0)
+    kind = "int8" if getattr(stack, "int8", False) else "blocks" if few else ""
+    if kind:
         lm = model.lm_head
         head = lm.block_panels if rows <= lm.block_rows else lm.weight_panels
-        return sum(t.nbytes for ts in stack.products["blocks"][0] for t in ts[1:3] + ts[4:]) + head.nbytes
+        return sum(t.nbytes for ts in stack.products[kind][0] for t in ts[1:3] + ts[4:]) + head.nbytes
     native = model.dtype == torch.bfloat16 and (cl.linear_path(model) in ("torch", "onednn-bf16")
                                                  or rows <= cl.skinny_rows_of(model))
     return params * (2 if native else 4)        # the other paths multiply float32 copies
