@@ -193,7 +193,8 @@ class Int8Products:
         self.int8_panels, self._int8_of = panels, self.weight_panels.data_ptr()
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.int8_panels is None or x.dim() != 2:
+        """The product on the int8 panels (``forward`` asks only when it has them), or None."""
+        if x.dim() != 2:
             return None
         if self.weight_panels.data_ptr() != self._int8_of:        # a weight replaced: stale panels
             self.int8_panels = None
@@ -232,7 +233,7 @@ class PackedLinear(Int8Products, nn.Module):
         self.block_panels, self.block_rows = panels, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := self._int8(x)) is not None:                   # MINICB_INT8_PRODUCTS=1: other numbers
+        if self.int8_panels is not None and (y := self._int8(x)) is not None:   # MINICB_INT8_PRODUCTS=1
             return y
         if 0 < x.shape[0] <= self.block_rows and x.dim() == 2:  # the GGUF's blocks: the same bits
             return skinny_gemm.matmul_blocks(x, self.block_panels, self.in_features, self.out_features)
@@ -263,7 +264,7 @@ class PackedProjections(Int8Products, nn.Module):
         _add_panels(self, stacked, linears[0].weight.dtype, skinny_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (y := self._int8(x)) is not None:                   # MINICB_INT8_PRODUCTS=1: other numbers
+        if self.int8_panels is not None and (y := self._int8(x)) is not None:   # MINICB_INT8_PRODUCTS=1
             return y
         if self.skinny_rows and x.shape[0] <= self.skinny_rows and x.dim() == 2:
             return skinny_gemm.matmul(x, self.weight_panels, self.in_features, self.out_features)

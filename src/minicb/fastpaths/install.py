@@ -18,8 +18,9 @@ it to run the same thing. A model built by hand and given to ``LLM`` is left as 
 5. for a bfloat16 model read from a GGUF's Q4_1 / Q8_0 weights (``LoadedModel.gguf_blocks``), steps
    of one row multiply from those blocks as stored, 3/8 (Q4_1) or 9/16 (Q8_0) of the bfloat16 bytes,
    with the same bits (``skinny_gemm.pack_blocks``; ``MINICB_BLOCK_ROWS`` pins how many rows, 0: never).
-   With ``MINICB_INT8_PRODUCTS=1`` (Q4_1 only, AVX-512 VNNI), every step of the layer stack multiplies
-   int8-rounded activations by those blocks instead: other numbers, faster (``int8_gemm``).
+   With ``MINICB_INT8_PRODUCTS=1`` (Q4_1 only; AVX-512 VNNI or AVX2), every decoder-layer product, in
+   the layer stack and out of it, multiplies int8-rounded activations by those blocks instead: other
+   numbers, faster (``int8_gemm``).
 
 Which GEMM, and why, is one INFO line on the ``minicb.load`` logger, once per load (``minicb:
 float32 linear layers on onednn-f32: packed oneDNN 2.09x MKL on a 16x576x960 float32 product
@@ -88,9 +89,9 @@ def cpu_fast_paths(model, device, settings: Settings | None = None,
         rows = cpu_linear.skinny_rows_of(model)
         skinny = (f"; steps of up to {rows} rows on the skinny kernel ({rows_why})" if rows else
                   f"; no skinny kernel ({rows_why})" if rows_why else "")
-        blocks = getattr(getattr(model, "layer_stack", None), "block_rows", 0)
-        skinny += f", up to {blocks} from the GGUF's blocks as stored" if blocks else ""
         stack = getattr(model, "layer_stack", None)
+        blocks = getattr(stack, "block_rows", 0)
+        skinny += f", up to {blocks} from the GGUF's blocks as stored" if blocks else ""
         if settings.int8_products == "1":        # asked for: say whether it is used, and why not
             skinny += ("; the layers' products on int8 activations (MINICB_INT8_PRODUCTS=1)"
                        if stack and stack.int8 else
