@@ -28,8 +28,17 @@
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
-/* a loop over rows, split over nthreads when the call has at least 64 Ki elements (`work`) */
-#define PARALLEL_ROWS _Pragma("omp parallel for num_threads(nthreads) schedule(static) if(work >= 65536)")
+/* the body (the arguments) for each row r of `rows`, split over nthreads when the call has at least 64 Ki
+ * elements (`work`), else a plain loop. Not `omp parallel for ... if(work >= 65536)`: with its condition
+ * false that still opens a team (of one thread, nested when the caller is layer_stack.c's team), a
+ * malloc and futex calls each time, and the stack calls these for every run of rows of every layer */
+#define FOR_ROWS(...)                                                                                  \
+    if (work >= 65536 && nthreads > 1) {                                                             \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                           \
+        for (int64_t r = 0; r < rows; ++r) { __VA_ARGS__ }                                           \
+    } else {                                                                                         \
+        for (int64_t r = 0; r < rows; ++r) { __VA_ARGS__ }                                           \
+    }
 
 /* one row of RMSNorm: o = w * T(h * (1 / sqrt(mean(h * h) + eps))), h = float32(xr) */
 #define NORM_ROW(T, LOAD, STORE, xr, w, o, dim, eps)                                                   \
@@ -45,8 +54,7 @@ static inline float f32_store(float x) { return x; }
 #define RMSNORM(NAME, T, LOAD, STORE)                                                                  \
     void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t dim, double eps, int nthreads) {  \
         const int64_t work = rows * dim;                                                             \
-        PARALLEL_ROWS                                                                                \
-        for (int64_t r = 0; r < rows; ++r) NORM_ROW(T, LOAD, STORE, (x + r * dim), w, (out + r * dim), dim, eps); \
+        FOR_ROWS(NORM_ROW(T, LOAD, STORE, (x + r * dim), w, (out + r * dim), dim, eps);)              \
     }
 
 /* the residual add and the next RMSNorm in one pass: x += delta (rounded to T, as torch's add rounds
@@ -55,14 +63,13 @@ static inline float f32_store(float x) { return x; }
     void NAME(T *x, const T *delta, const T *w, T *out, int64_t rows, int64_t dim, double eps,       \
               int nthreads) {                                                                        \
         const int64_t work = rows * dim;                                                             \
-        PARALLEL_ROWS                                                                                \
-        for (int64_t r = 0; r < rows; ++r) {                                                         \
+        FOR_ROWS(                                                                                    \
             T *xr = x + r * dim;                                                                     \
             const T *dr = delta + r * dim;                                                           \
             _Pragma("omp simd")                                                                      \
             for (int64_t d = 0; d < dim; ++d) xr[d] = STORE(LOAD(xr[d]) + LOAD(dr[d]));              \
             NORM_ROW(T, LOAD, STORE, xr, w, (out + r * dim), dim, eps);                              \
-        }                                                                                            \
+        )                                                                                            \
     }
 
 /* the MLP's activation: out [rows, inter] = T(T(silu(g)) * u), g and u the halves of each row of gu
@@ -82,10 +89,9 @@ static inline float f32_store(float x) { return x; }
     }                                                                                                \
     void NAME(const T *gu, T *out, int64_t rows, int64_t inter, int64_t stride, int nthreads) {      \
         const int64_t work = rows * inter;                                                           \
-        PARALLEL_ROWS                                                                                \
-        for (int64_t r = 0; r < rows; ++r) {                                                         \
+        FOR_ROWS(                                                                                    \
             NAME##_row(gu + r * stride, out + r * inter, inter);                                     \
-        }                                                                                            \
+        )                                                                                            \
     }
 
 /* x [rows, heads, dim] rotated in place by its row's cos / sin [rows, dim]; row r of x starts at
@@ -95,8 +101,7 @@ static inline float f32_store(float x) { return x; }
                            int64_t stride, int nthreads) {                                            \
         const int64_t half = dim / 2;                                                                 \
         const int64_t work = rows * heads * dim;                                                      \
-        PARALLEL_ROWS                                                                                 \
-        for (int64_t r = 0; r < rows; ++r) {                                                          \
+        FOR_ROWS(                                                                                     \
             const T *c = cos + r * dim, *s = sin + r * dim;                                           \
             for (int64_t h = 0; h < heads; ++h) {                                                     \
                 T *v = x + r * stride + h * dim;                                                      \
@@ -109,7 +114,7 @@ static inline float f32_store(float x) { return x; }
                     v[d + half] = STORE(hi);                                                          \
                 }                                                                                     \
             }                                                                                         \
-        }                                                                                             \
+        )                                                                                             \
     }                                                                                                 \
     void NAME(T *q, T *k, const T *cos, const T *sin, int64_t rows, int64_t q_heads, int64_t kv_heads, \
               int64_t dim, int64_t q_stride, int64_t k_stride, int nthreads) {                        \
@@ -143,8 +148,7 @@ SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store)
     void NAME(const T *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, uint8_t *finite,      \
               int nthreads) {                                                                          \
         const int64_t work = rows * n;                                                                 \
-        PARALLEL_ROWS                                                                                  \
-        for (int64_t r = 0; r < rows; ++r) {                                                           \
+        FOR_ROWS(                                                                                      \
             const T *xr = x + r * stride;                                                              \
             S best = NAME##_key(xr[0]);                                                                \
             _Pragma("omp simd reduction(max:best)")                                                    \
@@ -153,7 +157,7 @@ SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store)
             while (NAME##_key(xr[at]) != best) ++at;                                                   \
             out[r] = at;                                                                               \
             if (finite) finite[r] = (xr[at] & MAG) < EXP_ALL;         /* exponent not all ones */     \
-        }                                                                                              \
+        )                                                                                              \
     }
 
 ARGMAX(minicb_argmax_bf16, uint16_t, int16_t, (int16_t)0x7fff, 0x7fffu, 0x7f80u)

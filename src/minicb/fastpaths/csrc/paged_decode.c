@@ -53,6 +53,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -565,62 +566,78 @@ int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
 #define BF16_ROW NO_ROW
 #endif
 
+/* The rows of a call: each thread takes the next row (`*next`, counted by hand: schedule(dynamic)
+ * without a worksharing construct, so that one thread can run it outside any team), with its own
+ * scratch. A call of one thread runs it directly, not as a team of one: layer_stack.c calls this
+ * from inside its own team, for every few rows of every layer, where an `omp parallel` would open a
+ * nested team each time (a malloc and futex calls). */
 #define PAGED_DECODE(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE, FAST, ROW)                                 \
     HEAD_FN(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE)                                                   \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,          \
-             const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads, int64_t kv_heads, \
-             int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,        \
-             double scale, int num_threads) {                                                       \
-        const int64_t group = q_heads / kv_heads, D = head_dim, slot_len = kv_heads * head_dim;    \
-        const int64_t block_bytes = block_size * slot_len * (int64_t)sizeof(T);                     \
-        const int64_t cap = max_context > 0 ? max_context : 1;                                      \
-        int failed = 0;                                                                             \
-        _Pragma("omp parallel num_threads(num_threads)") {                                          \
-            /* per thread: the AVX2 path's key slots, scores [q_heads][max_context], its sums, the   \
-             * row's query in A (the loops above use the first group rows of the scores)  */         \
-            int64_t *slot = malloc(sizeof(int64_t) * (size_t)(cap + AHEAD)                          \
-                                   + sizeof(A) * (size_t)(q_heads * (cap + 3 * D + 1)));            \
-            A *s = (A *)(slot + cap + AHEAD);                                                       \
-            if (slot == NULL) {                                                                     \
-                _Pragma("omp atomic write") failed = 1;                                             \
-            } else {                                                                                \
-                A *qf = s + group * cap;                                                            \
-                _Pragma("omp for schedule(dynamic)")                                                \
-                for (int64_t r = 0; r < rows; ++r) {                                                \
-                    const int64_t L = context_lens[r];                                              \
-                    const int32_t *table = block_tables + r * max_blocks;                           \
-                    const T *qr = q + r * q_heads * D;                                              \
-                    T *o = out + r * q_heads * D;                                                   \
-                    if (L <= 0) {                   /* no keys: the caller never asks this */       \
-                        for (int64_t x = 0; x < q_heads * D; ++x) o[x] = STORE((A)0);               \
-                        continue;                                                                   \
-                    }                                                                               \
-                    if (FAST && D == 64) {                                                          \
-                        ROW(qr, o, k_cache, v_cache, table, L, r + 1 < rows ? table + max_blocks : NULL, \
-                            r + 1 < rows ? context_lens[r + 1] : 0, block_size, q_heads, kv_heads,      \
-                            (float)scale, (float *)s, cap, slot);                                       \
-                        continue;                                                                       \
-                    }                                                                                   \
-                    for (int64_t x = 0; x < q_heads * D; ++x) qf[x] = LOAD(qr[x]);                  \
-                    for (int64_t g = 0; g < kv_heads; ++g) {                                        \
-                        const A *qg = qf + g * group * D;                                           \
-                        const T *qbg = qr + g * group * D;                                          \
-                        T *og = o + g * group * D;                                                  \
-                        if (D == 64)                                                                \
-                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 64,          \
-                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
-                        else if (D == 128)                                                          \
-                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 128,         \
-                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
-                        else                                                                        \
-                            NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, D,           \
-                                        slot_len, block_size, block_bytes, (A)scale, s, cap, og);   \
-                    }                                                                               \
-                }                                                                                   \
-                free(slot);                                                                          \
-            }                                                                                       \
-        }                                                                                           \
-        return failed;                                                                              \
+    static void NAME##_rows(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,\
+                            const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads,        \
+                            int64_t kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size, \
+                            int64_t max_context, double scale, atomic_llong *next, atomic_int *failed) { \
+        const int64_t group = q_heads / kv_heads, D = head_dim, slot_len = kv_heads * head_dim;        \
+        const int64_t block_bytes = block_size * slot_len * (int64_t)sizeof(T);                         \
+        const int64_t cap = max_context > 0 ? max_context : 1;                                          \
+        /* the AVX2 path's key slots, scores [q_heads][max_context], its sums, the row's query in A    \
+         * (the loops above use the first group rows of the scores) */                                  \
+        int64_t *slot = malloc(sizeof(int64_t) * (size_t)(cap + AHEAD)                                  \
+                               + sizeof(A) * (size_t)(q_heads * (cap + 3 * D + 1)));                    \
+        if (slot == NULL) {                                                                             \
+            atomic_store(failed, 1);                                                                    \
+            return;                                                                                     \
+        }                                                                                               \
+        A *s = (A *)(slot + cap + AHEAD);                                                               \
+        A *qf = s + group * cap;                                                                        \
+        for (int64_t r; (r = atomic_fetch_add(next, 1)) < rows;) {                                      \
+            const int64_t L = context_lens[r];                                                          \
+            const int32_t *table = block_tables + r * max_blocks;                                       \
+            const T *qr = q + r * q_heads * D;                                                          \
+            T *o = out + r * q_heads * D;                                                               \
+            if (L <= 0) {                   /* no keys: the caller never asks this */                   \
+                for (int64_t x = 0; x < q_heads * D; ++x) o[x] = STORE((A)0);                           \
+                continue;                                                                               \
+            }                                                                                           \
+            if (FAST && D == 64) {                                                                      \
+                ROW(qr, o, k_cache, v_cache, table, L, r + 1 < rows ? table + max_blocks : NULL,        \
+                    r + 1 < rows ? context_lens[r + 1] : 0, block_size, q_heads, kv_heads,              \
+                    (float)scale, (float *)s, cap, slot);                                               \
+                continue;                                                                               \
+            }                                                                                           \
+            for (int64_t x = 0; x < q_heads * D; ++x) qf[x] = LOAD(qr[x]);                              \
+            for (int64_t g = 0; g < kv_heads; ++g) {                                                    \
+                const A *qg = qf + g * group * D;                                                       \
+                const T *qbg = qr + g * group * D;                                                      \
+                T *og = o + g * group * D;                                                              \
+                if (D == 64)                                                                            \
+                    NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 64,                      \
+                                slot_len, block_size, block_bytes, (A)scale, s, cap, og);               \
+                else if (D == 128)                                                                      \
+                    NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, 128,                     \
+                                slot_len, block_size, block_bytes, (A)scale, s, cap, og);               \
+                else                                                                                    \
+                    NAME##_head(qg, qbg, k_cache, v_cache, table, L, g, group, D,                       \
+                                slot_len, block_size, block_bytes, (A)scale, s, cap, og);               \
+            }                                                                                           \
+        }                                                                                               \
+        free(slot);                                                                                     \
+    }                                                                                                   \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
+             const int32_t *context_lens, T *out, int64_t rows, int64_t q_heads, int64_t kv_heads,     \
+             int64_t head_dim, int64_t max_blocks, int64_t block_size, int64_t max_context,            \
+             double scale, int num_threads) {                                                           \
+        atomic_llong next = 0;                                                                          \
+        atomic_int failed = 0;                                                                          \
+        if (num_threads > 1) {                                                                          \
+            _Pragma("omp parallel num_threads(num_threads)")                                            \
+            NAME##_rows(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, kv_heads,  \
+                        head_dim, max_blocks, block_size, max_context, scale, &next, &failed);          \
+        } else {                                                                                        \
+            NAME##_rows(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, kv_heads,  \
+                        head_dim, max_blocks, block_size, max_context, scale, &next, &failed);          \
+        }                                                                                               \
+        return atomic_load(&failed);                                                                    \
     }
 
 PAGED_DECODE(minicb_paged_decode_f32, float, float, SAME, SAME, softmax_numerators_f32, 0, F32_FAST, F32_ROW)

@@ -57,6 +57,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -446,32 +447,46 @@ TILE_FN(bf16, uint16_t, float, bf16_load, bf16_store)
 
 /* The entry points: every (tile, kv head) of the step over `num_threads` threads, or (item >= 0) only
  * work item `item` of them, in the order below (layer_stack.c hands the items to its threads itself).
+ * Each thread takes the next item (`*next`: schedule(dynamic) counted by hand, no worksharing
+ * construct), with its own scratch; a call of one thread runs directly, not as a team of one (inside
+ * layer_stack.c's team an `omp parallel` would open a nested team every call).
  * Returns 0, or 1 when a thread could not allocate its scratch. */
 #define PAGED_PROMPT(NAME, ITEM, T, A, NATIVE)                                                          \
+    static void NAME##_items(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, \
+                             const int32_t *tiles, int64_t n_tiles, T *out, int64_t q_heads,            \
+                             int64_t kv_heads, int64_t D, int64_t max_blocks, int64_t block_size,       \
+                             double scale, int mode, int64_t items, atomic_llong *next,                 \
+                             atomic_int *failed) {                                                      \
+        A *buf = malloc(sizeof(A) * (size_t)SCRATCH(D));                                               \
+        if (buf == NULL) {                                                                             \
+            atomic_store(failed, 1);                                                                   \
+            return;                                                                                    \
+        }                                                                                              \
+        /* one kv head after another, its last tiles (the longest contexts) first */                  \
+        for (int64_t w; (w = atomic_fetch_add(next, 1)) < items;) {                                    \
+            const int32_t *tile = tiles + 4 * (n_tiles - 1 - w % n_tiles);                             \
+            ITEM(q, k_cache, v_cache, block_tables + (int64_t)tile[3] * max_blocks, tile, out,         \
+                 q_heads, kv_heads, D, block_size, (A)scale, w / n_tiles, buf, mode);                  \
+        }                                                                                              \
+        free(buf);                                                                                     \
+    }                                                                                                  \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,               \
              const int32_t *tiles, int64_t n_tiles, T *out, int64_t q_heads, int64_t kv_heads,          \
              int64_t head_dim, int64_t max_blocks, int64_t block_size, double scale, int num_threads,   \
              int64_t item) {                                                                           \
-        const int64_t first = item >= 0 ? item : 0, items = item >= 0 ? item + 1 : n_tiles * kv_heads;  \
-        const int64_t D = head_dim;                                                                    \
-        const int mode = sizeof(A) == sizeof(float) ? fast_mode(D, NATIVE) : 0;                        \
-        int failed = 0;                                                                                \
-        _Pragma("omp parallel num_threads(num_threads)") {                                             \
-            A *buf = malloc(sizeof(A) * (size_t)SCRATCH(D));                                           \
-            if (buf == NULL) {                                                                         \
-                _Pragma("omp atomic write") failed = 1;                                                \
-            }                                                                                          \
-            /* one kv head after another, its last tiles (the longest contexts) first */              \
-            _Pragma("omp for schedule(dynamic)")                                                       \
-            for (int64_t w = first; w < items; ++w) {                                                  \
-                if (buf == NULL) continue;                                                             \
-                const int32_t *tile = tiles + 4 * (n_tiles - 1 - w % n_tiles);                         \
-                ITEM(q, k_cache, v_cache, block_tables + (int64_t)tile[3] * max_blocks, tile, out,     \
-                     q_heads, kv_heads, D, block_size, (A)scale, w / n_tiles, buf, mode);              \
-            }                                                                                          \
-            free(buf);                                                                                 \
+        const int64_t items = item >= 0 ? item + 1 : n_tiles * kv_heads;                               \
+        const int mode = sizeof(A) == sizeof(float) ? fast_mode(head_dim, NATIVE) : 0;                 \
+        atomic_llong next = item >= 0 ? item : 0;                                                      \
+        atomic_int failed = 0;                                                                         \
+        if (num_threads > 1) {                                                                         \
+            _Pragma("omp parallel num_threads(num_threads)")                                           \
+            NAME##_items(q, k_cache, v_cache, block_tables, tiles, n_tiles, out, q_heads, kv_heads,    \
+                         head_dim, max_blocks, block_size, scale, mode, items, &next, &failed);        \
+        } else {                                                                                       \
+            NAME##_items(q, k_cache, v_cache, block_tables, tiles, n_tiles, out, q_heads, kv_heads,    \
+                         head_dim, max_blocks, block_size, scale, mode, items, &next, &failed);        \
         }                                                                                              \
-        return failed;                                                                                 \
+        return atomic_load(&failed);                                                                   \
     }
 
 PAGED_PROMPT(minicb_paged_prompt_f32, f32_item, float, float, 0)
