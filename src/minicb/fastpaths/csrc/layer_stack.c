@@ -66,6 +66,7 @@
  * thread count (tests/model/test_layer_stack.py compares 1, 2 and 3 threads, and 2 of which one never
  * comes: `-DTEAM_ABSENT_THREADS`).
  */
+#define _DEFAULT_SOURCE     /* syscall() (team_queue.h's futex), which -std=c11 alone does not declare */
 #include <stdint.h>
 #include <string.h>
 
