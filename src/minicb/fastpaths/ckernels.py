@@ -26,7 +26,9 @@ from pathlib import Path
 
 from minicb.fastpaths.settings import Settings
 
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC")
+# a call to an undeclared function is an error here as in GCC 14 and later, so that no older compiler
+# builds a kernel that those refuse (layer_stack.c called syscall() undeclared until the 26th session)
+FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-Werror=implicit-function-declaration")
 OPENMP = "-fopenmp"     # work split over torch's thread count; without it (no OpenMP) one thread
 
 
