@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, skinny_gemm
+from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, int8_gemm, layer_stack, skinny_gemm
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
@@ -148,6 +148,7 @@ def test_results_do_not_depend_on_the_thread_count():
     x, w = rand(4096, 64, dtype=torch.float32), rand(64, dtype=torch.float32, seed=1)
     q, k = rand(4096, 8, 64, dtype=torch.float32, seed=2), rand(4096, 2, 64, dtype=torch.float32, seed=3)
     cos, sin = rope_cos_sin(torch.arange(4096), 64, 10000.0, torch.float32)
+    logits = [rand(64, 49152, dtype=dtype, seed=4) for dtype in (torch.float32, torch.bfloat16)]
     before = torch.get_num_threads()
     outs = []
     try:
@@ -157,10 +158,13 @@ def test_results_do_not_depend_on_the_thread_count():
             cpu_fused.rope_(qq, kk, cos, sin)
             normed = cpu_fused.add_rms_norm_(xx, q[:, 0].contiguous(), w, 1e-6)
             outs.append((cpu_fused.rms_norm(x, w, 1e-6), qq, kk, xx, normed,
-                         cpu_fused.silu_mul(q.view(4096, 512), 256)))
+                         cpu_fused.silu_mul(q.view(4096, 512), 256),
+                         *(cpu_fused.argmax(lg) for lg in logits)))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+    # the argmax of SmolLM2-sized logits (64 x 49,152: enough to split over threads) is torch's too
+    assert all(torch.equal(a, torch.max(lg, dim=-1).indices) for a, lg in zip(outs[1][-2:], logits))
 
 
 def test_bad_inputs_are_refused_before_c_reads_them():
@@ -195,14 +199,15 @@ def test_bad_inputs_are_refused_before_c_reads_them():
         cpu_fused.silu_mul(torch.zeros(4, 8, dtype=torch.float64), 4)
 
 
-@pytest.mark.parametrize("module,source", [(m, m.SOURCE) for m in (cpu_fused, cpu_paged, skinny_gemm)]
+@pytest.mark.parametrize("module,source",
+                         [(m, m.SOURCE) for m in (cpu_fused, cpu_paged, skinny_gemm, layer_stack, int8_gemm)]
                          + [(cpu_paged, cpu_paged.PROMPT_SOURCE)], ids=lambda x: getattr(x, "name", ""))
 def test_c_sources_compile_cleanly_with_openmp(module, source, tmp_path):
     """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which
     would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
     source once with OpenMP and every warning an error."""
     cc = ckernels.compiler()
-    cmd = [*cc, *ckernels.FLAGS, *module.EXTRA_FLAGS, ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
+    cmd = [*cc, *ckernels.FLAGS, *getattr(module, "EXTRA_FLAGS", ()), ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
            str(source), "-o", str(tmp_path / "lib.so"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():

@@ -9,6 +9,10 @@ padded baseline's tokens for every policy, preemption mode and block size, as th
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -389,3 +393,131 @@ def test_native_bfloat16_kernel_is_a_rounding_from_float64(shape, monkeypatch):
         assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all(), mode
     assert cpu_paged.kernel_name(torch.bfloat16) == cpu_paged.WIDEN_BF16
     assert not cpu_paged.bf16_native() or "avx512_bf16" in cpu_flags()    # native only on such a CPU
+
+
+# A library preloaded into a child process (LD_PRELOAD) that watches the kernels from outside: it counts
+# the OpenMP teams opened (libgomp's GOMP_parallel, which every `omp parallel` calls) and, once armed,
+# makes the malloc calls of at least `min_size` bytes fail (the `which`-th only, or all with -1).
+TEAM_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
+extern void *__libc_malloc(size_t);
+static atomic_long armed, which, seen, failed, teams;
+void shim_arm(long min_size, long nth) { seen = 0; failed = 0; teams = 0; which = nth; armed = min_size; }
+long shim_failed(void) { armed = 0; return failed; }
+long shim_teams(void) { return teams; }
+void *malloc(size_t n) {
+    const long m = armed;
+    if (m && (long)n >= m) {
+        const long k = atomic_fetch_add(&seen, 1);
+        if (which < 0 || k == which) { atomic_fetch_add(&failed, 1); return NULL; }
+    }
+    return __libc_malloc(n);
+}
+void GOMP_parallel(void (*fn)(void *), void *data, unsigned threads, unsigned flags) {
+    static void (*real)(void (*)(void *), void *, unsigned, unsigned);
+    if (!real) {        /* the kernels load libgomp privately (ctypes): look it up by name, not RTLD_NEXT */
+        void *gomp = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+        real = (void (*)(void (*)(void *), void *, unsigned, unsigned))dlsym(gomp ? gomp : RTLD_NEXT, "GOMP_parallel");
+        if (!real) abort();
+    }
+    atomic_fetch_add(&teams, 1);
+    real(fn, data, threads, flags);
+}
+"""
+
+# The child: numpy and ctypes only (the libraries' paths in argv), one JSON object of results.
+TEAM_CHILD = r"""
+import ctypes, json, sys
+import numpy as np
+fused, decode, prompt = (ctypes.CDLL(p) for p in sys.argv[1:4])
+shim = ctypes.CDLL(None)
+shim.shim_arm.argtypes = [ctypes.c_long, ctypes.c_long]
+shim.shim_failed.restype = shim.shim_teams.restype = ctypes.c_long
+i64, ptr, dbl, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_int
+P = lambda a: a.ctypes.data
+rng = np.random.default_rng(0)
+norm = fused.minicb_rmsnorm_f32
+norm.argtypes = [ptr, ptr, ptr, i64, i64, dbl, cint]
+dec = decode.minicb_paged_decode_f32
+dec.argtypes, dec.restype = [ptr] * 6 + [i64] * 7 + [dbl, cint], cint
+pro = prompt.minicb_paged_prompt_f32
+pro.argtypes, pro.restype = [ptr] * 5 + [i64, ptr] + [i64] * 5 + [dbl, cint, i64], cint
+qh, kh, hd, bs = 9, 3, 64, 16
+
+def run_norm(rows, threads):
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    w, out = np.ones(64, np.float32), np.empty_like(x)
+    shim.shim_arm(0, -1)
+    norm(P(x), P(w), P(out), rows, 64, 1e-6, threads)
+    return {"teams": shim.shim_teams()}
+
+def run_decode(threads, fail):          # 6 rows of 600 keys; fail: which scratch malloc fails (None: none)
+    rows, maxb, ctx = 6, 40, 600
+    k = rng.standard_normal((rows * maxb * bs, kh, hd)).astype(np.float32)
+    q = rng.standard_normal((rows, qh, hd)).astype(np.float32)
+    tables = np.arange(rows * maxb, dtype=np.int32).reshape(rows, maxb)
+    lens, out = np.full(rows, ctx, np.int32), np.empty_like(q)
+    shim.shim_arm(20000 if fail is not None else 0, -1 if fail is None else fail)
+    ret = dec(P(q), P(k), P(k), P(tables), P(lens), P(out), rows, qh, kh, hd, maxb, bs, ctx, 0.125, threads)
+    return {"ret": ret, "teams": shim.shim_teams(), "failed": shim.shim_failed()}
+
+def run_prompt(threads, fail, item=-1):   # one 128-token prompt in 8 tiles
+    k = rng.standard_normal((16 * bs, kh, hd)).astype(np.float32)
+    q = rng.standard_normal((128, qh, hd)).astype(np.float32)
+    tiles = np.array([(a, 16, a, 0) for a in range(0, 128, 16)], np.int32)
+    tables, out = np.arange(16, dtype=np.int32).reshape(1, 16), np.empty_like(q)
+    shim.shim_arm(1000 if fail is not None else 0, -1 if fail is None else fail)
+    ret = pro(P(q), P(k), P(k), P(tables), P(tiles), len(tiles), P(out), qh, kh, hd, 16, bs, 0.125, threads, item)
+    return {"ret": ret, "teams": shim.shim_teams(), "failed": shim.shim_failed()}
+
+print(json.dumps({
+    "openmp": "libgomp" in open("/proc/self/maps").read(),     # a build without OpenMP opens no teams
+    "norm 1 thread, 4 rows": run_norm(4, 1), "norm 1 thread, 4096 rows": run_norm(4096, 1),
+    "norm 2 threads, 4096 rows": run_norm(4096, 2),
+    "decode 1 thread": run_decode(1, None), "decode 2 threads": run_decode(2, None),
+    "decode 1 thread, its scratch refused": run_decode(1, 0),
+    "decode 2 threads, one scratch refused": run_decode(2, 0),
+    "decode 2 threads, both refused": run_decode(2, -1),
+    "prompt 1 thread": run_prompt(1, None), "prompt 1 thread, one item": run_prompt(1, None, item=3),
+    "prompt 2 threads": run_prompt(2, None),
+    "prompt 1 thread, its scratch refused": run_prompt(1, 0),
+    "prompt 2 threads, one scratch refused": run_prompt(2, 0),
+}))
+"""
+
+
+def test_one_thread_opens_no_team_and_a_refused_scratch_reaches_the_caller(tmp_path):
+    """The layer stack calls these kernels for one thread from inside its own OpenMP team, where an
+    ``omp parallel`` (even of one thread, or with a false ``if``) opens a nested team on every call:
+    counted from outside (a preloaded ``GOMP_parallel``), a one-thread call opens none and a two-thread
+    call of enough work does. And a scratch allocation refused (a preloaded ``malloc``) makes the call
+    return 1, whether one thread or both are refused: before, a two-thread decode call hung when one
+    thread's was (the other waited at the end of an ``omp for`` the first never entered)."""
+    from minicb.fastpaths import cpu_fused
+
+    shim = tmp_path / "shim.so"
+    subprocess.run([*ckernels.compiler(), "-O1", "-shared", "-fPIC", "-x", "c", "-", "-o", str(shim), "-ldl"],
+                   input=TEAM_SHIM, text=True, check=True, capture_output=True)
+    libs = [ckernels.build(cpu_fused.SOURCE, extra_flags=cpu_fused.EXTRA_FLAGS), cpu_paged.build(),
+            ckernels.build(cpu_paged.PROMPT_SOURCE, extra_flags=cpu_paged.EXTRA_FLAGS)]
+    proc = subprocess.run([sys.executable, "-c", TEAM_CHILD, *map(str, libs)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "LD_PRELOAD": str(shim)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    for name in ("norm 1 thread, 4 rows", "norm 1 thread, 4096 rows", "decode 1 thread", "prompt 1 thread",
+                 "prompt 1 thread, one item", "decode 1 thread, its scratch refused",
+                 "prompt 1 thread, its scratch refused"):
+        assert r[name]["teams"] == 0, (name, r[name])
+    for name in ("norm 2 threads, 4096 rows", "decode 2 threads", "prompt 2 threads"):
+        assert r[name]["teams"] >= 1 or not r["openmp"], (name, r[name])     # the shim does see teams
+    for name in ("decode 1 thread", "decode 2 threads", "prompt 1 thread", "prompt 1 thread, one item",
+                 "prompt 2 threads"):
+        assert r[name]["ret"] == 0 and r[name].get("failed", 0) == 0, (name, r[name])
+    for name in ("decode 1 thread, its scratch refused", "decode 2 threads, one scratch refused",
+                 "decode 2 threads, both refused", "prompt 1 thread, its scratch refused",
+                 "prompt 2 threads, one scratch refused"):
+        assert r[name]["ret"] == 1 and r[name]["failed"] >= 1, (name, r[name])
