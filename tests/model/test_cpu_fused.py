@@ -207,8 +207,8 @@ def test_c_sources_compile_cleanly_with_openmp(module, source, tmp_path):
     would hide a mistake in an OpenMP pragma behind a slower single-threaded library: so compile each
     source once with OpenMP and every warning an error."""
     cc = ckernels.compiler()
-    cmd = [*cc, *ckernels.FLAGS, *getattr(module, "EXTRA_FLAGS", ()), ckernels.OPENMP, "-Wall", "-Wextra", "-Werror",
-           str(source), "-o", str(tmp_path / "lib.so"), "-lm"]
+    cmd = [*cc, *ckernels.FLAGS, *getattr(module, "EXTRA_FLAGS", ()), ckernels.OPENMP, "-Wall", "-Wextra",
+           "-Werror", str(source), "-o", str(tmp_path / "lib.so"), "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and "openmp" in proc.stderr.lower() and "pragma" not in proc.stderr.lower():
         unavailable(f"{shlex.join(cc)} has no OpenMP: {proc.stderr[-300:]}")

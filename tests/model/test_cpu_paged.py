@@ -418,10 +418,11 @@ void *malloc(size_t n) {
     return __libc_malloc(n);
 }
 void GOMP_parallel(void (*fn)(void *), void *data, unsigned threads, unsigned flags) {
-    static void (*real)(void (*)(void *), void *, unsigned, unsigned);
+    typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+    static gomp_parallel_t real;
     if (!real) {        /* the kernels load libgomp privately (ctypes): look it up by name, not RTLD_NEXT */
         void *gomp = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
-        real = (void (*)(void (*)(void *), void *, unsigned, unsigned))dlsym(gomp ? gomp : RTLD_NEXT, "GOMP_parallel");
+        real = (gomp_parallel_t)dlsym(gomp ? gomp : RTLD_NEXT, "GOMP_parallel");
         if (!real) abort();
     }
     atomic_fetch_add(&teams, 1);
@@ -471,7 +472,8 @@ def run_prompt(threads, fail, item=-1):   # one 128-token prompt in 8 tiles
     tiles = np.array([(a, 16, a, 0) for a in range(0, 128, 16)], np.int32)
     tables, out = np.arange(16, dtype=np.int32).reshape(1, 16), np.empty_like(q)
     shim.shim_arm(1000 if fail is not None else 0, -1 if fail is None else fail)
-    ret = pro(P(q), P(k), P(k), P(tables), P(tiles), len(tiles), P(out), qh, kh, hd, 16, bs, 0.125, threads, item)
+    ret = pro(P(q), P(k), P(k), P(tables), P(tiles), len(tiles), P(out), qh, kh, hd, 16, bs, 0.125, threads,
+              item)
     return {"ret": ret, "teams": shim.shim_teams(), "failed": shim.shim_failed()}
 
 print(json.dumps({
