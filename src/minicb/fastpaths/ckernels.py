@@ -7,7 +7,8 @@ Python was built with, else ``cc``) compiles the file the first time it is neede
 into ``~/.cache/minicb/kernels`` (``$MINICB_CACHE_DIR`` overrides), under a name keyed by the source,
 the compiler, the flags and the CPU (``-march=native``), so an edit or another machine rebuilds it.
 The caller loads the result with ``ctypes``. A compiler that rejects ``-fopenmp`` still builds the
-file single-threaded; any other failure is a ``KernelUnavailable`` carrying the compiler's message.
+file single-threaded (with ``-fopenmp-simd`` where it takes that: the same vectorised sums, so the
+same bits); any other failure is a ``KernelUnavailable`` carrying the compiler's message.
 """
 
 from __future__ import annotations
