@@ -59,6 +59,7 @@
 #include <string.h>
 #include "bf16.h"
 #include "exp_f32.h"
+#include "omp_id.h"
 
 /* Block b of a row's table, as the start of its keys (or values) in one layer's cache. On the way,
  * ask the memory system for the next-but-one block (`prefetch`: on the first kv head's pass, which
@@ -568,9 +569,7 @@ int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
 
 /* The rows of a call: each thread takes the next row (`*next`, counted by hand: schedule(dynamic)
  * without a worksharing construct, so that one thread can run it outside any team), with its own
- * scratch. A call of one thread runs it directly, not as a team of one: layer_stack.c calls this
- * from inside its own team, for every few rows of every layer, where an `omp parallel` would open a
- * nested team each time (a malloc and futex calls). */
+ * scratch; a call of one thread runs it alone, not as a team of one (TEAM_OR_ALONE, omp_id.h). */
 #define PAGED_DECODE(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE, FAST, ROW)                                 \
     HEAD_FN(NAME, T, A, LOAD, STORE, SOFTMAX, NATIVE)                                                   \
     static void NAME##_rows(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,\
@@ -629,14 +628,9 @@ int minicb_paged_decode_avx512(void) { return DECODE_AVX512; }
              double scale, int num_threads) {                                                           \
         atomic_llong next = 0;                                                                          \
         atomic_int failed = 0;                                                                          \
-        if (num_threads > 1) {                                                                          \
-            _Pragma("omp parallel num_threads(num_threads)")                                            \
-            NAME##_rows(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, kv_heads,  \
-                        head_dim, max_blocks, block_size, max_context, scale, &next, &failed);          \
-        } else {                                                                                        \
-            NAME##_rows(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads, kv_heads,  \
-                        head_dim, max_blocks, block_size, max_context, scale, &next, &failed);          \
-        }                                                                                               \
+        TEAM_OR_ALONE(NAME##_rows(q, k_cache, v_cache, block_tables, context_lens, out, rows, q_heads,  \
+                                  kv_heads, head_dim, max_blocks, block_size, max_context, scale, &next, \
+                                  &failed))                                                             \
         return atomic_load(&failed);                                                                    \
     }
 

@@ -63,6 +63,7 @@
 #include <string.h>
 #include "bf16.h"
 #include "exp_f32.h"
+#include "omp_id.h"
 
 #define LANES 48 /* queries per lane block: 3 AVX-512 vectors of 16 floats */
 #define KC 32    /* keys per step of the online softmax */
@@ -448,8 +449,8 @@ TILE_FN(bf16, uint16_t, float, bf16_load, bf16_store)
 /* The entry points: every (tile, kv head) of the step over `num_threads` threads, or (item >= 0) only
  * work item `item` of them, in the order below (layer_stack.c hands the items to its threads itself).
  * Each thread takes the next item (`*next`: schedule(dynamic) counted by hand, no worksharing
- * construct), with its own scratch; a call of one thread runs directly, not as a team of one (inside
- * layer_stack.c's team an `omp parallel` would open a nested team every call).
+ * construct), with its own scratch; a call of one thread runs alone, not as a team of one
+ * (TEAM_OR_ALONE, omp_id.h).
  * Returns 0, or 1 when a thread could not allocate its scratch. */
 #define PAGED_PROMPT(NAME, ITEM, T, A, NATIVE)                                                          \
     static void NAME##_items(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, \
@@ -478,14 +479,9 @@ TILE_FN(bf16, uint16_t, float, bf16_load, bf16_store)
         const int mode = sizeof(A) == sizeof(float) ? fast_mode(head_dim, NATIVE) : 0;                 \
         atomic_llong next = item >= 0 ? item : 0;                                                      \
         atomic_int failed = 0;                                                                         \
-        if (num_threads > 1) {                                                                         \
-            _Pragma("omp parallel num_threads(num_threads)")                                           \
-            NAME##_items(q, k_cache, v_cache, block_tables, tiles, n_tiles, out, q_heads, kv_heads,    \
-                         head_dim, max_blocks, block_size, scale, mode, items, &next, &failed);        \
-        } else {                                                                                       \
-            NAME##_items(q, k_cache, v_cache, block_tables, tiles, n_tiles, out, q_heads, kv_heads,    \
-                         head_dim, max_blocks, block_size, scale, mode, items, &next, &failed);        \
-        }                                                                                              \
+        TEAM_OR_ALONE(NAME##_items(q, k_cache, v_cache, block_tables, tiles, n_tiles, out, q_heads,     \
+                                   kv_heads, head_dim, max_blocks, block_size, scale, mode, items, &next, \
+                                   &failed))                                                           \
         return atomic_load(&failed);                                                                   \
     }
 
