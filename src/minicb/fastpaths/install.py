@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from minicb.fastpaths import backends, cpu_fused, cpu_linear, layer_stack, skinny_gemm
+from minicb.fastpaths import backends, cpu_fused, cpu_linear, greedy_head, layer_stack, skinny_gemm
 from minicb.fastpaths.ckernels import KernelUnavailable
 from minicb.fastpaths.settings import Settings
 
@@ -107,7 +107,8 @@ def runner_kwargs(settings: Settings | None = None) -> dict:
     (unless ``MINICB_FUSED_OPS=0``)."""
     settings = settings or Settings.from_env()
     return {"make_backend": functools.partial(backends.make_backend, settings=settings),
-            "argmax": cpu_fused.greedy_argmax if settings.fused_ops else None}
+            "argmax": cpu_fused.greedy_argmax if settings.fused_ops else None,
+            "greedy_head": functools.partial(greedy_head.for_model, settings=settings)}
 
 
 class _StderrHandler(logging.Handler):

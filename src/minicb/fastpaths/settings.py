@@ -31,6 +31,8 @@ SWITCHES: tuple[tuple[str, str, str, str], ...] = (
     ("MINICB_LAYER_STACK", "layer_stack", "1", "0: decoder layers called one by one, never in one C call"),
     ("MINICB_HUGE_PAGES", "huge_pages", "1", "0: the skinny kernel's weight copies on plain pages"),
     ("MINICB_PACKED_LM_HEAD", "packed_lm_head", "1", "0: no oneDNN packing at all (MKL's F.linear)"),
+    ("MINICB_GREEDY_HEAD", "greedy_head", "1",
+     "0: all-greedy steps compute every logit (not only the panels that can hold the argmax)"),
     ("MINICB_BF16_DECODE", "bf16_decode", "native",
      "widen: the bfloat16 decode kernel widens to float32 instead of native dot products"),
     ("MINICB_PROMPT_ATTENTION", "prompt_attention", "",
@@ -52,6 +54,7 @@ class Settings:
     layer_stack: bool = True
     huge_pages: bool = True
     packed_lm_head: bool = True
+    greedy_head: bool = True
     bf16_decode: str = "native"
     prompt_attention: str = ""
     cache_dir: str = ""

@@ -158,12 +158,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, meta,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+        """The logits of the rows in ``logits_indices`` (``head=False``: their last hidden state, for
+        a caller that applies the LM head its own way: the greedy head, ``fastpaths.greedy_head``)."""
         cfg = self.config
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         state = backend.prepare(meta)
-        return self.lm_head(self.hidden(x, cos, sin, backend, state, logits_indices))
+        hidden = self.hidden(x, cos, sin, backend, state, logits_indices)
+        return self.lm_head(hidden) if head else hidden
 
     def hidden(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                state, logits_indices: torch.Tensor | None = None) -> torch.Tensor:

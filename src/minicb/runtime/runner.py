@@ -71,7 +71,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  num_host_blocks: int = 0, attn_backend: str = "auto", seed: int | None = None,
-                 pad_token_id: int = 0, tokenizer=None, make_backend=None, argmax=None) -> None:
+                 pad_token_id: int = 0, tokenizer=None, make_backend=None, argmax=None,
+                 greedy_head=None) -> None:
         if seed is not None:
             seed = check_int("seed", seed, lo=0, hi=2**63 - 1)     # a plain int (numpy / torch ints too)
         cfg = model.config
@@ -84,6 +85,7 @@ class ModelRunner:
         eos = cfg.eos_token_id if eos is None else eos
         self.sampler = Sampler(seed, tokenizer=tokenizer, vocab_size=cfg.vocab_size, eos_token_id=eos,
                                argmax=argmax)
+        self.greedy_head = greedy_head(model) if greedy_head is not None else None
         self.pad_token_id = pad_token_id
         self._device = model.device
         self._no_rows = torch.empty(0, dtype=torch.long, device=model.device)
@@ -132,12 +134,31 @@ class ModelRunner:
             return {}
         batch = pack(plan, self._device, self.pad_token_id)
         rows = batch.logits_indices if params is not None else self._no_rows
+        if self._greedy_only(batch, params):       # the tokens without every logit (greedy_head)
+            hidden = self.model(batch.input_ids, batch.positions, self.backend, batch.attn, rows, head=False)
+            tokens = self.greedy_head.tokens(hidden)
+            if tokens is not None:
+                return dict(zip(batch.sample_request_ids, tokens))
+            logits = self.model.lm_head(hidden)     # a row it could not bound: every logit, as usual
+            return self._sample(batch, logits, params)
         logits = self.model(batch.input_ids, batch.positions, self.backend, batch.attn, rows)
         if params is None or not (batch.sample_request_ids or batch.prompt_spans):
             return {}
         if batch.prompt_spans:
             return self._with_prompt_logprobs(batch, logits, params)
         return self._sample(batch, logits, params)
+
+    def _greedy_only(self, batch: RaggedBatch, params: Mapping[str, SamplingParams] | None) -> bool:
+        """Whether this step's tokens may come from the greedy head: it has one, every sampled row is
+        greedy and wants nothing but its token (no logprobs, no processors, no prompt logprobs), and
+        the step has as many rows as the head takes."""
+        head, ids = self.greedy_head, batch.sample_request_ids
+        if head is None or params is None or batch.prompt_spans:
+            return False
+        if not head.min_rows <= len(ids) <= head.max_rows:
+            return False
+        procs = self.sampler._processors
+        return not any(params[r].temperature or params[r].logprobs is not None or r in procs for r in ids)
 
     def _sample(self, batch: RaggedBatch, logits: torch.Tensor,
                 params: Mapping[str, SamplingParams]) -> dict[str, int | RowOutput]:
