@@ -48,7 +48,11 @@ median ms per step per build [range of the rounds] and the ratio to the first bu
 each build instead (``LLM()``'s defaults, the prefix cache emptied, EOS ignored) and prints output
 tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`` does the same for
 builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
-in float32 instead of on ``vdpbf16ps``), with a ``--workload``.
+in float32 instead of on ``vdpbf16ps``), with a ``--workload``; ``--decode-builds`` the same for the decode
+kernel, ``paged_decode.c`` (the same flag)::
+
+    python bench/decode_floor.py --decode-builds "bf16-sum=,f32-sum=-DF32_WEIGHTED_SUM" --workload W2 \
+        --dtypes bfloat16 --threads 2 --rounds 4
 
 ``--block-rows 0,8`` alternates the limit of the stack's steps that read a bfloat16 model's GGUF blocks
 (``MINICB_BLOCK_ROWS``: 0, the bfloat16 panels for every step; 8, the blocks up to 8 rows) the same way,
@@ -289,23 +293,25 @@ def thread_scaling(dtypes: list[str], threads: list[int], steps: int, rounds: in
         torch.set_num_threads(threads[0])
 
 
-def workload_builds(dname: str, libs: dict, name: str, rounds: int, prompt: bool = False) -> None:
-    """A workload's output tokens/s on each build of layer_stack.c (``prompt``: of paged_prompt.c),
-    alternating (module docstring)."""
+def workload_builds(dname: str, libs: dict, name: str, rounds: int, kernel: str = "") -> None:
+    """A workload's output tokens/s on each build of layer_stack.c (``kernel`` "prompt" or "decode": of
+    paged_prompt.c or paged_decode.c), alternating (module docstring)."""
     from workloads import WORKLOADS
 
     wl = WORKLOADS[name]()
     llm = LLM(dtype=dname)
     stack = llm.engine.runner.model.layer_stack
-    load_prompt, kernel = cpu_paged.load_prompt, cpu_paged.kernel_name(getattr(torch, dname), prompt=True)
+    loader = f"load_{kernel}" if kernel == "prompt" else "load"
+    load_kernel = getattr(cpu_paged, loader)
+    fn = cpu_paged.kernel_name(getattr(torch, dname), prompt=kernel == "prompt")
     params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in wl.output_lens]
     llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)               # warm up
     rates = {name: [] for name in libs}
     for rnd in range(rounds):
         for build, lib in list(libs.items())[::1 if rnd % 2 == 0 else -1]:     # the order alternates
-            if prompt:      # the stack's pointer, and the backend's for a step the stack does not take
-                stack.kernels.prompt = layer_stack._address(getattr(lib, kernel))
-                cpu_paged.load_prompt = lambda *flags, lib=lib: lib
+            if kernel:      # the stack's pointer, and the backend's for a step the stack does not take
+                setattr(stack.kernels, kernel, layer_stack._address(getattr(lib, fn)))
+                setattr(cpu_paged, loader, lambda *flags, lib=lib: lib)
             else:
                 stack.lib = lib
             llm.reset_prefix_cache()
@@ -318,7 +324,8 @@ def workload_builds(dname: str, libs: dict, name: str, rounds: int, prompt: bool
         ratios = " ".join(f"{a / b:.2f}" for a, b in zip(v, first))
         print(f"{name} {dname} {build}: median {statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}] "
               f"tokens/s; per round x the first build: {ratios}")
-    stack.lib, cpu_paged.load_prompt = layer_stack.load(), load_prompt
+    stack.lib = layer_stack.load()
+    setattr(cpu_paged, loader, load_kernel)
 
 
 BUSY_LOOP = """
@@ -419,6 +426,8 @@ def main() -> None:
     ap.add_argument("--workload", help="with --stack-builds: run this workload (W1, W2, LP) instead")
     ap.add_argument("--prompt-builds", help="NAME=FLAGS,...: builds of paged_prompt.c to alternate on "
                     "--workload")
+    ap.add_argument("--decode-builds", help="NAME=FLAGS,...: builds of paged_decode.c to alternate on "
+                    "--workload")
     ap.add_argument("--beside", metavar="BURN,SLEEP",
                     help="with --stack-builds: a process beside, busy BURN ms, asleep SLEEP ms, on and on")
     ap.add_argument("--cold-calls", action="store_true",
@@ -429,15 +438,18 @@ def main() -> None:
         for dname in args.dtypes.split(","):
             cold_calls(dname, args.steps)
         return
-    if args.prompt_builds:
+    for kernel in ("prompt", "decode"):
+        if not getattr(args, f"{kernel}_builds"):
+            continue
         if not args.workload:
-            ap.error("--prompt-builds takes a --workload")
+            ap.error(f"--{kernel}-builds takes a --workload")
         torch.set_num_threads(int(args.threads))
         print(f"{cpu_header()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+        load_kernel = cpu_paged.load_prompt if kernel == "prompt" else cpu_paged.load
         for dname in args.dtypes.split(","):
-            workload_builds(dname, {name: cpu_paged.load_prompt(tuple(flags.split())) for name, flags in
-                                    (item.split("=", 1) for item in args.prompt_builds.split(","))},
-                            args.workload, args.rounds, prompt=True)
+            builds = (item.split("=", 1) for item in getattr(args, f"{kernel}_builds").split(","))
+            workload_builds(dname, {name: load_kernel(tuple(flags.split())) for name, flags in builds},
+                            args.workload, args.rounds, kernel)
         return
     if args.block_rows and (args.workload or args.stack_builds):
         ap.error("--block-rows alternates on the default build, without --workload or --stack-builds")

@@ -20,8 +20,8 @@ def test_every_switch_is_read_and_defaults_are_the_automatic_choices(tmp_path):
     assert {var for var, *_ in SWITCHES} == set(env)          # the table names every switch read
     assert Settings.from_env(env) == Settings(
         linear="mkl", skinny_rows="0", block_rows="5", int8_products="1", fused_ops=False, layer_stack=False,
-        huge_pages=False, packed_lm_head=False, greedy_head=False, bf16_decode="widen", prompt_attention="sdpa",
-        cache_dir="/k", cc="gcc-12")
+        huge_pages=False, packed_lm_head=False, greedy_head=False, bf16_decode="widen",
+        prompt_attention="sdpa", cache_dir="/k", cc="gcc-12")
     assert Settings.from_env({"MINICB_FUSED_OPS": "no"}).fused_ops      # only "0" turns a switch off
 
 
