@@ -49,9 +49,9 @@ each build instead (``LLM()``'s defaults, the prefix cache emptied, EOS ignored)
 tokens/s: what the change is worth end to end. ``--prompt-builds NAME=FLAGS,...`` does the same for
 builds of the prompt kernel, ``paged_prompt.c`` (``-DF32_WEIGHTED_SUM``: the weighted sum of the values
 in float32 instead of on ``vdpbf16ps``), with a ``--workload``; ``--decode-builds`` the same for the decode
-kernel, ``paged_decode.c`` (the same flag)::
+kernel, ``paged_decode.c`` (``-DDECODE_AVX512=0``: its AVX2 row where the CPU has AVX-512)::
 
-    python bench/decode_floor.py --decode-builds "bf16-sum=,f32-sum=-DF32_WEIGHTED_SUM" --workload W2 \
+    python bench/decode_floor.py --decode-builds "avx512=,avx2=-DDECODE_AVX512=0" --workload W2 \
         --dtypes bfloat16 --threads 2 --rounds 4
 
 ``--block-rows 0,8`` alternates the limit of the stack's steps that read a bfloat16 model's GGUF blocks
