@@ -76,8 +76,8 @@ static inline float f32_store(float x) { return x; }
  * [rows, stride >= 2 * inter] (the gate/up product); silu(g) = g / (1 + e^-g), computed as
  * g e^-|g| / (1 + e^-|g|) for g < 0 so that e^ never overflows, rounded to T as torch's silu rounds
  * it, then the product rounded again (two torch ops, one pass here) */
-#define SILU_MUL(NAME, T, LOAD, STORE, ROW)                                                            \
-    static __attribute__((unused)) void NAME##_row(const T *restrict g, T *restrict o, const int64_t n) {                    \
+#define SILU_MUL(NAME, T, LOAD, STORE)                                                                 \
+    static void NAME##_row(const T *restrict g, T *restrict o, const int64_t n) {                    \
         const T *restrict u = g + n;                                                                 \
         _Pragma("omp simd")                                                                          \
         for (int64_t i = 0; i < n; ++i) {                                                            \
@@ -90,7 +90,7 @@ static inline float f32_store(float x) { return x; }
     void NAME(const T *gu, T *out, int64_t rows, int64_t inter, int64_t stride, int nthreads) {      \
         const int64_t work = rows * inter;                                                           \
         FOR_ROWS(                                                                                    \
-            ROW(gu + r * stride, out + r * inter, inter);                                            \
+            NAME##_row(gu + r * stride, out + r * inter, inter);                                     \
         )                                                                                            \
     }
 
@@ -122,61 +122,14 @@ static inline float f32_store(float x) { return x; }
         NAME##_one(k, cos, sin, rows, kv_heads, dim, k_stride, nthreads);                             \
     }
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-/* The bfloat16 SiLU * up, 16 values at a time, where the CPU rounds to bfloat16 in one instruction
- * (vcvtneps2bf16: to nearest even, as bf16_store, but an input below 2^-126 counts as zero). The
- * compiler vectorises the portable loop above too, but there each of the two roundings to bfloat16 is
- * eight integer instructions and the whole row 1.0 ns a value on a Zen 4 core, slower than torch's two
- * ops (python bench/fused_ops.py --micro); here exp_f32 is the same operations on 16 lanes (no fused
- * multiply-adds: the same bits), and the row takes XX. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);            /* a NaN stays a NaN (the second operand) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
-}
-
-static inline __m512 widen16(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
-
-static void silu_mul_bf16_native_row(const uint16_t *restrict g, uint16_t *restrict o, const int64_t n) {
-    const uint16_t *restrict u = g + n;
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 x = widen16(_mm256_maskz_loadu_epi16(m, g + i));
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 e = exp16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x));
-        const __m512 silu = _mm512_div_ps(_mm512_mask_blend_ps(neg, x, _mm512_mul_ps(x, e)),
-                                          _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        const __m512 y = _mm512_mul_ps(widen16((__m256i)_mm512_cvtneps_pbh(silu)),
-                                       widen16(_mm256_maskz_loadu_epi16(m, u + i)));
-        _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y));
-    }
-}
-#endif
-
 RMSNORM(minicb_rmsnorm_f32, float, f32_load, f32_store)
 RMSNORM(minicb_rmsnorm_bf16, uint16_t, bf16_load, bf16_store)
 ROPE(minicb_rope_f32, float, f32_load, f32_store)
 ROPE(minicb_rope_bf16, uint16_t, bf16_load, bf16_store)
 ADD_RMSNORM(minicb_add_rmsnorm_f32, float, f32_load, f32_store)
 ADD_RMSNORM(minicb_add_rmsnorm_bf16, uint16_t, bf16_load, bf16_store)
-SILU_MUL(minicb_silu_mul_f32, float, f32_load, f32_store, minicb_silu_mul_f32_row)
-#if defined(__AVX512BF16__) && !defined(SILU_PORTABLE)
-SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store, silu_mul_bf16_native_row)
-#else
-SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store, minicb_silu_mul_bf16_row)
-#endif
+SILU_MUL(minicb_silu_mul_f32, float, f32_load, f32_store)
+SILU_MUL(minicb_silu_mul_bf16, uint16_t, bf16_load, bf16_store)
 
 /* Greedy sampling: out[r] = the index of the first maximum of row r of x [rows, n] (row stride `stride`),
  * a NaN counting as larger than everything (the first NaN): what torch.max(x, -1).indices returns; and
