@@ -134,7 +134,7 @@ class ModelRunner:
             return {}
         batch = pack(plan, self._device, self.pad_token_id)
         rows = batch.logits_indices if params is not None else self._no_rows
-        if self._greedy_only(batch, params):       # the tokens without every logit (greedy_head)
+        if self.greedy_head is not None and self._greedy_only(batch, params):   # the tokens alone
             hidden = self.model(batch.input_ids, batch.positions, self.backend, batch.attn, rows, head=False)
             tokens = self.greedy_head.tokens(hidden)
             if tokens is not None:
@@ -153,7 +153,7 @@ class ModelRunner:
         greedy and wants nothing but its token (no logprobs, no processors, no prompt logprobs), and
         the step has as many rows as the head takes."""
         head, ids = self.greedy_head, batch.sample_request_ids
-        if head is None or params is None or batch.prompt_spans:
+        if params is None or batch.prompt_spans:
             return False
         if not head.min_rows <= len(ids) <= head.max_rows:
             return False
