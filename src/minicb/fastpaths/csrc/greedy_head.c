@@ -19,7 +19,7 @@
  *      kernel's own panel loop (`skinny`, the same function on the same panel: the same bits as the
  *      full product), and the first largest of those is the token: what argmax of the whole row says.
  *
- * On W2's rows (python bench/greedy_head.py) a row keeps a median of 4 of the 768 panels (mean 29).
+ * On W2's rows (python bench/greedy_head.py) a row keeps a median of 4 of the 768 panels (mean 16).
  * The estimate reads 1 byte a weight where the bfloat16 panels read 2. A row that is not finite (or so
  * large that a logit could overflow) gets token -1: the caller then computes the whole LM head.
  *
