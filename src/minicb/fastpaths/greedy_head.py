@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from minicb.fastpaths import ckernels, skinny_gemm
+from minicb.fastpaths import ckernels, host_memory, skinny_gemm
 from minicb.fastpaths.settings import Settings
 
 SOURCE = Path(__file__).parent / "csrc" / "greedy_head.c"
@@ -74,8 +74,8 @@ class GreedyHead:
         # [panels of 64][blocks][chunk 8][vector 4][output 16][input 4], q + 128 as bytes (the skinny
         # kernel's panels of 64 outputs); d [panels][blocks][64]
         u8 = (q.to(torch.int16) + 128).to(torch.uint8).view(-1, 4, 16, n_in // BLOCK, 8, 4)
-        self.wq = u8.permute(0, 3, 4, 1, 2, 5).contiguous()
-        self.wd = d.view(-1, WIDTH, n_in // BLOCK).permute(0, 2, 1).contiguous()
+        self.wq = host_memory.on_huge_pages(u8.permute(0, 3, 4, 1, 2, 5))    # every step streams them
+        self.wd = host_memory.on_huge_pages(d.view(-1, WIDTH, n_in // BLOCK).permute(0, 2, 1))
         self.skinny = ctypes.cast(skinny_gemm._c_function(torch.bfloat16, part=True), ctypes.c_void_p).value
         self.recomputed = 0                     # panels multiplied exactly, every call so far
 
