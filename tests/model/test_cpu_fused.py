@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import TINY, random_prompts
 from minicb.core.sampling_params import SamplingParams
 from minicb.entrypoints.llm import LLM, cpu_fast_paths
-from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, int8_gemm, layer_stack, skinny_gemm
+from minicb.fastpaths import ckernels, cpu_fused, cpu_paged, greedy_head, int8_gemm, layer_stack, skinny_gemm
 from minicb.model.attention import ReferenceAttention
 from minicb.model.llama import LlamaForCausalLM, RMSNorm, apply_rope, rope_cos_sin
 from minicb.runtime.packer import pack_prompts
@@ -200,7 +200,8 @@ def test_bad_inputs_are_refused_before_c_reads_them():
 
 
 @pytest.mark.parametrize("module,source",
-                         [(m, m.SOURCE) for m in (cpu_fused, cpu_paged, skinny_gemm, layer_stack, int8_gemm)]
+                         [(m, m.SOURCE) for m in (cpu_fused, cpu_paged, skinny_gemm, layer_stack, int8_gemm,
+                                                    greedy_head)]
                          + [(cpu_paged, cpu_paged.PROMPT_SOURCE)], ids=lambda x: getattr(x, "name", ""))
 def test_c_sources_compile_cleanly_with_openmp(module, source, tmp_path):
     """``ckernels.build`` falls back to a build without ``-fopenmp`` when the first one fails, which

@@ -28,6 +28,7 @@
  * = q + 128 of output 16 v + o, input 32 b + 4 c + t (unsigned: vpdpbusd multiplies unsigned by signed
  * bytes; the 128s are taken out again with the row's sum of p), and d [panels][blocks][64] float32.
  */
+#define _DEFAULT_SOURCE     /* syscall() (team_queue.h's futex), which -std=c11 alone does not declare */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +37,7 @@
 
 #include "bf16.h"
 #include "omp_id.h"
+#include "team_queue.h"
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GREEDY_VNNI 1
@@ -46,6 +48,7 @@
 #define QB 32           /* inputs per block */
 #define GW 16           /* outputs per vector of the bound */
 #define PW 64           /* outputs per panel of the skinny kernel (TW there): what step 4 recomputes */
+#define GROUPS_PER_ITEM 8   /* panels of 64 outputs a work item of steps 1-3 and of step 4 */
 #define RB 3            /* rows per pass over a panel: 3 x 4 integer and float sums, 4 weight vectors */
 
 #if GREEDY_VNNI
@@ -162,6 +165,57 @@ static void estimate(const int8_t *p, const float *s, const int32_t *psum, int64
 #endif
 }
 
+/* Steps 1-3 for panel g and every row: the estimates, their bounds, the panel's largest a + B per row
+ * (high [rows][groups]) and each row's largest a - B so far (low, this thread's). */
+static void bound_panel(const int8_t *p, const float *s, const int32_t *psum, const float *norms, int64_t rows,
+                        int64_t in, const uint8_t *wq, const float *wd, const float *wn, const float *en,
+                        const float *wmax, int64_t vocab, int64_t g, int64_t groups, float *high, float *low) {
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        const int nr = rows - r0 < RB ? (int)(rows - r0) : RB;
+        VEC lo[RB], hi[RB];
+        for (int r = 0; r < nr; ++r) lo[r] = hi[r] = VNEG_INF;
+        float est[RB][PW];
+        estimate(p, s, psum, in, r0, nr, wq, wd, g, est);
+        for (int64_t j0 = g * PW; j0 < (g + 1) * PW && j0 < vocab; j0 += GW) {
+            const int no = vocab - j0 < GW ? (int)(vocab - j0) : GW;
+#if GREEDY_VNNI
+            const __mmask16 live = no == GW ? (__mmask16)0xffff : (__mmask16)((1u << no) - 1);
+            const __m512 vwn = _mm512_maskz_loadu_ps(live, wn + j0), ven = _mm512_maskz_loadu_ps(live, en + j0);
+            const __m512 vwm = _mm512_maskz_loadu_ps(live, wmax + j0);
+            for (int r = 0; r < nr; ++r) {
+                const float *n3 = norms + 3 * (r0 + r);
+                const __m512 b = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(n3[0]), vwn,
+                                                  _mm512_fmadd_ps(_mm512_set1_ps(n3[1]), ven,
+                                                                  _mm512_mul_ps(_mm512_set1_ps(n3[2]), vwm))),
+                                  _mm512_set1_ps(1.00390625f)),
+                    _mm512_set1_ps(1e-30f));
+                const __m512 e = _mm512_loadu_ps(est[r] + (j0 - g * PW));
+                lo[r] = _mm512_mask_max_ps(lo[r], live, lo[r], _mm512_sub_ps(e, b));
+                hi[r] = _mm512_mask_max_ps(hi[r], live, hi[r], _mm512_add_ps(e, b));
+            }
+#else
+            for (int r = 0; r < nr; ++r) {
+                const float *n3 = norms + 3 * (r0 + r);
+                for (int o = 0; o < no; ++o) {
+                    const int64_t j = j0 + o;
+                    const float bound = fmaf(n3[0], wn[j], fmaf(n3[1], en[j], n3[2] * wmax[j])) * 1.00390625f
+                                        + 1e-30f;
+                    const float l = est[r][j - g * PW] - bound, u = est[r][j - g * PW] + bound;
+                    lo[r] = l > lo[r] ? l : lo[r];
+                    hi[r] = u > hi[r] ? u : hi[r];
+                }
+            }
+#endif
+        }
+        for (int r = 0; r < nr; ++r) {
+            const float l = VMAX(lo[r]);
+            low[r0 + r] = l > low[r0 + r] ? l : low[r0 + r];
+            high[(r0 + r) * groups + g] = VMAX(hi[r]);
+        }
+    }
+}
+
 /* tokens[r] for rows of x [rows, in] (bfloat16, row stride xstride): the first largest logit of
  * x @ W'^T, W' [vocab, in] as the skinny kernel's `panels`; -1 where the row cannot be bounded.
  * *recomputed: how many 64-output panels step 4 multiplied, all rows together. Returns 1 if it could
@@ -187,109 +241,70 @@ int minicb_greedy_head(const uint16_t *x, int64_t xstride, int64_t rows, int64_t
     float *high = low + nt * rows, *best = high + rows * groups;
     int32_t *ok = (int32_t *)(best + rows * groups), *where = ok + rows, *pick = where + rows * groups;
     uint16_t *xb = (uint16_t *)(pick + nt * rows), *yb = xb + nt * rows * in;
-    int64_t total = 0;
+    /* the five parts as one queue of items (team_queue.h): a thread the OS takes away holds up nobody
+     * unless it holds an item, and a waiting thread sleeps instead of spinning (an OpenMP barrier
+     * spins: served, beside the event loop and a client, three of them cost more than the head saved) */
+    team_queue_t q = {0};
+    atomic_llong total = 0;
+    const int64_t gitems = (groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM;
+    for (int64_t i = 0; i < nt * rows; ++i) low[i] = -INFINITY;
     TEAM_OR_ALONE({
-        const int t = omp_thread(), n = omp_threads();
-        float *mine = low + t * rows;
-        for (int64_t r = 0; r < rows; ++r) mine[r] = -INFINITY;
-        for (int64_t r = rows * t / n; r < rows * (t + 1) / n; ++r)      /* the rows rounded */
-            ok[r] = quantize_row(x + r * xstride, in, p + r * in, s + r * nb, psum + r * nb, norms + 3 * r);
-        _Pragma("omp barrier")
-        /* steps 1-3: each thread a run of whole panels, every row */
-        for (int64_t g = groups * t / n; g < groups * (t + 1) / n; ++g)
-            for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-                const int nr = rows - r0 < RB ? (int)(rows - r0) : RB;
-                VEC lo[RB], hi[RB];
-                for (int r = 0; r < nr; ++r) lo[r] = hi[r] = VNEG_INF;
-                float est[RB][PW];
-                estimate(p, s, psum, in, r0, nr, wq, wd, g, est);
-                for (int64_t j0 = g * PW; j0 < (g + 1) * PW && j0 < vocab; j0 += GW) {
-                    const int no = vocab - j0 < GW ? (int)(vocab - j0) : GW;
-#if GREEDY_VNNI
-                    const __mmask16 live = no == GW ? (__mmask16)0xffff : (__mmask16)((1u << no) - 1);
-                    const __m512 vwn = _mm512_maskz_loadu_ps(live, wn + j0), ven = _mm512_maskz_loadu_ps(live, en + j0);
-                    const __m512 vwm = _mm512_maskz_loadu_ps(live, wmax + j0);
-                    for (int r = 0; r < nr; ++r) {
-                        const float *n3 = norms + 3 * (r0 + r);
-                        const __m512 b = _mm512_add_ps(
-                            _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(n3[0]), vwn,
-                                                          _mm512_fmadd_ps(_mm512_set1_ps(n3[1]), ven,
-                                                                          _mm512_mul_ps(_mm512_set1_ps(n3[2]), vwm))),
-                                          _mm512_set1_ps(1.00390625f)),
-                            _mm512_set1_ps(1e-30f));
-                        const __m512 e = _mm512_loadu_ps(est[r] + (j0 - g * PW));
-                        lo[r] = _mm512_mask_max_ps(lo[r], live, lo[r], _mm512_sub_ps(e, b));
-                        hi[r] = _mm512_mask_max_ps(hi[r], live, hi[r], _mm512_add_ps(e, b));
-                    }
-#else
-                    for (int r = 0; r < nr; ++r) {
-                        const float *n3 = norms + 3 * (r0 + r);
-                        for (int o = 0; o < no; ++o) {
-                            const int64_t j = j0 + o;
-                            const float bound = fmaf(n3[0], wn[j], fmaf(n3[1], en[j], n3[2] * wmax[j])) * 1.00390625f
-                                                + 1e-30f;
-                            const float l = est[r][j - g * PW] - bound, u = est[r][j - g * PW] + bound;
-                            lo[r] = l > lo[r] ? l : lo[r];
-                            hi[r] = u > hi[r] ? u : hi[r];
-                        }
-                    }
-#endif
-                }
-                for (int r = 0; r < nr; ++r) {
-                    const float l = VMAX(lo[r]);
-                    mine[r0 + r] = l > mine[r0 + r] ? l : mine[r0 + r];
-                    high[(r0 + r) * groups + g] = VMAX(hi[r]);
-                }
-            }
-        _Pragma("omp barrier")
-        /* the rows' cuts (step 3), each thread a share of the rows */
-        for (int64_t r = rows * t / n; r < rows * (t + 1) / n; ++r) {
-            float l0 = -INFINITY;
-            for (int u = 0; u < n; ++u) l0 = low[u * rows + r] > l0 ? low[u * rows + r] : l0;   /* every thread's */
-            cut[r] = ok[r] ? l0 - fabsf(l0) * 0x1p-6f - 1e-6f : INFINITY;   /* two bfloat16 steps, and a little */
-        }
-        _Pragma("omp barrier")
-        /* step 4: each thread a share of the groups; a group's surviving rows in one call, so that its
-         * panel is read once for all of them (each row's sums are its own: the same bits as alone) */
+        const int t = omp_thread();
+        float *my_low = low + t * rows;           /* this thread's largest a - B of each row */
+        int base = 0, mine = team_take(&q);
         int64_t count = 0;
-        for (int64_t g = groups * t / n; g < groups * (t + 1) / n; ++g) {
-            int k = 0;
-            for (int64_t r = 0; r < rows; ++r) {
-                best[r * groups + g] = -INFINITY;
-                if (high[r * groups + g] >= cut[r]) {
-                    memcpy(xb + (t * rows + k) * in, x + r * xstride, sizeof(uint16_t) * in);
-                    pick[t * rows + k++] = r;
+        TEAM_PHASE(&q, base, mine, rows, {         /* the rows rounded, one an item */
+            ok[item] = quantize_row(x + item * xstride, in, p + item * in, s + item * nb, psum + item * nb,
+                                    norms + 3 * item);
+        });
+        TEAM_PHASE(&q, base, mine, gitems, {       /* steps 1-3: GROUPS_PER_ITEM panels an item, every row */
+            for (int64_t g = item * GROUPS_PER_ITEM; g < (item + 1) * GROUPS_PER_ITEM && g < groups; ++g)
+                bound_panel(p, s, psum, norms, rows, in, wq, wd, wn, en, wmax, vocab, g, groups, high, my_low);
+        });
+        TEAM_PHASE(&q, base, mine, rows, {         /* each row's cut, from every thread's lower bounds */
+            float l0 = -INFINITY;
+            for (int u = 0; u < nt; ++u) l0 = low[u * rows + item] > l0 ? low[u * rows + item] : l0;
+            cut[item] = ok[item] ? l0 - fabsf(l0) * 0x1p-6f - 1e-6f : INFINITY;  /* two bfloat16 steps, and a little */
+        });
+        /* step 4: a group's surviving rows in one call, so that its panel is read once for all of them
+         * (each row's sums are its own: the same bits as alone) */
+        TEAM_PHASE(&q, base, mine, gitems, {
+            for (int64_t g = item * GROUPS_PER_ITEM; g < (item + 1) * GROUPS_PER_ITEM && g < groups; ++g) {
+                int k = 0;
+                for (int64_t r = 0; r < rows; ++r) {
+                    best[r * groups + g] = -INFINITY;
+                    if (high[r * groups + g] >= cut[r]) {
+                        memcpy(xb + (t * rows + k) * in, x + r * xstride, sizeof(uint16_t) * in);
+                        pick[t * rows + k++] = (int32_t)r;
+                    }
+                }
+                if (k == 0) continue;
+                const int64_t no = vocab - g * PW < PW ? vocab - g * PW : PW;
+                uint16_t *y = yb + t * rows * PW;
+                skinny(xb + t * rows * in, in, panels + g * PW * ((in + 1) & ~(int64_t)1), y, PW, k, in, no, 0, 1);
+                count += k;
+                for (int i = 0; i < k; ++i) {
+                    float top = -INFINITY;
+                    int64_t at = 0;
+                    for (int64_t j = 0; j < no; ++j) {
+                        const float v = bf16_load(y[i * PW + j]);
+                        if (v > top) top = v, at = j;
+                    }
+                    best[pick[t * rows + i] * groups + g] = top;
+                    where[pick[t * rows + i] * groups + g] = (int32_t)(g * PW + at);
                 }
             }
-            if (k == 0) continue;
-            const int64_t no = vocab - g * PW < PW ? vocab - g * PW : PW;
-            uint16_t *y = yb + t * rows * PW;
-            skinny(xb + t * rows * in, in, panels + g * PW * ((in + 1) & ~(int64_t)1), y, PW, k, in, no, 0, 1);
-            count += k;
-            for (int i = 0; i < k; ++i) {
-                float top = -INFINITY;
-                int64_t at = 0;
-                for (int64_t j = 0; j < no; ++j) {
-                    const float v = bf16_load(y[i * PW + j]);
-                    if (v > top) top = v, at = j;
-                }
-                best[pick[t * rows + i] * groups + g] = top;
-                where[pick[t * rows + i] * groups + g] = (int32_t)(g * PW + at);
-            }
-        }
-        _Pragma("omp atomic")
-        total += count;
-        _Pragma("omp barrier")
-        /* the first largest of each row's recomputed logits, groups in order */
-        for (int64_t r = rows * t / n; r < rows * (t + 1) / n; ++r) {
+        });
+        TEAM_PHASE(&q, base, mine, rows, {         /* the first largest recomputed logit, groups in order */
             float top = -INFINITY;
             int64_t at = -1;
-            for (int64_t g = 0; g < groups && ok[r]; ++g)
-                if (best[r * groups + g] > top) top = best[r * groups + g], at = where[r * groups + g];
-            tokens[r] = at;
-        }
+            for (int64_t g = 0; g < groups && ok[item]; ++g)
+                if (best[item * groups + g] > top) top = best[item * groups + g], at = where[item * groups + g];
+            tokens[item] = at;
+        });
+        atomic_fetch_add(&total, count);
     })
-    *recomputed = total;
+    *recomputed = atomic_load(&total);
     free(mem);
     return 0;
 }
