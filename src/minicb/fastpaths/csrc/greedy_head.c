@@ -67,36 +67,40 @@ typedef void (*skinny_fn)(const uint16_t *x, int64_t xstride, const uint16_t *pa
 int minicb_greedy_vnni(void) { return GREEDY_VNNI; }
 
 /* Row r of x rounded per block: p, s, the blocks' sums of p, and the row's dn, xn, c (step 2); 0 if
- * the row is not finite or too large to bound (then the caller takes the whole LM head). */
+ * the row is not finite or too large to bound (then the caller takes the whole LM head). The sums of
+ * squares are float32 (their relative error, at most 2^-15 for 576 terms, is far inside the bound's
+ * factor 1 + 2^-8); plain loops the compiler vectorises: a row is rounded by every thread. */
 static int quantize_row(const uint16_t *x, int64_t in, int8_t *p, float *s, int32_t *psum, float *norms) {
-    double dn = 0, xn = 0, l1 = 0;
+    float dn = 0, xn = 0, l1 = 0;
+    int finite = 1;
     for (int64_t b = 0; b < in / QB; ++b) {
+        const uint16_t *xb = x + b * QB;
         float amax = 0;
         for (int i = 0; i < QB; ++i) {
-            const float v = fabsf(bf16_load(x[b * QB + i]));
-            if (!(v <= FLT_MAX)) return 0;                 /* inf or NaN */
+            const float v = fabsf(bf16_load(xb[i]));
+            finite &= v <= FLT_MAX;                                /* false for inf and NaN */
             amax = v > amax ? v : amax;
         }
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        const float inv = amax > 0 && finite ? 127.0f / amax : 0.0f;
         const float sb = inv > 0 && inv <= FLT_MAX ? amax / 127.0f : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < QB; ++i) {
-            const float v = bf16_load(x[b * QB + i]);
-            const int8_t q = sb > 0 ? (int8_t)nearbyintf(v * inv) : 0;
-            const double e = (double)v - (double)sb * q;
-            p[b * QB + i] = q;
-            sum += q;
+            const float v = bf16_load(xb[i]);
+            const float q = sb > 0 ? nearbyintf(v * inv) : 0.0f;
+            const float e = v - sb * q;
+            p[b * QB + i] = (int8_t)q;
+            sum += (int32_t)q;
             dn += e * e;
-            xn += (double)v * v;
-            l1 += fabs(v);
+            xn += v * v;
+            l1 += fabsf(v);
         }
         s[b] = sb;
         psum[b] = sum;
     }
-    if (!(l1 < 1e30)) return 0;                            /* a logit could leave float32's range */
-    norms[0] = (float)sqrt(dn);
-    norms[1] = (float)sqrt(xn);
-    norms[2] = (float)(l1 * 0x1p-12);
+    if (!finite || !(l1 < 1e30f)) return 0;                       /* a logit could leave float32's range */
+    norms[0] = sqrtf(dn);
+    norms[1] = sqrtf(xn);
+    norms[2] = l1 * 0x1p-12f;
     return 1;
 }
 
@@ -226,84 +230,99 @@ int minicb_greedy_head(const uint16_t *x, int64_t xstride, int64_t rows, int64_t
                        int num_threads) {
     const int64_t nb = in / QB, groups = (vocab + PW - 1) / PW;
     const int nt = num_threads > 1 ? num_threads : 1;
-    /* scratch: p [rows][in]; s and psum [rows][nb]; norms [rows][3]; ok and cut [rows]; each thread's
-     * largest a - B per row [nt][rows]; per row and group the largest a + B, the recomputed best and its
-     * index [rows][groups]; per thread the gathered rows [rows][in], their outputs [rows][64] and
-     * which rows they are [rows] */
-    const size_t words = (size_t)rows * (2 * (size_t)nb + 5 + (size_t)nt + 3 * (size_t)groups) +
-                         (size_t)nt * (size_t)rows * ((size_t)in / 2 + PW / 2 + 1);
-    char *mem = malloc((size_t)rows * (size_t)in + 64 + 4 * words);
+    /* scratch, per thread (each rounds every row itself: a few microseconds, where a part of its
+     * own would be one more wait): p [rows][in]; s and psum [rows][nb]; norms [rows][3]; ok and cut
+     * [rows]; the largest a - B per row [rows]; the gathered rows [rows][in], their outputs [rows][64]
+     * and which rows they are [rows]. Shared: per row and group the largest a + B, the recomputed
+     * best and its index [rows][groups]. */
+    const size_t per = (size_t)rows * ((size_t)in / 4 + 2 * (size_t)nb + 6 + (size_t)in / 2 + PW / 2 + 1) + 16;
+    float *mem = malloc(4 * ((size_t)nt * per + 3 * (size_t)rows * (size_t)groups));
     if (mem == NULL) return 1;
-    int8_t *p = (int8_t *)mem;
-    float *s = (float *)(mem + ((rows * in + 63) & ~(int64_t)63));
-    int32_t *psum = (int32_t *)(s + rows * nb);
-    float *norms = (float *)(psum + rows * nb), *cut = norms + 3 * rows, *low = cut + rows;
-    float *high = low + nt * rows, *best = high + rows * groups;
-    int32_t *ok = (int32_t *)(best + rows * groups), *where = ok + rows, *pick = where + rows * groups;
-    uint16_t *xb = (uint16_t *)(pick + nt * rows), *yb = xb + nt * rows * in;
-    /* the five parts as one queue of items (team_queue.h): a thread the OS takes away holds up nobody
-     * unless it holds an item, and a waiting thread sleeps instead of spinning (an OpenMP barrier
-     * spins: served, beside the event loop and a client, three of them cost more than the head saved) */
+    float *high = mem + nt * per, *best = high + rows * groups;
+    int32_t *where = (int32_t *)(best + rows * groups);
+#define LOW_OF(u) (mem + (u) * per + rows * (nb + 4))    /* thread u's largest a - B per row */
+#define SCRATCH(u)                                                                                     \
+    float *s = mem + (u) * per, *norms = s + rows * nb, *cut = norms + 3 * rows, *my_low = LOW_OF(u);  \
+    int32_t *psum = (int32_t *)(my_low + rows), *ok = psum + rows * nb, *pick = ok + rows;             \
+    int8_t *p = (int8_t *)(pick + rows);                                                               \
+    uint16_t *xb = (uint16_t *)(p + rows * in), *yb = xb + rows * in;
+    /* two parts as one queue of items (team_queue.h), steps 1-3 and step 4: a thread the OS takes
+     * away holds up nobody unless it holds an item, and a waiting thread sleeps instead of spinning
+     * (OpenMP's barriers spin: served, beside the event loop and a client, three of them cost more
+     * than the head saved) */
     team_queue_t q = {0};
     atomic_llong total = 0;
     const int64_t gitems = (groups + GROUPS_PER_ITEM - 1) / GROUPS_PER_ITEM;
-    for (int64_t i = 0; i < nt * rows; ++i) low[i] = -INFINITY;
+    for (int u = 0; u < nt; ++u) {
+        SCRATCH(u)
+        for (int64_t r = 0; r < rows; ++r) my_low[r] = -INFINITY;
+        (void)s, (void)norms, (void)cut, (void)psum, (void)ok, (void)pick, (void)p, (void)xb, (void)yb;
+    }
     TEAM_OR_ALONE({
         const int t = omp_thread();
-        float *my_low = low + t * rows;           /* this thread's largest a - B of each row */
-        int base = 0, mine = team_take(&q);
+        SCRATCH(t)
+        for (int64_t r = 0; r < rows; ++r)        /* every row rounded, into this thread's copy */
+            ok[r] = quantize_row(x + r * xstride, in, p + r * in, s + r * nb, psum + r * nb, norms + 3 * r);
+        int base = 0, mine = team_take(&q), cut_made = 0;
         int64_t count = 0;
-        TEAM_PHASE(&q, base, mine, rows, {         /* the rows rounded, one an item */
-            ok[item] = quantize_row(x + item * xstride, in, p + item * in, s + item * nb, psum + item * nb,
-                                    norms + 3 * item);
-        });
         TEAM_PHASE(&q, base, mine, gitems, {       /* steps 1-3: GROUPS_PER_ITEM panels an item, every row */
             for (int64_t g = item * GROUPS_PER_ITEM; g < (item + 1) * GROUPS_PER_ITEM && g < groups; ++g)
                 bound_panel(p, s, psum, norms, rows, in, wq, wd, wn, en, wmax, vocab, g, groups, high, my_low);
         });
-        TEAM_PHASE(&q, base, mine, rows, {         /* each row's cut, from every thread's lower bounds */
-            float l0 = -INFINITY;
-            for (int u = 0; u < nt; ++u) l0 = low[u * rows + item] > l0 ? low[u * rows + item] : l0;
-            cut[item] = ok[item] ? l0 - fabsf(l0) * 0x1p-6f - 1e-6f : INFINITY;  /* two bfloat16 steps, and a little */
-        });
         /* step 4: a group's surviving rows in one call, so that its panel is read once for all of them
          * (each row's sums are its own: the same bits as alone) */
         TEAM_PHASE(&q, base, mine, gitems, {
+            if (!cut_made) {                        /* each row's cut, from every thread's lower bounds */
+                for (int64_t r = 0; r < rows; ++r) {
+                    float l0 = -INFINITY;
+                    for (int u = 0; u < nt; ++u) {
+                        const float l = LOW_OF(u)[r];
+                        l0 = l > l0 ? l : l0;
+                    }
+                    cut[r] = ok[r] ? l0 - fabsf(l0) * 0x1p-6f - 1e-6f : INFINITY;  /* two bfloat16 steps, and a little */
+                }
+                cut_made = 1;
+            }
             for (int64_t g = item * GROUPS_PER_ITEM; g < (item + 1) * GROUPS_PER_ITEM && g < groups; ++g) {
                 int k = 0;
                 for (int64_t r = 0; r < rows; ++r) {
                     best[r * groups + g] = -INFINITY;
                     if (high[r * groups + g] >= cut[r]) {
-                        memcpy(xb + (t * rows + k) * in, x + r * xstride, sizeof(uint16_t) * in);
-                        pick[t * rows + k++] = (int32_t)r;
+                        memcpy(xb + k * in, x + r * xstride, sizeof(uint16_t) * in);
+                        pick[k++] = (int32_t)r;
                     }
                 }
                 if (k == 0) continue;
                 const int64_t no = vocab - g * PW < PW ? vocab - g * PW : PW;
-                uint16_t *y = yb + t * rows * PW;
-                skinny(xb + t * rows * in, in, panels + g * PW * ((in + 1) & ~(int64_t)1), y, PW, k, in, no, 0, 1);
+                skinny(xb, in, panels + g * PW * ((in + 1) & ~(int64_t)1), yb, PW, k, in, no, 0, 1);
                 count += k;
                 for (int i = 0; i < k; ++i) {
                     float top = -INFINITY;
                     int64_t at = 0;
                     for (int64_t j = 0; j < no; ++j) {
-                        const float v = bf16_load(y[i * PW + j]);
+                        const float v = bf16_load(yb[i * PW + j]);
                         if (v > top) top = v, at = j;
                     }
-                    best[pick[t * rows + i] * groups + g] = top;
-                    where[pick[t * rows + i] * groups + g] = (int32_t)(g * PW + at);
+                    best[pick[i] * groups + g] = top;
+                    where[pick[i] * groups + g] = (int32_t)(g * PW + at);
                 }
             }
         });
-        TEAM_PHASE(&q, base, mine, rows, {         /* the first largest recomputed logit, groups in order */
-            float top = -INFINITY;
-            int64_t at = -1;
-            for (int64_t g = 0; g < groups && ok[item]; ++g)
-                if (best[item * groups + g] > top) top = best[item * groups + g], at = where[item * groups + g];
-            tokens[item] = at;
-        });
         atomic_fetch_add(&total, count);
     })
+    {   /* the first largest recomputed logit of each row, groups in order (the calling thread's copy) */
+        SCRATCH(0)
+        (void)s, (void)norms, (void)cut, (void)my_low, (void)psum, (void)pick, (void)p, (void)xb, (void)yb;
+        for (int64_t r = 0; r < rows; ++r) {
+            float top = -INFINITY;
+            int64_t at = -1;
+            for (int64_t g = 0; g < groups && ok[r]; ++g)
+                if (best[r * groups + g] > top) top = best[r * groups + g], at = where[r * groups + g];
+            tokens[r] = at;
+        }
+    }
+#undef SCRATCH
+#undef LOW_OF
     *recomputed = atomic_load(&total);
     free(mem);
     return 0;
