@@ -125,7 +125,9 @@ class ModelRunner:
     def run(self, plan: StepPlan, params: Mapping[str, SamplingParams] | None = None
             ) -> dict[str, int | RowOutput]:
         """Swap, pack, forward, sample. ``params`` maps each request of the plan to its sampling
-        parameters; ``None`` (tensor-parallel worker ranks) runs every layer but samples nothing."""
+        parameters; ``None`` (tensor-parallel worker ranks) runs every layer but samples nothing. A
+        step whose rows are all plain greedy takes its tokens from the greedy head where the fast paths
+        gave one (``fastpaths.greedy_head``: argmax's tokens without computing every logit)."""
         if plan.swap_out or plan.swap_in or plan.copy_blocks:   # preemption and forks only
             self.kv_cache.swap_out(plan.swap_out)
             self.kv_cache.swap_in(plan.swap_in)
