@@ -78,6 +78,17 @@ class GreedyHead:
         self.wd = host_memory.on_huge_pages(d.view(-1, WIDTH, n_in // BLOCK).permute(0, 2, 1))
         self.skinny = ctypes.cast(skinny_gemm._c_function(torch.bfloat16, part=True), ctypes.c_void_p).value
         self.recomputed = 0                     # panels multiplied exactly, every call so far
+        self.min_rows, self.max_rows = 2, MAX_ROWS      # the steps the runner hands it (for_model's)
+
+    @classmethod
+    def of(cls, head, extra_flags: tuple[str, ...] = ()) -> GreedyHead:
+        """The greedy head of a packed LM head ``head`` (``cpu_linear.PackedLinear`` with skinny
+        panels), for the steps its own products would take from the bfloat16 panels."""
+        greedy = cls(skinny_gemm.unpack(head.weight_panels, head.out_features, head.in_features),
+                     head.weight_panels, extra_flags)
+        greedy.min_rows = head.block_rows + 1 if head.block_rows else 2
+        greedy.max_rows = min(head.skinny_rows, MAX_ROWS)
+        return greedy
 
     def tokens(self, x: torch.Tensor) -> list[int] | None:
         rows = x.shape[0]
@@ -108,8 +119,6 @@ def for_model(model, settings: Settings | None = None) -> GreedyHead | None:
         return None
     if not load().minicb_greedy_vnni():
         return None
-    weight = skinny_gemm.unpack(panels, head.out_features, head.in_features)
-    greedy = GreedyHead(weight, panels)
-    greedy.min_rows = head.block_rows + 1 if head.block_rows else 2
-    greedy.max_rows = min(head.skinny_rows, MAX_ROWS)
-    return greedy
+    return GreedyHead.of(head)
+
+

@@ -2,7 +2,9 @@
  * and the exact logits of the few that could be the largest.
  *
  * A greedy step needs one number per row, the index of its largest logit, but the LM head computes all
- * of them: SmolLM2's is 49,152 x 576 multiply-adds a row, a sixth of a W2 decode step. Here:
+ * of them: SmolLM2's is 49,152 x 576 multiply-adds a row, a sixth of a decode step of 64 rows
+ * (bench/results/decode-floor-s26.txt), about 8% of a whole W2 run (bench/results/greedy-head-s27.txt).
+ * Here:
  *
  *   1. estimate: every logit from the row x and the weights W both rounded to bytes per block of 32
  *      inputs (x ~ s p, W ~ d q), summed exactly on vpdpbusd (64 byte products an instruction, twice
