@@ -62,20 +62,24 @@ class GreedyHead:
             raise ValueError("the greedy head takes a bfloat16 weight with inputs in blocks of 32")
         self.lib = load(extra_flags)
         self.vocab, self.in_features, self.panels = vocab, n_in, panels
-        pad = -vocab % WIDTH
-        w = torch.cat([weight.double(), weight.new_zeros(pad, n_in, dtype=torch.float64)])
-        blocks = w.view(-1, n_in // BLOCK, BLOCK)
-        d = (blocks.abs().amax(-1) / 127).float()                            # [vocab, blocks]
-        q = torch.where(d[..., None] > 0, (blocks / d.double()[..., None]).round(), torch.zeros_like(blocks))
-        approx = (q * d.double()[..., None]).view(-1, n_in)
-        self.wn = _round_up(approx.norm(dim=-1))                             # |W^_j|
-        self.en = _round_up((w - approx).norm(dim=-1))                       # |W'_j - W^_j|
-        self.wmax = _round_up(w.abs().amax(-1))                              # max |W'_j|
+        pad, nb = -vocab % WIDTH, n_in // BLOCK
+        w = torch.cat([weight.float(), torch.zeros(pad, n_in)]).view(-1, nb, BLOCK)   # exact: bfloat16
+        d = w.abs().amax(-1) / 127                                             # [outputs, blocks]
+        q = torch.where(d[..., None] > 0, (w / d[..., None]).round(), torch.zeros_like(w)).to(torch.int16)
+        # the bound's norms per output, in float64 a few thousand rows at a time (a copy of the whole
+        # head in float64 is 226 MB), rounded up to float32
+        wn, en, wmax = (torch.empty(w.shape[0], dtype=torch.float64) for _ in range(3))
+        for i in range(0, w.shape[0], 4096):
+            wi, approx = w[i:i + 4096].double(), q[i:i + 4096].double() * d[i:i + 4096, :, None].double()
+            wn[i:i + 4096] = approx.flatten(1).norm(dim=-1)                    # |W^_j|
+            en[i:i + 4096] = (wi - approx).flatten(1).norm(dim=-1)             # |W'_j - W^_j|
+            wmax[i:i + 4096] = wi.flatten(1).abs().amax(-1)                    # max |W'_j|
+        self.wn, self.en, self.wmax = _round_up(wn), _round_up(en), _round_up(wmax)
         # [panels of 64][blocks][chunk 8][vector 4][output 16][input 4], q + 128 as bytes (the skinny
         # kernel's panels of 64 outputs); d [panels][blocks][64]
-        u8 = (q.to(torch.int16) + 128).to(torch.uint8).view(-1, 4, 16, n_in // BLOCK, 8, 4)
+        u8 = (q + 128).to(torch.uint8).view(-1, 4, 16, nb, 8, 4)
         self.wq = host_memory.on_huge_pages(u8.permute(0, 3, 4, 1, 2, 5))    # every step streams them
-        self.wd = host_memory.on_huge_pages(d.view(-1, WIDTH, n_in // BLOCK).permute(0, 2, 1))
+        self.wd = host_memory.on_huge_pages(d.view(-1, WIDTH, nb).permute(0, 2, 1))
         self.skinny = ctypes.cast(skinny_gemm._c_function(torch.bfloat16, part=True), ctypes.c_void_p).value
         self.recomputed = 0                     # panels multiplied exactly, every call so far
         self.min_rows, self.max_rows = 2, MAX_ROWS      # the steps the runner hands it (for_model's)
