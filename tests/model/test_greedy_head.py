@@ -173,6 +173,12 @@ def test_the_engine_gives_the_same_tokens_with_and_without_it(tiny_bf16):
     head.tokens = lambda x: calls.append(-1) and None       # a row it cannot bound: every logit instead
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == without
     assert -1 in calls
+    del head.tokens                           # panels replaced after it was made: it stands aside
+    x = torch.randn(3, model.lm_head.in_features).to(torch.bfloat16)
+    assert head.tokens(x) is not None
+    model.lm_head.weight_panels = model.lm_head.weight_panels.clone()
+    assert head.tokens(x) is None
+    model.lm_head.weight_panels = head.panels
     head.tokens = lambda x: pytest.fail("the greedy head was asked for a step it must not take")
     mixed = [greedy] * 4 + [SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
                             SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]

@@ -54,7 +54,9 @@ def _round_up(t: torch.Tensor) -> torch.Tensor:
 class GreedyHead:
     """The estimate's weights for one LM head (``weight`` [vocab, in], bfloat16, and its skinny
     ``panels``), and the call. ``tokens(x)``: the greedy token of each row of ``x`` (bfloat16 [rows,
-    in]), or None where some row cannot be bounded."""
+    in]), or None where some row cannot be bounded, or where the LM head it was made from (``of``) has
+    other panels now: the caller then computes every logit, as the layer stack stops reading blocks of
+    weights that were replaced."""
 
     def __init__(self, weight: torch.Tensor, panels: torch.Tensor, extra_flags: tuple[str, ...] = ()) -> None:
         vocab, n_in = weight.shape
@@ -83,6 +85,7 @@ class GreedyHead:
         self.skinny = ctypes.cast(skinny_gemm._c_function(torch.bfloat16, part=True), ctypes.c_void_p).value
         self.recomputed = 0                     # panels multiplied exactly, every call so far
         self.min_rows, self.max_rows = 2, MAX_ROWS      # the steps the runner hands it (for_model's)
+        self.source = None                      # the LM head it was made from (``of``), if any
 
     @classmethod
     def of(cls, head, extra_flags: tuple[str, ...] = ()) -> GreedyHead:
@@ -92,6 +95,7 @@ class GreedyHead:
                      head.weight_panels, extra_flags)
         greedy.min_rows = head.block_rows + 1 if head.block_rows else 2
         greedy.max_rows = min(head.skinny_rows, MAX_ROWS)
+        greedy.source = head
         return greedy
 
     def tokens(self, x: torch.Tensor) -> list[int] | None:
@@ -99,6 +103,8 @@ class GreedyHead:
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
             raise ValueError(f"greedy head: bfloat16 rows of {self.in_features} inputs, got {x.dtype} "
                              f"{tuple(x.shape)}")
+        if self.source is not None and self.source.weight_panels.data_ptr() != self.panels.data_ptr():
+            return None     # the LM head's panels were replaced since: its estimate is of other weights
         out = torch.empty(rows, dtype=torch.int64)
         count = ctypes.c_int64(0)
         if self.lib.minicb_greedy_head(x.data_ptr(), x.stride(0), rows, self.in_features, self.wq.data_ptr(),
